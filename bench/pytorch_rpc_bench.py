@@ -1,0 +1,148 @@
+#!/usr/bin/python3
+"""PyTorch RPC microbenchmark, the reference for corpc's RPC numbers.
+
+Two processes on 127.0.0.1 with the TensorPipe backend. Measures the
+round-trip latency of rpc_sync to a no-op and of echoing a float32 tensor
+(4 KiB .. 64 MiB), and the throughput of no-op rpc_async with 64 calls in
+flight. Iterations are calibrated so each case takes about 1.5 s
+(times --iters-scale). The last line of output is "JSON: {...}".
+
+Run with /usr/bin/python3 (Debian's python3-torch).
+"""
+import argparse
+import collections
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed.rpc as rpc
+import torch.multiprocessing as mp
+
+SIZES = {"4KiB": 4 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20, "64MiB": 64 << 20}
+CASES = ["noop", *SIZES, "async64"]
+TARGET_S = 1.5
+MIN_ITERS, MAX_ITERS = 5, 100_000
+IN_FLIGHT = 64
+
+
+def noop():
+    return None
+
+
+def echo(t):
+    return t
+
+
+def iterations(per_call_s, scale):
+    n = int(TARGET_S / max(per_call_s, 1e-9) * scale)
+    return max(MIN_ITERS, min(MAX_ITERS, n))
+
+
+def latency_case(fn, args, scale):
+    # Warm-up, which also opens the connection and calibrates.
+    for _ in range(3):
+        rpc.rpc_sync("server", fn, args=args)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        rpc.rpc_sync("server", fn, args=args)
+    n = iterations((time.perf_counter() - t0) / 5, scale)
+    samples = []
+    for _ in range(n):
+        t = time.perf_counter_ns()
+        rpc.rpc_sync("server", fn, args=args)
+        samples.append((time.perf_counter_ns() - t) / 1e3)
+    samples.sort()
+    p99 = samples[min(len(samples) - 1, int(0.99 * len(samples)))]
+    return {"median_us": statistics.median(samples), "p99_us": p99, "iters": n}
+
+
+def async_case(scale):
+    def run(n):
+        window = collections.deque()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            if len(window) == IN_FLIGHT:
+                window.popleft().wait()
+            window.append(rpc.rpc_async("server", noop))
+        for f in window:
+            f.wait()
+        return time.perf_counter() - t0
+
+    probe = 4 * IN_FLIGHT
+    n = iterations(run(probe) / probe, scale)
+    return {"calls_per_s": n / run(n), "iters": n}
+
+
+def client(args):
+    results = {}
+    print(f"{'case':>8} {'iters':>7} {'median us':>11} {'p99 us':>11} {'MB/s':>9}",
+          flush=True)
+    for case in args.cases:
+        if case == "async64":
+            r = async_case(args.iters_scale)
+            print(f"{case:>8} {r['iters']:7d} {r['calls_per_s']:>18.0f} calls/s",
+                  flush=True)
+        elif case == "noop":
+            r = latency_case(noop, (), args.iters_scale)
+        else:
+            t = torch.rand(SIZES[case] // 4)
+            r = latency_case(echo, (t,), args.iters_scale)
+        if case != "async64":
+            nbytes = SIZES.get(case, 0)
+            # The tensor travels both ways.
+            mbps = f"{2 * nbytes / r['median_us']:9.0f}" if nbytes else f"{'-':>9}"
+            print(f"{case:>8} {r['iters']:7d} {r['median_us']:11.1f} "
+                  f"{r['p99_us']:11.1f} {mbps}", flush=True)
+        del r["iters"]
+        results[case] = r
+    print("JSON: " + json.dumps(results), flush=True)
+
+
+def run(rank, args):
+    torch.set_num_threads(1)
+    options = rpc.TensorPipeRpcBackendOptions(
+        num_worker_threads=16, rpc_timeout=args.timeout,
+        init_method=f"tcp://127.0.0.1:{args.port}")
+    rpc.init_rpc("client" if rank == 0 else "server", rank=rank, world_size=2,
+                 rpc_backend_options=options)
+    if rank == 0:
+        client(args)
+    rpc.shutdown()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--iters-scale", type=float, default=1.0)
+    p.add_argument("--cases", nargs="+", choices=CASES, default=CASES)
+    p.add_argument("--port", type=int, default=0, help="0: ask the OS")
+    p.add_argument("--timeout", type=float, default=300,
+                   help="seconds for each RPC and for the whole run")
+    args = p.parse_args()
+    if args.port == 0:
+        args.port = free_port()
+
+    ctx = mp.spawn(run, args=(args,), nprocs=2, join=False)
+    deadline = time.monotonic() + args.timeout
+    try:
+        while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                print(f"timed out after {args.timeout} s", file=sys.stderr)
+                sys.exit(1)
+    finally:
+        for proc in ctx.processes:  # only reached alive on timeout or error
+            if proc.is_alive():
+                proc.kill()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+// corpc/core/errors.hpp — the typed errors every corpc future can carry.
+//
+// Every failure surfaces as one of these on the future of the call it concerns; catch `RpcError` for all of them.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace corpc {
+
+// Base of every error raised by corpc itself.
+class RpcError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// The user function threw on the remote worker. Carries where and what.
+class RemoteError : public RpcError {
+ public:
+  RemoteError(std::string worker, std::string function, std::string type, std::string message)
+      : RpcError("remote error on worker '" + worker + "' in '" + function + "': " + type + ": " + message),
+        worker_(std::move(worker)), function_(std::move(function)), type_(std::move(type)),
+        message_(std::move(message)) {}
+  const std::string& worker() const noexcept { return worker_; }
+  const std::string& function() const noexcept { return function_; }
+  const std::string& type() const noexcept { return type_; }      // demangled type of the remote exception
+  const std::string& message() const noexcept { return message_; }  // its what()
+
+ private:
+  std::string worker_, function_, type_, message_;
+};
+
+// The call did not complete within its timeout. The remote function may still run to completion.
+class TimeoutError : public RpcError {
+ public:
+  using RpcError::RpcError;
+};
+
+// The peer closed or died, or could not be reached.
+class ConnectionError : public RpcError {
+ public:
+  using RpcError::RpcError;
+};
+
+// The callee has no function registered under the requested name (often: different binaries).
+class UnknownFunctionError : public RpcError {
+ public:
+  using RpcError::RpcError;
+};
+
+// Arguments sent do not match the callee's signature.
+class ArgumentTypeError : public RpcError {
+ public:
+  using RpcError::RpcError;
+};
+
+// No worker has this name or rank.
+class UnknownWorkerError : public RpcError {
+ public:
+  using RpcError::RpcError;
+};
+
+// A frame or payload broke the wire protocol (bad magic, version, length over a limit, truncated data).
+class ProtocolError : public RpcError {
+ public:
+  using RpcError::RpcError;
+};
+
+// The runtime is not initialised, or has shut down.
+class ShutdownError : public RpcError {
+ public:
+  using RpcError::RpcError;
+};
+
+// Misuse of an API (for example `local_value()` on a non-owner).
+class UsageError : public RpcError {
+ public:
+  using RpcError::RpcError;
+};
+
+}  // namespace corpc

@@ -1,0 +1,75 @@
+// corpc/core/executor.hpp — where continuations run.
+//
+// The resumption rule, used by every awaitable in corpc: a coroutine that suspends on a corpc awaitable resumes on the
+// executor that was current on its thread when it suspended. A thread with no current executor (a plain thread outside
+// `sync_wait`) has its continuations run inline by whichever thread completes the awaited future. The runtime's worker
+// pool and `sync_wait` each install themselves as the current executor of the threads they drive; the network thread
+// never runs user code.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace corpc {
+
+class Executor {
+ public:
+  virtual ~Executor() = default;
+  // Schedules `job` to run later on this executor; never runs it inline.
+  virtual void post(std::function<void()> job) = 0;
+};
+
+// The executor driving the calling thread, or nullptr.
+Executor* current_executor() noexcept;
+
+// Installs `e` as the calling thread's current executor for the guard's lifetime.
+class ExecutorScope {
+ public:
+  explicit ExecutorScope(Executor* e) noexcept;
+  ~ExecutorScope();
+  ExecutorScope(const ExecutorScope&) = delete;
+  ExecutorScope& operator=(const ExecutorScope&) = delete;
+
+ private:
+  Executor* previous_;
+};
+
+// A fixed set of threads draining one FIFO queue. `stop()` finishes queued jobs, then joins.
+class ThreadPool final : public Executor {
+ public:
+  explicit ThreadPool(std::size_t threads);
+  ~ThreadPool() override;
+  void post(std::function<void()> job) override;
+  void stop();
+  std::size_t size() const noexcept { return threads_.size(); }
+
+ private:
+  void run();
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stopping_ = false;
+  std::vector<std::thread> threads_;
+};
+
+// An executor drained by hand, by the one thread that owns it (used by `sync_wait`).
+class ManualExecutor final : public Executor {
+ public:
+  void post(std::function<void()> job) override;
+  // Runs queued jobs until `done()` returns true; blocks while the queue is empty.
+  void run_until(const std::function<bool()>& done);
+  // Wakes `run_until` so that it re-checks its predicate.
+  void notify();
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+};
+
+}  // namespace corpc

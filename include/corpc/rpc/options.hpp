@@ -1,0 +1,33 @@
+// corpc/rpc/options.hpp — how a runtime starts, and per-call options.
+#pragma once
+
+#include <chrono>
+#include <optional>
+#include <string>
+
+#include "corpc/wire/frame.hpp"
+
+namespace corpc {
+
+struct RpcOptions {
+  // "env://" reads MASTER_ADDR, MASTER_PORT (and RANK/WORLD_SIZE when init_rpc is given -1), as torchrun, Slurm
+  // (SLURM_PROCID, SLURM_NTASKS) and Open MPI (OMPI_COMM_WORLD_RANK/SIZE) set them; "tcp://host:port" names rank 0's
+  // address directly.
+  std::string init_method = "env://";
+  // Threads that run user functions. Coroutine functions hold no thread while suspended. 0: max(4, 2 x cores).
+  int num_worker_threads = 0;
+  std::chrono::milliseconds rpc_timeout{60'000};       // default per-call timeout
+  std::chrono::milliseconds init_timeout{60'000};      // how long ranks may take to find each other
+  std::chrono::milliseconds shutdown_timeout{60'000};  // a graceful shutdown gives up on others after this
+  // Interface to listen on; empty: loopback when rank 0 is on loopback, otherwise all interfaces.
+  std::string listen_address;
+  WireLimits limits;
+};
+
+struct CallOptions {
+  std::optional<std::chrono::milliseconds> timeout;  // unset: RpcOptions::rpc_timeout
+};
+
+inline CallOptions with_timeout(std::chrono::milliseconds t) { return CallOptions{t}; }
+
+}  // namespace corpc

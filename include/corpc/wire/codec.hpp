@@ -1,0 +1,291 @@
+// corpc/wire/codec.hpp — the binary encoding of arguments and results (everything but tensor data).
+//
+// Layout: little-endian fixed-width integers and floats; strings and containers as a u32 count then elements.
+// Tensors are not inlined: the writer puts them in a side table and encodes their index, and the transport sends
+// their bytes out of band, straight from storage (corpc/wire/tensor_codec.hpp).
+//
+// Reading is defensive: every length is checked against the bytes that remain before anything is allocated, so a
+// malformed or hostile payload ends in ProtocolError, never in a huge allocation or an out-of-bounds read.
+//
+// Supported out of the box: arithmetic types, enums, bool, std::string, std::vector, std::array, std::optional,
+// std::pair, std::tuple, std::map, std::unordered_map, std::set, std::monostate, torch tensors (tensor_codec.hpp).
+// Your own types, either way:
+//   struct Point { double x, y; CORPC_FIELDS(x, y) };            // encodes each field in order
+//   template <> struct corpc::Codec<Mine> { static void write(Writer&, const Mine&); static Mine read(Reader&); };
+#pragma once
+
+#include <array>
+#include <bit>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "corpc/core/errors.hpp"
+
+namespace at {
+class Tensor;
+}
+
+namespace corpc {
+
+static_assert(std::endian::native == std::endian::little, "corpc's wire format assumes a little-endian host");
+
+template <class T, class Enable = void>
+struct Codec;  // specialise for your type, or use CORPC_FIELDS
+
+class Writer {
+ public:
+  explicit Writer(std::string& out) : out_(out) {}
+  void raw(const void* p, std::size_t n) { out_.append(static_cast<const char*>(p), n); }
+  template <class T>
+  void put(const T& v) {
+    Codec<T>::write(*this, v);
+  }
+  std::string& bytes() noexcept { return out_; }
+
+  // Side tables owned by the message being built (set by the RPC layer).
+  std::vector<at::Tensor>* tensors = nullptr;
+  void* session = nullptr;  // the RPC layer's per-message hooks (RRef forks); opaque here
+  int peer = -1;            // destination rank
+
+ private:
+  std::string& out_;
+};
+
+class Reader {
+ public:
+  Reader(const void* p, std::size_t n) : p_(static_cast<const unsigned char*>(p)), end_(p_ + n) {}
+  std::size_t remaining() const noexcept { return static_cast<std::size_t>(end_ - p_); }
+  void need(std::size_t n) const {
+    if (n > remaining()) throw ProtocolError("truncated payload: need " + std::to_string(n) + " bytes, have " +
+                                             std::to_string(remaining()));
+  }
+  void raw(void* dst, std::size_t n) {
+    need(n);
+    if (n) std::memcpy(dst, p_, n);
+    p_ += n;
+  }
+  const unsigned char* take(std::size_t n) {
+    need(n);
+    auto* p = p_;
+    p_ += n;
+    return p;
+  }
+  template <class T>
+  T get() {
+    return Codec<T>::read(*this);
+  }
+  // A count of elements that each take at least `min_bytes`: rejected if the rest of the payload cannot hold them.
+  std::uint32_t count(std::size_t min_bytes = 1) {
+    auto n = get<std::uint32_t>();
+    if (min_bytes && n > remaining() / min_bytes) throw ProtocolError("element count " + std::to_string(n) + " exceeds payload");
+    return n;
+  }
+
+  const std::vector<at::Tensor>* tensors = nullptr;
+  void* session = nullptr;
+  int peer = -1;  // source rank
+
+ private:
+  const unsigned char* p_;
+  const unsigned char* end_;
+};
+
+template <class T>
+concept Encodable = requires(Writer& w, Reader& r, const T& v) {
+  Codec<T>::write(w, v);
+  { Codec<T>::read(r) } -> std::convertible_to<T>;
+};
+
+// ---- scalars --------------------------------------------------------------------------------------------------------
+template <class T>
+struct Codec<T, std::enable_if_t<std::is_arithmetic_v<T> || std::is_enum_v<T>>> {
+  static void write(Writer& w, T v) {
+    if constexpr (std::is_same_v<T, bool>) {
+      unsigned char b = v ? 1 : 0;
+      w.raw(&b, 1);
+    } else {
+      w.raw(&v, sizeof v);
+    }
+  }
+  static T read(Reader& r) {
+    if constexpr (std::is_same_v<T, bool>) {
+      unsigned char b;
+      r.raw(&b, 1);
+      if (b > 1) throw ProtocolError("invalid bool");
+      return b == 1;
+    } else {
+      T v;
+      r.raw(&v, sizeof v);
+      return v;
+    }
+  }
+};
+
+template <>
+struct Codec<std::monostate> {
+  static void write(Writer&, std::monostate) {}
+  static std::monostate read(Reader&) { return {}; }
+};
+
+template <>
+struct Codec<std::string> {
+  static void write(Writer& w, const std::string& s) {
+    w.put(static_cast<std::uint32_t>(s.size()));
+    w.raw(s.data(), s.size());
+  }
+  static std::string read(Reader& r) {
+    auto n = r.count(1);
+    auto* p = r.take(n);
+    return std::string(reinterpret_cast<const char*>(p), n);
+  }
+};
+
+// ---- containers ----------------------------------------------------------------------------------------------------
+template <class T, class A>
+struct Codec<std::vector<T, A>> {
+  static void write(Writer& w, const std::vector<T, A>& v) {
+    w.put(static_cast<std::uint32_t>(v.size()));
+    if constexpr (std::is_arithmetic_v<T> && !std::is_same_v<T, bool>) {
+      w.raw(v.data(), v.size() * sizeof(T));
+    } else {
+      for (const auto& x : v) w.put(x);
+    }
+  }
+  static std::vector<T, A> read(Reader& r) {
+    std::vector<T, A> v;
+    if constexpr (std::is_arithmetic_v<T> && !std::is_same_v<T, bool>) {
+      auto n = r.count(sizeof(T));
+      v.resize(n);
+      r.raw(v.data(), n * sizeof(T));
+    } else {
+      // Elements may encode to zero bytes (monostate); grow as we read instead of trusting the count for reserve.
+      auto n = r.get<std::uint32_t>();
+      if (n > r.remaining() && !std::is_empty_v<T>) throw ProtocolError("element count exceeds payload");
+      v.reserve(std::min<std::size_t>(n, r.remaining() + 1));
+      for (std::uint32_t i = 0; i < n; ++i) v.push_back(r.get<T>());
+    }
+    return v;
+  }
+};
+
+template <class T, std::size_t N>
+struct Codec<std::array<T, N>> {
+  static void write(Writer& w, const std::array<T, N>& a) {
+    for (const auto& x : a) w.put(x);
+  }
+  static std::array<T, N> read(Reader& r) {
+    std::array<T, N> a;
+    for (auto& x : a) x = r.get<T>();
+    return a;
+  }
+};
+
+template <class T>
+struct Codec<std::optional<T>> {
+  static void write(Writer& w, const std::optional<T>& o) {
+    w.put(o.has_value());
+    if (o) w.put(*o);
+  }
+  static std::optional<T> read(Reader& r) {
+    if (!r.get<bool>()) return std::nullopt;
+    return r.get<T>();
+  }
+};
+
+template <class A, class B>
+struct Codec<std::pair<A, B>> {
+  static void write(Writer& w, const std::pair<A, B>& p) {
+    w.put(p.first);
+    w.put(p.second);
+  }
+  static std::pair<A, B> read(Reader& r) {
+    A a = r.get<A>();
+    B b = r.get<B>();
+    return {std::move(a), std::move(b)};
+  }
+};
+
+template <class... T>
+struct Codec<std::tuple<T...>> {
+  static void write(Writer& w, const std::tuple<T...>& t) {
+    std::apply([&](const auto&... x) { (w.put(x), ...); }, t);
+  }
+  static std::tuple<T...> read(Reader& r) {
+    return std::tuple<T...>{r.get<T>()...};  // braced init: evaluated left to right
+  }
+};
+
+namespace detail {
+template <class M>
+struct MapCodec {
+  using K = typename M::key_type;
+  using V = typename M::mapped_type;
+  static void write(Writer& w, const M& m) {
+    w.put(static_cast<std::uint32_t>(m.size()));
+    for (const auto& [k, v] : m) {
+      w.put(k);
+      w.put(v);
+    }
+  }
+  static M read(Reader& r) {
+    auto n = r.count(1);
+    M m;
+    for (std::uint32_t i = 0; i < n; ++i) {
+      K k = r.get<K>();
+      m.emplace(std::move(k), r.get<V>());
+    }
+    return m;
+  }
+};
+}  // namespace detail
+
+template <class K, class V, class C, class A>
+struct Codec<std::map<K, V, C, A>> : detail::MapCodec<std::map<K, V, C, A>> {};
+template <class K, class V, class H, class E, class A>
+struct Codec<std::unordered_map<K, V, H, E, A>> : detail::MapCodec<std::unordered_map<K, V, H, E, A>> {};
+
+template <class K, class C, class A>
+struct Codec<std::set<K, C, A>> {
+  static void write(Writer& w, const std::set<K, C, A>& s) {
+    w.put(static_cast<std::uint32_t>(s.size()));
+    for (const auto& k : s) w.put(k);
+  }
+  static std::set<K, C, A> read(Reader& r) {
+    auto n = r.count(1);
+    std::set<K, C, A> s;
+    for (std::uint32_t i = 0; i < n; ++i) s.insert(r.get<K>());
+    return s;
+  }
+};
+
+// ---- user aggregates via CORPC_FIELDS ------------------------------------------------------------------------------
+template <class T>
+concept HasCorpcFields = requires(T& t) { t.corpc_fields(); };
+
+template <class T>
+struct Codec<T, std::enable_if_t<HasCorpcFields<T>>> {
+  static void write(Writer& w, const T& v) {
+    std::apply([&](const auto&... f) { (w.put(f), ...); }, const_cast<T&>(v).corpc_fields());
+  }
+  static T read(Reader& r) {
+    T v{};
+    std::apply([&](auto&... f) { ((f = r.get<std::decay_t<decltype(f)>>()), ...); }, v.corpc_fields());
+    return v;
+  }
+};
+
+}  // namespace corpc
+
+// Inside a struct: lists the members that make up its wire encoding, in order. The struct must be default-constructible.
+#define CORPC_FIELDS(...) \
+  auto corpc_fields() { return std::tie(__VA_ARGS__); }

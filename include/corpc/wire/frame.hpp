@@ -1,0 +1,63 @@
+// corpc/wire/frame.hpp — the framing of every message on a corpc connection.
+//
+//   FrameHeader (40 bytes) | tensor metadata (meta_len) | body (body_len) | tensor data (tensor_bytes, one blob each)
+//
+// The header is validated against WireLimits before anything it announces is allocated. Tensor data follows the body
+// so that the sender gathers it straight from tensor storage and the receiver reads it straight into new storage.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "corpc/core/errors.hpp"
+
+namespace corpc {
+
+inline constexpr std::uint32_t kFrameMagic = 0x43505243;  // "CRPC"
+inline constexpr std::uint8_t kProtocolVersion = 1;
+
+enum class FrameKind : std::uint8_t {
+  Hello = 1,     // first frame from a dialer: who I am (also the rendezvous registration)
+  World = 2,     // rendezvous answer from rank 0: every worker's address
+  Request = 3,   // a call; id = the caller's request id
+  Response = 4,  // a successful result for request `id`
+  Error = 5,     // a failure for request `id` (id 0: the connection itself was refused)
+  Goodbye = 6,   // orderly close: the peer is leaving on purpose
+};
+
+struct FrameHeader {
+  std::uint32_t magic = kFrameMagic;
+  std::uint8_t version = kProtocolVersion;
+  FrameKind kind = FrameKind::Request;
+  std::uint16_t flags = 0;
+  std::uint32_t meta_len = 0;
+  std::uint32_t body_len = 0;
+  std::uint32_t num_tensors = 0;
+  std::uint32_t reserved = 0;
+  std::uint64_t id = 0;
+  std::uint64_t tensor_bytes = 0;
+};
+static_assert(sizeof(FrameHeader) == 40);
+
+// Upper bounds for what a peer may announce; anything above is a ProtocolError and the connection is closed.
+struct WireLimits {
+  std::uint32_t max_body_bytes = 1u << 30;                // 1 GiB of non-tensor payload
+  std::uint32_t max_meta_bytes = 64u << 20;               // tensor metadata
+  std::uint32_t max_tensors = 1u << 20;                   // tensors per message
+  std::uint64_t max_tensor_bytes = std::uint64_t{64} << 30;  // 64 GiB of tensor data per message
+  std::uint32_t max_dims = 64;                            // dimensions per tensor
+};
+
+inline void validate_header(const FrameHeader& h, const WireLimits& lim) {
+  if (h.magic != kFrameMagic) throw ProtocolError("bad frame magic (not a corpc peer?)");
+  if (h.version != kProtocolVersion)
+    throw ProtocolError("protocol version " + std::to_string(h.version) + " != ours " + std::to_string(kProtocolVersion));
+  if (h.kind < FrameKind::Hello || h.kind > FrameKind::Goodbye)
+    throw ProtocolError("unknown frame kind " + std::to_string(static_cast<int>(h.kind)));
+  if (h.body_len > lim.max_body_bytes) throw ProtocolError("frame body of " + std::to_string(h.body_len) + " bytes over the limit");
+  if (h.meta_len > lim.max_meta_bytes) throw ProtocolError("tensor metadata of " + std::to_string(h.meta_len) + " bytes over the limit");
+  if (h.num_tensors > lim.max_tensors) throw ProtocolError(std::to_string(h.num_tensors) + " tensors over the limit");
+  if (h.tensor_bytes > lim.max_tensor_bytes) throw ProtocolError("tensor data of " + std::to_string(h.tensor_bytes) + " bytes over the limit");
+}
+
+}  // namespace corpc

@@ -1,0 +1,217 @@
+// Rendezvous: every rank registers with rank 0, which answers with the full table once all are there.
+// Ranks may start in any order: the others retry reaching rank 0 until RpcOptions::init_timeout.
+#include "corpc/rpc/call.hpp"
+#include "runtime_impl.hpp"
+
+namespace corpc {
+
+namespace {
+
+bool is_loopback_host(const std::string& host) {
+  if (host == "localhost") return true;
+  asio::error_code ec;
+  auto a = asio::ip::make_address(host, ec);
+  return !ec && a.is_loopback();
+}
+
+void refuse(const std::shared_ptr<detail::Connection>& conn, const std::string& why, const std::string& self_name) {
+  Message m;
+  m.kind = FrameKind::Error;
+  m.id = 0;
+  Writer w(m.body);
+  w.put(std::uint8_t{4});
+  w.put(self_name);
+  w.put(std::string("rendezvous"));
+  w.put(std::string("corpc::ProtocolError"));
+  w.put(why);
+  conn->send(std::move(m));
+  conn->close_when_flushed();
+}
+
+}  // namespace
+
+Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous) {
+  Message m;
+  m.kind = FrameKind::Hello;
+  Writer w(m.body);
+  w.put(std::uint32_t{kProtocolVersion});
+  w.put(self);
+  w.put(world_size);
+  w.put(rendezvous);
+  return m;
+}
+
+void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t master_port, int listen_fd) {
+  std::string listen_host = options.listen_address;
+  if (listen_host.empty()) listen_host = is_loopback_host(master_host) ? "127.0.0.1" : "0.0.0.0";
+  if (self.rank == 0 && listen_fd >= 0) {
+    // A launcher (corpc::spawn) bound the port for us, so no other process can take it in between.
+    acceptor.assign(asio::ip::tcp::v4(), listen_fd);
+  } else {
+    asio::ip::tcp::resolver resolver(io);
+    auto endpoint = *resolver.resolve(listen_host, std::to_string(self.rank == 0 ? master_port : 0)).begin();
+    acceptor.open(endpoint.endpoint().protocol());
+    acceptor.set_option(asio::ip::tcp::acceptor::reuse_address(true));
+    try {
+      acceptor.bind(endpoint);
+    } catch (const std::system_error& e) {
+      throw ConnectionError("cannot listen on " + listen_host + ":" + std::to_string(endpoint.endpoint().port()) +
+                            ": " + e.what());
+    }
+    acceptor.listen();
+  }
+  self.port = acceptor.local_endpoint().port();
+  self.host = self.rank == 0 ? master_host : "";  // others: the address rank 0 sees them at
+  asio::post(io, [this] { accept_loop(); });
+
+  const auto deadline = std::chrono::steady_clock::now() + options.init_timeout;
+  if (self.rank == 0) {
+    asio::post(io, [this] {
+      {
+        std::lock_guard lock(conn_mutex);
+        registrations[0] = {self, nullptr};
+      }
+      if (world_size == 1) {
+        workers = {self};
+        rank_by_name[self.name] = 0;
+        world_known = true;
+        world_ready.set_value();
+      }
+    });
+  } else {
+    asio::co_spawn(io, [this, master_host, master_port, deadline]() -> asio::awaitable<void> {
+      asio::steady_timer pause(io);
+      for (;;) {
+        asio::ip::tcp::socket socket(io);
+        std::string failure;
+        try {
+          asio::ip::tcp::resolver resolver(io);
+          auto endpoints = co_await resolver.async_resolve(master_host, std::to_string(master_port), asio::use_awaitable);
+          co_await asio::async_connect(socket, endpoints, asio::use_awaitable);
+        } catch (const std::exception& e) {
+          failure = e.what();
+        }
+        if (!failure.empty()) {
+          if (std::chrono::steady_clock::now() >= deadline) {
+            world_ready.set_error(TimeoutError("could not reach rank 0 at " + master_host + ":" +
+                                               std::to_string(master_port) + " within the init timeout: " + failure));
+            co_return;
+          }
+          pause.expires_after(std::chrono::milliseconds(50));
+          co_await pause.async_wait(asio::use_awaitable);
+          continue;
+        }
+        auto conn = detail::make_tcp_connection(std::move(socket), options.limits, frame_handler(), close_handler());
+        conn->peer_rank = 0;
+        conn->outgoing = true;
+        {
+          std::lock_guard lock(conn_mutex);
+          outgoing[0] = conn;
+        }
+        conn->send(hello_message(self, world_size, true));
+        co_return;
+      }
+    }, asio::detached);
+  }
+
+  auto ready = world_ready.get_future();
+  try {
+    ready.wait(options.init_timeout + std::chrono::milliseconds(200));
+  } catch (const TimeoutError&) {
+    std::string missing;
+    {
+      std::lock_guard lock(conn_mutex);
+      for (int r = 0; r < world_size; ++r)
+        if (!registrations.count(r)) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+    }
+    throw TimeoutError("init_rpc: workers did not all arrive within " + std::to_string(options.init_timeout.count()) +
+                       " ms" + (self.rank == 0 ? " (missing ranks: " + missing + ")" : " (no answer from rank 0)"));
+  }
+}
+
+void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
+  WorkerInfo info;
+  int their_world = 0;
+  bool registering = false;
+  try {
+    Reader r(msg.body.data(), msg.body.size());
+    auto version = r.get<std::uint32_t>();
+    if (version != kProtocolVersion) return refuse(conn, "protocol version " + std::to_string(version) + " != " + std::to_string(kProtocolVersion), self.name);
+    info = r.get<WorkerInfo>();
+    their_world = r.get<int>();
+    registering = r.get<bool>();
+  } catch (const ProtocolError& e) {
+    return refuse(conn, std::string("malformed hello: ") + e.what(), self.name);
+  }
+  if (their_world != world_size)
+    return refuse(conn, "world size " + std::to_string(their_world) + " != " + std::to_string(world_size), self.name);
+  if (info.rank < 0 || info.rank >= world_size || info.rank == self.rank)
+    return refuse(conn, "invalid rank " + std::to_string(info.rank), self.name);
+  if (!registering) {
+    if (world_known && workers[info.rank].name != info.name)
+      return refuse(conn, "rank " + std::to_string(info.rank) + " is '" + workers[info.rank].name + "', not '" + info.name + "'", self.name);
+    conn->peer_rank = info.rank;
+    return;
+  }
+  if (self.rank != 0) return refuse(conn, "registration sent to rank " + std::to_string(self.rank), self.name);
+  if (world_known) return refuse(conn, "the world is already complete", self.name);
+  {
+    std::lock_guard lock(conn_mutex);
+    if (registrations.count(info.rank))
+      return refuse(conn, "rank " + std::to_string(info.rank) + " already registered by '" + registrations[info.rank].first.name + "'", self.name);
+    for (auto& [rank, reg] : registrations)
+      if (reg.first.name == info.name) return refuse(conn, "worker name '" + info.name + "' is already taken by rank " + std::to_string(rank), self.name);
+    if (info.host.empty()) info.host = conn->remote_address;
+    conn->peer_rank = info.rank;
+    registrations[info.rank] = {info, conn};
+    if (static_cast<int>(registrations.size()) < world_size) return;
+  }
+  // Everyone is here: publish the table.
+  std::vector<WorkerInfo> table;
+  std::vector<std::shared_ptr<detail::Connection>> conns;
+  {
+    std::lock_guard lock(conn_mutex);
+    for (auto& [rank, reg] : registrations) {
+      table.push_back(reg.first);
+      if (reg.second) conns.push_back(reg.second);
+    }
+  }
+  Message world;
+  world.kind = FrameKind::World;
+  Writer w(world.body);
+  w.put(table);
+  for (auto& c : conns) {
+    Message copy = world;
+    c->send(std::move(copy));
+  }
+  Message self_world = std::move(world);
+  on_world(std::move(self_world));
+}
+
+void Runtime::Impl::on_world(Message&& msg) {
+  if (world_known) return;
+  std::vector<WorkerInfo> table;
+  try {
+    Reader r(msg.body.data(), msg.body.size());
+    table = r.get<std::vector<WorkerInfo>>();
+  } catch (const ProtocolError& e) {
+    world_ready.set_error(ProtocolError(std::string("malformed world table: ") + e.what()));
+    return;
+  }
+  if (static_cast<int>(table.size()) != world_size) {
+    world_ready.set_error(ProtocolError("world table of the wrong size"));
+    return;
+  }
+  for (int r = 0; r < world_size; ++r) {
+    if (table[r].rank != r) return void(world_ready.set_error(ProtocolError("world table out of order")));
+    rank_by_name[table[r].name] = r;
+  }
+  workers = std::move(table);
+  self = workers[self.rank];
+  world_known = true;
+  for (auto& [conn, m] : early_requests) on_frame(conn, std::move(m));
+  early_requests.clear();
+  world_ready.set_value();
+}
+
+}  // namespace corpc

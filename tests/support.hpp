@@ -1,0 +1,68 @@
+// Helpers for multi-process tests. Checks inside spawned ranks must throw (doctest's CHECK lives in the parent), so
+// EXPECT throws with the location and the failed expression; spawn reports it as that rank's failure.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+#include "corpc/corpc.hpp"
+
+#define EXPECT(cond)                                                                                          \
+  do {                                                                                                        \
+    if (!(cond)) throw std::runtime_error(std::string(__FILE__ ":") + std::to_string(__LINE__) + ": " #cond); \
+  } while (0)
+
+#define EXPECT_EQ(a, b)                                                                                         \
+  do {                                                                                                          \
+    auto&& va_ = (a);                                                                                           \
+    auto&& vb_ = (b);                                                                                           \
+    if (!(va_ == vb_)) {                                                                                        \
+      std::ostringstream os_;                                                                                   \
+      os_ << __FILE__ << ":" << __LINE__ << ": " #a " == " #b " failed: " << va_ << " vs " << vb_;               \
+      throw std::runtime_error(os_.str());                                                                      \
+    }                                                                                                           \
+  } while (0)
+
+// Expects `expr` to throw exactly type E (or a subclass); returns its message.
+#define EXPECT_THROWS_AS(expr, E)                                                                              \
+  [&]() -> std::string {                                                                                       \
+    try {                                                                                                      \
+      (void)(expr);                                                                                            \
+    } catch (const E& e_) {                                                                                    \
+      return e_.what();                                                                                        \
+    } catch (const std::exception& e_) {                                                                       \
+      throw std::runtime_error(std::string(__FILE__ ":") + std::to_string(__LINE__) + ": " #expr " threw " +   \
+                               typeid(e_).name() + " (" + e_.what() + "), expected " #E);                      \
+    }                                                                                                          \
+    throw std::runtime_error(std::string(__FILE__ ":") + std::to_string(__LINE__) + ": " #expr " did not throw"); \
+  }()
+
+namespace corpc::test {
+
+inline std::string worker_name(int rank) { return rank == 0 ? "master" : "worker" + std::to_string(rank); }
+
+inline RpcOptions quick_options() {
+  RpcOptions o;
+  o.init_timeout = std::chrono::seconds(30);
+  o.rpc_timeout = std::chrono::seconds(30);
+  o.shutdown_timeout = std::chrono::seconds(30);
+  o.num_worker_threads = 4;
+  return o;
+}
+
+// Runs `body(rank)` on `world` ranks, each inside init_rpc / graceful shutdown.
+inline void run_world(int world, const std::function<void(int)>& body, RpcOptions options = quick_options(),
+                      std::chrono::seconds timeout = std::chrono::seconds(120)) {
+  SpawnOptions so;
+  so.timeout = timeout;
+  spawn(world, [&](int rank) {
+    init_rpc(worker_name(rank), rank, world, options);
+    body(rank);
+    shutdown(true);
+  }, so);
+}
+
+}  // namespace corpc::test

@@ -1,0 +1,220 @@
+// Coroutine primitives and the codec, in one process, without torch.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <thread>
+
+#include "corpc/core/sync_wait.hpp"
+#include "corpc/core/task.hpp"
+#include "corpc/core/type_name.hpp"
+#include "corpc/core/when_all.hpp"
+#include "corpc/wire/codec.hpp"
+
+using namespace corpc;
+using namespace std::chrono_literals;
+
+namespace {
+
+Task<int> forty_two() { co_return 42; }
+Task<int> add_one(Task<int> t) { co_return (co_await std::move(t)) + 1; }
+Task<void> throws() {
+  throw std::logic_error("boom");
+  co_return;
+}
+
+Future<int> later(int v, std::chrono::milliseconds delay) {
+  Promise<int> p;
+  auto f = p.get_future();
+  std::thread([p = std::move(p), v, delay]() mutable {
+    std::this_thread::sleep_for(delay);
+    p.set_value(v);
+  }).detach();
+  return f;
+}
+
+template <class T>
+T roundtrip(const T& v) {
+  std::string bytes;
+  Writer w(bytes);
+  w.put(v);
+  Reader r(bytes.data(), bytes.size());
+  T out = r.get<T>();
+  CHECK(r.remaining() == 0);
+  return out;
+}
+
+struct Point {
+  double x = 0, y = 0;
+  std::string label;
+  bool operator==(const Point&) const = default;
+  CORPC_FIELDS(x, y, label)
+};
+
+}  // namespace
+
+Task<int> mark_started(std::atomic<bool>* started) {
+  *started = true;
+  co_return 1;
+}
+
+int free_function(int) { return 0; }
+struct Widget {
+  int method(double) const { return 0; }
+};
+
+TEST_CASE("function and type names are what the wire keys are made of") {
+  CHECK(function_name<&free_function>() == "free_function");
+  CHECK(function_name<&Widget::method>() == "Widget::method");
+  CHECK(type_name<std::tuple<int, double>>() == "std::tuple<int, double>");
+  static_assert(function_name<&free_function>() == "free_function");
+}
+
+TEST_CASE("a Task is lazy and delivers its value or its exception") {
+  std::atomic<bool> started{false};
+  auto t = mark_started(&started);
+  CHECK_FALSE(started.load());
+  CHECK(sync_wait(std::move(t)) == 1);
+  CHECK(started.load());
+  CHECK(sync_wait(add_one(add_one(forty_two()))) == 44);
+  CHECK_THROWS_AS(sync_wait(throws()), std::logic_error);
+}
+
+TEST_CASE("a Future completes once, from any thread, and wakes every kind of waiter") {
+  Promise<int> p;
+  auto f = p.get_future();
+  CHECK_FALSE(f.done());
+  CHECK_THROWS_AS(f.value(), UsageError);
+  CHECK_THROWS_AS(f.wait(10ms), TimeoutError);
+  CHECK(p.set_value(7));
+  CHECK_FALSE(p.set_value(8));  // first completion wins
+  CHECK(f.wait() == 7);
+  CHECK(f.value() == 7);
+  auto copy = f;
+  CHECK(copy.wait(1ms) == 7);
+  CHECK(later(5, 20ms).wait(5s) == 5);
+}
+
+TEST_CASE("a destroyed promise breaks its future instead of leaving it hanging") {
+  Future<int> f;
+  {
+    Promise<int> p;
+    f = p.get_future();
+  }
+  CHECK(f.done());
+  CHECK_THROWS_AS(f.wait(), RpcError);
+}
+
+TEST_CASE("then chains values and skips its function on error") {
+  auto f = later(2, 5ms).then([](int v) { return v * 10; }).then([](int v) { return std::to_string(v); });
+  CHECK(f.wait(5s) == "20");
+  bool called = false;
+  auto g = make_exceptional_future<int>(std::make_exception_ptr(std::runtime_error("x"))).then([&](int) {
+    called = true;
+    return 0;
+  });
+  CHECK_THROWS_AS(g.wait(), std::runtime_error);
+  CHECK_FALSE(called);
+  auto h = make_ready_future(1).then([](int) -> int { throw std::out_of_range("cb"); });
+  CHECK_THROWS_AS(h.wait(), std::out_of_range);
+}
+
+TEST_CASE("co_await resumes on the executor the coroutine suspended on") {
+  ThreadPool pool(2);
+  auto task = [&]() -> Task<bool> {
+    // Running on the pool: after awaiting a future completed by a foreign thread, we are back on the pool.
+    co_await later(1, 10ms);
+    co_return current_executor() == &pool;
+  };
+  CHECK(spawn(pool, task()).wait(5s));
+  // sync_wait brings continuations back to the calling thread.
+  auto main_id = std::this_thread::get_id();
+  auto same_thread = sync_wait([&]() -> Task<bool> {
+    co_await later(1, 10ms);
+    co_return std::this_thread::get_id() == main_id;
+  }());
+  CHECK(same_thread);
+}
+
+TEST_CASE("the call context follows a coroutine across threads") {
+  ThreadPool pool(2);
+  auto task = []() -> Task<std::int64_t> {
+    CallContextScope scope(CallContext{17});
+    co_await later(1, 5ms);      // completes on a foreign thread, resumes on a pool thread
+    co_await later(1, 5ms);
+    co_return current_call_context().autograd_context_id;
+  };
+  CHECK(spawn(pool, task()).wait(5s) == 17);
+  CHECK(current_call_context().autograd_context_id == -1);
+}
+
+TEST_CASE("wait_all gathers in order and fails with the first error; collect_all never fails") {
+  std::vector<Future<int>> fs;
+  for (int i = 0; i < 5; ++i) fs.push_back(later(i, std::chrono::milliseconds(25 - 5 * i)));
+  auto all = sync_wait([&]() -> Task<std::vector<int>> { co_return co_await wait_all(fs); }());
+  CHECK(all == std::vector<int>{0, 1, 2, 3, 4});
+  CHECK(wait_all(std::vector<Future<int>>{}).wait().empty());
+
+  Promise<int> never;
+  std::vector<Future<int>> mixed{later(1, 1ms), make_exceptional_future<int>(std::make_exception_ptr(TimeoutError("t"))),
+                                 never.get_future()};
+  // Fails at once with the error, without waiting for the future that never completes.
+  CHECK_THROWS_AS(wait_all(mixed).wait(5s), TimeoutError);
+
+  std::vector<Future<int>> two{later(3, 5ms), make_exceptional_future<int>(std::make_exception_ptr(std::runtime_error("e")))};
+  auto collected = collect_all(two).wait(5s);
+  REQUIRE(collected.size() == 2);
+  CHECK(collected[0].value() == 3);
+  CHECK(collected[1].has_error());
+
+  std::vector<Future<void>> voids{make_ready_future(), make_ready_future()};
+  wait_all(voids).wait();
+}
+
+TEST_CASE("thousands of continuations on a pool complete exactly once") {
+  ThreadPool pool(4);
+  std::atomic<int> sum{0};
+  std::vector<Future<void>> fs;
+  for (int i = 0; i < 5000; ++i) {
+    fs.push_back(spawn(pool, [&sum](int v) -> Task<void> {
+      co_await make_ready_future(0);
+      sum += v;
+    }(i)));
+  }
+  wait_all(fs).wait(10s);
+  CHECK(sum.load() == 5000 * 4999 / 2);
+}
+
+TEST_CASE("the codec round-trips the supported types") {
+  CHECK(roundtrip(std::int64_t{-5}) == -5);
+  CHECK(roundtrip(3.5f) == 3.5f);
+  CHECK(roundtrip(true));
+  CHECK(roundtrip(std::string("héllo")) == "héllo");
+  CHECK(roundtrip(std::vector<int>{1, 2, 3}) == std::vector<int>{1, 2, 3});
+  CHECK(roundtrip(std::vector<std::string>{"a", "", "c"}) == std::vector<std::string>{"a", "", "c"});
+  CHECK(roundtrip(std::optional<int>{}) == std::nullopt);
+  CHECK(roundtrip(std::optional<int>{4}) == 4);
+  CHECK(roundtrip(std::make_pair(1, std::string("x"))) == std::make_pair(1, std::string("x")));
+  CHECK(roundtrip(std::make_tuple(1, 2.0, std::string("z"))) == std::make_tuple(1, 2.0, std::string("z")));
+  CHECK(roundtrip(std::map<std::string, int>{{"a", 1}, {"b", 2}}) == std::map<std::string, int>{{"a", 1}, {"b", 2}});
+  CHECK(roundtrip(std::array<int, 3>{1, 2, 3}) == std::array<int, 3>{1, 2, 3});
+  CHECK(roundtrip(Point{1, 2, "p"}) == Point{1, 2, "p"});
+}
+
+TEST_CASE("the codec rejects lengths the payload cannot hold, before allocating") {
+  std::string bytes;
+  Writer w(bytes);
+  w.put(std::uint32_t{0xfffffff0u});  // claims four billion elements
+  w.put(std::int32_t{1});
+  Reader r1(bytes.data(), bytes.size());
+  CHECK_THROWS_AS(r1.get<std::vector<std::int64_t>>(), ProtocolError);
+  Reader r2(bytes.data(), bytes.size());
+  CHECK_THROWS_AS(r2.get<std::string>(), ProtocolError);
+  Reader r3(bytes.data(), bytes.size());
+  CHECK_THROWS_AS(r3.get<std::vector<std::string>>(), ProtocolError);
+  Reader r4(bytes.data(), 2);
+  CHECK_THROWS_AS(r4.get<std::uint32_t>(), ProtocolError);
+  std::string badbool("\x07", 1);
+  Reader r5(badbool.data(), badbool.size());
+  CHECK_THROWS_AS(r5.get<bool>(), ProtocolError);
+}
