@@ -52,17 +52,18 @@ std::exception_ptr decode_error(Message& msg, const std::string& fallback_worker
   }
 }
 
-// The two ends of graceful shutdown's termination detection, run on rank 0 (see shutdown()).
-using RoundResult = std::tuple<std::uint64_t, std::uint64_t, bool>;
-Future<RoundResult> shutdown_round(std::int64_t round, int rank, std::uint64_t sent, std::uint64_t handled, bool idle) {
+// Graceful shutdown's termination detection, run on rank 0: each rank reports, per peer, the user requests it sent
+// and the ones it finished handling; the world is quiet when every live pair balances and everyone is idle (see
+// shutdown()). Counting per pair lets requests to a dead rank drop out instead of unbalancing the sums for ever.
+using RoundResult = std::pair<std::uint64_t, bool>;
+Future<RoundResult> shutdown_round(std::int64_t round, int rank, std::vector<std::uint64_t> sent_to,
+                                   std::vector<std::uint64_t> handled_from, bool idle) {
   auto& impl = Runtime::get().impl();
   Future<RoundResult> out;
   {
     std::lock_guard lock(impl.barrier_mutex);
     auto& r = impl.rounds[round];
-    r.arrived.insert(rank);
-    r.sent += sent;
-    r.handled += handled;
+    r.reports[rank] = {std::move(sent_to), std::move(handled_from)};
     r.all_idle = r.all_idle && idle;
     out = r.done.get_future();
   }
@@ -220,6 +221,7 @@ void Runtime::call(int dst, Message request, const CallOptions& options, ReplyCa
   }
   if (counted) {
     impl.requests_sent++;
+    impl.sent_to[dst]++;
     impl.calls_in_flight++;
   }
   asio::post(impl.io, [&impl, id, timer, timeout, dst, function] {
@@ -354,9 +356,10 @@ void Runtime::Impl::handle_request(std::shared_ptr<detail::Connection> conn, Mes
   const std::uint64_t id = msg.id;
   const int src = conn->peer_rank;
   std::string function;
-  auto finish = [this, counted] {
+  auto finish = [this, counted, src] {
     if (counted) {
       requests_handled++;
+      if (src >= 0 && src < world_size) handled_from[src]++;
       handlers_running--;
     }
   };
@@ -530,16 +533,28 @@ void Runtime::Impl::accept_loop() {
 }
 
 void Runtime::Impl::check_rounds() {
-  std::vector<std::pair<Promise<RoundResult>*, RoundResult>> ready;
+  std::vector<bool> alive(world_size);
+  {
+    std::lock_guard lock(conn_mutex);
+    for (int k = 0; k < world_size; ++k) alive[k] = dead[k].empty();
+  }
   std::lock_guard lock(barrier_mutex);
   for (auto& [round, r] : rounds) {
     bool full = true;
-    for (int k = 0; k < world_size && full; ++k) {
-      if (r.arrived.count(k)) continue;
-      std::lock_guard conn_lock(conn_mutex);
-      full = !dead[k].empty();
+    for (int k = 0; k < world_size && full; ++k) full = r.reports.count(k) || !alive[k];
+    if (!full) continue;
+    std::uint64_t total = 0;
+    bool balanced = r.all_idle;
+    for (auto& [i, ri] : r.reports) {
+      for (auto& [j, rj] : r.reports) {
+        if (!alive[i] || !alive[j] || ri.first.size() != static_cast<std::size_t>(world_size) ||
+            rj.second.size() != static_cast<std::size_t>(world_size))
+          continue;
+        total += ri.first[j];
+        balanced = balanced && ri.first[j] == rj.second[i];
+      }
     }
-    if (full) r.done.set_value(RoundResult{r.sent, r.handled, r.all_idle});
+    r.done.set_value(RoundResult{total, balanced});
   }
 }
 
@@ -619,19 +634,25 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   impl->world_size = world_size;
   impl->dead.assign(world_size, "");
   impl->outgoing.assign(world_size, nullptr);
+  impl->sent_to = std::make_unique<std::atomic<std::uint64_t>[]>(world_size);
+  impl->handled_from = std::make_unique<std::atomic<std::uint64_t>[]>(world_size);
   auto* raw = impl.get();
   auto rt = std::make_unique<Runtime>(std::move(impl));
   raw->start_threads();
   int listen_fd = -1;
   if (rank == 0) listen_fd = env_int({"CORPC_LISTEN_FD"}, -1);
+  // Published before rendezvous ends: a peer that heard from rank 0 first may already be calling us, and its
+  // requests run (after we have the table) with Runtime::get() working.
+  g_runtime = std::move(rt);
+  g_runtime_ptr.store(g_runtime.get(), std::memory_order_release);
   try {
     raw->rendezvous(host, static_cast<std::uint16_t>(port), listen_fd);
   } catch (...) {
+    g_runtime_ptr.store(nullptr, std::memory_order_release);
     raw->close_everything(false);
+    g_runtime.reset();
     throw;
   }
-  g_runtime = std::move(rt);
-  g_runtime_ptr.store(g_runtime.get(), std::memory_order_release);
 }
 
 void shutdown(bool graceful) {
@@ -647,10 +668,9 @@ void shutdown(bool graceful) {
                                                      deadline - std::chrono::steady_clock::now()));
     };
     auto ask = [&](std::int64_t round, bool idle) {
-      auto sent = impl.requests_sent.load(), handled = impl.requests_handled.load();
       auto req = Runtime::begin_request("corpc::shutdown_round", 0);
-      detail::encode_args<std::tuple<std::int64_t, int, std::uint64_t, std::uint64_t, bool>>(req, 0, round, impl.self.rank,
-                                                                                             sent, handled, idle);
+      detail::encode_args<std::tuple<std::int64_t, int, std::vector<std::uint64_t>, std::vector<std::uint64_t>, bool>>(
+          req, 0, round, impl.self.rank, impl.counts(impl.sent_to), impl.counts(impl.handled_from), idle);
       Promise<RoundResult> p;
       auto fut = p.get_future();
       auto shared = std::make_shared<Promise<RoundResult>>(std::move(p));
@@ -680,8 +700,7 @@ void shutdown(bool graceful) {
         while (!locally_idle() && std::chrono::steady_clock::now() < deadline)
           std::this_thread::sleep_for(std::chrono::milliseconds(1));
         auto result = ask(round, locally_idle());
-        auto [sent, handled, idle] = result;
-        if (idle && sent == handled && previous == result) break;
+        if (result.second && previous == result) break;  // quiet, and nothing moved since the last round
         previous = result;
       }
     } catch (const RpcError&) {

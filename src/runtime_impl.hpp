@@ -50,6 +50,13 @@ struct Runtime::Impl {
   std::atomic<std::uint64_t> next_request_id{1};
 
   std::atomic<std::uint64_t> requests_sent{0}, requests_handled{0}, calls_in_flight{0}, handlers_running{0};
+  // Per peer, for graceful shutdown: user requests we sent to rank j / finished handling from rank i.
+  std::unique_ptr<std::atomic<std::uint64_t>[]> sent_to, handled_from;
+  std::vector<std::uint64_t> counts(const std::unique_ptr<std::atomic<std::uint64_t>[]>& c) const {
+    std::vector<std::uint64_t> v(world_size);
+    for (int i = 0; i < world_size; ++i) v[i] = c[i].load();
+    return v;
+  }
 
   std::mutex hooks_mutex;
   TensorHooks tensor_hooks;
@@ -65,10 +72,9 @@ struct Runtime::Impl {
 
   // Graceful shutdown bookkeeping on rank 0, guarded by barrier_mutex.
   struct Round {
-    std::set<int> arrived;
-    std::uint64_t sent = 0, handled = 0;
+    std::map<int, std::pair<std::vector<std::uint64_t>, std::vector<std::uint64_t>>> reports;  // rank -> (sent_to, handled_from)
     bool all_idle = true;
-    Promise<std::tuple<std::uint64_t, std::uint64_t, bool>> done;
+    Promise<std::pair<std::uint64_t, bool>> done;  // (requests between live ranks, balanced and idle)
   };
   std::mutex barrier_mutex;
   std::map<std::int64_t, Round> rounds;

@@ -3,6 +3,11 @@
 #include <doctest/doctest.h>
 
 #include <ATen/ATen.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <asio.hpp>
+#include <thread>
 
 #include "support.hpp"
 
@@ -11,16 +16,303 @@ using namespace corpc::test;
 using namespace std::chrono_literals;
 
 namespace {
+
+struct Point {
+  double x = 0, y = 0;
+  std::string label;
+  bool operator==(const Point&) const = default;
+  CORPC_FIELDS(x, y, label)
+};
+std::ostream& operator<<(std::ostream& os, const Point& p) { return os << p.label; }
+
 int add(int a, int b) { return a + b; }
 std::string greet(const std::string& who) { return "hello " + who; }
+void nothing() {}
+template <class T>
+T echo(T v) {
+  return v;
+}
+at::Tensor echo_tensor(at::Tensor t) { return t; }
+std::vector<at::Tensor> echo_tensors(std::vector<at::Tensor> ts) { return ts; }
+std::tuple<bool, std::vector<std::int64_t>, std::vector<std::int64_t>> describe(at::Tensor t) {
+  return {t.requires_grad(), t.sizes().vec(), t.strides().vec()};
+}
+int fail_with(std::string message) { throw std::invalid_argument(message); }
+int sleep_ms(int ms) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  return ms;
+}
+int die_now() {
+  ::raise(SIGKILL);
+  return 0;
+}
+std::string whoami() { return get_worker_info().name; }
+
+// A chain A -> B -> C as coroutines: none holds a thread while it waits.
+Task<std::string> relay(std::vector<std::string> path) {
+  if (path.empty()) co_return get_worker_info().name;
+  auto next = path.front();
+  path.erase(path.begin());
+  std::string rest = co_await rpc_async<&relay>(next, path);
+  co_return get_worker_info().name + ">" + rest;
+}
+
+// Calls back into the caller's worker: deadlocks if awaiting held the worker's only thread.
+Task<int> call_back_into(std::string origin) {
+  int v = co_await rpc_async<&add>("worker2", 1, 1);
+  int w = co_await rpc_async<&add>(origin, v, 1);
+  co_return w;
+}
+Task<int> ask_worker1_to_call_back() { co_return co_await rpc_async<&call_back_into>("worker1", std::string("worker1")); }
+
+Future<int> future_result(int v) { return make_ready_future(v * 2); }
+
 }  // namespace
 
-TEST_CASE("rpc_sync and rpc_async reach every worker by name and rank") {
+TEST_CASE("rpc_sync and rpc_async reach every worker by name, rank and WorkerInfo") {
   run_world(3, [](int rank) {
     if (rank != 0) return;
     EXPECT_EQ(rpc_sync<&add>(1, 2, 3), 5);
     EXPECT_EQ(rpc_sync<&add>("worker2", 2, 3), 5);
+    EXPECT_EQ(rpc_sync<&add>(get_worker_info("worker1"), 2, 3), 5);
     EXPECT_EQ(rpc_async<&greet>("worker1", "you").wait(), "hello you");
-    EXPECT_EQ(rpc_sync<&add>(0, 4, 4), 8);  // to ourselves
+    EXPECT_EQ(rpc_sync<&add>(0, 4, 4), 8);  // to ourselves, through the same encoding
+    EXPECT_EQ(rpc_sync<&whoami>(2), "worker2");
+    rpc_sync<&nothing>(1);
+    EXPECT_EQ(rpc_sync<&future_result>(1, 21), 42);
+    auto infos = get_worker_infos();
+    EXPECT_EQ(infos.size(), 3u);
+    EXPECT_EQ(infos[2].name, "worker2");
+    EXPECT_EQ(get_worker_info(1).name, "worker1");
+  });
+}
+
+TEST_CASE("every supported argument type round-trips") {
+  run_world(2, [](int rank) {
+    if (rank != 0) return;
+    EXPECT_EQ(rpc_sync<&echo<std::int8_t>>(1, std::int8_t{-7}), -7);
+    EXPECT_EQ(rpc_sync<&echo<std::uint64_t>>(1, std::uint64_t{1} << 63), std::uint64_t{1} << 63);
+    EXPECT_EQ(rpc_sync<&echo<double>>(1, 2.5), 2.5);
+    EXPECT_EQ(rpc_sync<&echo<bool>>(1, true), true);
+    EXPECT_EQ(rpc_sync<&echo<std::string>>(1, std::string(100000, 'x')).size(), 100000u);
+    EXPECT(rpc_sync<&echo<std::vector<int>>>(1, std::vector<int>{1, 2, 3}) == (std::vector<int>{1, 2, 3}));
+    EXPECT(rpc_sync<&echo<std::optional<std::string>>>(1, std::nullopt) == std::nullopt);
+    using Tup = std::tuple<int, std::string, std::pair<float, bool>>;
+    EXPECT(rpc_sync<&echo<Tup>>(1, Tup{1, "a", {2.f, true}}) == (Tup{1, "a", {2.f, true}}));
+    using Map = std::map<std::string, std::vector<double>>;
+    EXPECT(rpc_sync<&echo<Map>>(1, Map{{"k", {1.0}}}) == (Map{{"k", {1.0}}}));
+    EXPECT_EQ(rpc_sync<&echo<Point>>(1, Point{1, 2, "p"}), (Point{1, 2, "p"}));
+    EXPECT(rpc_sync<&echo<WorkerInfo>>(1, get_worker_info()) == get_worker_info());
+  });
+}
+
+TEST_CASE("tensors keep dtype, shape, strides and requires_grad; views send only their elements") {
+  run_world(2, [](int rank) {
+    if (rank != 0) return;
+    for (auto dtype : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kLong, at::kInt, at::kByte, at::kBool}) {
+      auto t = (at::rand({3, 4}) * 10).to(dtype);
+      auto back = rpc_sync<&echo_tensor>(1, t);
+      EXPECT(back.scalar_type() == dtype);
+      EXPECT(at::equal(back, t));
+    }
+    // 0-dim, empty, large
+    auto scalar = at::scalar_tensor(3.5);
+    EXPECT(at::equal(rpc_sync<&echo_tensor>(1, scalar), scalar));
+    EXPECT_EQ(rpc_sync<&echo_tensor>(1, scalar).dim(), 0);
+    auto empty = at::empty({0, 5});
+    EXPECT(rpc_sync<&echo_tensor>(1, empty).sizes() == empty.sizes());
+    auto big = at::rand({1 << 22});
+    EXPECT(at::equal(rpc_sync<&echo_tensor>(1, big), big));
+    // A transposed tensor is dense: it travels as it is and keeps its strides.
+    auto base = at::arange(12, at::kFloat).reshape({3, 4});
+    auto tr = base.t();
+    auto [rg, sizes, strides] = rpc_sync<&describe>(1, tr);
+    EXPECT(strides == tr.strides().vec());
+    EXPECT(at::equal(rpc_sync<&echo_tensor>(1, tr), tr));
+    // A view with gaps, and a slice with a storage offset: only the elements travel.
+    auto gaps = base.index({at::indexing::Slice(), at::indexing::Slice(at::indexing::None, at::indexing::None, 2)});
+    EXPECT(at::equal(rpc_sync<&echo_tensor>(1, gaps), gaps));
+    auto row = base[2];
+    EXPECT(at::equal(rpc_sync<&echo_tensor>(1, row), row));
+    // requires_grad survives the trip.
+    auto leaf = at::rand({2}).set_requires_grad(true);
+    EXPECT(std::get<0>(rpc_sync<&describe>(1, leaf)));
+    EXPECT(!std::get<0>(rpc_sync<&describe>(1, at::rand({2}))));
+    // Containers of tensors, and the undefined tensor.
+    auto many = rpc_sync<&echo_tensors>(1, std::vector<at::Tensor>{base, at::Tensor(), big});
+    EXPECT_EQ(many.size(), 3u);
+    EXPECT(at::equal(many[0], base));
+    EXPECT(!many[1].defined());
+    EXPECT(at::equal(many[2], big));
+    // The callee gets its own copy: mutating it does not touch ours (also for calls to ourselves).
+    auto mine = at::zeros({2});
+    auto theirs = rpc_sync<&echo_tensor>(0, mine);
+    theirs.add_(1);
+    EXPECT(at::equal(mine, at::zeros({2})));
+  });
+}
+
+TEST_CASE("nested coroutine calls A -> B -> C -> A complete, and awaiting holds no thread") {
+  auto options = quick_options();
+  options.num_worker_threads = 1;  // one thread per worker: a held thread would deadlock the call-back
+  run_world(3, [](int rank) {
+    if (rank != 0) return;
+    auto path = rpc_sync<&relay>("worker1", std::vector<std::string>{"worker2", "master"});
+    EXPECT_EQ(path, "worker1>worker2>master");
+    EXPECT_EQ(sync_wait(ask_worker1_to_call_back()), 3);
+  }, options);
+}
+
+TEST_CASE("thousands of calls in flight at once all complete with the right values") {
+  run_world(3, [](int rank) {
+    std::vector<Future<int>> fs;
+    for (int i = 0; i < 3000; ++i) fs.push_back(rpc_async<&add>((rank + 1 + i % 2) % 3, i, rank));
+    auto values = wait_all(std::move(fs)).wait(60s);
+    for (int i = 0; i < 3000; ++i) EXPECT_EQ(values[i], i + rank);
+  });
+}
+
+TEST_CASE("a remote exception comes back typed, naming worker, function and cause") {
+  run_world(2, [](int rank) {
+    if (rank != 0) return;
+    try {
+      rpc_sync<&fail_with>(1, std::string("bad input"));
+      EXPECT(false);
+    } catch (const RemoteError& e) {
+      EXPECT_EQ(e.worker(), "worker1");
+      EXPECT(e.function().find("fail_with") != std::string::npos);
+      EXPECT_EQ(e.type(), "std::invalid_argument");
+      EXPECT_EQ(e.message(), "bad input");
+    }
+    EXPECT_EQ(rpc_sync<&add>(1, 1, 1), 2);  // the worker carries on
+  });
+}
+
+TEST_CASE("a call that outlives its timeout fails with TimeoutError, and nothing else is disturbed") {
+  run_world(2, [](int rank) {
+    if (rank != 0) return;
+    auto slow = rpc_async<&sleep_ms>(1, with_timeout(100ms), 1500);
+    auto fast = rpc_async<&add>(1, 1, 2);
+    EXPECT_THROWS_AS(slow.wait(10s), TimeoutError);
+    EXPECT_EQ(fast.wait(10s), 3);
+    EXPECT_EQ(rpc_sync<&sleep_ms>(1, with_timeout(5s), 10), 10);
+  });
+  auto options = quick_options();
+  options.rpc_timeout = 150ms;  // the global default applies when the call names none
+  run_world(2, [](int rank) {
+    if (rank == 0) EXPECT_THROWS_AS(rpc_sync<&sleep_ms>(1, 1000), TimeoutError);
+  }, options);
+}
+
+TEST_CASE("unknown functions, wrong argument types and unknown workers are clear errors") {
+  run_world(2, [](int rank) {
+    if (rank != 0) return;
+    auto msg = EXPECT_THROWS_AS(rpc_async<int>(1, "no_such_function", 1).wait(10s), UnknownFunctionError);
+    EXPECT(msg.find("no_such_function") != std::string::npos);
+    register_function<&add>("add_by_name");
+    EXPECT_EQ(rpc_async<int>(0, "add_by_name", 2, 3).wait(10s), 5);
+    auto types = EXPECT_THROWS_AS(rpc_async<int>(0, "add_by_name", std::string("two"), 3).wait(10s), ArgumentTypeError);
+    EXPECT(types.find("std::tuple<int, int>") != std::string::npos);
+    auto who = EXPECT_THROWS_AS(rpc_async<&add>("nobody", 1, 2).wait(10s), UnknownWorkerError);
+    EXPECT(who.find("nobody") != std::string::npos);
+    EXPECT_THROWS_AS(rpc_async<&add>(7, 1, 2).wait(10s), UnknownWorkerError);
+    EXPECT_THROWS_AS(rpc_sync<&add>("nobody", 1, 2), UnknownWorkerError);
+  });
+}
+
+TEST_CASE("a peer killed mid-call fails the waiting future with ConnectionError; the others carry on") {
+  try {
+    run_world(3, [](int rank) {
+      if (rank != 0) return;
+      auto doomed = rpc_async<&die_now>(2);
+      auto slow = rpc_async<&sleep_ms>(2, 5000);  // in flight on the same peer
+      EXPECT_THROWS_AS(doomed.wait(20s), ConnectionError);
+      EXPECT_THROWS_AS(slow.wait(20s), ConnectionError);
+      EXPECT_THROWS_AS(rpc_sync<&add>(2, 1, 1), ConnectionError);  // later calls fail fast
+      EXPECT_EQ(rpc_sync<&add>(1, 1, 1), 2);
+    });
+    FAIL("worker2 was expected to die");
+  } catch (const SpawnError& e) {
+    INFO(e.what());
+    REQUIRE(e.failures().size() == 1);  // only the killed rank; graceful shutdown did not hang on it
+    CHECK(e.failures()[0].rank == 2);
+    CHECK(e.failures()[0].reason.find("signal") != std::string::npos);
+  }
+}
+
+TEST_CASE("graceful shutdown waits for calls still in flight; non-graceful fails them") {
+  run_world(3, [](int rank) {
+    if (rank != 1) return;
+    // Fire and forget: shutdown() (called by run_world right after) must let these finish everywhere.
+    for (int i = 0; i < 20; ++i) (void)rpc_async<&sleep_ms>(2, 50);
+  });
+  spawn(2, [](int rank) {
+    init_rpc(worker_name(rank), rank, 2, quick_options());
+    if (rank == 0) {
+      auto f = rpc_async<&sleep_ms>(1, 3000);
+      std::this_thread::sleep_for(100ms);
+      shutdown(false);
+      EXPECT_THROWS_AS(f.wait(5s), ShutdownError);
+      EXPECT_THROWS_AS(rpc_sync<&add>(1, 1, 1), ShutdownError);
+    } else {
+      shutdown(true);  // rank 0 leaves abruptly: this must not hang
+    }
+  }, SpawnOptions{60s, 10s});
+}
+
+TEST_CASE("ranks may start in any order; bad registrations are refused clearly") {
+  SpawnOptions so{60s, 5s};
+  spawn(3, [](int rank) {
+    if (rank == 0) std::this_thread::sleep_for(1500ms);  // the master comes last
+    init_rpc(worker_name(rank), -1, -1, quick_options());   // rank and world size from the environment
+    EXPECT_EQ(get_worker_info().rank, rank);
+    EXPECT_EQ(rpc_sync<&whoami>((rank + 1) % 3), worker_name((rank + 1) % 3));
+    shutdown(true);
+  }, so);
+  try {
+    spawn(2, [](int rank) {
+      auto options = quick_options();
+      options.init_timeout = 3s;
+      init_rpc("same_name", rank, 2, options);
+      shutdown();
+    }, so);
+    FAIL("duplicate names must fail");
+  } catch (const SpawnError& e) {
+    bool named = false;
+    for (auto& f : e.failures()) named = named || f.reason.find("already taken") != std::string::npos;
+    CHECK(named);
+  }
+  CHECK_THROWS_AS(init_rpc("bad name!", 0, 1), UsageError);
+}
+
+TEST_CASE("malformed frames close only the offending connection") {
+  run_world(2, [](int rank) {
+    if (rank != 0) return;
+    auto target = get_worker_info(1);
+    asio::io_context io;
+    auto send_raw = [&](const std::string& bytes) {
+      asio::ip::tcp::socket s(io);
+      s.connect({asio::ip::make_address(target.host), target.port});
+      asio::write(s, asio::buffer(bytes));
+      // The worker hangs up on us instead of allocating or crashing.
+      char c;
+      asio::error_code ec;
+      s.read_some(asio::buffer(&c, 1), ec);
+      EXPECT(ec);
+    };
+    send_raw("GET / HTTP/1.1\r\n\r\nxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx");
+    FrameHeader h;
+    h.kind = FrameKind::Request;
+    h.body_len = 0xfffffff0u;  // over the limit
+    send_raw(std::string(reinterpret_cast<const char*>(&h), sizeof h));
+    h.body_len = 4;
+    h.num_tensors = 1;
+    h.meta_len = 3;  // truncated tensor metadata
+    h.tensor_bytes = 1ull << 40;
+    send_raw(std::string(reinterpret_cast<const char*>(&h), sizeof h) + "abcdefg");
+    h = FrameHeader{};
+    h.kind = FrameKind::Request;  // a request before any hello
+    send_raw(std::string(reinterpret_cast<const char*>(&h), sizeof h));
+    EXPECT_EQ(rpc_sync<&add>(1, 2, 2), 4);  // worker1 is fine
   });
 }

@@ -1,0 +1,533 @@
+// rpc_bench — corpc round-trip latency and throughput, each case measured against a raw Asio TCP floor.
+//
+// Two ranks via corpc::spawn: rank 0 is the client, rank 1 the server. Cases:
+//   noop      rpc_sync of `void noop()`
+//   4KiB ..   rpc_sync of `at::Tensor echo(const at::Tensor&)` with a float32 tensor of that size (it travels both ways)
+//   async64   rpc_async of noop with 64 calls in flight (calls/s; latency = issue -> consumed by the client)
+//
+// The raw floor runs between the same two processes, in the same run: rank 1 hosts an Asio echo server (one thread
+// running an io_context with a C++20-coroutine echo loop, like corpc's network thread), rank 0 talks to it with
+// blocking asio::write / asio::read on its calling thread, TCP_NODELAY on both ends, over 127.0.0.1. A raw message is
+// an 8-byte length followed by the payload; the server reads the whole message, then writes it back. The raw client
+// reuses one receive buffer, while corpc allocates a fresh tensor for each reply (that is part of corpc's cost). raw
+// async64 keeps 64 header-only messages in flight on the one connection.
+//
+// This VM's vCPUs move between fast and slow placements (../shared/DESIGN.md §4), so each case alternates short blocks
+// of raw and corpc (ABBA order) and reports the ratio per block pair; the headline ratio is the median of those.
+// Ratio = corpc time per call / raw time per call (for async64: raw calls/s / corpc calls/s); > 1: corpc is slower.
+#include <sched.h>
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <array>
+#include <asio.hpp>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <iostream>
+#include <limits.h>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/core.h>
+
+#include "corpc/corpc.hpp"
+
+using asio::ip::tcp;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// ---- the remote functions ---------------------------------------------------------------------------------------
+void noop() {}
+at::Tensor echo(const at::Tensor& t) { return t; }
+std::atomic<int> g_raw_port{0};
+int raw_port() { return g_raw_port.load(); }
+
+// ---- options ----------------------------------------------------------------------------------------------------
+struct CaseSpec {
+  std::string name;
+  std::size_t bytes;  // payload each way; 0 for noop / async64
+  bool async;
+};
+
+const std::vector<CaseSpec> kAllCases = {
+    {"noop", 0, false},           {"4KiB", 4u << 10, false},   {"1MiB", 1u << 20, false},
+    {"16MiB", 16u << 20, false},  {"64MiB", 64u << 20, false}, {"async64", 0, true},
+};
+constexpr int kInFlight = 64;
+
+struct Options {
+  double seconds_per_case = 2.0;
+  double block_ms = 100.0;
+  int min_iters = 3;  // per block, for the slow cases
+  int worker_threads = 0;
+  bool raw_alloc = false;  // raw receivers allocate a fresh at::empty buffer per message, as corpc must
+  std::vector<CaseSpec> cases = kAllCases;
+  std::string json_path;
+};
+
+[[noreturn]] void usage(int code) {
+  std::fprintf(code ? stderr : stdout,
+               "usage: rpc_bench [--seconds-per-case S] [--cases noop,4KiB,1MiB,16MiB,64MiB,async64]\n"
+               "                 [--block-ms MS] [--min-iters N] [--worker-threads N] [--raw-alloc] [--json PATH]\n"
+               "Each case alternates blocks of raw Asio TCP and corpc (~MS ms each, >= N calls) for ~S seconds\n"
+               "and reports the median of the per-block ratios corpc/raw.\n"
+               "--raw-alloc: the raw floor receives each message into a freshly allocated at::empty buffer (both\n"
+               "ends), as corpc does, instead of reusing one buffer: separates allocation cost from corpc's own.\n");
+  std::exit(code);
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      auto eq = a.find('=');
+      if (eq != std::string::npos) return a.substr(eq + 1);
+      if (i + 1 >= argc) usage(2);
+      return argv[++i];
+    };
+    auto key = a.substr(0, a.find('='));
+    try {
+      if (key == "--help" || key == "-h") {
+        usage(0);
+      } else if (key == "--seconds-per-case") {
+        o.seconds_per_case = std::stod(value());
+      } else if (key == "--block-ms") {
+        o.block_ms = std::stod(value());
+      } else if (key == "--min-iters") {
+        o.min_iters = std::max(1, std::stoi(value()));
+      } else if (key == "--worker-threads") {
+        o.worker_threads = std::stoi(value());
+      } else if (key == "--raw-alloc") {
+        o.raw_alloc = true;
+      } else if (key == "--json") {
+        o.json_path = value();
+      } else if (key == "--cases") {
+        o.cases.clear();
+        std::stringstream ss(value());
+        for (std::string c; std::getline(ss, c, ',');) {
+          auto it = std::find_if(kAllCases.begin(), kAllCases.end(), [&](const CaseSpec& s) { return s.name == c; });
+          if (it == kAllCases.end()) {
+            std::fprintf(stderr, "unknown case '%s'\n", c.c_str());
+            usage(2);
+          }
+          o.cases.push_back(*it);
+        }
+      } else {
+        std::fprintf(stderr, "unknown option '%s'\n", a.c_str());
+        usage(2);
+      }
+    } catch (const std::logic_error&) {
+      std::fprintf(stderr, "bad value for %s\n", key.c_str());
+      usage(2);
+    }
+  }
+  if (o.seconds_per_case <= 0 || o.block_ms <= 0 || o.cases.empty()) usage(2);
+  return o;
+}
+
+// ---- statistics -------------------------------------------------------------------------------------------------
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+double p99(std::vector<double> v) {  // as bench/pytorch_rpc_bench.py computes it
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<std::size_t>(0.99 * static_cast<double>(v.size())))];
+}
+double us_since(Clock::time_point t0) { return std::chrono::duration<double, std::micro>(Clock::now() - t0).count(); }
+
+// ---- raw Asio floor ---------------------------------------------------------------------------------------------
+// Server (rank 1): one connection, one coroutine; returns when the client closes.
+asio::awaitable<void> raw_echo_session(tcp::acceptor& acceptor, bool fresh_buffers) {
+  tcp::socket s = co_await acceptor.async_accept(asio::use_awaitable);
+  s.set_option(tcp::no_delay(true));
+  acceptor.close();
+  std::vector<char> buf;
+  try {
+    for (;;) {
+      std::uint64_t n = 0;
+      co_await asio::async_read(s, asio::buffer(&n, sizeof n), asio::use_awaitable);
+      if (n > (1ull << 31)) throw std::runtime_error("raw echo: absurd length");
+      at::Tensor fresh;
+      char* data;
+      if (fresh_buffers) {
+        fresh = at::empty({static_cast<std::int64_t>(n)}, at::kByte);
+        data = static_cast<char*>(fresh.data_ptr());
+      } else {
+        if (buf.size() < n) buf.resize(n);
+        data = buf.data();
+      }
+      co_await asio::async_read(s, asio::buffer(data, n), asio::use_awaitable);
+      std::array<asio::const_buffer, 2> out{asio::buffer(&n, sizeof n), asio::buffer(data, n)};
+      co_await asio::async_write(s, out, asio::use_awaitable);
+    }
+  } catch (const std::system_error& e) {
+    if (e.code() != asio::error::eof && e.code() != asio::error::connection_reset) throw;
+  }
+}
+
+class RawClient {
+ public:
+  void connect(int port, std::size_t max_bytes, bool fresh_buffers) {
+    fresh_ = fresh_buffers;
+    socket_.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(port)));
+    socket_.set_option(tcp::no_delay(true));
+    out_.assign(max_bytes, 0);
+    for (std::size_t i = 0; i < max_bytes; ++i) out_[i] = static_cast<char>(i * 131 + 7);
+    in_.assign(max_bytes, 0);
+  }
+  void close() {
+    asio::error_code ec;
+    socket_.shutdown(tcp::socket::shutdown_both, ec);
+    socket_.close(ec);
+  }
+  void send(std::size_t n) {
+    std::uint64_t h = n;
+    std::array<asio::const_buffer, 2> bufs{asio::buffer(&h, sizeof h), asio::buffer(out_.data(), n)};
+    asio::write(socket_, bufs);
+  }
+  void receive(std::size_t n) {
+    std::uint64_t h = 0;
+    asio::read(socket_, asio::buffer(&h, sizeof h));
+    if (h != n) throw std::runtime_error(fmt::format("raw echo: sent {} bytes, got {}", n, h));
+    char* data = in_.data();
+    if (fresh_) {
+      last_ = at::empty({static_cast<std::int64_t>(n)}, at::kByte);  // the previous one is freed here
+      data = static_cast<char*>(last_.data_ptr());
+    }
+    asio::read(socket_, asio::buffer(data, n));
+  }
+  void round_trip(std::size_t n) {
+    send(n);
+    receive(n);
+  }
+  bool echoed_ok(std::size_t n) const {
+    const char* got = fresh_ && n ? static_cast<const char*>(last_.data_ptr()) : in_.data();
+    return std::memcmp(out_.data(), got, n) == 0;
+  }
+
+ private:
+  asio::io_context ctx_;
+  tcp::socket socket_{ctx_};
+  std::vector<char> out_, in_;
+  bool fresh_ = false;
+  at::Tensor last_;
+};
+
+// ---- blocks -----------------------------------------------------------------------------------------------------
+struct Block {
+  std::vector<double> lat_us;
+  double calls_per_s = 0;
+};
+
+// Latency block: `once()` repeatedly for block_ms and at least min_iters calls.
+template <class F>
+Block latency_block(const Options& o, F&& once) {
+  Block b;
+  auto start = Clock::now();
+  while (us_since(start) < o.block_ms * 1e3 || static_cast<int>(b.lat_us.size()) < o.min_iters) {
+    auto t = Clock::now();
+    once();
+    b.lat_us.push_back(us_since(t));
+  }
+  b.calls_per_s = static_cast<double>(b.lat_us.size()) / (us_since(start) / 1e6);
+  return b;
+}
+
+Block raw_async_block(const Options& o, RawClient& raw) {
+  Block b;
+  std::deque<Clock::time_point> issued;
+  auto start = Clock::now();
+  std::size_t done = 0;
+  auto consume = [&] {
+    raw.receive(0);
+    b.lat_us.push_back(us_since(issued.front()));
+    issued.pop_front();
+    ++done;
+  };
+  while (us_since(start) < o.block_ms * 1e3) {
+    if (issued.size() == kInFlight) consume();
+    issued.push_back(Clock::now());
+    raw.send(0);
+  }
+  while (!issued.empty()) consume();
+  b.calls_per_s = static_cast<double>(done) / (us_since(start) / 1e6);
+  return b;
+}
+
+Block corpc_async_block(const Options& o) {
+  Block b;
+  std::deque<std::pair<corpc::Future<void>, Clock::time_point>> window;
+  auto start = Clock::now();
+  std::size_t done = 0;
+  auto consume = [&] {
+    window.front().first.wait();
+    b.lat_us.push_back(us_since(window.front().second));
+    window.pop_front();
+    ++done;
+  };
+  while (us_since(start) < o.block_ms * 1e3) {
+    if (window.size() == kInFlight) consume();
+    auto t = Clock::now();
+    window.emplace_back(corpc::rpc_async<&noop>(1), t);
+  }
+  while (!window.empty()) consume();
+  b.calls_per_s = static_cast<double>(done) / (us_since(start) / 1e6);
+  return b;
+}
+
+// ---- one case ---------------------------------------------------------------------------------------------------
+struct CaseResult {
+  CaseSpec spec;
+  std::vector<double> corpc_us, raw_us;         // all samples
+  std::vector<double> corpc_rate, raw_rate;     // calls/s per block
+  std::vector<double> ratios;                   // per block pair
+};
+
+CaseResult run_case(const Options& o, const CaseSpec& c, RawClient& raw) {
+  CaseResult r{c, {}, {}, {}, {}, {}};
+  at::Tensor t;
+  if (!c.async && c.bytes) t = at::rand({static_cast<std::int64_t>(c.bytes / sizeof(float))});
+
+  auto corpc_once = [&] {
+    if (c.bytes) {
+      at::Tensor back = corpc::rpc_sync<&echo>(1, t);
+      if (back.numel() != t.numel()) throw std::runtime_error("echo returned a tensor of the wrong size");
+    } else {
+      corpc::rpc_sync<&noop>(1);
+    }
+  };
+  auto raw_once = [&] { raw.round_trip(c.bytes); };
+
+  // Warm-up, with a check of the results.
+  for (int i = 0; i < 3; ++i) {
+    raw_once();
+    if (!raw.echoed_ok(c.bytes)) throw std::runtime_error("raw echo returned different bytes");
+    if (c.bytes) {
+      at::Tensor back = corpc::rpc_sync<&echo>(1, t);
+      if (!back.equal(t)) throw std::runtime_error(c.name + ": corpc echo returned a different tensor");
+      if (back.data_ptr() == t.data_ptr()) throw std::runtime_error(c.name + ": echo did not cross the wire?");
+    } else {
+      corpc::rpc_sync<&noop>(1);
+    }
+  }
+  if (c.async) {
+    Options w = o;
+    w.block_ms = 20;
+    corpc_async_block(w);
+    raw_async_block(w, raw);
+  }
+
+  auto start = Clock::now();
+  for (int pair = 0; pair < 3 || us_since(start) < o.seconds_per_case * 1e6; ++pair) {
+    Block rb, cb;
+    auto do_raw = [&] { rb = c.async ? raw_async_block(o, raw) : latency_block(o, raw_once); };
+    auto do_corpc = [&] { cb = c.async ? corpc_async_block(o) : latency_block(o, corpc_once); };
+    if (pair % 2 == 0) {
+      do_raw();
+      do_corpc();
+    } else {
+      do_corpc();
+      do_raw();
+    }
+    r.raw_us.insert(r.raw_us.end(), rb.lat_us.begin(), rb.lat_us.end());
+    r.corpc_us.insert(r.corpc_us.end(), cb.lat_us.begin(), cb.lat_us.end());
+    r.raw_rate.push_back(rb.calls_per_s);
+    r.corpc_rate.push_back(cb.calls_per_s);
+    r.ratios.push_back(c.async ? rb.calls_per_s / cb.calls_per_s : median(cb.lat_us) / median(rb.lat_us));
+  }
+  return r;
+}
+
+// ---- reporting --------------------------------------------------------------------------------------------------
+std::string blas_info() {
+  std::string out;
+  char buf[PATH_MAX];
+  if (realpath("/usr/lib/x86_64-linux-gnu/libblas.so.3", buf)) {
+    out = fmt::format("libblas.so.3 -> {}", buf);
+  } else {
+    out = "libblas.so.3 not found";
+  }
+  // What this process actually mapped (libtorch is loaded by now).
+  std::ifstream maps("/proc/self/maps");
+  std::vector<std::string> seen;
+  for (std::string line; std::getline(maps, line);) {
+    auto slash = line.find('/');
+    if (slash == std::string::npos) continue;
+    std::string path = line.substr(slash);
+    std::string base = path.substr(path.rfind('/') + 1);
+    bool blas = base.find("blas") != std::string::npos || base.find("mkl") != std::string::npos ||
+                base.find("lapack") != std::string::npos;
+    if (blas && std::find(seen.begin(), seen.end(), path) == seen.end()) seen.push_back(path);
+  }
+  out += "; mapped:";
+  if (seen.empty()) out += " (none)";
+  for (auto& p : seen) out += " " + p;
+  return out;
+}
+
+std::string cpu_model() {
+  std::ifstream f("/proc/cpuinfo");
+  for (std::string line; std::getline(f, line);) {
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  }
+  return "?";
+}
+
+int affinity_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return -1;
+  return CPU_COUNT(&set);
+}
+
+void print_header(const Options& o) {
+  fmt::print("corpc rpc_bench: 2 ranks (corpc::spawn), 127.0.0.1, libtorch {}, at::get_num_threads()={}\n",
+             TORCH_VERSION, at::get_num_threads());
+  fmt::print("cores: hardware_concurrency={}, affinity={}  cpu: {}\n", std::thread::hardware_concurrency(),
+             affinity_cores(), cpu_model());
+  fmt::print("blas: {}\n", blas_info());
+  fmt::print("per case ~{} s of alternating raw/corpc blocks of ~{} ms (>= {} calls); corpc worker threads: {}; "
+             "raw receive buffers: {}\n\n",
+             o.seconds_per_case, o.block_ms, o.min_iters,
+             o.worker_threads > 0 ? std::to_string(o.worker_threads) : std::string("default"),
+             o.raw_alloc ? "fresh at::empty per message (--raw-alloc)" : "reused");
+  fmt::print("{:>8} {:>7} {:>7} | {:>10} {:>10} | {:>10} {:>10} | {:>9} {:>13} | {:>10}\n", "case", "blocks", "calls",
+             "corpc med", "corpc p99", "raw med", "raw p99", "corpc/raw", "blocks min-max", "corpc MB/s");
+  fmt::print("{:>8} {:>7} {:>7} | {:>10} {:>10} | {:>10} {:>10} | {:>9} {:>13} | {:>10}\n", "", "", "", "us", "us",
+             "us", "us", "median", "", "");
+  fmt::print("{}\n", std::string(118, '-'));
+  std::fflush(stdout);
+}
+
+void print_row(const CaseResult& r) {
+  auto [mn, mx] = std::minmax_element(r.ratios.begin(), r.ratios.end());
+  std::string mbps = r.spec.bytes ? fmt::format("{:10.0f}", 2.0 * static_cast<double>(r.spec.bytes) / median(r.corpc_us))
+                                  : fmt::format("{:>10}", "-");
+  fmt::print("{:>8} {:>7} {:>7} | {:10.1f} {:10.1f} | {:10.1f} {:10.1f} | {:9.2f} {:>13} | {}\n", r.spec.name,
+             r.ratios.size(), r.corpc_us.size(), median(r.corpc_us), p99(r.corpc_us), median(r.raw_us), p99(r.raw_us),
+             median(r.ratios), fmt::format("{:.2f}-{:.2f}", *mn, *mx), mbps);
+  if (r.spec.async) {
+    fmt::print("{:>8}   throughput, {} in flight: corpc {:.0f} calls/s, raw {:.0f} msgs/s (medians of blocks); "
+               "latency = issue -> consumed\n",
+               "", kInFlight, median(r.corpc_rate), median(r.raw_rate));
+  }
+  std::fflush(stdout);
+}
+
+std::string json_array(const std::vector<double>& v) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) s += fmt::format("{}{:.4f}", i ? ", " : "", v[i]);
+  return s + "]";
+}
+
+void write_json(const Options& o, const std::vector<CaseResult>& results) {
+  std::string s = "{\n";
+  s += fmt::format(
+      "  \"meta\": {{\"cores\": {}, \"seconds_per_case\": {}, \"block_ms\": {}, \"raw_alloc\": {}, \"ratio\": \"corpc time / raw time per "
+      "call, median over block pairs\"}}",
+      std::thread::hardware_concurrency(), o.seconds_per_case, o.block_ms, o.raw_alloc);
+  for (auto& r : results) {
+    s += fmt::format(",\n  \"{}\": {{\"bytes\": {}, \"median_us\": {:.3f}, \"p99_us\": {:.3f}, \"raw_median_us\": {:.3f}, "
+                     "\"raw_p99_us\": {:.3f}, \"ratio\": {:.4f}, \"ratio_blocks\": {}, \"iters\": {}",
+                     r.spec.name, r.spec.bytes, median(r.corpc_us), p99(r.corpc_us), median(r.raw_us), p99(r.raw_us),
+                     median(r.ratios), json_array(r.ratios), r.corpc_us.size());
+    if (r.spec.async) {
+      s += fmt::format(", \"calls_per_s\": {:.1f}, \"raw_calls_per_s\": {:.1f}, \"in_flight\": {}",
+                       median(r.corpc_rate), median(r.raw_rate), kInFlight);
+    }
+    s += "}";
+  }
+  s += "\n}\n";
+  std::ofstream f(o.json_path);
+  f << s;
+  if (!f) throw std::runtime_error("cannot write " + o.json_path);
+}
+
+// ---- the ranks --------------------------------------------------------------------------------------------------
+corpc::RpcOptions rpc_options(const Options& o) {
+  corpc::RpcOptions r;
+  r.init_timeout = std::chrono::seconds(30);
+  r.rpc_timeout = std::chrono::seconds(30);
+  r.shutdown_timeout = std::chrono::seconds(30);
+  r.num_worker_threads = o.worker_threads;
+  return r;
+}
+
+void server_rank(const Options& o) {
+  asio::io_context ctx;
+  tcp::acceptor acceptor(ctx, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
+  g_raw_port = acceptor.local_endpoint().port();
+  std::exception_ptr raw_error;
+  asio::co_spawn(ctx, raw_echo_session(acceptor, o.raw_alloc), [&](std::exception_ptr e) { raw_error = e; });
+  std::thread raw_thread([&] { ctx.run(); });
+
+  corpc::init_rpc("server", 1, 2, rpc_options(o));
+  raw_thread.join();  // ends when the client closes its raw connection, after its last case
+  corpc::shutdown(true);
+  if (raw_error) std::rethrow_exception(raw_error);
+}
+
+void client_rank(const Options& o) {
+  corpc::init_rpc("client", 0, 2, rpc_options(o));
+  print_header(o);
+  RawClient raw;
+  std::size_t max_bytes = 0;
+  for (auto& c : o.cases) max_bytes = std::max(max_bytes, c.bytes);
+  raw.connect(corpc::rpc_sync<&raw_port>(1), max_bytes, o.raw_alloc);
+
+  std::vector<CaseResult> results;
+  for (auto& c : o.cases) {
+    results.push_back(run_case(o, c, raw));
+    print_row(results.back());
+  }
+  fmt::print("{}\n", std::string(118, '-'));
+  fmt::print(
+      "corpc/raw = corpc time per call / raw time per call (async64: raw msgs/s / corpc calls/s), median over block\n"
+      "pairs run back to back in ABBA order; > 1 means corpc is slower than the floor. med/p99 pool all blocks.\n"
+      "raw = Asio TCP echo between the same two processes: rank 1 serves with a C++20-coroutine loop on one io_context\n"
+      "thread, rank 0 uses blocking asio::write/read, TCP_NODELAY, 8-byte length + payload.\n");
+  raw.close();
+  if (!o.json_path.empty()) {
+    write_json(o, results);
+    fmt::print("wrote {}\n", o.json_path);
+  }
+  corpc::shutdown(true);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o = parse(argc, argv);
+  corpc::SpawnOptions so;
+  // Everything must end by itself: a generous bound on the whole run; spawn kills the ranks past it.
+  so.timeout = std::chrono::seconds(60 + static_cast<long>(o.cases.size() * (3 * o.seconds_per_case + 15)));
+  so.grace = std::chrono::seconds(5);
+  try {
+    corpc::spawn(2, [&](int rank) { rank == 0 ? client_rank(o) : server_rank(o); }, so);
+  } catch (const corpc::SpawnError& e) {
+    std::fprintf(stderr, "rpc_bench failed: %s\n", e.what());
+    for (auto& f : e.failures()) std::fprintf(stderr, "  rank %d: %s\n", f.rank, f.reason.c_str());
+    return 1;
+  }
+  return 0;
+}
