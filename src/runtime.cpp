@@ -138,6 +138,13 @@ RuntimeStats Runtime::stats() const {
           impl_->handlers_running.load()};
 }
 
+std::shared_ptr<void> Runtime::extension_slot(std::type_index key, const std::function<std::shared_ptr<void>()>& make) {
+  std::lock_guard lock(impl_->extensions_mutex);
+  auto& slot = impl_->extensions[key];
+  if (!slot) slot = make();
+  return slot;
+}
+
 void Runtime::add_peer_failure_listener(std::function<void(int, const std::string&)> listener) {
   std::lock_guard lock(impl_->hooks_mutex);
   impl_->failure_listeners.push_back(std::move(listener));

@@ -58,6 +58,9 @@ struct Runtime::Impl {
     return v;
   }
 
+  std::mutex extensions_mutex;
+  std::map<std::type_index, std::shared_ptr<void>> extensions;
+
   std::mutex hooks_mutex;
   TensorHooks tensor_hooks;
   std::vector<std::function<void(int, const std::string&)>> failure_listeners;

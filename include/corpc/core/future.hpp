@@ -51,6 +51,15 @@ inline std::function<void()> bind_to_current(std::function<void()> fn) {
   return with_ctx;
 }
 
+template <class F, class T>
+struct ThenResult {
+  using type = std::invoke_result_t<F, const T&>;
+};
+template <class F>
+struct ThenResult<F, void> {
+  using type = std::invoke_result_t<F>;
+};
+
 template <class T>
 class FutureState {
  public:
@@ -166,8 +175,7 @@ class Future {
   // An error in this future, or thrown by `fn`, completes the returned future with that error; `fn` is skipped then.
   template <class F>
   auto then(F fn) const {
-    using R = std::conditional_t<std::is_void_v<T>, std::invoke_result<F>, std::invoke_result<F, const T&>>;
-    using U = typename R::type;
+    using U = typename detail::ThenResult<F, T>::type;
     auto next = std::make_shared<detail::FutureState<U>>();
     auto self = state_;
     on_complete([self, next, fn = std::move(fn)]() mutable {

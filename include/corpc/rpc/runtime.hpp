@@ -13,6 +13,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <typeindex>
 #include <vector>
 
 #include "corpc/core/executor.hpp"
@@ -71,12 +72,21 @@ class Runtime {
   // Called by the RRef layer to hold graceful shutdown while it still has bookkeeping to exchange.
   void set_quiescence_probe(std::function<bool()> idle);
 
+  // State of an upper layer (RRefs, distributed autograd) that lives exactly as long as this runtime: created on first
+  // use with `Ext(Runtime&)`, destroyed after every connection has closed. Keeps those layers out of this one.
+  template <class Ext>
+  std::shared_ptr<Ext> extension() {
+    return std::static_pointer_cast<Ext>(
+        extension_slot(typeid(Ext), [this] { return std::static_pointer_cast<void>(std::make_shared<Ext>(*this)); }));
+  }
+
   struct Impl;
   explicit Runtime(std::unique_ptr<Impl> impl);
   ~Runtime();
   Impl& impl() noexcept { return *impl_; }
 
  private:
+  std::shared_ptr<void> extension_slot(std::type_index key, const std::function<std::shared_ptr<void>()>& make);
   std::unique_ptr<Impl> impl_;
 };
 

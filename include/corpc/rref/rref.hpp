@@ -1,0 +1,381 @@
+// corpc/rref/rref.hpp — RRef<T>: a reference to a value that lives on one worker (its owner), usable from any worker.
+//
+//   corpc::RRef<at::Tensor> y = corpc::remote<&make_tensor>("worker1", 3);   // returns at once; worker1 computes
+//   at::Tensor here = co_await y.to_here();                                   // or y.to_here().wait()
+//   auto counter = corpc::remote<Counter>("worker2", 10);                     // constructs a Counter on worker2
+//   int v = co_await counter.rpc_async<&Counter::add>(5);                     // runs counter->add(5) on worker2
+//   corpc::RRef<int> w = counter.remote<&Counter::add>(1);                    // result stays on worker2
+//
+// An RRef can be passed to any worker as an argument or a result; the owner keeps the value exactly as long as some
+// reference to it exists anywhere (protocol and guarantees: corpc/rref/context.hpp). `remote()` and proxy calls do
+// not wait for their inputs: a call on a value that is still being computed waits for it on the owner, so
+// `p2.rpc_async<&S2::forward>(p1.remote<&S1::forward>(x))` never routes through the caller.
+//
+// A failed creation surfaces on the next use (to_here, proxy call) as the error the creator raised.
+//
+// Concurrency on a remote object: proxy calls run concurrently by default, as in PyTorch (the object guards its own
+// state), because most remote objects are read-mostly (modules in inference, parameter servers with their own lock)
+// and serializing them would cost parallelism silently. An object that declares
+//   static constexpr bool corpc_serialized_calls = true;
+// gets one call at a time, in the order the owner dispatches them, without blocking a worker thread while it waits.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+
+#include "corpc/rpc/call.hpp"
+#include "corpc/rref/context.hpp"
+
+namespace corpc {
+
+template <class T>
+class RRef;
+
+template <class T>
+inline constexpr bool serialized_calls_v = requires { requires T::corpc_serialized_calls; };
+
+namespace detail {
+
+template <class T>
+constexpr std::uint64_t type_hash_of() {
+  return fnv1a(type_name<T>());
+}
+
+template <class T>
+struct IsRRef : std::false_type {};
+template <class T>
+struct IsRRef<RRef<T>> : std::true_type {};
+
+// Any callable's result — a value, void, Task<T> or Future<T> — as a Task.
+template <class Fn>
+auto as_task(Fn fn) -> Task<typename Unwrap<std::invoke_result_t<Fn&>>::type> {
+  using R = std::invoke_result_t<Fn&>;
+  if constexpr (Unwrap<R>::is_task || Unwrap<R>::is_future) {
+    co_return co_await fn();
+  } else if constexpr (std::is_void_v<R>) {
+    fn();
+  } else {
+    co_return fn();
+  }
+}
+
+// Computes a value into an owner slot; errors are stored there and raised at the slot's next use.
+template <class R, class Fn>
+Task<void> fill_slot(std::shared_ptr<RRefContext> ctx, std::shared_ptr<OwnerSlot> slot, Fn fn) {
+  try {
+    if constexpr (std::is_void_v<R>) {
+      co_await as_task(std::move(fn));
+      ctx->fulfil(slot, std::make_shared<std::monostate>(), type_hash_of<std::monostate>());
+    } else {
+      R value = co_await as_task(std::move(fn));
+      ctx->fulfil(slot, std::make_shared<R>(std::move(value)), type_hash_of<R>());
+    }
+  } catch (...) {
+    ctx->fail(slot, std::current_exception());
+  }
+}
+
+template <class T>
+std::shared_ptr<T> slot_value(const OwnerSlot& slot) {
+  slot.ready.value();  // rethrows a failed creation
+  if (slot.type_hash != type_hash_of<T>())
+    throw ArgumentTypeError("RRef holds a different type than " + std::string(type_name<T>()));
+  return std::static_pointer_cast<T>(slot.value);
+}
+
+// Calls member M on the object in `slot` once it exists, honouring serialized_calls_v.
+template <auto M, class Args>
+auto invoke_member(std::shared_ptr<OwnerSlot> slot, Args args) -> Task<ResultOf<M>> {
+  using Tr = FnTraits<decltype(M)>;
+  using C = typename Tr::Class;
+  using R = ResultOf<M>;
+  co_await slot->ready;
+  std::shared_ptr<C> obj = slot_value<C>(*slot);
+  auto call = [obj, args = std::move(args)]() mutable -> decltype(auto) {
+    return [&]<std::size_t... I>(std::index_sequence<I...>) -> decltype(auto) {
+      return ((*obj).*M)(forward_param<std::tuple_element_t<I, typename Tr::Params>>(std::get<I>(args))...);
+    }(std::make_index_sequence<std::tuple_size_v<Args>>{});
+  };
+  if constexpr (serialized_calls_v<C>) {
+    auto out = std::make_shared<std::optional<std::conditional_t<std::is_void_v<R>, std::monostate, R>>>();
+    co_await RRefContext::get()->run_serialized(slot, [call = std::move(call), out]() mutable -> Future<void> {
+      return spawn([](auto call, auto out) -> Task<void> {
+        if constexpr (std::is_void_v<R>) {
+          co_await as_task(std::move(call));
+          out->emplace();
+        } else {
+          out->emplace(co_await as_task(std::move(call)));
+        }
+      }(std::move(call), out));
+    });
+    if constexpr (!std::is_void_v<R>) co_return std::move(**out);
+  } else {
+    co_return co_await as_task(std::move(call));
+  }
+}
+
+template <class T>
+Task<T> rref_fetch(RRefId id) {
+  auto slot = RRefContext::get()->slot(id);
+  co_await slot->ready;
+  co_return *slot_value<T>(*slot);
+}
+
+// Handlers registered under names derived from what they run (`Tag::name()`), added before main like rpc functions.
+template <class Tag>
+struct AutoEntry {
+  static inline const bool value = [] {
+    global_registry().add(Tag::name(), Tag::entry());
+    return true;
+  }();
+};
+
+template <class ArgsTuple, class Body>
+HandlerEntry entry_for(Body body) {
+  HandlerEntry e;
+  e.signature = signature_of<ArgsTuple>();
+  e.signature_text = std::string(type_name<ArgsTuple>());
+  e.handler = [body](Inbound& in) -> Future<Message> {
+    auto args = decode_args<ArgsTuple>(in.args);
+    return body(in.src, std::move(args));
+  };
+  return e;
+}
+
+// Splits a tuple into its first N elements and the rest.
+template <std::size_t N, class Tuple>
+auto tail(Tuple&& t) {
+  return [&]<std::size_t... I>(std::index_sequence<I...>) {
+    return std::make_tuple(std::get<N + I>(std::forward<Tuple>(t))...);
+  }(std::make_index_sequence<std::tuple_size_v<std::decay_t<Tuple>> - N>{});
+}
+
+// Claims the slot for a creation from `creator` and computes `fn` into it on the worker pool; replies at once.
+template <class R, class Fn>
+Future<Message> create_in_slot(int creator, const RRefId& id, const ForkId& fork, Fn fn) {
+  auto ctx = RRefContext::get();
+  auto slot = ctx->slot(id);
+  ctx->add_fork(id, fork, creator);
+  slot->created = true;
+  (void)spawn(Runtime::get().executor(), fill_slot<R>(ctx, slot, std::move(fn)));
+  return make_ready_future(make_reply());
+}
+
+// remote<F>(to, args...): create the result of F(args...) on the owner.
+template <auto F>
+struct CreateCall {
+  using Args = typename FnTraits<decltype(F)>::Args;
+  using Wire = decltype(std::tuple_cat(std::tuple<RRefId, ForkId>{}, Args{}));
+  static std::string name() { return "corpc::remote<" + std::string(function_name<F>()) + ">"; }
+  static HandlerEntry entry() {
+    return entry_for<Wire>([](int src, Wire all) {
+      auto id = std::get<0>(all);
+      auto fork = std::get<1>(all);
+      return create_in_slot<ResultOf<F>>(src, id, fork, [args = tail<2>(std::move(all))]() mutable -> decltype(auto) {
+        return [&]<std::size_t... I>(std::index_sequence<I...>) -> decltype(auto) {
+          using P = typename FnTraits<decltype(F)>::Params;
+          return F(forward_param<std::tuple_element_t<I, P>>(std::get<I>(args))...);
+        }(std::make_index_sequence<std::tuple_size_v<Args>>{});
+      });
+    });
+  }
+};
+
+// remote<T>(to, args...): construct a T on the owner.
+template <class T, class... A>
+struct CreateObject {
+  using Wire = std::tuple<RRefId, ForkId, A...>;
+  static std::string name() { return "corpc::remote<" + std::string(type_name<T>()) + std::string(type_name<std::tuple<A...>>()) + ">"; }
+  static HandlerEntry entry() {
+    return entry_for<Wire>([](int src, Wire all) {
+      auto ctx = RRefContext::get();
+      auto id = std::get<0>(all);
+      auto slot = ctx->slot(id);
+      ctx->add_fork(id, std::get<1>(all), src);
+      slot->created = true;
+      try {
+        auto obj = std::apply([](auto&&, auto&&, auto&&... a) { return std::make_shared<T>(std::move(a)...); }, std::move(all));
+        ctx->fulfil(slot, std::move(obj), type_hash_of<T>());
+      } catch (...) {
+        ctx->fail(slot, std::current_exception());
+      }
+      return make_ready_future(make_reply());
+    });
+  }
+};
+
+// rref.rpc_async<M>(args...): call member M on the owner and return its result.
+template <auto M>
+struct InvokeMember {
+  using Args = typename FnTraits<decltype(M)>::Args;
+  using Wire = decltype(std::tuple_cat(std::tuple<RRefId>{}, Args{}));
+  static std::string name() { return "corpc::rref_call<" + std::string(function_name<M>()) + ">"; }
+  static HandlerEntry entry() {
+    return entry_for<Wire>([](int src, Wire all) {
+      auto slot = RRefContext::get()->slot(std::get<0>(all));
+      return run_and_encode([&] { return invoke_member<M>(slot, tail<1>(std::move(all))); }, src);
+    });
+  }
+};
+
+// rref.remote<M>(args...): call member M on the owner and keep the result there, as a new RRef.
+template <auto M>
+struct CreateFromMember {
+  using Args = typename FnTraits<decltype(M)>::Args;
+  using Wire = decltype(std::tuple_cat(std::tuple<RRefId, ForkId, RRefId>{}, Args{}));  // new id, fork, target
+  static std::string name() { return "corpc::rref_remote<" + std::string(function_name<M>()) + ">"; }
+  static HandlerEntry entry() {
+    return entry_for<Wire>([](int src, Wire all) {
+      auto target = RRefContext::get()->slot(std::get<2>(all));
+      return create_in_slot<ResultOf<M>>(src, std::get<0>(all), std::get<1>(all),
+                                         [target, args = tail<3>(std::move(all))]() mutable {
+                                           return invoke_member<M>(target, std::move(args));
+                                         });
+    });
+  }
+};
+
+// Sends a creation request and returns the user reference it makes; confirmed when the owner acknowledges.
+template <class R, class Tag, class... A>
+RRef<R> create_remote(const WorkerRef& to, A&&... args) {
+  (void)AutoEntry<Tag>::value;
+  static const std::string name = Tag::name();
+  auto ctx = RRefContext::get();
+  const int dst = Runtime::get().worker(to).rank;
+  const RRefId id = ctx->new_id();
+  auto state = ctx->new_user(id, id, dst, type_hash_of<R>());
+  auto ack = call_remote<void, typename Tag::Wire>(dst, name, signature_of<typename Tag::Wire>(), CallOptions{}, id, id,
+                                                   std::forward<A>(args)...);
+  ack.on_complete_inline([ack, confirm = state->confirm_promise] {
+    if (auto e = ack.error()) confirm->set_exception(e);
+    else confirm->set_value();
+  });
+  return RRef<R>(std::move(state));
+}
+
+}  // namespace detail
+
+template <class T>
+class RRef {
+ public:
+  using value_type = T;
+
+  RRef() = default;
+  // An owner reference to a value on this worker (share it by passing it to other workers).
+  explicit RRef(T value) {
+    auto ctx = detail::RRefContext::get();
+    auto id = ctx->new_id();
+    auto slot = ctx->slot(id);
+    slot->created = true;
+    state_ = ctx->owner_handle(id, detail::type_hash_of<T>());
+    ctx->fulfil(slot, std::make_shared<T>(std::move(value)), detail::type_hash_of<T>());
+  }
+  explicit RRef(std::shared_ptr<detail::RRefState> state) : state_(std::move(state)) {}
+
+  bool valid() const noexcept { return state_ != nullptr; }
+  WorkerInfo owner() const { return Runtime::get().worker(state_->owner); }
+  std::string owner_name() const { return owner().name; }
+  bool is_owner() const { return state_->owner == Runtime::get().rank(); }
+  // True once the owner has recorded this reference (always true on the owner).
+  bool confirmed_by_owner() const { return is_owner() || (state_->confirmed.done() && !state_->confirmed.has_error()); }
+
+  // The value itself, on the owner. UsageError elsewhere or while the value is still being computed.
+  T& local_value() const {
+    if (!is_owner()) throw UsageError("local_value() on a user reference: the value lives on '" + owner_name() + "'");
+    auto slot = owner_slot();
+    if (!slot->ready.done()) throw UsageError("local_value(): the value is still being computed; await to_here()");
+    return *detail::slot_value<T>(*slot);
+  }
+
+  // A copy of the value, fetched from the owner (no copy on the owner itself). Awaitable; `.wait()` blocks.
+  Future<T> to_here(CallOptions options = {}) const {
+    if (is_owner()) {
+      auto slot = owner_slot();
+      return slot->ready.then([slot] { return *detail::slot_value<T>(*slot); });
+    }
+    if (state_->confirmed.has_error()) return make_exceptional_future<T>(state_->confirmed.error());
+    (void)detail::AutoRegistered<&detail::rref_fetch<T>>::value;
+    return detail::call_remote<T, std::tuple<RRefId>>(state_->owner, function_name<&detail::rref_fetch<T>>(),
+                                                      detail::signature_of<std::tuple<RRefId>>(), options, state_->id);
+  }
+
+  // Runs member M of the remote object on its owner: rref.rpc_async<&T::method>(args...).
+  template <auto M, class... A>
+  Future<detail::ResultOf<M>> rpc_async(A&&... args) const {
+    using Tag = detail::InvokeMember<M>;
+    static_assert(std::is_base_of_v<typename detail::FnTraits<decltype(M)>::Class, T>, "M is not a member of T");
+    (void)detail::AutoEntry<Tag>::value;
+    static const std::string name = Tag::name();
+    if (state_->confirmed.has_error()) return make_exceptional_future<detail::ResultOf<M>>(state_->confirmed.error());
+    return detail::call_remote<detail::ResultOf<M>, typename Tag::Wire>(
+        state_->owner, name, detail::signature_of<typename Tag::Wire>(), CallOptions{}, state_->id, std::forward<A>(args)...);
+  }
+  template <auto M, class... A>
+  decltype(auto) rpc_sync(A&&... args) const {
+    auto f = rpc_async<M>(std::forward<A>(args)...);
+    if constexpr (std::is_void_v<detail::ResultOf<M>>) {
+      f.wait();
+    } else {
+      return detail::ResultOf<M>(f.wait());
+    }
+  }
+  // Runs member M on the owner and keeps the result there: returns at once with a reference to it.
+  template <auto M, class... A>
+  RRef<detail::ResultOf<M>> remote(A&&... args) const {
+    if (state_->confirmed.has_error()) std::rethrow_exception(state_->confirmed.error());
+    return detail::create_remote<detail::ResultOf<M>, detail::CreateFromMember<M>>(state_->owner, state_->id,
+                                                                                   std::forward<A>(args)...);
+  }
+
+  const std::shared_ptr<detail::RRefState>& state() const noexcept { return state_; }
+
+ private:
+  std::shared_ptr<detail::OwnerSlot> owner_slot() const {
+    return state_->slot ? state_->slot : detail::RRefContext::get()->slot(state_->id);
+  }
+  std::shared_ptr<detail::RRefState> state_;
+};
+
+// Creates F(args...) on worker `to` and returns a reference to the result at once.
+template <auto F, class... A>
+RRef<detail::ResultOf<F>> remote(const WorkerRef& to, A&&... args) {
+  return detail::create_remote<detail::ResultOf<F>, detail::CreateCall<F>>(to, std::forward<A>(args)...);
+}
+
+// Constructs a T(args...) on worker `to` and returns a reference to it at once.
+template <class T, class... A>
+RRef<T> remote(const WorkerRef& to, A&&... args) {
+  return detail::create_remote<T, detail::CreateObject<T, std::decay_t<A>...>>(to, std::forward<A>(args)...);
+}
+
+// On the wire: ids, owner, fork and sender; sharing follows the protocol in corpc/rref/context.hpp.
+template <class T>
+struct Codec<RRef<T>> {
+  static void write(Writer& w, const RRef<T>& r) {
+    if (!r.valid()) throw UsageError("cannot send an empty RRef");
+    auto ctx = detail::RRefContext::get();
+    ForkId fork = ctx->fork_for(r.state(), w.peer);
+    w.put(r.state()->id);
+    w.put(fork);
+    w.put(static_cast<std::int32_t>(r.state()->owner));
+    w.put(static_cast<std::int32_t>(ctx->self()));
+    w.put(detail::type_hash_of<T>());
+  }
+  static RRef<T> read(Reader& r) {
+    auto id = r.get<RRefId>();
+    auto fork = r.get<ForkId>();
+    auto owner = r.get<std::int32_t>();
+    auto sender = r.get<std::int32_t>();
+    auto hash = r.get<std::uint64_t>();
+    if (hash != detail::type_hash_of<T>())
+      throw ArgumentTypeError("received an RRef of another type than RRef<" + std::string(type_name<T>()) + ">");
+    auto ctx = detail::RRefContext::get();
+    if (owner < 0 || owner >= Runtime::get().world_size() || sender != r.peer) throw ProtocolError("malformed RRef");
+    return RRef<T>(ctx->receive(id, fork, owner, sender, hash));
+  }
+};
+
+}  // namespace corpc
