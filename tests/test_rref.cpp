@@ -241,3 +241,30 @@ TEST_CASE("a dead owner fails every waiting use with ConnectionError") {
     CHECK(e.failures()[0].rank == 1);
   }
 }
+
+#include <torch/nn/modules/linear.h>
+
+#include "corpc/rref/remote_module.hpp"
+
+TEST_CASE("RemoteModule's forward equals the local module's forward") {
+  run_world(2, [](int rank) {
+    if (rank != 0) return;
+    {
+      RemoteModule<torch::nn::Linear> remote_lin("worker1/cpu", 4, 3);
+      auto params = remote_lin.remote_parameters();
+      EXPECT_EQ(params.size(), 2u);
+      // Build the same module here from the remote weights, and compare outputs.
+      torch::nn::Linear local(torch::nn::LinearOptions(4, 3));
+      {
+        torch::NoGradGuard no_grad;
+        local->weight.copy_(params[0].to_here().wait(10s));
+        local->bias.copy_(params[1].to_here().wait(10s));
+      }
+      auto x = at::rand({5, 4});
+      EXPECT(at::allclose(remote_lin.forward(x), local->forward(x)));
+      EXPECT(at::allclose(remote_lin.forward_async(x).wait(10s), local->forward(x)));
+      EXPECT_EQ(remote_lin.module_rref().owner_name(), "worker1");
+    }
+    expect_no_references(2);
+  });
+}

@@ -297,9 +297,14 @@ class RRef {
       return slot->ready.then([slot] { return *detail::slot_value<T>(*slot); });
     }
     if (state_->confirmed.has_error()) return make_exceptional_future<T>(state_->confirmed.error());
-    (void)detail::AutoRegistered<&detail::rref_fetch<T>>::value;
-    return detail::call_remote<T, std::tuple<RRefId>>(state_->owner, function_name<&detail::rref_fetch<T>>(),
-                                                      detail::signature_of<std::tuple<RRefId>>(), options, state_->id);
+    if constexpr (Encodable<T>) {
+      (void)detail::AutoRegistered<&detail::rref_fetch<T>>::value;
+      return detail::call_remote<T, std::tuple<RRefId>>(state_->owner, function_name<&detail::rref_fetch<T>>(),
+                                                        detail::signature_of<std::tuple<RRefId>>(), options, state_->id);
+    } else {
+      return make_exceptional_future<T>(std::make_exception_ptr(UsageError(
+          "to_here(): " + std::string(type_name<T>()) + " cannot be sent (no corpc::Codec); call its methods through the RRef")));
+    }
   }
 
   // Runs member M of the remote object on its owner: rref.rpc_async<&T::method>(args...).

@@ -1,0 +1,97 @@
+// corpc/rref/remote_module.hpp — RemoteModule<M>: a torch::nn module built and run on another worker.
+//
+//   corpc::RemoteModule<torch::nn::Linear> lin("worker1/cpu", 4, 2);    // constructed on worker1, on its CPU
+//   at::Tensor y = lin.forward(x);                                       // or co_await lin.forward_async(x)
+//   std::vector<corpc::RRef<at::Tensor>> ps = lin.remote_parameters();  // for DistributedOptimizer
+//
+// M is a module holder (torch::nn::Linear, or your TORCH_MODULE). Inputs are moved to the module's device on the
+// owner; results come back on the CPU. Forward calls run concurrently (modules are stateless in forward, apart from
+// BatchNorm's running statistics, which PyTorch also updates without a lock).
+#pragma once
+
+#include <torch/nn/module.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "corpc/rref/rref.hpp"
+
+namespace corpc {
+
+namespace detail {
+
+inline std::pair<std::string, std::string> split_remote_device(const std::string& spec) {
+  auto slash = spec.find('/');
+  if (slash == std::string::npos) return {spec, "cpu"};
+  return {spec.substr(0, slash), spec.substr(slash + 1)};
+}
+
+template <class M, class... A>
+M build_module(std::string device, A... args) {
+  M module(std::move(args)...);
+  module->to(c10::Device(device));
+  return module;
+}
+
+inline c10::Device module_device(const torch::nn::Module& m) {
+  auto params = m.parameters();
+  return params.empty() ? c10::Device(c10::kCPU) : params.front().device();
+}
+
+template <class T>
+T to_device(T v, const c10::Device& d) {
+  if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) return v.defined() ? v.to(d) : v;
+  else return v;
+}
+
+template <class M, class... A>
+auto module_forward(RRef<M> ref, A... args) -> Task<decltype(std::declval<M&>()->forward(std::declval<A>()...))> {
+  M module = co_await ref.to_here();
+  const auto device = module_device(*module);
+  co_return module->forward(to_device(std::move(args), device)...);
+}
+
+template <class M>
+Task<std::vector<RRef<at::Tensor>>> module_parameters(RRef<M> ref) {
+  M module = co_await ref.to_here();
+  std::vector<RRef<at::Tensor>> out;
+  for (auto& p : module->parameters()) out.emplace_back(p);  // owner references sharing the parameter's storage
+  co_return out;
+}
+
+}  // namespace detail
+
+template <class M>
+class RemoteModule {
+ public:
+  // `remote_device`: "worker/device", e.g. "worker1/cpu" or "worker1/cuda:0"; `args` go to M's constructor.
+  template <class... A>
+  explicit RemoteModule(const std::string& remote_device, A&&... args) {
+    auto [worker, device] = detail::split_remote_device(remote_device);
+    device_ = device;
+    module_ = remote<&detail::build_module<M, std::decay_t<A>...>>(worker, device, std::forward<A>(args)...);
+  }
+
+  template <class... A>
+  auto forward_async(A&&... args) const {
+    return rpc_async<&detail::module_forward<M, std::decay_t<A>...>>(module_.state()->owner, module_,
+                                                                      std::forward<A>(args)...);
+  }
+  template <class... A>
+  auto forward(A&&... args) const {
+    return forward_async(std::forward<A>(args)...).wait();
+  }
+
+  std::vector<RRef<at::Tensor>> remote_parameters() const {
+    return rpc_sync<&detail::module_parameters<M>>(module_.state()->owner, module_);
+  }
+  const RRef<M>& module_rref() const noexcept { return module_; }
+  const std::string& device() const noexcept { return device_; }
+
+ private:
+  RRef<M> module_;
+  std::string device_;
+};
+
+}  // namespace corpc

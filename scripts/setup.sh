@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs what building and testing corpc needs on Debian 12; skips what is already there. Idempotent.
+#   scripts/setup.sh              build + test dependencies
+#   scripts/setup.sh --pytorch    also Debian's python3-torch, for the PyTorch comparison benchmarks
+set -euo pipefail
+
+packages=(g++ meson ninja-build pkg-config libtorch-dev libasio-dev libfmt-dev doctest-dev
+          # libtorch sends small convolutions through libblas.so.3; Debian's default is the slow reference BLAS.
+          libopenblas0-pthread)
+if [[ "${1:-}" == "--pytorch" ]]; then
+  packages+=(python3-torch)
+fi
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  sudo_cmd=()
+  [[ $(id -u) -ne 0 ]] && sudo_cmd=(sudo)
+  "${sudo_cmd[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+echo "setup: all dependencies present (BLAS: $(readlink -f /usr/lib/x86_64-linux-gnu/libblas.so.3))"
