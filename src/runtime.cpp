@@ -87,6 +87,13 @@ int env_int(std::initializer_list<const char*> names, int fallback) {
 
 }  // namespace
 
+std::vector<std::function<void(Runtime&)>>& runtime_initializers() {
+  static std::vector<std::function<void(Runtime&)>> inits;
+  return inits;
+}
+
+void add_runtime_initializer(std::function<void(Runtime&)> init) { runtime_initializers().push_back(std::move(init)); }
+
 Registry& global_registry() {
   static Registry registry;
   return registry;
@@ -646,6 +653,7 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   auto* raw = impl.get();
   auto rt = std::make_unique<Runtime>(std::move(impl));
   raw->start_threads();
+  for (auto& init : runtime_initializers()) init(*rt);
   int listen_fd = -1;
   if (rank == 0) listen_fd = env_int({"CORPC_LISTEN_FD"}, -1);
   // Published before rendezvous ends: a peer that heard from rank 0 first may already be calling us, and its

@@ -11,6 +11,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <execinfo.h>
+
 #include <cstdio>
 #include <cstring>
 #include <optional>
@@ -46,9 +48,23 @@ int bind_master_socket(int& port) {
   return fd;
 }
 
+// A crashing rank prints where, so that the report says more than "signal 11".
+void print_backtrace_and_die(int sig) {
+  void* frames[64];
+  int n = ::backtrace(frames, 64);
+  char head[96];
+  int len = std::snprintf(head, sizeof head, "[rank %s] fatal signal %d; backtrace:\n", std::getenv("RANK"), sig);
+  auto w = ::write(STDERR_FILENO, head, static_cast<std::size_t>(len));
+  (void)w;
+  ::backtrace_symbols_fd(frames, n, STDERR_FILENO);
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+}
+
 [[noreturn]] void run_child(int rank, int world_size, int port, int listen_fd, int err_fd,
                             const std::function<void(int)>& fn) {
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) ::signal(sig, print_backtrace_and_die);
   ::setenv("MASTER_ADDR", "127.0.0.1", 1);
   ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
   ::setenv("RANK", std::to_string(rank).c_str(), 1);

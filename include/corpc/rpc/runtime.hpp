@@ -100,6 +100,10 @@ void init_rpc(std::string name, int rank = -1, int world_size = -1, RpcOptions o
 // non-graceful: fails everything in flight with ShutdownError and closes at once.
 void shutdown(bool graceful = true);
 
+// Runs `init` on every runtime this process starts, before it exchanges any message. For layers that must be active
+// on every worker (distributed autograd's hooks), registered from a static initialiser.
+void add_runtime_initializer(std::function<void(Runtime&)> init);
+
 WorkerInfo get_worker_info();                        // this worker
 WorkerInfo get_worker_info(const WorkerRef& worker);  // throws UnknownWorkerError
 std::vector<WorkerInfo> get_worker_infos();

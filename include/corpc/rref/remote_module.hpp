@@ -73,6 +73,9 @@ class RemoteModule {
     module_ = remote<&detail::build_module<M, std::decay_t<A>...>>(worker, device, std::forward<A>(args)...);
   }
 
+  // Wraps a module already created on its owner (e.g. by remote<&make_my_module>(worker, seed)).
+  explicit RemoteModule(RRef<M> module) : module_(std::move(module)) {}
+
   template <class... A>
   auto forward_async(A&&... args) const {
     return rpc_async<&detail::module_forward<M, std::decay_t<A>...>>(module_.state()->owner, module_,

@@ -86,6 +86,17 @@ std::shared_ptr<T> slot_value(const OwnerSlot& slot) {
   return std::static_pointer_cast<T>(slot.value);
 }
 
+// Runs `call` and keeps its result in `out` (serialized proxy calls hand results back this way).
+template <class R, class Call, class Out>
+Task<void> store_result(Call call, std::shared_ptr<Out> out) {
+  if constexpr (std::is_void_v<R>) {
+    co_await as_task(std::move(call));
+    out->emplace();
+  } else {
+    out->emplace(co_await as_task(std::move(call)));
+  }
+}
+
 // Calls member M on the object in `slot` once it exists, honouring serialized_calls_v.
 template <auto M, class Args>
 auto invoke_member(std::shared_ptr<OwnerSlot> slot, Args args) -> Task<ResultOf<M>> {
@@ -100,17 +111,13 @@ auto invoke_member(std::shared_ptr<OwnerSlot> slot, Args args) -> Task<ResultOf<
     }(std::make_index_sequence<std::tuple_size_v<Args>>{});
   };
   if constexpr (serialized_calls_v<C>) {
+    // Named locals, not temporaries inside the co_await: GCC 12 mishandles lambda temporaries in await operands.
     auto out = std::make_shared<std::optional<std::conditional_t<std::is_void_v<R>, std::monostate, R>>>();
-    co_await RRefContext::get()->run_serialized(slot, [call = std::move(call), out]() mutable -> Future<void> {
-      return spawn([](auto call, auto out) -> Task<void> {
-        if constexpr (std::is_void_v<R>) {
-          co_await as_task(std::move(call));
-          out->emplace();
-        } else {
-          out->emplace(co_await as_task(std::move(call)));
-        }
-      }(std::move(call), out));
-    });
+    std::function<Future<void>()> job = [call = std::move(call), out]() mutable {
+      return spawn(store_result<R>(std::move(call), out));
+    };
+    Future<void> done = RRefContext::get()->run_serialized(slot, std::move(job));
+    co_await done;
     if constexpr (!std::is_void_v<R>) co_return std::move(**out);
   } else {
     co_return co_await as_task(std::move(call));

@@ -1,0 +1,77 @@
+// corpc/autograd/dist_autograd.hpp — distributed autograd: backward passes that cross workers.
+//
+//   {
+//     corpc::dist_autograd::Context ctx;            // one per iteration; current until it is destroyed
+//     auto out = co_await model.forward(x);          // RPCs inside carry the context
+//     co_await ctx.backward({loss_fn(out)});         // runs on every worker the forward touched
+//     co_await optimizer.step(ctx);                  // corpc::DistributedOptimizer
+//   }                                                // released on every worker it touched
+//
+// Inside a context, every RPC (arguments, results, to_here, RRef proxies) whose tensors require grad records a *send*
+// function on the sender and a *recv* function (the received tensors' grad_fn) on the receiver, paired by a message id
+// unique across workers. `backward` (FAST mode) runs the local engine from the roots; each recv function's gradient is
+// shipped to its sender, which continues from the matching send function, and so on. It completes when every worker
+// involved has finished, and fails (on the caller) if any of them fails.
+//
+// Gradients accumulate per context and per worker (several backward passes in one context add up); `.grad` is never
+// touched. Each worker keeps its part of the graph until the context is released, so repeated backward passes within
+// one context always work (`retain_graph` is accepted for parity with PyTorch and has no further effect).
+//
+// The context follows its coroutine across threads (corpc/core/call_context.hpp). Code that is not a coroutine and
+// hands work to other threads passes `ctx.id()` and opens a `ContextScope` there.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <unordered_map>
+#include <vector>
+
+#include "corpc/core/call_context.hpp"
+#include "corpc/core/future.hpp"
+#include "corpc/rpc/worker_info.hpp"
+
+namespace corpc::dist_autograd {
+
+struct TensorIdentityHash {
+  std::size_t operator()(const at::Tensor& t) const noexcept { return std::hash<const void*>()(t.unsafeGetTensorImpl()); }
+};
+struct TensorIdentityEqual {
+  bool operator()(const at::Tensor& a, const at::Tensor& b) const noexcept { return a.is_same(b); }
+};
+// Leaf tensor -> its gradient in one context.
+using GradientMap = std::unordered_map<at::Tensor, at::Tensor, TensorIdentityHash, TensorIdentityEqual>;
+
+class Context {
+ public:
+  Context();
+  ~Context();
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+
+  std::int64_t id() const noexcept { return id_; }
+  Future<void> backward(std::vector<at::Tensor> roots, bool retain_graph = false) const;
+  GradientMap gradients() const;
+
+ private:
+  std::int64_t id_;
+  CallContextScope scope_;
+};
+
+// Makes context `id` current (for code that received the id explicitly).
+class ContextScope {
+ public:
+  explicit ContextScope(std::int64_t id) : scope_(CallContext{id}) {}
+
+ private:
+  CallContextScope scope_;
+};
+
+Future<void> backward(std::int64_t context_id, std::vector<at::Tensor> roots, bool retain_graph = false);
+GradientMap get_gradients(std::int64_t context_id);  // this worker's gradients in that context (empty if none)
+
+// Live contexts on this worker / on another one (tests check that none outlive their iteration).
+std::size_t live_contexts();
+Future<std::uint64_t> live_contexts(const WorkerRef& worker);
+
+}  // namespace corpc::dist_autograd

@@ -1,0 +1,135 @@
+// corpc/autograd/optimizer.hpp — DistributedOptimizer: one libtorch optimizer per owner of the parameters.
+//
+//   corpc::DistributedOptimizer<torch::optim::SGD> opt(model.parameter_rrefs(), torch::optim::SGDOptions(0.05));
+//   ... inside a dist_autograd::Context, after backward:
+//   co_await opt.step(ctx);      // every owner applies that context's gradients, concurrently
+//
+// The optimizer's options travel to the owners, so they need a corpc::Codec; SGD, Adam, AdamW, Adagrad and RMSprop
+// options have one below. Steps on one owner are serialized (the optimizer object opts into serialized calls);
+// gradients come from the context, so `.grad` is set only for the duration of the step and cleared after it.
+#pragma once
+
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+
+#include <map>
+#include <vector>
+
+#include "corpc/autograd/dist_autograd.hpp"
+#include "corpc/core/when_all.hpp"
+#include "corpc/rref/rref.hpp"
+
+namespace corpc {
+
+template <>
+struct Codec<torch::optim::SGDOptions> {
+  using O = torch::optim::SGDOptions;
+  static void write(Writer& w, const O& o) {
+    w.put(std::make_tuple(o.lr(), o.momentum(), o.dampening(), o.weight_decay(), o.nesterov()));
+  }
+  static O read(Reader& r) {
+    auto [lr, momentum, dampening, wd, nesterov] = r.get<std::tuple<double, double, double, double, bool>>();
+    return O(lr).momentum(momentum).dampening(dampening).weight_decay(wd).nesterov(nesterov);
+  }
+};
+
+template <class O>
+struct AdamLikeCodec {
+  static void write(Writer& w, const O& o) {
+    w.put(std::make_tuple(o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(), o.amsgrad()));
+  }
+  static O read(Reader& r) {
+    auto [lr, b1, b2, eps, wd, amsgrad] = r.get<std::tuple<double, double, double, double, double, bool>>();
+    return O(lr).betas({b1, b2}).eps(eps).weight_decay(wd).amsgrad(amsgrad);
+  }
+};
+template <>
+struct Codec<torch::optim::AdamOptions> : AdamLikeCodec<torch::optim::AdamOptions> {};
+template <>
+struct Codec<torch::optim::AdamWOptions> : AdamLikeCodec<torch::optim::AdamWOptions> {};
+
+template <>
+struct Codec<torch::optim::AdagradOptions> {
+  using O = torch::optim::AdagradOptions;
+  static void write(Writer& w, const O& o) {
+    w.put(std::make_tuple(o.lr(), o.lr_decay(), o.weight_decay(), o.initial_accumulator_value(), o.eps()));
+  }
+  static O read(Reader& r) {
+    auto [lr, decay, wd, init, eps] = r.get<std::tuple<double, double, double, double, double>>();
+    return O(lr).lr_decay(decay).weight_decay(wd).initial_accumulator_value(init).eps(eps);
+  }
+};
+
+template <>
+struct Codec<torch::optim::RMSpropOptions> {
+  using O = torch::optim::RMSpropOptions;
+  static void write(Writer& w, const O& o) {
+    w.put(std::make_tuple(o.lr(), o.alpha(), o.eps(), o.weight_decay(), o.momentum(), o.centered()));
+  }
+  static O read(Reader& r) {
+    auto [lr, alpha, eps, wd, momentum, centered] = r.get<std::tuple<double, double, double, double, double, bool>>();
+    return O(lr).alpha(alpha).eps(eps).weight_decay(wd).momentum(momentum).centered(centered);
+  }
+};
+
+namespace detail {
+
+// Lives on one owner: a local optimizer over that owner's parameters.
+template <class Opt, class Options>
+class LocalOptimizer {
+ public:
+  static constexpr bool corpc_serialized_calls = true;  // concurrent steps on one owner go one at a time
+
+  LocalOptimizer(std::vector<RRef<at::Tensor>> params, Options options) {
+    for (auto& p : params) params_.push_back(p.local_value());  // shares the parameter's storage
+    optimizer_ = std::make_unique<Opt>(params_, options);
+  }
+
+  void step(std::int64_t context_id) {
+    auto grads = dist_autograd::get_gradients(context_id);
+    for (auto& p : params_) {
+      auto it = grads.find(p);
+      p.mutable_grad() = it == grads.end() ? at::Tensor() : it->second;
+    }
+    optimizer_->step();
+    for (auto& p : params_) p.mutable_grad() = at::Tensor();
+  }
+
+ private:
+  std::vector<at::Tensor> params_;
+  std::unique_ptr<Opt> optimizer_;
+};
+
+}  // namespace detail
+
+template <class Opt>
+class DistributedOptimizer {
+ public:
+  template <class Options>
+  DistributedOptimizer(const std::vector<RRef<at::Tensor>>& params, const Options& options) {
+    std::map<int, std::vector<RRef<at::Tensor>>> by_owner;
+    for (auto& p : params) by_owner[p.owner().rank].push_back(p);
+    for (auto& [owner, ps] : by_owner) {
+      auto local = remote<detail::LocalOptimizer<Opt, Options>>(owner, ps, options);
+      steps_.push_back([local](std::int64_t ctx) {
+        return local.template rpc_async<&detail::LocalOptimizer<Opt, Options>::step>(ctx);
+      });
+    }
+  }
+
+  // Applies the gradients of `context_id` on every owner, concurrently; completes when all have stepped.
+  Future<void> step(std::int64_t context_id) const {
+    std::vector<Future<void>> all;
+    for (auto& s : steps_) all.push_back(s(context_id));
+    return wait_all(std::move(all));
+  }
+  Future<void> step(const dist_autograd::Context& ctx) const { return step(ctx.id()); }
+
+ private:
+  std::vector<std::function<Future<void>(std::int64_t)>> steps_;
+};
+
+}  // namespace corpc
