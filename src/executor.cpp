@@ -15,7 +15,7 @@ CallContext& current_call_context() noexcept { return tls_call_context; }
 ExecutorScope::ExecutorScope(Executor* e) noexcept : previous_(tls_executor) { tls_executor = e; }
 ExecutorScope::~ExecutorScope() { tls_executor = previous_; }
 
-ThreadPool::ThreadPool(std::size_t threads) {
+ThreadPool::ThreadPool(std::size_t threads, std::function<void()> on_start) : on_start_(std::move(on_start)) {
   if (threads == 0) threads = 1;
   threads_.reserve(threads);
   for (std::size_t i = 0; i < threads; ++i) threads_.emplace_back([this] { run(); });
@@ -47,6 +47,7 @@ void ThreadPool::stop() {
 
 void ThreadPool::run() {
   ExecutorScope scope(this);
+  if (on_start_) on_start_();
   for (;;) {
     std::function<void()> job;
     {

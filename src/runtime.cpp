@@ -271,7 +271,7 @@ std::function<void(const std::shared_ptr<detail::Connection>&, const std::string
 void Runtime::Impl::start_threads() {
   int threads = options.num_worker_threads;
   if (threads <= 0) threads = std::max(4u, 2 * std::max(1u, std::thread::hardware_concurrency()));
-  pool = std::make_unique<ThreadPool>(static_cast<std::size_t>(threads));
+  pool = std::make_unique<ThreadPool>(static_cast<std::size_t>(threads), options.worker_thread_init);
   io_thread = std::thread([this] { io.run(); });
 }
 

@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/init.h>
+#include <torch/utils.h>
 
 namespace corpc::examples {
 namespace nn = torch::nn;
@@ -114,6 +115,24 @@ ResNet50Impl::ResNet50Impl(const ResNetConfig& cfg) {
 
 torch::Tensor ResNet50Impl::forward(torch::Tensor x) {
   return shard2(shard1(x));
+}
+
+ResNetConfig make_config(int64_t base_width, const std::vector<int64_t>& blocks, int64_t num_classes) {
+  ResNetConfig cfg;
+  cfg.base_width = base_width;
+  for (size_t i = 0; i < cfg.blocks.size() && i < blocks.size(); ++i) cfg.blocks[i] = blocks[i];
+  cfg.num_classes = num_classes;
+  return cfg;
+}
+
+ResNetShard1 make_shard1(int64_t base_width, std::vector<int64_t> blocks, int64_t num_classes, uint64_t seed) {
+  torch::manual_seed(seed);
+  return ResNetShard1(make_config(base_width, blocks, num_classes));
+}
+
+ResNetShard2 make_shard2(int64_t base_width, std::vector<int64_t> blocks, int64_t num_classes, uint64_t seed) {
+  torch::manual_seed(seed);
+  return ResNetShard2(make_config(base_width, blocks, num_classes));
 }
 
 torch::Tensor one_hot_labels(int64_t batch, int64_t num_classes,

@@ -5,6 +5,7 @@
 
 #include <array>
 #include <cstdint>
+#include <vector>
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/batchnorm.h>
@@ -81,6 +82,13 @@ class ResNet50Impl : public torch::nn::Module {
   ResNetShard2 shard2{nullptr};
 };
 TORCH_MODULE(ResNet50);
+
+// Seeded factories with plain arguments, so that a shard can be built on another worker (corpc::remote, or
+// corpc::pipeline::remote_stage) with the same weights as a local reference built from the same seed.
+// blocks: Bottlenecks per layer (4 entries).
+ResNetShard1 make_shard1(int64_t base_width, std::vector<int64_t> blocks, int64_t num_classes, uint64_t seed);
+ResNetShard2 make_shard2(int64_t base_width, std::vector<int64_t> blocks, int64_t num_classes, uint64_t seed);
+ResNetConfig make_config(int64_t base_width, const std::vector<int64_t>& blocks, int64_t num_classes);
 
 // Deterministic inputs independent of the global RNG, so runs with
 // different split counts train on identical data.

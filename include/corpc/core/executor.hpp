@@ -42,7 +42,8 @@ class ExecutorScope {
 // A fixed set of threads draining one FIFO queue. `stop()` finishes queued jobs, then joins.
 class ThreadPool final : public Executor {
  public:
-  explicit ThreadPool(std::size_t threads);
+  // `on_start` runs first on each thread (thread-local settings such as intra-op thread counts).
+  explicit ThreadPool(std::size_t threads, std::function<void()> on_start = {});
   ~ThreadPool() override;
   void post(std::function<void()> job) override;
   void stop();
@@ -50,6 +51,7 @@ class ThreadPool final : public Executor {
 
  private:
   void run();
+  std::function<void()> on_start_;
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;

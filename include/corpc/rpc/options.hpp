@@ -2,6 +2,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <optional>
 #include <string>
 
@@ -16,6 +17,8 @@ struct RpcOptions {
   std::string init_method = "env://";
   // Threads that run user functions. Coroutine functions hold no thread while suspended. 0: max(4, 2 x cores).
   int num_worker_threads = 0;
+  // Runs first on each worker thread: per-thread settings, e.g. at::set_num_threads (OpenMP's count is per thread).
+  std::function<void()> worker_thread_init;
   std::chrono::milliseconds rpc_timeout{60'000};       // default per-call timeout
   std::chrono::milliseconds init_timeout{60'000};      // how long ranks may take to find each other
   std::chrono::milliseconds shutdown_timeout{60'000};  // a graceful shutdown gives up on others after this
