@@ -11,7 +11,7 @@ Differences from the tutorial, on purpose:
     x.split(split_size) silently made it a chunk size;
   * the shards are written here (no torchvision) to match
     examples/resnet/resnet_shards.cpp, with a --base-width knob;
-  * exactly --num-batches batches are timed, no warm-up, like the C++ bench.
+  * --warmup batches (default 1) run untimed first, then exactly --num-batches batches are timed, like the C++ bench.
 
 Run with /usr/bin/python3 (Debian's python3-torch). The last line of output is
 "JSON: {...}" for drivers.
@@ -154,6 +154,10 @@ def run_master(args):
             continue
         model = DistResNet50(splits, args.base_width, args.num_classes, 0)
         opt = DistributedOptimizer(torch.optim.SGD, model.parameter_rrefs(), lr=0.05)
+        for images, labels in data[:1] * args.warmup:  # untimed, like the C++ bench
+            with dist_autograd.context() as ctx:
+                dist_autograd.backward(ctx, [loss_fn(model(images), labels)])
+                opt.step(ctx)
         t0 = time.perf_counter()
         for images, labels in data:
             with dist_autograd.context() as ctx:
@@ -196,6 +200,7 @@ def main():
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--num-batches", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=1, help="untimed batches before timing each split")
     p.add_argument("--base-width", type=int, default=64)
     p.add_argument("--num-classes", type=int, default=1000)
     p.add_argument("--port", type=int, default=0, help="0: ask the OS")
@@ -205,6 +210,8 @@ def main():
     if args.port == 0:
         args.port = free_port()
 
+    # OpenMP's thread count is per thread: set it for every thread of the (freshly spawned) workers, RPC threads too.
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     ctx = mp.spawn(run_worker, args=(args,), nprocs=3, join=False)
     deadline = time.monotonic() + args.timeout
     try:

@@ -55,7 +55,11 @@ struct ContextState {
 
 class Container {
  public:
-  explicit Container(Runtime& rt) : rank_(rt.rank()) {}
+  explicit Container(Runtime& rt) : rank_(rt.rank()), passes_(rt.executor()) {}
+
+  // Local backward passes run one at a time per worker: concurrent passes would only compete for the same cores,
+  // and in order they form the reverse pipeline (each finished pass ships its gradients on at once).
+  Executor& passes() noexcept { return passes_; }
 
   std::int64_t new_id() { return (static_cast<std::int64_t>(rank_) + 1) << 40 | next_.fetch_add(1); }
   std::int64_t new_message_id() { return (static_cast<std::int64_t>(rank_) + 1) << 40 | next_msg_.fetch_add(1); }
@@ -118,6 +122,7 @@ class Container {
 
  private:
   int rank_;
+  Strand passes_;
   std::atomic<std::int64_t> next_{1}, next_msg_{1};
   std::mutex mutex_;
   std::map<std::int64_t, std::shared_ptr<ContextState>> contexts_;
@@ -146,7 +151,7 @@ Future<void> continue_from_send(std::int64_t ctx_id, std::int64_t msg_id, std::v
 
 // One worker's share of a backward pass: run the local engine from `roots`, keep the gradients of leaves in the
 // context, and ship the gradients that reach recv functions to their senders. Completes when those have finished.
-Future<void> run_pass(const std::shared_ptr<ContextState>& ctx, const ag::edge_list& roots, ag::variable_list grads) {
+Future<void> local_pass(const std::shared_ptr<ContextState>& ctx, const ag::edge_list& roots, ag::variable_list grads) {
   ag::edge_list engine_roots;
   ag::variable_list engine_grads;
   std::map<RecvFunction*, std::vector<at::Tensor>> shipped;  // gradients for the senders of what we received
@@ -205,6 +210,24 @@ Future<void> run_pass(const std::shared_ptr<ContextState>& ctx, const ag::edge_l
   CallContextScope no_ctx(CallContext{});
   for (auto& [recv, g] : shipped) remote.push_back(rpc_async<&continue_from_send>(recv->src(), ctx->id, recv->msg_id(), g));
   return wait_all(std::move(remote));
+}
+
+Future<void> run_pass(std::shared_ptr<ContextState> ctx, ag::edge_list roots, ag::variable_list grads) {
+  auto done = std::make_shared<Promise<void>>();
+  auto result = done->get_future();
+  container()->passes().post([ctx = std::move(ctx), roots = std::move(roots), grads = std::move(grads), done]() mutable {
+    Future<void> shipped;
+    try {
+      shipped = local_pass(ctx, roots, std::move(grads));
+    } catch (...) {
+      shipped = make_exceptional_future<void>(std::current_exception());
+    }
+    shipped.on_complete_inline([shipped, done] {
+      if (auto e = shipped.error()) done->set_exception(e);
+      else done->set_value();
+    });
+  });
+  return result;
 }
 
 // Runs on the sender of message `msg_id`, when its receiver's backward pass reached the matching recv function.

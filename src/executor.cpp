@@ -63,6 +63,35 @@ void ThreadPool::run() {
   }
 }
 
+void Strand::post(std::function<void()> job) {
+  {
+    std::lock_guard lock(mutex_);
+    queue_.push_back(std::move(job));
+    if (running_) return;
+    running_ = true;
+  }
+  underlying_.post([this] { run_next(); });
+}
+
+void Strand::run_next() {
+  std::function<void()> job;
+  {
+    std::lock_guard lock(mutex_);
+    job = std::move(queue_.front());
+    queue_.pop_front();
+  }
+  {
+    ExecutorScope scope(this);  // continuations the job registers come back through the strand
+    job();
+  }
+  std::lock_guard lock(mutex_);
+  if (queue_.empty()) {
+    running_ = false;
+    return;
+  }
+  underlying_.post([this] { run_next(); });
+}
+
 void ManualExecutor::post(std::function<void()> job) {
   {
     std::lock_guard lock(mutex_);

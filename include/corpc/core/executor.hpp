@@ -59,6 +59,21 @@ class ThreadPool final : public Executor {
   std::vector<std::thread> threads_;
 };
 
+// Runs its jobs one at a time, in the order posted, on another executor (like asio's strand): mutual exclusion
+// without holding a thread while waiting for a turn. The underlying executor must outlive the strand's jobs.
+class Strand final : public Executor {
+ public:
+  explicit Strand(Executor& underlying) : underlying_(underlying) {}
+  void post(std::function<void()> job) override;
+
+ private:
+  void run_next();
+  Executor& underlying_;
+  std::mutex mutex_;
+  std::deque<std::function<void()>> queue_;
+  bool running_ = false;
+};
+
 // An executor drained by hand, by the one thread that owns it (used by `sync_wait`).
 class ManualExecutor final : public Executor {
  public:
