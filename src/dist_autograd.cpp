@@ -55,10 +55,12 @@ struct ContextState {
 
 class Container {
  public:
-  explicit Container(Runtime& rt) : rank_(rt.rank()), passes_(rt.executor()) {}
+  explicit Container(Runtime& rt) : rank_(rt.rank()), passes_(rt.executor(), 1) {}
 
-  // Local backward passes run one at a time per worker: concurrent passes would only compete for the same cores,
-  // and in order they form the reverse pipeline (each finished pass ships its gradients on at once).
+  // Local backward passes run one at a time per worker, in arrival order, each with the worker's intra-op threads
+  // (at::get_num_threads): concurrent passes would oversubscribe those threads, and in order they form the reverse
+  // pipeline (each finished pass ships its gradients on at once). Measured with bench/pipeline_bench on 2 cores:
+  // faster than unbounded or 2-wide at 4 and 8 micro-batches, slower at 2 (where the other worker's core is idle).
   Executor& passes() noexcept { return passes_; }
 
   std::int64_t new_id() { return (static_cast<std::int64_t>(rank_) + 1) << 40 | next_.fetch_add(1); }
@@ -122,7 +124,7 @@ class Container {
 
  private:
   int rank_;
-  Strand passes_;
+  BoundedExecutor passes_;
   std::atomic<std::int64_t> next_{1}, next_msg_{1};
   std::mutex mutex_;
   std::map<std::int64_t, std::shared_ptr<ContextState>> contexts_;

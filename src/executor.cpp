@@ -63,17 +63,17 @@ void ThreadPool::run() {
   }
 }
 
-void Strand::post(std::function<void()> job) {
+void BoundedExecutor::post(std::function<void()> job) {
   {
     std::lock_guard lock(mutex_);
     queue_.push_back(std::move(job));
-    if (running_) return;
-    running_ = true;
+    if (running_ == width_) return;
+    ++running_;
   }
-  underlying_.post([this] { run_next(); });
+  underlying_.post([this] { run_one(); });
 }
 
-void Strand::run_next() {
+void BoundedExecutor::run_one() {
   std::function<void()> job;
   {
     std::lock_guard lock(mutex_);
@@ -81,15 +81,17 @@ void Strand::run_next() {
     queue_.pop_front();
   }
   {
-    ExecutorScope scope(this);  // continuations the job registers come back through the strand
+    ExecutorScope scope(this);  // continuations the job registers come back through this executor
     job();
   }
-  std::lock_guard lock(mutex_);
-  if (queue_.empty()) {
-    running_ = false;
-    return;
+  {
+    std::lock_guard lock(mutex_);
+    if (queue_.empty()) {
+      --running_;
+      return;
+    }
   }
-  underlying_.post([this] { run_next(); });
+  underlying_.post([this] { run_one(); });
 }
 
 void ManualExecutor::post(std::function<void()> job) {

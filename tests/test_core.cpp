@@ -3,6 +3,8 @@
 #include <doctest/doctest.h>
 
 #include <atomic>
+#include <mutex>
+#include <numeric>
 #include <thread>
 
 #include "corpc/core/sync_wait.hpp"
@@ -217,4 +219,39 @@ TEST_CASE("the codec rejects lengths the payload cannot hold, before allocating"
   std::string badbool("\x07", 1);
   Reader r5(badbool.data(), badbool.size());
   CHECK_THROWS_AS(r5.get<bool>(), ProtocolError);
+}
+
+TEST_CASE("a BoundedExecutor never runs more than its width at once, and starts jobs in order") {
+  ThreadPool pool(4);
+  for (std::size_t width : {1u, 2u}) {
+    BoundedExecutor bounded(pool, width);
+    std::atomic<int> running{0}, peak{0};
+    std::mutex order_mutex;
+    std::vector<int> order;
+    std::vector<Future<void>> done;
+    for (int i = 0; i < 40; ++i) {
+      Promise<void> p;
+      done.push_back(p.get_future());
+      bounded.post([&, i, p = std::make_shared<Promise<void>>(std::move(p))] {
+        {
+          std::lock_guard lock(order_mutex);
+          order.push_back(i);
+        }
+        int now = ++running;
+        int seen = peak.load();
+        while (now > seen && !peak.compare_exchange_weak(seen, now)) {
+        }
+        std::this_thread::sleep_for(1ms);
+        --running;
+        p->set_value();
+      });
+    }
+    wait_all(done).wait(10s);
+    CHECK(peak.load() <= static_cast<int>(width));
+    if (width == 1) {
+      std::vector<int> expected(40);
+      std::iota(expected.begin(), expected.end(), 0);
+      CHECK(order == expected);
+    }
+  }
 }

@@ -59,19 +59,21 @@ class ThreadPool final : public Executor {
   std::vector<std::thread> threads_;
 };
 
-// Runs its jobs one at a time, in the order posted, on another executor (like asio's strand): mutual exclusion
-// without holding a thread while waiting for a turn. The underlying executor must outlive the strand's jobs.
-class Strand final : public Executor {
+// Runs at most `width` of its jobs at once, starting them in the order posted, on another executor. With width 1 it
+// is a strand (like Asio's): mutual exclusion without holding a thread while waiting for a turn. The underlying
+// executor must outlive the jobs.
+class BoundedExecutor final : public Executor {
  public:
-  explicit Strand(Executor& underlying) : underlying_(underlying) {}
+  explicit BoundedExecutor(Executor& underlying, std::size_t width = 1) : underlying_(underlying), width_(width ? width : 1) {}
   void post(std::function<void()> job) override;
 
  private:
-  void run_next();
+  void run_one();
   Executor& underlying_;
+  const std::size_t width_;
   std::mutex mutex_;
   std::deque<std::function<void()>> queue_;
-  bool running_ = false;
+  std::size_t running_ = 0;
 };
 
 // An executor drained by hand, by the one thread that owns it (used by `sync_wait`).
