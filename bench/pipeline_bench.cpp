@@ -9,6 +9,7 @@
 // Prints a table per split: training-loop time (start-up and one warm-up batch excluded), speedup over 1 split,
 // images/s and the GPipe ideal for 2 stages, plus the same batches trained in one process without RPC (the floor).
 #include <torch/nn/functional/loss.h>
+#include <torch/cuda.h>
 #include <torch/optim/sgd.h>
 
 #include <chrono>
@@ -58,7 +59,9 @@ const std::vector<std::int64_t> kResNet50Blocks{3, 4, 6, 3};
 
 double run_split(const Config& c, long splits, const std::vector<std::pair<at::Tensor, at::Tensor>>& data) {
   auto s1 = pipeline::remote_stage<&make_shard1>("worker1/" + c.device, c.width, kResNet50Blocks, c.classes, std::uint64_t{0});
-  auto s2 = pipeline::remote_stage<&make_shard2>("worker2/" + c.device, c.width, kResNet50Blocks, c.classes, std::uint64_t{1});
+  // Two GPUs: one shard each, as in the tutorial; otherwise both shards on the given device.
+  const std::string d2 = c.device.rfind("cuda", 0) == 0 && torch::cuda::device_count() >= 2 ? "cuda:1" : c.device;
+  auto s2 = pipeline::remote_stage<&make_shard2>("worker2/" + d2, c.width, kResNet50Blocks, c.classes, std::uint64_t{1});
   pipeline::Pipeline pipe({s1, s2}, static_cast<int>(splits),
                           c.one_f_one_b ? pipeline::Schedule::OneFOneB : pipeline::Schedule::GPipe);
   DistributedOptimizer<torch::optim::SGD> opt(pipe.parameter_rrefs(), torch::optim::SGDOptions(0.05));
@@ -132,7 +135,7 @@ int main(int argc, char** argv) {
   bench::Flags flags(argc, argv);
   if (flags.has("help")) {
     std::puts("pipeline_bench [--splits 1,2,4,8] [--batch-size 32] [--image-size 64] [--num-batches 3] [--threads 1]\n"
-              "               [--warmup 1] [--device cpu] [--base-width 64] [--num-classes 1000] [--schedule gpipe|1f1b]\n"
+              "               [--warmup 1] [--device auto|cpu|cuda:N] [--base-width 64] [--num-classes 1000] [--schedule gpipe|1f1b]\n"
               "               [--tutorial] [--compare-pytorch] [--pytorch-script bench/pytorch_pipeline.py]");
     return 0;
   }
@@ -145,9 +148,10 @@ int main(int argc, char** argv) {
            flags.get_int("base-width", 64),
            flags.get_int("num-classes", 1000),
            flags.get_int("warmup", 1),
-           flags.get("device", "cpu"),
+           flags.get("device", "auto"),
            flags.get("schedule", "gpipe") == "1f1b"};
 
+  if (c.device == "auto") c.device = torch::cuda::is_available() ? "cuda:0" : "cpu";  // CUDA when build and machine have it
   bench::print_machine();
   std::printf("# ResNet50 (base width %ld) in 2 shards on 2 worker processes + master; batch %ld of %ldx%ld images, "
               "%ld timed batches after %ld warm-up, %ld intra-op thread(s) per process, device %s, schedule %s\n",

@@ -215,9 +215,11 @@ std::shared_ptr<Connection> make_tcp_connection(asio::ip::tcp::socket socket, Wi
   return c;
 }
 
-std::shared_ptr<Connection> dial_tcp_connection(asio::io_context& io, std::string host, std::uint16_t port,
-                                                WireLimits limits, FrameHandler on_frame, CloseHandler on_close) {
+std::shared_ptr<Connection> dial_tcp_connection(asio::io_context& io, int peer_rank, std::string host,
+                                                std::uint16_t port, WireLimits limits, FrameHandler on_frame,
+                                                CloseHandler on_close) {
   auto c = std::make_shared<TcpConnection>(asio::ip::tcp::socket(io), limits, std::move(on_frame), std::move(on_close));
+  c->peer_rank = peer_rank;
   c->outgoing = true;
   c->dial(std::move(host), port);
   return c;

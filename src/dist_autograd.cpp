@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <deque>
 #include <map>
 #include <mutex>
 #include <set>
@@ -66,8 +67,10 @@ class Container {
   std::int64_t new_id() { return (static_cast<std::int64_t>(rank_) + 1) << 40 | next_.fetch_add(1); }
   std::int64_t new_message_id() { return (static_cast<std::int64_t>(rank_) + 1) << 40 | next_msg_.fetch_add(1); }
 
+  // nullptr for a context already released here: a late message must not bring it (and the graph it pins) back.
   std::shared_ptr<ContextState> get_or_create(std::int64_t id) {
     std::lock_guard lock(mutex_);
+    if (released_.count(id)) return nullptr;
     auto& c = contexts_[id];
     if (!c) {
       c = std::make_shared<ContextState>();
@@ -86,6 +89,12 @@ class Container {
     if (it == contexts_.end()) return nullptr;
     auto c = std::move(it->second);
     contexts_.erase(it);
+    released_.insert(id);
+    released_order_.push_back(id);
+    if (released_order_.size() > kRememberReleased) {
+      released_.erase(released_order_.front());
+      released_order_.pop_front();
+    }
     return c;
   }
   std::size_t size() {
@@ -100,6 +109,7 @@ class Container {
       if (t.defined() && t.requires_grad()) edges.push_back(ag::impl::gradient_edge(t));
     if (edges.empty()) return -1;
     auto ctx = get_or_create(ctx_id);
+    if (!ctx) return -1;
     const std::int64_t msg = new_message_id();
     std::lock_guard lock(ctx->mutex);
     ctx->sends.emplace(msg, std::move(edges));
@@ -110,6 +120,7 @@ class Container {
   // Receiver side: received tensors that require grad get a recv function as their grad_fn.
   void on_recv(std::int64_t ctx_id, std::int64_t msg_id, int src, std::vector<at::Tensor>& tensors) {
     auto ctx = get_or_create(ctx_id);
+    if (!ctx) return;
     {
       std::lock_guard lock(ctx->mutex);
       ctx->peers.insert(src);
@@ -128,6 +139,9 @@ class Container {
   std::atomic<std::int64_t> next_{1}, next_msg_{1};
   std::mutex mutex_;
   std::map<std::int64_t, std::shared_ptr<ContextState>> contexts_;
+  static constexpr std::size_t kRememberReleased = 1 << 16;
+  std::set<std::int64_t> released_;
+  std::deque<std::int64_t> released_order_;
 };
 
 std::shared_ptr<Container> container() { return Runtime::get().extension<Container>(); }
@@ -266,7 +280,7 @@ std::uint64_t live_contexts_here() { return container()->size(); }
 
 }  // namespace
 
-Context::Context() : id_(container()->new_id()), scope_(CallContext{id_}) { container()->get_or_create(id_); }
+Context::Context() : id_(container()->new_id()), scope_(CallContext{id_}) { (void)container()->get_or_create(id_); }
 
 Context::~Context() {
   try {

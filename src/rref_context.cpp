@@ -84,7 +84,9 @@ void RRefContext::free_if_unreferenced(const RRefId& id) {
   std::shared_ptr<OwnerSlot> freed;  // destroyed outside the lock: the value's destructor may do anything
   std::lock_guard lock(mutex_);
   auto it = owned_.find(id);
-  if (it == owned_.end() || !it->second->forks.empty() || it->second->local_handles > 0) return;
+  // An unclaimed slot (made by a message that overtook the creation) stays until the creation arrives: someone may
+  // be waiting on it. on_peer_failure fails and frees it if its creator dies first.
+  if (it == owned_.end() || !it->second->forks.empty() || it->second->local_handles > 0 || !it->second->created) return;
   freed = std::move(it->second);
   owned_.erase(it);
 }
@@ -120,7 +122,7 @@ std::shared_ptr<RRefState> RRefContext::new_user(const RRefId& id, const ForkId&
 
 ForkId RRefContext::fork_for(const std::shared_ptr<RRefState>& state, int destination) {
   ForkId fork = new_id();
-  if (state->is_owner) {
+  if (state->owner == self_) {  // an owner handle, or a user reference to a value we own (remote() to ourselves)
     add_fork(state->id, fork, destination);  // in transit: the owner knows at once
   } else {
     std::lock_guard lock(mutex_);
@@ -178,15 +180,27 @@ void RRefContext::release(RRefState& state) {
   auto send_delete = [id = state.id, fork = state.fork, owner = state.owner] {
     if (Runtime::try_get()) (void)rpc_async<&rref_delete>(owner, id, fork);
   };
+  // A confirmation that timed out may still have been recorded by the owner: delete then too (deletes are
+  // idempotent). One that failed because the owner is gone or refused needs nothing.
+  auto owner_may_know = [](const Future<void>& confirmed) {
+    try {
+      confirmed.value();
+      return true;
+    } catch (const TimeoutError&) {
+      return true;
+    } catch (...) {
+      return false;
+    }
+  };
   if (state.confirmed.done()) {
-    if (!state.confirmed.has_error()) send_delete();
+    if (owner_may_know(state.confirmed)) send_delete();
     return;
   }
   // Not confirmed yet: the owner may not know this fork, so the delete waits for the confirmation.
   deferred_deletes_++;
   auto confirmed = state.confirmed;
-  confirmed.on_complete_inline([confirmed, send_delete, self = weak_from_this()] {
-    if (!confirmed.has_error()) send_delete();
+  confirmed.on_complete_inline([confirmed, send_delete, owner_may_know, self = weak_from_this()] {
+    if (owner_may_know(confirmed)) send_delete();
     if (auto ctx = self.lock()) ctx->deferred_deletes_--;
   });
 }
@@ -241,12 +255,30 @@ RRefStats RRefContext::stats() const {
 
 bool RRefContext::idle() const { return deferred_deletes_.load() == 0; }
 
+void RRefContext::claim(const std::shared_ptr<OwnerSlot>& s) {
+  std::lock_guard lock(mutex_);
+  s->created = true;
+}
+
+void RRefContext::abandon_creation(const RRefId& id, std::exception_ptr error) {
+  auto s = slot(id);
+  claim(s);
+  fail(s, std::move(error));
+  free_if_unreferenced(id);
+}
+
 void RRefContext::on_peer_failure(int rank) {
   std::vector<RRefId> touched;
   std::vector<std::shared_ptr<RRefState>> dropped;
+  std::vector<std::shared_ptr<OwnerSlot>> orphans;  // placeholders whose creator is gone
   {
     std::lock_guard lock(mutex_);
     for (auto& [id, s] : owned_) {
+      if (!s->created && id.rank == rank) {
+        s->created = true;
+        orphans.push_back(s);
+        touched.push_back(id);
+      }
       for (auto it = s->forks.begin(); it != s->forks.end();) {
         if (it->second == rank) {
           it = s->forks.erase(it);
@@ -265,6 +297,8 @@ void RRefContext::on_peer_failure(int rank) {
       }
     }
   }
+  for (auto& s : orphans)
+    fail(s, std::make_exception_ptr(ConnectionError("the creator of this RRef (rank " + std::to_string(rank) + ") died")));
   for (auto& id : touched) free_if_unreferenced(id);
 }
 

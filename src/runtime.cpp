@@ -185,6 +185,15 @@ Reader Runtime::reply_reader(Message& reply, int src) {
 }
 
 namespace {
+// Reply callbacks run on the network thread (or wherever a failure is detected): one that throws must not take
+// that thread down; the promise it fulfils has its own error path.
+void invoke_callback(const Runtime::ReplyCallback& cb, Message* reply, std::exception_ptr error) noexcept {
+  try {
+    cb(reply, std::move(error));
+  } catch (...) {
+  }
+}
+
 std::int64_t read_i64(const std::string& body, std::size_t at) {
   std::int64_t v;
   std::memcpy(&v, body.data() + at, sizeof v);
@@ -238,6 +247,16 @@ void Runtime::call(int dst, Message request, const CallOptions& options, ReplyCa
     impl.sent_to[dst]++;
     impl.calls_in_flight++;
   }
+  // The peer may have died, or shutdown begun, since connection_to looked, and whoever failed the pending calls
+  // then did not see this one: look again now that it is registered (each call still completes once).
+  bool closing = false, dead = false;
+  {
+    std::lock_guard lock(impl.conn_mutex);
+    closing = impl.closing;
+    dead = !impl.dead[dst].empty();
+  }
+  if (closing) impl.fail_pending(dst, std::make_exception_ptr(ShutdownError("corpc runtime shut down")));
+  else if (dead) impl.fail_pending(dst, std::make_exception_ptr(ConnectionError("worker '" + impl.name_of(dst) + "' (rank " + std::to_string(dst) + ") is gone")));
   asio::post(impl.io, [&impl, id, timer, timeout, dst, function] {
     timer->expires_after(timeout);
     timer->async_wait([&impl, id, timeout, dst, function](const asio::error_code& ec) {
@@ -251,7 +270,7 @@ void Runtime::call(int dst, Message request, const CallOptions& options, ReplyCa
         impl.pending.erase(it);
       }
       if (p.counted) impl.calls_in_flight--;
-      p.callback(nullptr, std::make_exception_ptr(TimeoutError(
+      invoke_callback(p.callback, nullptr, std::make_exception_ptr(TimeoutError(
                               "call to '" + function + "' on worker '" + impl.workers[dst].name + "' timed out after " +
                               std::to_string(timeout.count()) + " ms")));
     });
@@ -290,8 +309,8 @@ std::shared_ptr<detail::Connection> Runtime::Impl::connection_to(int rank) {
     if (rank == self.rank) {
       c = detail::make_loopback_connection(io, frame_handler());
     } else {
-      c = detail::dial_tcp_connection(io, workers[rank].host, workers[rank].port, options.limits, frame_handler(),
-                                      close_handler());
+      c = detail::dial_tcp_connection(io, rank, workers[rank].host, workers[rank].port, options.limits,
+                                      frame_handler(), close_handler());
       c->send(hello_message(self, world_size, false));  // every dialed connection starts with who we are
     }
     c->peer_rank = rank;
@@ -344,9 +363,9 @@ void Runtime::Impl::deliver_reply(Message&& msg) {
   }
   p.timer->cancel();
   if (p.counted) calls_in_flight--;
-  if (msg.kind == FrameKind::Error) return p.callback(nullptr, decode_error(msg, name_of(p.dst), p.function));
+  if (msg.kind == FrameKind::Error) return invoke_callback(p.callback, nullptr, decode_error(msg, name_of(p.dst), p.function));
   if (msg.body.size() < kReplyEnvelopeBytes) {
-    return p.callback(nullptr, std::make_exception_ptr(ProtocolError("reply without envelope")));
+    return invoke_callback(p.callback, nullptr, std::make_exception_ptr(ProtocolError("reply without envelope")));
   }
   std::int64_t ctx = read_i64(msg.body, 0);
   std::int64_t msg_id = read_i64(msg.body, 8);
@@ -358,11 +377,7 @@ void Runtime::Impl::deliver_reply(Message&& msg) {
     }
     if (on_recv) on_recv(ctx, msg_id, p.dst, msg.tensors);
   }
-  try {
-    p.callback(&msg, nullptr);
-  } catch (...) {
-    // A callback must not take the network thread down; the promise it fulfils has its own error path.
-  }
+  invoke_callback(p.callback, &msg, nullptr);
 }
 
 void Runtime::Impl::handle_request(std::shared_ptr<detail::Connection> conn, Message msg) {
@@ -474,7 +489,7 @@ void Runtime::Impl::fail_pending(int rank, std::exception_ptr error) {
   for (auto& p : failed) {
     asio::post(io, [timer = p.timer] { timer->cancel(); });
     if (p.counted) calls_in_flight--;
-    p.callback(nullptr, error);
+    invoke_callback(p.callback, nullptr, error);
   }
 }
 
@@ -482,10 +497,17 @@ void Runtime::Impl::fail_all_pending(std::exception_ptr error) { fail_pending(-1
 
 void Runtime::Impl::mark_dead(int rank, const std::string& why) {
   std::vector<std::function<void(int, const std::string&)>> listeners;
+  bool first;
   {
     std::lock_guard lock(conn_mutex);
-    if (!dead[rank].empty()) return;
-    dead[rank] = why;
+    first = dead[rank].empty();
+    if (first) dead[rank] = why;
+  }
+  if (!first) {
+    // Already known dead, but calls may have slipped onto a fresh connection to it since: fail those too.
+    fail_pending(rank, std::make_exception_ptr(ConnectionError("worker '" + name_of(rank) + "' (rank " +
+                                                               std::to_string(rank) + ") is gone: " + dead[rank])));
+    return;
   }
   {
     std::lock_guard lock(hooks_mutex);
@@ -522,15 +544,9 @@ void Runtime::Impl::on_close(const std::shared_ptr<detail::Connection>& conn, co
     return;
   }
   if (rank < 0) return;  // never said hello
-  const std::string reason = conn->said_goodbye ? "it shut down" : why;
-  // Either way our requests on that path cannot be answered any more.
-  if (conn->said_goodbye || was_closing) {
-    fail_pending(rank, std::make_exception_ptr(ConnectionError("worker '" + name_of(rank) + "' (rank " +
-                                                               std::to_string(rank) + ") closed: " + reason)));
-    if (conn->said_goodbye && !was_closing) mark_dead(rank, reason);
-    return;
-  }
-  mark_dead(rank, why);
+  if (was_closing) return fail_pending(rank, std::make_exception_ptr(ShutdownError("corpc runtime shut down")));
+  // Our requests on that path cannot be answered any more: the peer is gone, on purpose or not.
+  mark_dead(rank, conn->said_goodbye ? "it shut down" : why);
 }
 
 void Runtime::Impl::accept_loop() {
@@ -581,6 +597,8 @@ void Runtime::Impl::close_everything(bool say_goodbye) {
       if (c) conns.push_back(c);
     conns.insert(conns.end(), incoming.begin(), incoming.end());
   }
+  // Before any connection closes, so that calls in flight fail as shut down, not as lost peers.
+  fail_all_pending(std::make_exception_ptr(ShutdownError("corpc runtime shut down")));
   for (auto& c : conns) {
     if (say_goodbye) {
       Message bye;
@@ -593,7 +611,6 @@ void Runtime::Impl::close_everything(bool say_goodbye) {
     asio::error_code ec;
     acceptor.close(ec);
   });
-  fail_all_pending(std::make_exception_ptr(ShutdownError("corpc runtime shut down")));
   // Give queued frames (replies, goodbyes) a moment to leave, then stop the network thread.
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
   for (;;) {

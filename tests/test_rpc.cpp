@@ -65,6 +65,12 @@ Task<int> call_back_into(std::string origin) {
 }
 Task<int> ask_worker1_to_call_back() { co_return co_await rpc_async<&call_back_into>("worker1", std::string("worker1")); }
 
+// A coroutine taking its parameters by reference: they must outlive its suspension.
+Task<std::size_t> length_after_hop(const std::string& s, const std::vector<int>& v) {
+  co_await rpc_async<&nothing>(0);
+  co_return s.size() + v.size();
+}
+
 Future<int> future_result(int v) { return make_ready_future(v * 2); }
 
 }  // namespace
@@ -80,6 +86,7 @@ TEST_CASE("rpc_sync and rpc_async reach every worker by name, rank and WorkerInf
     EXPECT_EQ(rpc_sync<&whoami>(2), "worker2");
     rpc_sync<&nothing>(1);
     EXPECT_EQ(rpc_sync<&future_result>(1, 21), 42);
+    EXPECT_EQ(rpc_sync<&length_after_hop>(2, std::string(1000, 'x'), std::vector<int>(24, 1)), 1024u);
     auto infos = get_worker_infos();
     EXPECT_EQ(infos.size(), 3u);
     EXPECT_EQ(infos[2].name, "worker2");

@@ -103,8 +103,10 @@ TEST_CASE("remote() returns at once; to_here, owner and local_value behave") {
       auto t = remote<&ones>(2, 4);
       EXPECT(at::equal(t.to_here().wait(10s), at::ones({4})));
 
-      auto self_made = remote<&square>(0, 3);  // remote() to ourselves
+      auto self_made = remote<&square>(0, 3);  // remote() to ourselves, then shared with others
       EXPECT_EQ(self_made.to_here().wait(10s), 9);
+      EXPECT_EQ(rpc_sync<&read_ref>("worker1", self_made), 9);
+      EXPECT_EQ(rpc_sync<&read_ref>(0, self_made), 9);
     }
     expect_no_references(3);
   });
@@ -205,12 +207,12 @@ TEST_CASE("thousands of references created, shared and dropped concurrently leak
     {
       std::vector<RRef<int>> refs;
       std::vector<Future<int>> reads;
-      for (int i = 0; i < 600; ++i) {
+      for (int i = 0; i < 1000; ++i) {
         refs.push_back(remote<&square>((rank + 1 + i % 2) % 3, i));
         reads.push_back(rpc_async<&read_ref>((rank + 2) % 3, refs.back()));  // third party or owner
       }
       auto values = wait_all(std::move(reads)).wait(60s);
-      for (int i = 0; i < 600; ++i) EXPECT_EQ(values[i], i * i);
+      for (int i = 0; i < 1000; ++i) EXPECT_EQ(values[i], i * i);
     }
     if (rank == 0) {
       std::this_thread::sleep_for(200ms);  // let every rank drop its references

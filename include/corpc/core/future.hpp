@@ -122,7 +122,14 @@ class FutureState {
     callbacks_.clear();
     lock.unlock();
     cv_.notify_all();
-    for (auto& cb : callbacks) cb();
+    for (auto& cb : callbacks) {
+      try {
+        cb();
+      } catch (...) {
+        // A throwing callback must not keep the others from running, nor escape into the completing thread (which
+        // may be the network thread). Callbacks report their own errors through the futures they complete.
+      }
+    }
     return true;
   }
 
@@ -175,32 +182,14 @@ class Future {
   // An error in this future, or thrown by `fn`, completes the returned future with that error; `fn` is skipped then.
   template <class F>
   auto then(F fn) const {
-    using U = typename detail::ThenResult<F, T>::type;
-    auto next = std::make_shared<detail::FutureState<U>>();
-    auto self = state_;
-    on_complete([self, next, fn = std::move(fn)]() mutable {
-      try {
-        if constexpr (std::is_void_v<T>) {
-          self->get();
-          if constexpr (std::is_void_v<U>) {
-            fn();
-            next->set_value();
-          } else {
-            next->set_value(fn());
-          }
-        } else {
-          if constexpr (std::is_void_v<U>) {
-            fn(static_cast<const T&>(self->get()));
-            next->set_value();
-          } else {
-            next->set_value(fn(static_cast<const T&>(self->get())));
-          }
-        }
-      } catch (...) {
-        next->set_exception(std::current_exception());
-      }
-    });
-    return Future<U>(std::move(next));
+    return chain(std::move(fn), /*inline_on_completion=*/false);
+  }
+
+  // As then(), but `fn` runs inline on the completing thread whatever the executors: for short, non-blocking
+  // functions whose result someone may wait() on from a thread that is itself an executor (no deadlock then).
+  template <class F>
+  auto then_inline(F fn) const {
+    return chain(std::move(fn), /*inline_on_completion=*/true);
   }
 
   // Calls `fn()` once this completes, with value or error; inspect the future inside it. Runs per the executor rule.
@@ -229,6 +218,38 @@ class Future {
   explicit Future(std::shared_ptr<detail::FutureState<T>> s) : state_(std::move(s)) {}
 
  private:
+  template <class F>
+  auto chain(F fn, bool inline_on_completion) const {
+    using U = typename detail::ThenResult<F, T>::type;
+    auto next = std::make_shared<detail::FutureState<U>>();
+    auto self = state_;
+    std::function<void()> run = [self, next, fn = std::move(fn)]() mutable {
+      try {
+        if constexpr (std::is_void_v<T>) {
+          self->get();
+          if constexpr (std::is_void_v<U>) {
+            fn();
+            next->set_value();
+          } else {
+            next->set_value(fn());
+          }
+        } else {
+          if constexpr (std::is_void_v<U>) {
+            fn(static_cast<const T&>(self->get()));
+            next->set_value();
+          } else {
+            next->set_value(fn(static_cast<const T&>(self->get())));
+          }
+        }
+      } catch (...) {
+        next->set_exception(std::current_exception());
+      }
+    };
+    if (inline_on_completion) on_complete_inline(std::move(run));
+    else on_complete(std::move(run));
+    return Future<U>(std::move(next));
+  }
+
   std::shared_ptr<detail::FutureState<T>> state_;
 };
 

@@ -71,28 +71,33 @@ Message encode_reply(const T& value, int dst) {
   return m;
 }
 
-template <class T>
-Task<Message> encode_when_done(Task<T> task, int dst) {
+// Calls `fn` and encodes the result of the Task it returns. `fn` (which owns the decoded arguments) lives in this
+// frame until the task has finished, so a coroutine taking its parameters by reference never sees them dangle.
+template <class Fn>
+Task<Message> encode_when_done(Fn fn, int dst) {
+  using T = typename Unwrap<std::invoke_result_t<Fn&>>::type;
   if constexpr (std::is_void_v<T>) {
-    co_await std::move(task);
+    co_await fn();
     co_return make_reply();
   } else {
-    co_return encode_reply(co_await std::move(task), dst);
+    co_return encode_reply(co_await fn(), dst);
   }
 }
 
-// Runs `fn` and turns its result — a value, void, Task<T> or Future<T> — into the reply for `dst`.
+// Runs `fn` and turns its result — a value, void, Task<T> or Future<T> — into the reply for `dst`. `fn` owns the
+// arguments and is kept alive until the result is complete.
 template <class Fn>
-Future<Message> run_and_encode(Fn&& fn, int dst) {
-  using R = std::invoke_result_t<Fn>;
+Future<Message> run_and_encode(Fn fn, int dst) {
+  using R = std::invoke_result_t<Fn&>;
   if constexpr (Unwrap<R>::is_task) {
-    return spawn(encode_when_done(fn(), dst));
+    return spawn(encode_when_done(std::move(fn), dst));
   } else if constexpr (Unwrap<R>::is_future) {
     using T = typename Unwrap<R>::type;
+    auto keep = std::make_shared<Fn>(std::move(fn));
     if constexpr (std::is_void_v<T>) {
-      return fn().then([] { return make_reply(); });
+      return (*keep)().then([keep] { return make_reply(); });
     } else {
-      return fn().then([dst](const T& v) { return encode_reply(v, dst); });
+      return (*keep)().then([keep, dst](const T& v) { return encode_reply(v, dst); });
     }
   } else if constexpr (std::is_void_v<R>) {
     fn();
@@ -111,9 +116,8 @@ HandlerEntry make_entry() {
   e.signature = signature_of<typename Tr::Args>();
   e.signature_text = std::string(type_name<typename Tr::Args>());
   e.handler = [](Inbound& in) -> Future<Message> {
-    auto args = decode_args<typename Tr::Args>(in.args);
     return run_and_encode(
-        [&]() -> decltype(auto) {
+        [args = decode_args<typename Tr::Args>(in.args)]() mutable -> decltype(auto) {
           return [&]<std::size_t... I>(std::index_sequence<I...>) -> decltype(auto) {
             return F(forward_param<std::tuple_element_t<I, typename Tr::Params>>(std::get<I>(args))...);
           }(std::make_index_sequence<std::tuple_size_v<typename Tr::Args>>{});

@@ -56,7 +56,7 @@ struct OwnerSlot {
   Future<void> ready = ready_promise.get_future();
   std::map<ForkId, int> forks;  // fork -> the worker that holds it
   int local_handles = 0;        // RRefState objects on the owner
-  bool created = false;         // a creation (remote(), local RRef) has claimed this slot
+  bool created = false;         // a creation (remote(), local RRef) has claimed this slot; guarded by the context
 
   // One call at a time, in dispatch order, for objects that opt into serialized calls (see RRef).
   std::mutex serial_mutex;
@@ -98,6 +98,10 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
   // Stores the value (or the error) of a slot and wakes everyone waiting for it.
   void fulfil(const std::shared_ptr<OwnerSlot>& slot, std::shared_ptr<void> value, std::uint64_t type_hash);
   void fail(const std::shared_ptr<OwnerSlot>& slot, std::exception_ptr error);
+  // A creation has claimed this slot (until then it is a placeholder that is never freed).
+  void claim(const std::shared_ptr<OwnerSlot>& slot);
+  // A creation request that could not even be decoded: its waiters get `error`, and the slot goes.
+  void abandon_creation(const RRefId& id, std::exception_ptr error);
 
   // User side.
   std::shared_ptr<RRefState> new_user(const RRefId& id, const ForkId& fork, int owner, std::uint64_t type_hash);

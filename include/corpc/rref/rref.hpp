@@ -152,6 +152,28 @@ HandlerEntry entry_for(Body body) {
   return e;
 }
 
+// For creation requests, whose first field is the new value's id: if the rest cannot be decoded, whoever already
+// waits on that value (a message may have overtaken the creation) gets the error instead of waiting for ever.
+template <class Wire, class Body>
+HandlerEntry creation_entry(Body body) {
+  HandlerEntry e;
+  e.signature = signature_of<Wire>();
+  e.signature_text = std::string(type_name<Wire>());
+  e.handler = [body](Inbound& in) -> Future<Message> {
+    Reader peek = in.args;
+    const RRefId id = peek.get<RRefId>();
+    std::optional<Wire> all;
+    try {
+      all.emplace(decode_args<Wire>(in.args));
+    } catch (...) {
+      RRefContext::get()->abandon_creation(id, std::current_exception());
+      throw;
+    }
+    return body(in.src, std::move(*all));
+  };
+  return e;
+}
+
 // Splits a tuple into its first N elements and the rest.
 template <std::size_t N, class Tuple>
 auto tail(Tuple&& t) {
@@ -166,7 +188,7 @@ Future<Message> create_in_slot(int creator, const RRefId& id, const ForkId& fork
   auto ctx = RRefContext::get();
   auto slot = ctx->slot(id);
   ctx->add_fork(id, fork, creator);
-  slot->created = true;
+  ctx->claim(slot);
   (void)spawn(Runtime::get().executor(), fill_slot<R>(ctx, slot, std::move(fn)));
   return make_ready_future(make_reply());
 }
@@ -178,7 +200,7 @@ struct CreateCall {
   using Wire = decltype(std::tuple_cat(std::tuple<RRefId, ForkId>{}, Args{}));
   static std::string name() { return "corpc::remote<" + std::string(function_name<F>()) + ">"; }
   static HandlerEntry entry() {
-    return entry_for<Wire>([](int src, Wire all) {
+    return creation_entry<Wire>([](int src, Wire all) {
       auto id = std::get<0>(all);
       auto fork = std::get<1>(all);
       return create_in_slot<ResultOf<F>>(src, id, fork, [args = tail<2>(std::move(all))]() mutable -> decltype(auto) {
@@ -197,12 +219,12 @@ struct CreateObject {
   using Wire = std::tuple<RRefId, ForkId, A...>;
   static std::string name() { return "corpc::remote<" + std::string(type_name<T>()) + std::string(type_name<std::tuple<A...>>()) + ">"; }
   static HandlerEntry entry() {
-    return entry_for<Wire>([](int src, Wire all) {
+    return creation_entry<Wire>([](int src, Wire all) {
       auto ctx = RRefContext::get();
       auto id = std::get<0>(all);
       auto slot = ctx->slot(id);
       ctx->add_fork(id, std::get<1>(all), src);
-      slot->created = true;
+      ctx->claim(slot);
       try {
         auto obj = std::apply([](auto&&, auto&&, auto&&... a) { return std::make_shared<T>(std::move(a)...); }, std::move(all));
         ctx->fulfil(slot, std::move(obj), type_hash_of<T>());
@@ -223,7 +245,8 @@ struct InvokeMember {
   static HandlerEntry entry() {
     return entry_for<Wire>([](int src, Wire all) {
       auto slot = RRefContext::get()->slot(std::get<0>(all));
-      return run_and_encode([&] { return invoke_member<M>(slot, tail<1>(std::move(all))); }, src);
+      return run_and_encode([slot, args = tail<1>(std::move(all))]() mutable { return invoke_member<M>(slot, std::move(args)); },
+                            src);
     });
   }
 };
@@ -235,7 +258,7 @@ struct CreateFromMember {
   using Wire = decltype(std::tuple_cat(std::tuple<RRefId, ForkId, RRefId>{}, Args{}));  // new id, fork, target
   static std::string name() { return "corpc::rref_remote<" + std::string(function_name<M>()) + ">"; }
   static HandlerEntry entry() {
-    return entry_for<Wire>([](int src, Wire all) {
+    return creation_entry<Wire>([](int src, Wire all) {
       auto target = RRefContext::get()->slot(std::get<2>(all));
       return create_in_slot<ResultOf<M>>(src, std::get<0>(all), std::get<1>(all),
                                          [target, args = tail<3>(std::move(all))]() mutable {
@@ -276,8 +299,8 @@ class RRef {
     auto ctx = detail::RRefContext::get();
     auto id = ctx->new_id();
     auto slot = ctx->slot(id);
-    slot->created = true;
     state_ = ctx->owner_handle(id, detail::type_hash_of<T>());
+    ctx->claim(slot);
     ctx->fulfil(slot, std::make_shared<T>(std::move(value)), detail::type_hash_of<T>());
   }
   explicit RRef(std::shared_ptr<detail::RRefState> state) : state_(std::move(state)) {}
@@ -301,7 +324,7 @@ class RRef {
   Future<T> to_here(CallOptions options = {}) const {
     if (is_owner()) {
       auto slot = owner_slot();
-      return slot->ready.then([slot] { return *detail::slot_value<T>(*slot); });
+      return slot->ready.then_inline([slot] { return *detail::slot_value<T>(*slot); });
     }
     if (state_->confirmed.has_error()) return make_exceptional_future<T>(state_->confirmed.error());
     if constexpr (Encodable<T>) {
