@@ -236,12 +236,19 @@ void Runtime::call(int dst, Message request, const CallOptions& options, ReplyCa
   } catch (...) {
     return on_reply(nullptr, std::current_exception());
   }
-  auto timeout = options.timeout.value_or(impl.options.rpc_timeout);
-  auto timer = std::make_shared<asio::steady_timer>(impl.io);
+  const auto timeout = options.timeout.value_or(impl.options.rpc_timeout);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  bool rearm = false;
   {
     std::lock_guard lock(impl.pending_mutex);
-    impl.pending.emplace(id, Impl::Pending{dst, function, std::move(on_reply), timer, counted});
+    auto when = impl.deadlines.emplace(deadline, id);
+    impl.pending.emplace(id, Impl::Pending{dst, std::move(function), std::move(on_reply), when, timeout, counted});
+    if (deadline < impl.armed_for) {
+      impl.armed_for = deadline;
+      rearm = true;
+    }
   }
+  if (rearm) asio::post(impl.io, [&impl] { impl.arm_sweeper(); });
   if (counted) {
     impl.requests_sent++;
     impl.sent_to[dst]++;
@@ -257,24 +264,6 @@ void Runtime::call(int dst, Message request, const CallOptions& options, ReplyCa
   }
   if (closing) impl.fail_pending(dst, std::make_exception_ptr(ShutdownError("corpc runtime shut down")));
   else if (dead) impl.fail_pending(dst, std::make_exception_ptr(ConnectionError("worker '" + impl.name_of(dst) + "' (rank " + std::to_string(dst) + ") is gone")));
-  asio::post(impl.io, [&impl, id, timer, timeout, dst, function] {
-    timer->expires_after(timeout);
-    timer->async_wait([&impl, id, timeout, dst, function](const asio::error_code& ec) {
-      if (ec) return;  // cancelled: the reply came
-      Impl::Pending p;
-      {
-        std::lock_guard lock(impl.pending_mutex);
-        auto it = impl.pending.find(id);
-        if (it == impl.pending.end()) return;
-        p = std::move(it->second);
-        impl.pending.erase(it);
-      }
-      if (p.counted) impl.calls_in_flight--;
-      invoke_callback(p.callback, nullptr, std::make_exception_ptr(TimeoutError(
-                              "call to '" + function + "' on worker '" + impl.workers[dst].name + "' timed out after " +
-                              std::to_string(timeout.count()) + " ms")));
-    });
-  });
   conn->send(std::move(request));
 }
 
@@ -356,12 +345,8 @@ void Runtime::Impl::deliver_reply(Message&& msg) {
   Pending p;
   {
     std::lock_guard lock(pending_mutex);
-    auto it = pending.find(msg.id);
-    if (it == pending.end()) return;  // timed out already, or failed with its peer
-    p = std::move(it->second);
-    pending.erase(it);
+    if (!take_pending(msg.id, p)) return;  // timed out already, or failed with its peer
   }
-  p.timer->cancel();
   if (p.counted) calls_in_flight--;
   if (msg.kind == FrameKind::Error) return invoke_callback(p.callback, nullptr, decode_error(msg, name_of(p.dst), p.function));
   if (msg.body.size() < kReplyEnvelopeBytes) {
@@ -479,6 +464,7 @@ void Runtime::Impl::fail_pending(int rank, std::exception_ptr error) {
     std::lock_guard lock(pending_mutex);
     for (auto it = pending.begin(); it != pending.end();) {
       if (rank < 0 || it->second.dst == rank) {
+        deadlines.erase(it->second.deadline);
         failed.push_back(std::move(it->second));
         it = pending.erase(it);
       } else {
@@ -487,10 +473,54 @@ void Runtime::Impl::fail_pending(int rank, std::exception_ptr error) {
     }
   }
   for (auto& p : failed) {
-    asio::post(io, [timer = p.timer] { timer->cancel(); });
     if (p.counted) calls_in_flight--;
     invoke_callback(p.callback, nullptr, error);
   }
+}
+
+bool Runtime::Impl::take_pending(std::uint64_t id, Pending& out) {
+  auto it = pending.find(id);
+  if (it == pending.end()) return false;
+  deadlines.erase(it->second.deadline);
+  out = std::move(it->second);
+  pending.erase(it);
+  return true;
+}
+
+void Runtime::Impl::arm_sweeper() {
+  std::chrono::steady_clock::time_point next;
+  {
+    std::lock_guard lock(pending_mutex);
+    if (deadlines.empty()) {
+      armed_for = std::chrono::steady_clock::time_point::max();
+      return;
+    }
+    next = armed_for = deadlines.begin()->first;
+  }
+  sweeper.expires_at(next);
+  sweeper.async_wait([this](const asio::error_code& ec) {
+    if (!ec) sweep();  // aborted: re-armed for an earlier deadline, or shutting down
+  });
+}
+
+void Runtime::Impl::sweep() {
+  std::vector<Pending> expired;
+  {
+    std::lock_guard lock(pending_mutex);
+    const auto now = std::chrono::steady_clock::now();
+    while (!deadlines.empty() && deadlines.begin()->first <= now) {
+      Pending p;
+      if (take_pending(deadlines.begin()->second, p)) expired.push_back(std::move(p));
+      else deadlines.erase(deadlines.begin());  // never happens (both are erased together); never loop on it
+    }
+  }
+  for (auto& p : expired) {
+    if (p.counted) calls_in_flight--;
+    invoke_callback(p.callback, nullptr,
+                    std::make_exception_ptr(TimeoutError("call to '" + p.function + "' on worker '" + name_of(p.dst) +
+                                                         "' timed out after " + std::to_string(p.timeout.count()) + " ms")));
+  }
+  arm_sweeper();
 }
 
 void Runtime::Impl::fail_all_pending(std::exception_ptr error) { fail_pending(-1, std::move(error)); }

@@ -38,15 +38,26 @@ struct Runtime::Impl {
   bool closing = false;
 
   // Calls in flight, guarded by pending_mutex.
+  // Timeouts: one timer for all calls, armed for the earliest deadline (calls made with the same timeout arrive in
+  // deadline order, so it rarely needs re-arming), instead of a timer and a network-thread post per call.
+  using Deadlines = std::multimap<std::chrono::steady_clock::time_point, std::uint64_t>;
   struct Pending {
     int dst;
     std::string function;
     ReplyCallback callback;
-    std::shared_ptr<asio::steady_timer> timer;
+    Deadlines::iterator deadline;
+    std::chrono::milliseconds timeout;
     bool counted;
   };
   std::mutex pending_mutex;
   std::unordered_map<std::uint64_t, Pending> pending;
+  Deadlines deadlines;                                                    // pending_mutex
+  std::chrono::steady_clock::time_point armed_for = std::chrono::steady_clock::time_point::max();  // pending_mutex
+  asio::steady_timer sweeper{io};                                         // network thread
+  // Removes a pending call (pending_mutex held); false if it is not there any more.
+  bool take_pending(std::uint64_t id, Pending& out);
+  void arm_sweeper();  // network thread
+  void sweep();        // network thread
   std::atomic<std::uint64_t> next_request_id{1};
 
   std::atomic<std::uint64_t> requests_sent{0}, requests_handled{0}, calls_in_flight{0}, handlers_running{0};
