@@ -1,6 +1,7 @@
 // Small helpers shared by the benchmarks: machine facts printed at start, flag parsing.
 #pragma once
 
+#include <dlfcn.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -17,6 +18,18 @@ inline std::string blas_in_use() {
   const char* link = "/usr/lib/x86_64-linux-gnu/libblas.so.3";
   if (char* p = ::realpath(link, buf)) return p;
   return "unknown (no " + std::string(link) + ")";
+}
+
+// OpenBLAS (Debian's libopenblas0-pthread) runs its own thread pool, sized to the machine and busy-waiting with
+// sched_yield, beside OpenMP's: "N intra-op threads per process" must cap it too, or 3 processes on 2 cores spin.
+// Returns false if the BLAS in use is not OpenBLAS.
+inline bool set_blas_threads(int n) {
+  using Fn = void (*)(int);
+  if (auto fn = reinterpret_cast<Fn>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
+    fn(n);
+    return true;
+  }
+  return false;
 }
 
 inline void print_machine() {

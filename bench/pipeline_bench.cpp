@@ -154,7 +154,7 @@ int main(int argc, char** argv) {
   if (c.device == "auto") c.device = torch::cuda::is_available() ? "cuda:0" : "cpu";  // CUDA when build and machine have it
   bench::print_machine();
   std::printf("# ResNet50 (base width %ld) in 2 shards on 2 worker processes + master; batch %ld of %ldx%ld images, "
-              "%ld timed batches after %ld warm-up, %ld intra-op thread(s) per process, device %s, schedule %s\n",
+              "%ld timed batches after %ld warm-up, %ld intra-op thread(s) per process (OpenMP and OpenBLAS), device %s, schedule %s\n",
               c.width, c.batch, c.image, c.image, c.batches, c.warmup, c.threads, c.device.c_str(),
               c.one_f_one_b ? "1F1B" : "GPipe");
   std::fflush(stdout);
@@ -172,6 +172,7 @@ int main(int argc, char** argv) {
   so.timeout = std::chrono::minutes(60);
   spawn(3, [&](int rank) {
     at::set_num_threads(threads);
+    bench::set_blas_threads(threads);
     init_rpc(rank == 0 ? "master" : "worker" + std::to_string(rank), rank, 3, options);
     if (rank == 0) {
       auto data = make_data(c);

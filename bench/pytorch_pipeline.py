@@ -212,6 +212,7 @@ def main():
 
     # OpenMP's thread count is per thread: set it for every thread of the (freshly spawned) workers, RPC threads too.
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)  # OpenBLAS's own pool, as the C++ bench caps it
     ctx = mp.spawn(run_worker, args=(args,), nprocs=3, join=False)
     deadline = time.monotonic() + args.timeout
     try:

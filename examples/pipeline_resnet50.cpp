@@ -97,6 +97,7 @@ int main(int argc, char** argv) {
     RpcOptions options;
     options.worker_thread_init = [] { at::set_num_threads(1); };
     at::set_num_threads(1);
+    bench::set_blas_threads(1);
     init_rpc(rank == 0 ? "master" : "worker" + std::to_string(rank), rank, 3, options);
     if (rank == 0) {
       DistResNet50 model(static_cast<int>(splits), width);

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "../bench/bench_util.hpp"
 #include "resnet/resnet_shards.hpp"
 
 namespace {
@@ -234,6 +235,7 @@ Result train(const Args& a, int64_t splits, bool cuda) {
 int main(int argc, char** argv) {
   const Args a = parse_args(argc, argv);
   at::set_num_threads(static_cast<int>(a.threads));
+  corpc::bench::set_blas_threads(static_cast<int>(a.threads));
   const bool cuda =
       torch::cuda::is_available() && torch::cuda::device_count() >= 2;
 
