@@ -125,7 +125,11 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
         if (!registrations.count(r)) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
     }
     throw TimeoutError("init_rpc: workers did not all arrive within " + std::to_string(options.init_timeout.count()) +
-                       " ms" + (self.rank == 0 ? " (missing ranks: " + missing + ")" : " (no answer from rank 0)"));
+                       " ms" +
+                       (self.rank == 0 ? " (missing ranks: " + missing + "; " + std::to_string(accepted.load()) +
+                                             " connections accepted, " + std::to_string(accept_errors.load()) +
+                                             " accept errors)"
+                                       : " (no answer from rank 0)"));
   }
 }
 

@@ -581,7 +581,16 @@ void Runtime::Impl::on_close(const std::shared_ptr<detail::Connection>& conn, co
 
 void Runtime::Impl::accept_loop() {
   acceptor.async_accept([this](const asio::error_code& ec, asio::ip::tcp::socket socket) {
-    if (ec) return;  // acceptor closed
+    if (ec == asio::error::operation_aborted || !acceptor.is_open()) return;  // closed: shutting down
+    if (ec) {
+      // A transient failure (a client that reset before we accepted it, a descriptor limit) must not stop us
+      // accepting for good: try again shortly.
+      accept_errors++;
+      auto pause = std::make_shared<asio::steady_timer>(io, std::chrono::milliseconds(10));
+      pause->async_wait([this, pause](const asio::error_code&) { accept_loop(); });
+      return;
+    }
+    accepted++;
     auto conn = detail::make_tcp_connection(std::move(socket), options.limits, frame_handler(), close_handler());
     {
       std::lock_guard lock(conn_mutex);

@@ -60,6 +60,7 @@ struct Runtime::Impl {
   void sweep();        // network thread
   std::atomic<std::uint64_t> next_request_id{1};
 
+  std::atomic<std::uint64_t> accepted{0}, accept_errors{0};  // diagnostics for rendezvous failures
   std::atomic<std::uint64_t> requests_sent{0}, requests_handled{0}, calls_in_flight{0}, handlers_running{0};
   // Per peer, for graceful shutdown: user requests we sent to rank j / finished handling from rank i.
   std::unique_ptr<std::atomic<std::uint64_t>[]> sent_to, handled_from;
