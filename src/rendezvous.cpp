@@ -62,23 +62,18 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
   }
   self.port = acceptor.local_endpoint().port();
   self.host = self.rank == 0 ? master_host : "";  // others: the address rank 0 sees them at
-  asio::post(io, [this] { accept_loop(); });
+  if (self.rank == 0) {
+    // Registered before accepting anyone: a worker's registration may be processed the moment we accept it.
+    std::lock_guard lock(conn_mutex);
+    registrations[0] = {self, nullptr};
+  }
+  asio::post(io, [this] {
+    accept_loop();
+    if (self.rank == 0) publish_world_if_complete();  // a world of one
+  });
 
   const auto deadline = std::chrono::steady_clock::now() + options.init_timeout;
-  if (self.rank == 0) {
-    asio::post(io, [this] {
-      {
-        std::lock_guard lock(conn_mutex);
-        registrations[0] = {self, nullptr};
-      }
-      if (world_size == 1) {
-        workers = {self};
-        rank_by_name[self.name] = 0;
-        world_known = true;
-        world_ready.set_value();
-      }
-    });
-  } else {
+  if (self.rank != 0) {
     asio::co_spawn(io, [this, master_host, master_port, deadline]() -> asio::awaitable<void> {
       asio::steady_timer pause(io);
       for (;;) {
@@ -168,13 +163,18 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Me
     if (info.host.empty()) info.host = conn->remote_address;
     conn->peer_rank = info.rank;
     registrations[info.rank] = {info, conn};
-    if (static_cast<int>(registrations.size()) < world_size) return;
   }
-  // Everyone is here: publish the table.
+  publish_world_if_complete();
+}
+
+// Rank 0, network thread: once every rank has registered, sends each the table and takes it itself.
+void Runtime::Impl::publish_world_if_complete() {
+  if (world_known) return;
   std::vector<WorkerInfo> table;
   std::vector<std::shared_ptr<detail::Connection>> conns;
   {
     std::lock_guard lock(conn_mutex);
+    if (static_cast<int>(registrations.size()) < world_size) return;
     for (auto& [rank, reg] : registrations) {
       table.push_back(reg.first);
       if (reg.second) conns.push_back(reg.second);

@@ -117,6 +117,7 @@ struct Runtime::Impl {
   void rendezvous(const std::string& master_host, std::uint16_t master_port, int listen_fd);
   void on_hello(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
   void on_world(Message&& msg);
+  void publish_world_if_complete();
 };
 
 void validate_worker_name(const std::string& name);
