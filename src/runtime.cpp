@@ -732,7 +732,9 @@ void shutdown(bool graceful) {
   auto& impl = g_runtime->impl();
   if (graceful) {
     // Termination detection: rounds of (sent, handled, idle) summed on rank 0 until two rounds agree and balance.
-    const auto deadline = std::chrono::steady_clock::now() + impl.options.shutdown_timeout;
+    const auto limit = impl.options.shutdown_timeout.count() > 0 ? impl.options.shutdown_timeout
+                                                                   : std::chrono::milliseconds(std::chrono::hours(24 * 365));
+    const auto deadline = std::chrono::steady_clock::now() + limit;
     auto remaining = [&] {
       return std::max<std::chrono::milliseconds>(std::chrono::milliseconds(1),
                                                  std::chrono::duration_cast<std::chrono::milliseconds>(

@@ -48,7 +48,7 @@ inline RpcOptions quick_options() {
   RpcOptions o;
   o.init_timeout = std::chrono::seconds(30);
   o.rpc_timeout = std::chrono::seconds(30);
-  o.shutdown_timeout = std::chrono::seconds(30);
+  o.shutdown_timeout = std::chrono::seconds(0);  // wait for the master however long its checks take (spawn bounds it)
   o.num_worker_threads = 4;
   return o;
 }

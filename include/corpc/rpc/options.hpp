@@ -21,7 +21,10 @@ struct RpcOptions {
   std::function<void()> worker_thread_init;
   std::chrono::milliseconds rpc_timeout{60'000};       // default per-call timeout
   std::chrono::milliseconds init_timeout{60'000};      // how long ranks may take to find each other
-  std::chrono::milliseconds shutdown_timeout{60'000};  // a graceful shutdown gives up on others after this
+  // How long a graceful shutdown waits for the other workers to finish; 0: as long as they are alive. Dead peers are
+  // detected and never waited for, so the default cannot hang on a crash; a worker whose peers still train for an
+  // hour waits that hour, as PyTorch's shutdown does.
+  std::chrono::milliseconds shutdown_timeout{0};
   // Interface to listen on; empty: loopback when rank 0 is on loopback, otherwise all interfaces.
   std::string listen_address;
   WireLimits limits;

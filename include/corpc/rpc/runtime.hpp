@@ -96,7 +96,7 @@ class Runtime {
 void init_rpc(std::string name, int rank = -1, int world_size = -1, RpcOptions options = {});
 
 // graceful: waits until every worker has called shutdown and no worker has work in flight, then closes every
-// connection. Gives up waiting on peers after RpcOptions::shutdown_timeout or when they die; never hangs.
+// connection. Never waits for a dead peer; gives up on live ones after RpcOptions::shutdown_timeout (if set).
 // non-graceful: fails everything in flight with ShutdownError and closes at once.
 void shutdown(bool graceful = true);
 
