@@ -107,15 +107,22 @@ Future<Message> run_and_encode(Fn fn, int dst) {
   }
 }
 
+// A registry entry whose callers must send arguments of the types in ArgsTuple.
+template <class ArgsTuple>
+HandlerEntry typed_entry(Handler handler) {
+  HandlerEntry e;
+  e.signature = signature_of<ArgsTuple>();
+  e.signature_text = std::string(type_name<ArgsTuple>());
+  e.handler = std::move(handler);
+  return e;
+}
+
 // The handler entry for a free function F.
 template <auto F>
 HandlerEntry make_entry() {
   using Tr = FnTraits<decltype(F)>;
   static_assert(std::is_void_v<typename Tr::Class>, "member functions are called through an RRef (rref.rpc_async)");
-  HandlerEntry e;
-  e.signature = signature_of<typename Tr::Args>();
-  e.signature_text = std::string(type_name<typename Tr::Args>());
-  e.handler = [](Inbound& in) -> Future<Message> {
+  return typed_entry<typename Tr::Args>([](Inbound& in) -> Future<Message> {
     return run_and_encode(
         [args = decode_args<typename Tr::Args>(in.args)]() mutable -> decltype(auto) {
           return [&]<std::size_t... I>(std::index_sequence<I...>) -> decltype(auto) {
@@ -123,8 +130,7 @@ HandlerEntry make_entry() {
           }(std::make_index_sequence<std::tuple_size_v<typename Tr::Args>>{});
         },
         in.src);
-  };
-  return e;
+  });
 }
 
 // Static registration the first time a program mentions rpc to F: every process running this binary then has it.

@@ -142,24 +142,14 @@ struct AutoEntry {
 
 template <class ArgsTuple, class Body>
 HandlerEntry entry_for(Body body) {
-  HandlerEntry e;
-  e.signature = signature_of<ArgsTuple>();
-  e.signature_text = std::string(type_name<ArgsTuple>());
-  e.handler = [body](Inbound& in) -> Future<Message> {
-    auto args = decode_args<ArgsTuple>(in.args);
-    return body(in.src, std::move(args));
-  };
-  return e;
+  return typed_entry<ArgsTuple>([body](Inbound& in) { return body(in.src, decode_args<ArgsTuple>(in.args)); });
 }
 
 // For creation requests, whose first field is the new value's id: if the rest cannot be decoded, whoever already
 // waits on that value (a message may have overtaken the creation) gets the error instead of waiting for ever.
 template <class Wire, class Body>
 HandlerEntry creation_entry(Body body) {
-  HandlerEntry e;
-  e.signature = signature_of<Wire>();
-  e.signature_text = std::string(type_name<Wire>());
-  e.handler = [body](Inbound& in) -> Future<Message> {
+  return typed_entry<Wire>([body](Inbound& in) -> Future<Message> {
     Reader peek = in.args;
     const RRefId id = peek.get<RRefId>();
     std::optional<Wire> all;
@@ -170,8 +160,7 @@ HandlerEntry creation_entry(Body body) {
       throw;
     }
     return body(in.src, std::move(*all));
-  };
-  return e;
+  });
 }
 
 // Splits a tuple into its first N elements and the rest.
