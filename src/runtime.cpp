@@ -212,6 +212,18 @@ void stamp_autograd(Runtime::Impl& impl, Message& m, int dst) {
   }
   if (on_send) write_i64(m.body, 8, on_send(ctx, dst, m.tensors));
 }
+
+// The receiving half: lets distributed autograd attach recv functions to the tensors of a request or reply that
+// carries a send-function id.
+void attach_autograd(Runtime::Impl& impl, std::int64_t ctx, std::int64_t msg_id, int src, std::vector<at::Tensor>& tensors) {
+  if (ctx == -1 || msg_id == -1 || tensors.empty()) return;
+  std::function<void(std::int64_t, std::int64_t, int, std::vector<at::Tensor>&)> on_recv;
+  {
+    std::lock_guard lock(impl.hooks_mutex);
+    on_recv = impl.tensor_hooks.on_recv;
+  }
+  if (on_recv) on_recv(ctx, msg_id, src, tensors);
+}
 }  // namespace
 
 void Runtime::call(int dst, Message request, const CallOptions& options, ReplyCallback on_reply, bool counted) {
@@ -354,14 +366,7 @@ void Runtime::Impl::deliver_reply(Message&& msg) {
   }
   std::int64_t ctx = read_i64(msg.body, 0);
   std::int64_t msg_id = read_i64(msg.body, 8);
-  if (ctx != -1 && msg_id != -1 && !msg.tensors.empty()) {
-    std::function<void(std::int64_t, std::int64_t, int, std::vector<at::Tensor>&)> on_recv;
-    {
-      std::lock_guard lock(hooks_mutex);
-      on_recv = tensor_hooks.on_recv;
-    }
-    if (on_recv) on_recv(ctx, msg_id, p.dst, msg.tensors);
-  }
+  attach_autograd(*this, ctx, msg_id, p.dst, msg.tensors);
   invoke_callback(p.callback, &msg, nullptr);
 }
 
@@ -392,14 +397,7 @@ void Runtime::Impl::handle_request(std::shared_ptr<detail::Connection> conn, Mes
       throw ArgumentTypeError("arguments do not match '" + function + "' on worker '" + self.name + "', which takes " +
                               entry->signature_text);
     }
-    if (ctx != -1 && msg_id != -1 && !msg.tensors.empty()) {
-      std::function<void(std::int64_t, std::int64_t, int, std::vector<at::Tensor>&)> on_recv;
-      {
-        std::lock_guard lock(hooks_mutex);
-        on_recv = tensor_hooks.on_recv;
-      }
-      if (on_recv) on_recv(ctx, msg_id, src, msg.tensors);
-    }
+    attach_autograd(*this, ctx, msg_id, src, msg.tensors);
     auto owned = std::make_shared<Message>(std::move(msg));
     Inbound in{src, function, r, owned.get()};
     in.args.tensors = &owned->tensors;
