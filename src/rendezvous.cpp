@@ -14,20 +14,6 @@ bool is_loopback_host(const std::string& host) {
   return !ec && a.is_loopback();
 }
 
-void refuse(const std::shared_ptr<detail::Connection>& conn, const std::string& why, const std::string& self_name) {
-  Message m;
-  m.kind = FrameKind::Error;
-  m.id = 0;
-  Writer w(m.body);
-  w.put(std::uint8_t{4});
-  w.put(self_name);
-  w.put(std::string("rendezvous"));
-  w.put(std::string("corpc::ProtocolError"));
-  w.put(why);
-  conn->send(std::move(m));
-  conn->close_when_flushed();
-}
-
 }  // namespace
 
 Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous) {
@@ -128,6 +114,12 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
   }
 }
 
+// Turns a dialer away: an Error frame with id 0 (the connection itself), then close.
+void Runtime::Impl::refuse(const std::shared_ptr<detail::Connection>& conn, const std::string& why) {
+  send_error(conn, 0, std::make_exception_ptr(ProtocolError(why)), "rendezvous");
+  conn->close_when_flushed();
+}
+
 void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
   WorkerInfo info;
   int their_world = 0;
@@ -135,31 +127,31 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Me
   try {
     Reader r(msg.body.data(), msg.body.size());
     auto version = r.get<std::uint32_t>();
-    if (version != kProtocolVersion) return refuse(conn, "protocol version " + std::to_string(version) + " != " + std::to_string(kProtocolVersion), self.name);
+    if (version != kProtocolVersion) return refuse(conn, "protocol version " + std::to_string(version) + " != " + std::to_string(kProtocolVersion));
     info = r.get<WorkerInfo>();
     their_world = r.get<int>();
     registering = r.get<bool>();
   } catch (const ProtocolError& e) {
-    return refuse(conn, std::string("malformed hello: ") + e.what(), self.name);
+    return refuse(conn, std::string("malformed hello: ") + e.what());
   }
   if (their_world != world_size)
-    return refuse(conn, "world size " + std::to_string(their_world) + " != " + std::to_string(world_size), self.name);
+    return refuse(conn, "world size " + std::to_string(their_world) + " != " + std::to_string(world_size));
   if (info.rank < 0 || info.rank >= world_size || info.rank == self.rank)
-    return refuse(conn, "invalid rank " + std::to_string(info.rank), self.name);
+    return refuse(conn, "invalid rank " + std::to_string(info.rank));
   if (!registering) {
     if (world_known && workers[info.rank].name != info.name)
-      return refuse(conn, "rank " + std::to_string(info.rank) + " is '" + workers[info.rank].name + "', not '" + info.name + "'", self.name);
+      return refuse(conn, "rank " + std::to_string(info.rank) + " is '" + workers[info.rank].name + "', not '" + info.name + "'");
     conn->peer_rank = info.rank;
     return;
   }
-  if (self.rank != 0) return refuse(conn, "registration sent to rank " + std::to_string(self.rank), self.name);
-  if (world_known) return refuse(conn, "the world is already complete", self.name);
+  if (self.rank != 0) return refuse(conn, "registration sent to rank " + std::to_string(self.rank));
+  if (world_known) return refuse(conn, "the world is already complete");
   {
     std::lock_guard lock(conn_mutex);
     if (registrations.count(info.rank))
-      return refuse(conn, "rank " + std::to_string(info.rank) + " already registered by '" + registrations[info.rank].first.name + "'", self.name);
+      return refuse(conn, "rank " + std::to_string(info.rank) + " already registered by '" + registrations[info.rank].first.name + "'");
     for (auto& [rank, reg] : registrations)
-      if (reg.first.name == info.name) return refuse(conn, "worker name '" + info.name + "' is already taken by rank " + std::to_string(rank), self.name);
+      if (reg.first.name == info.name) return refuse(conn, "worker name '" + info.name + "' is already taken by rank " + std::to_string(rank));
     if (info.host.empty()) info.host = conn->remote_address;
     conn->peer_rank = info.rank;
     registrations[info.rank] = {info, conn};

@@ -336,13 +336,9 @@ void Runtime::Impl::on_frame(const std::shared_ptr<detail::Connection>& conn, Me
       if (msg.id == 0) {  // the peer refused the connection itself
         std::string why = "refused by peer";
         try {
-          Reader r(msg.body.data(), msg.body.size());
-          r.get<std::uint8_t>();
-          r.get<std::string>();
-          r.get<std::string>();
-          r.get<std::string>();
-          why = r.get<std::string>();
-        } catch (...) {
+          std::rethrow_exception(decode_error(msg, name_of(conn->peer_rank), "rendezvous"));
+        } catch (const std::exception& e) {
+          why = e.what();
         }
         if (!world_ready.get_future().done()) world_ready.set_error(RpcError("rendezvous refused: " + why));
         return conn->close(why);

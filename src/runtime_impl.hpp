@@ -116,6 +116,7 @@ struct Runtime::Impl {
   // ---- rendezvous.cpp ----
   void rendezvous(const std::string& master_host, std::uint16_t master_port, int listen_fd);
   void on_hello(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
+  void refuse(const std::shared_ptr<detail::Connection>& conn, const std::string& why);
   void on_world(Message&& msg);
   void publish_world_if_complete();
 };
