@@ -72,9 +72,8 @@ Future<RoundResult> shutdown_round(std::int64_t round, int rank, std::vector<std
 }
 
 const bool g_control_registered = [] {
-  auto e = detail::make_entry<&shutdown_round>();
-  e.control = true;
-  global_registry().add("corpc::shutdown_round", std::move(e));
+  // Not counted as work by graceful shutdown: its callers send it with kFlagControl (Runtime::call, counted = false).
+  global_registry().add("corpc::shutdown_round", detail::make_entry<&shutdown_round>());
   return true;
 }();
 

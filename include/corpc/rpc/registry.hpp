@@ -37,7 +37,6 @@ struct HandlerEntry {
   Handler handler;
   std::uint64_t signature = 0;  // hash of the decayed parameter types; 0 accepts anything
   std::string signature_text;   // for error messages
-  bool control = false;         // corpc's own bookkeeping: not counted as user work by graceful shutdown
 };
 
 class Registry {

@@ -44,11 +44,6 @@ constexpr std::uint64_t type_hash_of() {
   return fnv1a(type_name<T>());
 }
 
-template <class T>
-struct IsRRef : std::false_type {};
-template <class T>
-struct IsRRef<RRef<T>> : std::true_type {};
-
 // Any callable's result — a value, void, Task<T> or Future<T> — as a Task.
 template <class Fn>
 auto as_task(Fn fn) -> Task<typename Unwrap<std::invoke_result_t<Fn&>>::type> {
