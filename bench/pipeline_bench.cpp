@@ -168,9 +168,9 @@ int main(int argc, char** argv) {
   options.init_timeout = std::chrono::seconds(60);
   const int threads = static_cast<int>(c.threads);
   options.worker_thread_init = [threads] { at::set_num_threads(threads); };
-  SpawnOptions so;
+  LaunchOptions so;
   so.timeout = std::chrono::minutes(60);
-  spawn(3, [&](int rank) {
+  launch_processes(3, [&](int rank) {
     at::set_num_threads(threads);
     bench::set_blas_threads(threads);
     init_rpc(rank == 0 ? "master" : "worker" + std::to_string(rank), rank, 3, options);

@@ -1,6 +1,6 @@
 // rpc_bench — corpc round-trip latency and throughput, each case measured against a raw Asio TCP floor.
 //
-// Two ranks via corpc::spawn: rank 0 is the client, rank 1 the server. Cases:
+// Two ranks via corpc::launch_processes: rank 0 is the client, rank 1 the server. Cases:
 //   noop      rpc_sync of `void noop()`
 //   4KiB ..   rpc_sync of `at::Tensor echo(const at::Tensor&)` with a float32 tensor of that size (it travels both ways)
 //   async64   rpc_async of noop with 64 calls in flight (calls/s; latency = issue -> consumed by the client)
@@ -401,7 +401,7 @@ int affinity_cores() {
 }
 
 void print_header(const Options& o) {
-  fmt::print("corpc rpc_bench: 2 ranks (corpc::spawn), 127.0.0.1, libtorch {}, at::get_num_threads()={}\n",
+  fmt::print("corpc rpc_bench: 2 ranks (corpc::launch_processes), 127.0.0.1, libtorch {}, at::get_num_threads()={}\n",
              TORCH_VERSION, at::get_num_threads());
   fmt::print("cores: hardware_concurrency={}, affinity={}  cpu: {}\n", std::thread::hardware_concurrency(),
              affinity_cores(), cpu_model());
@@ -518,13 +518,13 @@ void client_rank(const Options& o) {
 
 int main(int argc, char** argv) {
   Options o = parse(argc, argv);
-  corpc::SpawnOptions so;
-  // Everything must end by itself: a generous bound on the whole run; spawn kills the ranks past it.
+  corpc::LaunchOptions so;
+  // Everything must end by itself: a generous bound on the whole run; launch_processes kills the ranks past it.
   so.timeout = std::chrono::seconds(60 + static_cast<long>(o.cases.size() * (3 * o.seconds_per_case + 15)));
   so.grace = std::chrono::seconds(5);
   try {
-    corpc::spawn(2, [&](int rank) { rank == 0 ? client_rank(o) : server_rank(o); }, so);
-  } catch (const corpc::SpawnError& e) {
+    corpc::launch_processes(2, [&](int rank) { rank == 0 ? client_rank(o) : server_rank(o); }, so);
+  } catch (const corpc::LaunchError& e) {
     std::fprintf(stderr, "rpc_bench failed: %s\n", e.what());
     for (auto& f : e.failures()) std::fprintf(stderr, "  rank %d: %s\n", f.rank, f.reason.c_str());
     return 1;

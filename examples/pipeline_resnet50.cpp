@@ -109,7 +109,7 @@ int main(int argc, char** argv) {
   if (const char* rank = std::getenv("RANK")) {
     body(std::atoi(rank));  // one rank of a launcher's world (torchrun, Slurm); WORLD_SIZE must be 3
   } else {
-    spawn(3, body);
+    launch_processes(3, body);
   }
   return 0;
 }

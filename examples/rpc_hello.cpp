@@ -53,6 +53,6 @@ int main() {
     run(std::atoi(rank), std::atoi(std::getenv("WORLD_SIZE")));
     return 0;
   }
-  spawn(3, [](int rank) { run(rank, 3); });
+  launch_processes(3, [](int rank) { run(rank, 3); });
   return 0;
 }

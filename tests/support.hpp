@@ -56,9 +56,9 @@ inline RpcOptions quick_options() {
 // Runs `body(rank)` on `world` ranks, each inside init_rpc / graceful shutdown.
 inline void run_world(int world, const std::function<void(int)>& body, RpcOptions options = quick_options(),
                       std::chrono::seconds timeout = std::chrono::seconds(120)) {
-  SpawnOptions so;
+  LaunchOptions so;
   so.timeout = timeout;
-  spawn(world, [&](int rank) {
+  launch_processes(world, [&](int rank) {
     init_rpc(worker_name(rank), rank, world, options);
     body(rank);
     shutdown(true);

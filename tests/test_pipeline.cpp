@@ -96,7 +96,7 @@ TEST_CASE("a worker dying mid-pipeline fails the step with a clear error, withou
       EXPECT(msg.find("worker2") != std::string::npos);
     });
     FAIL("worker2 was expected to die");
-  } catch (const SpawnError& e) {
+  } catch (const LaunchError& e) {
     INFO(e.what());
     REQUIRE(e.failures().size() == 1);
     CHECK(e.failures()[0].rank == 2);

@@ -239,7 +239,7 @@ TEST_CASE("a peer killed mid-call fails the waiting future with ConnectionError;
       EXPECT_EQ(rpc_sync<&add>(1, 1, 1), 2);
     });
     FAIL("worker2 was expected to die");
-  } catch (const SpawnError& e) {
+  } catch (const LaunchError& e) {
     INFO(e.what());
     REQUIRE(e.failures().size() == 1);  // only the killed rank; graceful shutdown did not hang on it
     CHECK(e.failures()[0].rank == 2);
@@ -253,7 +253,7 @@ TEST_CASE("graceful shutdown waits for calls still in flight; non-graceful fails
     // Fire and forget: shutdown() (called by run_world right after) must let these finish everywhere.
     for (int i = 0; i < 20; ++i) (void)rpc_async<&sleep_ms>(2, 50);
   });
-  spawn(2, [](int rank) {
+  launch_processes(2, [](int rank) {
     init_rpc(worker_name(rank), rank, 2, quick_options());
     if (rank == 0) {
       auto f = rpc_async<&sleep_ms>(1, 3000);
@@ -264,12 +264,12 @@ TEST_CASE("graceful shutdown waits for calls still in flight; non-graceful fails
     } else {
       shutdown(true);  // rank 0 leaves abruptly: this must not hang
     }
-  }, SpawnOptions{60s, 10s});
+  }, LaunchOptions{60s, 10s});
 }
 
 TEST_CASE("ranks may start in any order; bad registrations are refused clearly") {
-  SpawnOptions so{60s, 5s};
-  spawn(3, [](int rank) {
+  LaunchOptions so{60s, 5s};
+  launch_processes(3, [](int rank) {
     if (rank == 0) std::this_thread::sleep_for(1500ms);  // the master comes last
     init_rpc(worker_name(rank), -1, -1, quick_options());   // rank and world size from the environment
     EXPECT_EQ(get_worker_info().rank, rank);
@@ -277,14 +277,14 @@ TEST_CASE("ranks may start in any order; bad registrations are refused clearly")
     shutdown(true);
   }, so);
   try {
-    spawn(2, [](int rank) {
+    launch_processes(2, [](int rank) {
       auto options = quick_options();
       options.init_timeout = 3s;
       init_rpc("same_name", rank, 2, options);
       shutdown();
     }, so);
     FAIL("duplicate names must fail");
-  } catch (const SpawnError& e) {
+  } catch (const LaunchError& e) {
     bool named = false;
     for (auto& f : e.failures()) named = named || f.reason.find("already taken") != std::string::npos;
     CHECK(named);

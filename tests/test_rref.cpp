@@ -237,7 +237,7 @@ TEST_CASE("a dead owner fails every waiting use with ConnectionError") {
       EXPECT_THROWS_AS(r.to_here().wait(20s), ConnectionError);
     });
     FAIL("worker1 was expected to die");
-  } catch (const SpawnError& e) {
+  } catch (const LaunchError& e) {
     INFO(e.what());
     REQUIRE(e.failures().size() == 1);
     CHECK(e.failures()[0].rank == 1);

@@ -15,4 +15,4 @@
 #include "corpc/core/when_all.hpp"
 #include "corpc/rpc/call.hpp"
 #include "corpc/rpc/runtime.hpp"
-#include "corpc/rpc/spawn.hpp"
+#include "corpc/rpc/launch.hpp"

@@ -1,5 +1,5 @@
 // Local launcher: fork one process per rank, watch them, report who failed and why.
-#include "corpc/rpc/spawn.hpp"
+#include "corpc/rpc/launch.hpp"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -23,7 +23,7 @@ namespace corpc {
 namespace {
 
 std::string describe(const std::vector<RankFailure>& failures) {
-  std::string s = "spawn: " + std::to_string(failures.size()) + " rank(s) failed";
+  std::string s = "launch_processes: " + std::to_string(failures.size()) + " rank(s) failed";
   for (auto& f : failures) s += "\n  rank " + std::to_string(f.rank) + ": " + f.reason;
   return s;
 }
@@ -31,7 +31,7 @@ std::string describe(const std::vector<RankFailure>& failures) {
 // A listening socket on 127.0.0.1 with a port the OS chose; inherited by rank 0.
 int bind_master_socket(int& port) {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) throw RpcError(std::string("spawn: socket: ") + std::strerror(errno));
+  if (fd < 0) throw RpcError(std::string("launch_processes: socket: ") + std::strerror(errno));
   int one = 1;
   ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
   sockaddr_in addr{};
@@ -42,7 +42,7 @@ int bind_master_socket(int& port) {
   if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || ::listen(fd, 128) != 0 ||
       ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
     ::close(fd);
-    throw RpcError(std::string("spawn: cannot bind a port: ") + std::strerror(errno));
+    throw RpcError(std::string("launch_processes: cannot bind a port: ") + std::strerror(errno));
   }
   port = ntohs(addr.sin_port);
   return fd;
@@ -100,10 +100,10 @@ void print_backtrace_and_die(int sig) {
 
 }  // namespace
 
-SpawnError::SpawnError(std::vector<RankFailure> failures) : RpcError(describe(failures)), failures_(std::move(failures)) {}
+LaunchError::LaunchError(std::vector<RankFailure> failures) : RpcError(describe(failures)), failures_(std::move(failures)) {}
 
-void spawn(int world_size, const std::function<void(int rank)>& fn, SpawnOptions options) {
-  if (world_size <= 0) throw UsageError("spawn: world_size must be positive");
+void launch_processes(int world_size, const std::function<void(int rank)>& fn, LaunchOptions options) {
+  if (world_size <= 0) throw UsageError("launch_processes: world_size must be positive");
   int port = 0;
   const int listen_fd = bind_master_socket(port);
   struct Child {
@@ -117,9 +117,9 @@ void spawn(int world_size, const std::function<void(int rank)>& fn, SpawnOptions
   std::fflush(stderr);
   for (int rank = 0; rank < world_size; ++rank) {
     int p[2];
-    if (::pipe2(p, O_CLOEXEC) != 0) throw RpcError("spawn: pipe failed");
+    if (::pipe2(p, O_CLOEXEC) != 0) throw RpcError("launch_processes: pipe failed");
     pid_t pid = ::fork();
-    if (pid < 0) throw RpcError(std::string("spawn: fork failed: ") + std::strerror(errno));
+    if (pid < 0) throw RpcError(std::string("launch_processes: fork failed: ") + std::strerror(errno));
     if (pid == 0) {
       ::close(p[0]);
       run_child(rank, world_size, port, listen_fd, p[1], fn);
@@ -184,7 +184,7 @@ void spawn(int world_size, const std::function<void(int rank)>& fn, SpawnOptions
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   for (auto& c : children) ::close(c.err_fd);
-  if (!failures.empty()) throw SpawnError(std::move(failures));
+  if (!failures.empty()) throw LaunchError(std::move(failures));
 }
 
 }  // namespace corpc

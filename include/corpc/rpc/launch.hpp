@@ -1,6 +1,6 @@
-// corpc/rpc/spawn.hpp — run N ranks of this program as local processes (like torch.multiprocessing.spawn).
+// corpc/rpc/launch.hpp — run N ranks of this program as local processes (like torch.multiprocessing.spawn).
 //
-//   corpc::spawn(3, [](int rank) {
+//   corpc::launch_processes(3, [](int rank) {
 //     corpc::init_rpc("worker" + std::to_string(rank));   // env:// is set up for each child
 //     ...
 //     corpc::shutdown();
@@ -8,9 +8,9 @@
 //
 // Each rank is a fork of the calling process with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK and
 // LOCAL_WORLD_SIZE set, as torchrun sets them; rank 0 inherits an already-bound listening socket, so concurrent
-// spawns never collide on a port. Call it before the process starts threads of its own (as with any fork).
+// launches never collide on a port. Call it before the process starts threads of its own (as with any fork).
 // If a rank fails (throws, exits non-zero, dies on a signal, or the timeout passes) the others get a grace period to
-// finish, are then killed, and spawn throws SpawnError naming each failed rank and why. Children die with the parent.
+// finish, are then killed, and launch_processes throws LaunchError naming each failed rank and why. Children die with the parent.
 #pragma once
 
 #include <chrono>
@@ -22,7 +22,7 @@
 
 namespace corpc {
 
-struct SpawnOptions {
+struct LaunchOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // for all ranks together
   std::chrono::milliseconds grace{std::chrono::seconds(10)};   // after a first failure, before killing the rest
 };
@@ -32,15 +32,15 @@ struct RankFailure {
   std::string reason;
 };
 
-class SpawnError : public RpcError {
+class LaunchError : public RpcError {
  public:
-  explicit SpawnError(std::vector<RankFailure> failures);
+  explicit LaunchError(std::vector<RankFailure> failures);
   const std::vector<RankFailure>& failures() const noexcept { return failures_; }
 
  private:
   std::vector<RankFailure> failures_;
 };
 
-void spawn(int world_size, const std::function<void(int rank)>& fn, SpawnOptions options = {});
+void launch_processes(int world_size, const std::function<void(int rank)>& fn, LaunchOptions options = {});
 
 }  // namespace corpc
