@@ -54,6 +54,11 @@ namespace {
 // ---- the remote functions ---------------------------------------------------------------------------------------
 void noop() {}
 at::Tensor echo(const at::Tensor& t) { return t; }
+}  // namespace
+// Both are short and never block: they run on the I/O thread that reads the request (no hand-off to the pool).
+CORPC_IO_THREAD_FUNCTION(&noop);
+CORPC_IO_THREAD_FUNCTION(&echo);
+namespace {
 std::atomic<int> g_raw_port{0};
 int raw_port() { return g_raw_port.load(); }
 

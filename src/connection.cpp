@@ -1,87 +1,230 @@
-// TCP and loopback connections: framing, gathered writes from tensor storage, reads straight into new tensors.
+// TCP and loopback connections: buffered reads that parse every complete frame per system call, large payloads read
+// straight into their storage, direct writes from the sending thread, corked gathered writes during dispatch.
 #include "connection.hpp"
 
 #include <ATen/ATen.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
 
+#include <cerrno>
 #include <cstring>
 
 namespace corpc::detail {
 
 namespace {
 
-// A frame ready for the socket: header + metadata in one buffer, then the body, then each tensor's bytes.
-struct OutFrame {
-  std::string head;                  // FrameHeader followed by tensor metadata
-  std::string body;
-  std::vector<at::Tensor> tensors;   // kept alive until written
-};
+class TcpConnection;
 
-OutFrame prepare(Message&& msg) {
-  OutFrame f;
-  std::string meta;
-  std::uint64_t total = 0;
-  f.tensors = encode_tensor_meta(msg.tensors, meta, total);
-  FrameHeader h;
-  h.kind = msg.kind;
-  h.id = msg.id;
-  h.flags = msg.flags;
-  h.meta_len = static_cast<std::uint32_t>(meta.size());
-  h.body_len = static_cast<std::uint32_t>(msg.body.size());
-  h.num_tensors = static_cast<std::uint32_t>(f.tensors.size());
-  h.tensor_bytes = total;
-  f.head.resize(sizeof h + meta.size());
-  std::memcpy(f.head.data(), &h, sizeof h);
-  std::memcpy(f.head.data() + sizeof h, meta.data(), meta.size());
-  f.body = std::move(msg.body);
-  return f;
+// The dispatch batch of the calling I/O thread: open while it delivers the frames of one read.
+struct BatchState {
+  asio::io_context* io = nullptr;  // the io_context this thread runs (set by the read loop)
+  int open = 0;
+  std::vector<std::shared_ptr<TcpConnection>> dirty;
+};
+thread_local BatchState tls_batch;
+
+void batch_begin(asio::io_context& io) {
+  tls_batch.io = &io;
+  ++tls_batch.open;
 }
+void batch_end();
+
+constexpr std::size_t kReadBuffer = 64 * 1024;   // frames whose header, metadata and body fit are parsed in place
+constexpr std::size_t kCopyBodyBelow = 4 * 1024; // smaller bodies are copied into the staging buffer
+constexpr int kMaxIov = 64;
 
 class TcpConnection final : public Connection {
  public:
   TcpConnection(asio::ip::tcp::socket s, WireLimits limits, FrameHandler on_frame, CloseHandler on_close)
-      : socket_(std::move(s)), limits_(limits), on_frame_(std::move(on_frame)), on_close_(std::move(on_close)) {}
+      : Connection(static_cast<asio::io_context&>(s.get_executor().context())), socket_(std::move(s)), limits_(limits),
+        on_frame_(std::move(on_frame)), on_close_(std::move(on_close)), rbuf_(kReadBuffer) {
+    peer_limits = limits;
+  }
 
   void start_reading() {
     asio::error_code ec;
     socket_.set_option(asio::ip::tcp::no_delay(true), ec);
     auto ep = socket_.remote_endpoint(ec);
     if (!ec) remote_address = ep.address().to_string();
-    connected_ = true;
-    asio::co_spawn(socket_.get_executor(), read_loop(shared_from_this()), asio::detached);
-    write_more();
+    asio::co_spawn(socket_.get_executor(), read_loop(self()), asio::detached);
+    {
+      std::lock_guard lock(wmutex_);
+      connected_ = true;
+    }
+    flush_now();  // what was queued while dialing
   }
 
   void dial(std::string host, std::uint16_t port) {
-    asio::co_spawn(socket_.get_executor(), connect(std::static_pointer_cast<TcpConnection>(shared_from_this()),
-                                                   std::move(host), port),
-                   asio::detached);
+    asio::co_spawn(socket_.get_executor(), connect(self(), std::move(host), port), asio::detached);
   }
 
-  void send(Message msg) override {
-    auto frame = std::make_shared<OutFrame>(prepare(std::move(msg)));
-    asio::post(socket_.get_executor(), [self = shared_from_this(), frame]() {
-      auto* me = static_cast<TcpConnection*>(self.get());
-      if (me->closed_) return;
-      me->queue_.push_back(std::move(*frame));
-      me->write_more();
-    });
+  void send(OutFrame&& f) override {
+    std::unique_lock lock(wmutex_);
+    if (closed_) return;
+    if (!connected_ || flush_owned_ || corked_here() || f.tensors.size() + 3 > kMaxIov) {
+      stage(f, 0);
+      schedule_flush();
+      return;
+    }
+    // Nothing queued: write straight from the sending thread.
+    iovec iov[kMaxIov];
+    int n = 0;
+    std::size_t total = 0;
+    auto add = [&](const void* p, std::size_t len) {
+      if (!len) return;
+      iov[n++] = {const_cast<void*>(p), len};
+      total += len;
+    };
+    add(&f.head, sizeof f.head);
+    add(f.meta.data(), f.meta.size());
+    add(f.body.data(), f.body.size());
+    for (auto& t : f.tensors) add(t.data_ptr(), static_cast<std::size_t>(t.nbytes()));
+    ssize_t w = write_iov(iov, n);
+    if (w == static_cast<ssize_t>(total)) return;
+    if (w < 0) {
+      if (errno != EAGAIN && errno != EWOULDBLOCK) {
+        std::string why = std::string("write failed: ") + std::strerror(errno);
+        lock.unlock();
+        return close(why);
+      }
+      w = 0;
+    }
+    stage(f, static_cast<std::size_t>(w));
+    schedule_flush();
   }
 
   void close(std::string why) override {
-    asio::post(socket_.get_executor(), [self = shared_from_this(), why = std::move(why)]() {
-      static_cast<TcpConnection*>(self.get())->fail(why);
-    });
+    asio::post(socket_.get_executor(), [self = self(), why = std::move(why)]() { self->fail(why); });
   }
 
   void close_when_flushed() override {
-    asio::post(socket_.get_executor(), [self = shared_from_this()]() {
-      auto* me = static_cast<TcpConnection*>(self.get());
-      me->close_when_flushed_ = true;
-      if (!me->writing_ && (me->queue_.empty() || !me->connected_)) me->fail("closed");
+    asio::post(socket_.get_executor(), [self = self()]() {
+      bool now;
+      {
+        std::lock_guard lock(self->wmutex_);
+        self->close_when_flushed_ = true;
+        now = !self->flush_owned_ || !self->connected_;
+      }
+      if (now) self->fail("closed");
     });
   }
 
+  // I/O thread: writes what is staged; waits for writability when the socket is full.
+  void flush_now() {
+    std::unique_lock lock(wmutex_);
+    if (closed_ || !connected_) return;
+    while (seg_i_ < segs_.size()) {
+      iovec iov[kMaxIov];
+      int n = 0;
+      for (std::size_t i = seg_i_; i < segs_.size() && n < kMaxIov; ++i) {
+        const Seg& s = segs_[i];
+        const char* base = s.ext ? s.ext : stage_.data() + s.off;
+        const std::size_t skip = i == seg_i_ ? seg_done_ : 0;
+        iov[n++] = {const_cast<char*>(base + skip), s.len - skip};
+      }
+      ssize_t w = write_iov(iov, n);
+      if (w < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+          socket_.async_wait(asio::ip::tcp::socket::wait_write, [self = self()](const asio::error_code& ec) {
+            if (ec) return self->fail("write failed: " + ec.message());
+            self->flush_now();
+          });
+          return;  // flush_owned_ stays set: the wait owns the flush
+        }
+        std::string why = std::string("write failed: ") + std::strerror(errno);
+        lock.unlock();
+        return fail(why);
+      }
+      advance(static_cast<std::size_t>(w));
+    }
+    stage_.clear();
+    segs_.clear();
+    seg_i_ = seg_done_ = 0;
+    keep_tensors_.clear();
+    keep_bodies_.clear();
+    flush_owned_ = false;
+    if (close_when_flushed_) {
+      lock.unlock();
+      fail("closed");
+    }
+  }
+
  private:
+  struct Seg {
+    const char* ext;  // external memory (tensor storage, a large body), or nullptr: stage_ + off
+    std::size_t off;
+    std::size_t len;
+  };
+
+  std::shared_ptr<TcpConnection> self() { return std::static_pointer_cast<TcpConnection>(shared_from_this()); }
+
+  bool corked_here() const noexcept { return tls_batch.open > 0 && tls_batch.io == &const_cast<TcpConnection*>(this)->io(); }
+
+  ssize_t write_iov(iovec* iov, int n) {
+    msghdr mh{};
+    mh.msg_iov = iov;
+    mh.msg_iovlen = static_cast<std::size_t>(n);
+    ssize_t w;
+    do {
+      w = ::sendmsg(socket_.native_handle(), &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    } while (w < 0 && errno == EINTR);
+    return w;
+  }
+
+  // Appends `f` to the staged output, minus its first `skip` bytes (already written). wmutex_ held.
+  void stage(OutFrame& f, std::size_t skip) {
+    auto copy = [&](const void* p, std::size_t len) {
+      if (skip >= len) return void(skip -= len);
+      const char* c = static_cast<const char*>(p) + skip;
+      len -= skip;
+      skip = 0;
+      segs_.push_back({nullptr, stage_.size(), len});
+      stage_.append(c, len);
+    };
+    auto refer = [&](const char* p, std::size_t len) {
+      if (skip >= len) return void(skip -= len);
+      segs_.push_back({p + skip, 0, len - skip});
+      skip = 0;
+    };
+    copy(&f.head, sizeof f.head);
+    copy(f.meta.data(), f.meta.size());
+    if (f.body.size() < kCopyBodyBelow) {
+      copy(f.body.data(), f.body.size());
+    } else {
+      keep_bodies_.push_back(std::move(f.body));
+      refer(keep_bodies_.back().data(), keep_bodies_.back().size());
+    }
+    for (auto& t : f.tensors) {
+      if (!t.nbytes()) continue;
+      refer(static_cast<const char*>(t.data_ptr()), static_cast<std::size_t>(t.nbytes()));
+      keep_tensors_.push_back(std::move(t));
+    }
+  }
+
+  // Someone must write what was just staged. wmutex_ held.
+  void schedule_flush() {
+    if (flush_owned_ || !connected_) return;
+    flush_owned_ = true;
+    if (corked_here()) {
+      tls_batch.dirty.push_back(self());
+    } else {
+      asio::post(socket_.get_executor(), [self = self()] { self->flush_now(); });
+    }
+  }
+
+  void advance(std::size_t w) {
+    while (w && seg_i_ < segs_.size()) {
+      const std::size_t left = segs_[seg_i_].len - seg_done_;
+      if (w < left) {
+        seg_done_ += w;
+        return;
+      }
+      w -= left;
+      ++seg_i_;
+      seg_done_ = 0;
+    }
+  }
+
   static asio::awaitable<void> connect(std::shared_ptr<TcpConnection> self, std::string host, std::uint16_t port) {
     try {
       asio::ip::tcp::resolver resolver(self->socket_.get_executor());
@@ -94,75 +237,109 @@ class TcpConnection final : public Connection {
     if (!self->closed_) self->start_reading();
   }
 
-  static asio::awaitable<void> read_loop(std::shared_ptr<Connection> base) {
-    auto* self = static_cast<TcpConnection*>(base.get());
+  // Reads more bytes into the buffer, after flushing the batch of frames delivered so far.
+  asio::awaitable<void> read_more() {
+    batch_end();
+    if (rbeg_ == rend_) {
+      rbeg_ = rend_ = 0;
+    } else if (rbeg_ > 0) {
+      std::memmove(rbuf_.data(), rbuf_.data() + rbeg_, rend_ - rbeg_);
+      rend_ -= rbeg_;
+      rbeg_ = 0;
+    }
+    std::size_t n = co_await socket_.async_read_some(asio::buffer(rbuf_.data() + rend_, rbuf_.size() - rend_),
+                                                     asio::use_awaitable);
+    rend_ += n;
+  }
+
+  // Moves buffered bytes into `dst` (up to `len`); returns how many.
+  std::size_t take_buffered(char* dst, std::size_t len) {
+    const std::size_t n = std::min(len, rend_ - rbeg_);
+    std::memcpy(dst, rbuf_.data() + rbeg_, n);
+    rbeg_ += n;
+    return n;
+  }
+
+  static asio::awaitable<void> read_loop(std::shared_ptr<TcpConnection> self) {
     try {
-      for (;;) {
-        FrameHeader h;
-        co_await asio::async_read(self->socket_, asio::buffer(&h, sizeof h), asio::use_awaitable);
-        validate_header(h, self->limits_);
-        std::string meta(h.meta_len, '\0');
-        Message msg;
-        msg.kind = h.kind;
-        msg.id = h.id;
-        msg.flags = h.flags;
-        msg.body.resize(h.body_len);
-        std::array<asio::mutable_buffer, 2> head_bufs{asio::buffer(meta), asio::buffer(msg.body)};
-        co_await asio::async_read(self->socket_, head_bufs, asio::use_awaitable);
-        msg.tensors = decode_tensor_meta(meta, h.num_tensors, h.tensor_bytes, self->limits_);
-        if (h.tensor_bytes) {
-          std::vector<asio::mutable_buffer> data;
-          data.reserve(msg.tensors.size());
-          for (auto& t : msg.tensors) {
-            if (t.numel()) data.emplace_back(t.data_ptr(), static_cast<std::size_t>(t.nbytes()));
-          }
-          co_await asio::async_read(self->socket_, data, asio::use_awaitable);
-        }
-        if (msg.kind == FrameKind::Goodbye) self->said_goodbye = true;
-        if (self->closed_) co_return;
-        self->on_frame_(base, std::move(msg));
-      }
+      co_await self->read_frames(self);
     } catch (const ProtocolError& e) {
+      batch_end();
       self->fail(std::string("protocol error: ") + e.what());
     } catch (const std::system_error& e) {
+      batch_end();
       self->fail(e.code() == asio::error::eof ? "connection closed by peer" : e.what());
     } catch (const std::exception& e) {
+      batch_end();
       self->fail(e.what());
     }
   }
 
-  void write_more() {
-    if (writing_ || !connected_ || closed_ || queue_.empty()) return;
-    // Coalesce whatever is queued into one gathered write: many small frames cost one syscall.
-    std::vector<asio::const_buffer> bufs;
-    std::size_t frames = 0, bytes = 0;
-    for (auto& f : queue_) {
-      if (frames && (frames >= 64 || bytes > (1u << 20))) break;
-      bufs.emplace_back(asio::buffer(f.head));
-      if (!f.body.empty()) bufs.emplace_back(asio::buffer(f.body));
-      for (auto& t : f.tensors)
-        if (t.numel()) bufs.emplace_back(t.data_ptr(), static_cast<std::size_t>(t.nbytes()));
-      bytes += f.head.size() + f.body.size();
-      ++frames;
+  asio::awaitable<void> read_frames(std::shared_ptr<Connection> base) {
+    for (;;) {
+      while (rend_ - rbeg_ < sizeof(FrameHeader)) {
+        // A stranger (an HTTP probe, a port scanner) is turned away on its first bytes, not after a header's worth.
+        if (rend_ - rbeg_ >= sizeof(kFrameMagic) && std::memcmp(rbuf_.data() + rbeg_, &kFrameMagic, sizeof(kFrameMagic)))
+          throw ProtocolError("bad frame magic (not a corpc peer?)");
+        co_await read_more();
+      }
+      Message msg;
+      std::memcpy(&msg.head, rbuf_.data() + rbeg_, sizeof(FrameHeader));
+      const FrameHeader& h = msg.head;
+      validate_header(h, limits_);
+      rbeg_ += sizeof(FrameHeader);
+      const std::size_t head_len = std::size_t{h.meta_len} + h.body_len;
+      if (head_len <= rbuf_.size()) {
+        while (rend_ - rbeg_ < head_len) co_await read_more();
+        const char* meta = rbuf_.data() + rbeg_;
+        msg.body.assign(meta + h.meta_len, h.body_len);
+        if (h.num_tensors || h.meta_len)
+          msg.tensors = decode_tensor_meta(meta, h.meta_len, h.num_tensors, h.tensor_bytes, limits_);
+        rbeg_ += head_len;
+      } else {
+        // Too large to buffer: straight into its own storage, without a copy through the buffer.
+        std::string meta(h.meta_len, '\0');
+        msg.body.resize(h.body_len);
+        const std::size_t m = take_buffered(meta.data(), meta.size());
+        const std::size_t b = take_buffered(msg.body.data(), msg.body.size());
+        std::array<asio::mutable_buffer, 2> rest{asio::buffer(meta.data() + m, meta.size() - m),
+                                                 asio::buffer(msg.body.data() + b, msg.body.size() - b)};
+        batch_end();
+        co_await asio::async_read(socket_, rest, asio::use_awaitable);
+        msg.tensors = decode_tensor_meta(meta.data(), meta.size(), h.num_tensors, h.tensor_bytes, limits_);
+      }
+      if (h.tensor_bytes) {
+        std::vector<asio::mutable_buffer> rest;
+        for (auto& t : msg.tensors) {
+          auto* p = static_cast<char*>(t.data_ptr());
+          const auto len = static_cast<std::size_t>(t.nbytes());
+          const std::size_t got = take_buffered(p, len);
+          if (got < len) rest.emplace_back(p + got, len - got);
+        }
+        if (!rest.empty()) {
+          batch_end();
+          co_await asio::async_read(socket_, rest, asio::use_awaitable);
+        }
+      }
+      if (h.kind == FrameKind::Goodbye) said_goodbye = true;
+      if (closed_) co_return;
+      if (tls_batch.open == 0) batch_begin(io());
+      on_frame_(base, std::move(msg));
     }
-    writing_ = true;
-    asio::async_write(socket_, bufs, [self = shared_from_this(), frames](const asio::error_code& ec, std::size_t) {
-      auto* me = static_cast<TcpConnection*>(self.get());
-      me->writing_ = false;
-      if (ec) return me->fail("write failed: " + ec.message());
-      for (std::size_t i = 0; i < frames && !me->queue_.empty(); ++i) me->queue_.pop_front();
-      if (me->queue_.empty() && me->close_when_flushed_) return me->fail("closed");
-      me->write_more();
-    });
   }
 
   void fail(const std::string& why) {
-    if (closed_) return;
-    closed_ = true;
-    asio::error_code ec;
-    socket_.shutdown(asio::ip::tcp::socket::shutdown_both, ec);
-    socket_.close(ec);
-    queue_.clear();
+    {
+      std::lock_guard lock(wmutex_);
+      if (closed_) return;
+      closed_ = true;  // before the socket closes: no sender may touch its descriptor after this
+      asio::error_code ec;
+      socket_.shutdown(asio::ip::tcp::socket::shutdown_both, ec);
+      socket_.close(ec);
+      keep_tensors_.clear();
+      keep_bodies_.clear();
+      segs_.clear();
+    }
     auto handler = std::move(on_close_);
     on_frame_ = nullptr;
     if (handler) handler(shared_from_this(), why);
@@ -170,43 +347,73 @@ class TcpConnection final : public Connection {
 
   asio::ip::tcp::socket socket_;
   WireLimits limits_;
-  FrameHandler on_frame_;
-  CloseHandler on_close_;
-  std::deque<OutFrame> queue_;
-  bool writing_ = false;
+  FrameHandler on_frame_;   // I/O thread
+  CloseHandler on_close_;   // I/O thread
+  std::vector<char> rbuf_;  // I/O thread
+  std::size_t rbeg_ = 0, rend_ = 0;
+
+  std::mutex wmutex_;  // guards everything below, and the socket's descriptor against close while a sender writes
+  std::string stage_;
+  std::vector<Seg> segs_;
+  std::size_t seg_i_ = 0, seg_done_ = 0;
+  std::vector<at::Tensor> keep_tensors_;
+  std::vector<std::string> keep_bodies_;
+  bool flush_owned_ = false;  // a flush is due: posted, in the batch's dirty list, or waiting for writability
   bool connected_ = false;
   bool closed_ = false;
   bool close_when_flushed_ = false;
+
+  friend void batch_end();
 };
+
+void batch_end() {
+  if (tls_batch.open == 0) return;
+  tls_batch.open = 0;
+  // Flushing may deliver nothing new, but take the list first: a flush never adds to it (the batch is closed).
+  for (std::size_t i = 0; i < tls_batch.dirty.size(); ++i) tls_batch.dirty[i]->flush_now();
+  tls_batch.dirty.clear();
+}
 
 class LoopbackConnection final : public Connection {
  public:
-  LoopbackConnection(asio::io_context& io, FrameHandler on_frame) : io_(io), on_frame_(std::move(on_frame)) {}
+  LoopbackConnection(asio::io_context& io, WireLimits limits, FrameHandler on_frame)
+      : Connection(io), limits_(limits), on_frame_(std::move(on_frame)) {
+    peer_limits = limits;
+  }
 
-  void send(Message msg) override {
+  void send(OutFrame&& f) override {
     // Same semantics as the wire: the receiver gets its own copy of every tensor, detached, requires_grad kept.
-    for (auto& t : msg.tensors) {
-      if (!t.defined()) continue;
-      bool rg = t.requires_grad();
-      t = t.detach().to(at::kCPU).clone();
-      if (rg) t.set_requires_grad(true);
+    Message msg;
+    msg.head = f.head;
+    msg.body = std::move(f.body);
+    if (f.head.num_tensors) {
+      msg.tensors = decode_tensor_meta(f.meta.data(), f.meta.size(), f.head.num_tensors, f.head.tensor_bytes, limits_);
+      for (std::size_t i = 0; i < msg.tensors.size(); ++i)
+        if (msg.tensors[i].nbytes())
+          std::memcpy(msg.tensors[i].data_ptr(), f.tensors[i].data_ptr(), static_cast<std::size_t>(f.tensors[i].nbytes()));
     }
-    asio::post(io_, [self = shared_from_this(), msg = std::move(msg)]() mutable {
+    asio::post(io(), [self = shared_from_this(), msg = std::move(msg)]() mutable {
       auto* me = static_cast<LoopbackConnection*>(self.get());
-      if (me->on_frame_) me->on_frame_(self, std::move(msg));
+      if (!me->on_frame_) return;
+      DispatchBatch batch(me->io());
+      me->on_frame_(self, std::move(msg));
     });
   }
   void close(std::string) override {
-    asio::post(io_, [self = shared_from_this()] { static_cast<LoopbackConnection*>(self.get())->on_frame_ = nullptr; });
+    asio::post(io(), [self = shared_from_this()] { static_cast<LoopbackConnection*>(self.get())->on_frame_ = nullptr; });
   }
   void close_when_flushed() override { close({}); }
 
  private:
-  asio::io_context& io_;
+  WireLimits limits_;
   FrameHandler on_frame_;
 };
 
 }  // namespace
+
+DispatchBatch::DispatchBatch(asio::io_context& io) { batch_begin(io); }
+DispatchBatch::~DispatchBatch() { flush(); }
+void DispatchBatch::flush() { batch_end(); }
 
 std::shared_ptr<Connection> make_tcp_connection(asio::ip::tcp::socket socket, WireLimits limits, FrameHandler on_frame,
                                                 CloseHandler on_close) {
@@ -225,8 +432,8 @@ std::shared_ptr<Connection> dial_tcp_connection(asio::io_context& io, int peer_r
   return c;
 }
 
-std::shared_ptr<Connection> make_loopback_connection(asio::io_context& io, FrameHandler on_frame) {
-  return std::make_shared<LoopbackConnection>(io, std::move(on_frame));
+std::shared_ptr<Connection> make_loopback_connection(asio::io_context& io, WireLimits limits, FrameHandler on_frame) {
+  return std::make_shared<LoopbackConnection>(io, limits, std::move(on_frame));
 }
 
 }  // namespace corpc::detail

@@ -146,11 +146,14 @@ class Container {
 
 std::shared_ptr<Container> container() { return Runtime::get().extension<Container>(); }
 
+const int g_context_slot = CallContext::new_slot();
+
 const bool g_hooks_installed = [] {
   add_runtime_initializer([](Runtime& rt) {
     auto c = rt.extension<Container>();
     std::weak_ptr<Container> weak = c;
     TensorHooks hooks;
+    hooks.context_slot = detail::context_slot();
     hooks.on_send = [weak](std::int64_t ctx, int dst, const std::vector<at::Tensor>& ts) -> std::int64_t {
       auto c = weak.lock();
       return c ? c->on_send(ctx, dst, ts) : -1;
@@ -213,7 +216,7 @@ Future<void> local_pass(const std::shared_ptr<ContextState>& ctx, const ag::edge
   }
   ag::variable_list captured;
   if (!outputs.empty()) {
-    CallContextScope no_ctx(CallContext{});  // gradients are not themselves recorded
+    CallContextScope no_ctx(detail::with_context(-1));  // gradients are not themselves recorded
     captured = ag::Engine::get_default_engine().execute(engine_roots, engine_grads, /*keep_graph=*/true,
                                                         /*create_graph=*/false, /*accumulate_grad=*/false, outputs);
   }
@@ -223,7 +226,7 @@ Future<void> local_pass(const std::shared_ptr<ContextState>& ctx, const ag::edge
     else ctx->accumulate(leaves[i], captured[i]);
   }
   std::vector<Future<void>> remote;
-  CallContextScope no_ctx(CallContext{});
+  CallContextScope no_ctx(detail::with_context(-1));
   for (auto& [recv, g] : shipped) remote.push_back(rpc_async<&continue_from_send>(recv->src(), ctx->id, recv->msg_id(), g));
   return wait_all(std::move(remote));
 }
@@ -238,7 +241,7 @@ Future<void> run_pass(std::shared_ptr<ContextState> ctx, ag::edge_list roots, ag
     } catch (...) {
       shipped = make_exceptional_future<void>(std::current_exception());
     }
-    shipped.on_complete_inline([shipped, done] {
+    corpc::detail::on_ready_inline(shipped, [shipped, done] {
       if (auto e = shipped.error()) done->set_exception(e);
       else done->set_value();
     });
@@ -271,7 +274,7 @@ void release_context(std::int64_t ctx_id) {
     std::lock_guard lock(c->mutex);
     peers = c->peers;
   }
-  CallContextScope no_ctx(CallContext{});
+  CallContextScope no_ctx(detail::with_context(-1));
   for (int p : peers)
     if (p != Runtime::get().rank() && Runtime::get().is_alive(p)) (void)rpc_async<&release_context>(p, ctx_id);
 }
@@ -280,7 +283,7 @@ std::uint64_t live_contexts_here() { return container()->size(); }
 
 }  // namespace
 
-Context::Context() : id_(container()->new_id()), scope_(CallContext{id_}) { (void)container()->get_or_create(id_); }
+Context::Context() : id_(container()->new_id()), scope_(detail::with_context(id_)) { (void)container()->get_or_create(id_); }
 
 Context::~Context() {
   try {
@@ -321,5 +324,16 @@ GradientMap get_gradients(std::int64_t context_id) {
 
 std::size_t live_contexts() { return container()->size(); }
 Future<std::uint64_t> live_contexts(const WorkerRef& worker) { return rpc_async<&live_contexts_here>(worker); }
+
+namespace detail {
+int context_slot() { return g_context_slot; }
+CallContext with_context(std::int64_t id) {
+  CallContext c = current_call_context();
+  c.set(g_context_slot, id);
+  return c;
+}
+}  // namespace detail
+
+std::int64_t current_context_id() { return current_call_context().get(g_context_slot); }
 
 }  // namespace corpc::dist_autograd

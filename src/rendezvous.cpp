@@ -16,14 +16,20 @@ bool is_loopback_host(const std::string& host) {
 
 }  // namespace
 
-Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous) {
+Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits) {
   Message m;
-  m.kind = FrameKind::Hello;
+  m.head.kind = FrameKind::Hello;
   Writer w(m.body);
   w.put(std::uint32_t{kProtocolVersion});
   w.put(self);
   w.put(world_size);
   w.put(rendezvous);
+  // What we accept, so that senders refuse oversized messages themselves instead of losing the connection.
+  w.put(limits.max_body_bytes);
+  w.put(limits.max_meta_bytes);
+  w.put(limits.max_tensors);
+  w.put(limits.max_tensor_bytes);
+  w.put(limits.max_dims);
   return m;
 }
 
@@ -31,42 +37,42 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
   std::string listen_host = options.listen_address;
   if (listen_host.empty()) listen_host = is_loopback_host(master_host) ? "127.0.0.1" : "0.0.0.0";
   if (self.rank == 0 && listen_fd >= 0) {
-    // A launcher (corpc::spawn) bound the port for us, so no other process can take it in between.
-    acceptor.assign(asio::ip::tcp::v4(), listen_fd);
+    // A launcher (corpc::launch_processes) bound the port for us, so no other process can take it in between.
+    acceptor->assign(asio::ip::tcp::v4(), listen_fd);
   } else {
-    asio::ip::tcp::resolver resolver(io);
+    asio::ip::tcp::resolver resolver(main_io());
     auto endpoint = *resolver.resolve(listen_host, std::to_string(self.rank == 0 ? master_port : 0)).begin();
-    acceptor.open(endpoint.endpoint().protocol());
-    acceptor.set_option(asio::ip::tcp::acceptor::reuse_address(true));
+    acceptor->open(endpoint.endpoint().protocol());
+    acceptor->set_option(asio::ip::tcp::acceptor::reuse_address(true));
     try {
-      acceptor.bind(endpoint);
+      acceptor->bind(endpoint);
     } catch (const std::system_error& e) {
       throw ConnectionError("cannot listen on " + listen_host + ":" + std::to_string(endpoint.endpoint().port()) +
                             ": " + e.what());
     }
-    acceptor.listen();
+    acceptor->listen();
   }
-  self.port = acceptor.local_endpoint().port();
+  self.port = acceptor->local_endpoint().port();
   self.host = self.rank == 0 ? master_host : "";  // others: the address rank 0 sees them at
   if (self.rank == 0) {
     // Registered before accepting anyone: a worker's registration may be processed the moment we accept it.
     std::lock_guard lock(conn_mutex);
     registrations[0] = {self, nullptr};
   }
-  asio::post(io, [this] {
+  asio::post(main_io(), [this] {
     accept_loop();
     if (self.rank == 0) publish_world_if_complete();  // a world of one
   });
 
   const auto deadline = std::chrono::steady_clock::now() + options.init_timeout;
   if (self.rank != 0) {
-    asio::co_spawn(io, [this, master_host, master_port, deadline]() -> asio::awaitable<void> {
-      asio::steady_timer pause(io);
+    asio::co_spawn(main_io(), [this, master_host, master_port, deadline]() -> asio::awaitable<void> {
+      asio::steady_timer pause(main_io());
       for (;;) {
-        asio::ip::tcp::socket socket(io);
+        asio::ip::tcp::socket socket(main_io());
         std::string failure;
         try {
-          asio::ip::tcp::resolver resolver(io);
+          asio::ip::tcp::resolver resolver(main_io());
           auto endpoints = co_await resolver.async_resolve(master_host, std::to_string(master_port), asio::use_awaitable);
           co_await asio::async_connect(socket, endpoints, asio::use_awaitable);
         } catch (const std::exception& e) {
@@ -89,7 +95,7 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
           std::lock_guard lock(conn_mutex);
           outgoing[0] = conn;
         }
-        conn->send(hello_message(self, world_size, true));
+        conn->send(prepare(hello_message(self, world_size, true, options.limits)));
         co_return;
       }
     }, asio::detached);
@@ -124,6 +130,7 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Me
   WorkerInfo info;
   int their_world = 0;
   bool registering = false;
+  WireLimits theirs;
   try {
     Reader r(msg.body.data(), msg.body.size());
     auto version = r.get<std::uint32_t>();
@@ -131,8 +138,19 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Me
     info = r.get<WorkerInfo>();
     their_world = r.get<int>();
     registering = r.get<bool>();
+    theirs.max_body_bytes = r.get<std::uint32_t>();
+    theirs.max_meta_bytes = r.get<std::uint32_t>();
+    theirs.max_tensors = r.get<std::uint32_t>();
+    theirs.max_tensor_bytes = r.get<std::uint64_t>();
+    theirs.max_dims = r.get<std::uint32_t>();
   } catch (const ProtocolError& e) {
     return refuse(conn, std::string("malformed hello: ") + e.what());
+  }
+  if (conn->outgoing) {
+    // The answer to our own Hello: what the peer accepts. Until it arrives we assume our own limits.
+    if (info.rank != conn->peer_rank) return conn->close("protocol error: hello from rank " + std::to_string(info.rank));
+    conn->peer_limits = theirs;
+    return;
   }
   if (their_world != world_size)
     return refuse(conn, "world size " + std::to_string(their_world) + " != " + std::to_string(world_size));
@@ -142,6 +160,8 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Me
     if (world_known && workers[info.rank].name != info.name)
       return refuse(conn, "rank " + std::to_string(info.rank) + " is '" + workers[info.rank].name + "', not '" + info.name + "'");
     conn->peer_rank = info.rank;
+    conn->peer_limits = theirs;
+    conn->send(prepare(hello_message(self, world_size, false, options.limits)));
     return;
   }
   if (self.rank != 0) return refuse(conn, "registration sent to rank " + std::to_string(self.rank));
@@ -154,6 +174,8 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Me
       if (reg.first.name == info.name) return refuse(conn, "worker name '" + info.name + "' is already taken by rank " + std::to_string(rank));
     if (info.host.empty()) info.host = conn->remote_address;
     conn->peer_rank = info.rank;
+    conn->peer_limits = theirs;
+    conn->send(prepare(hello_message(self, world_size, false, options.limits)));
     registrations[info.rank] = {info, conn};
   }
   publish_world_if_complete();
@@ -173,12 +195,12 @@ void Runtime::Impl::publish_world_if_complete() {
     }
   }
   Message world;
-  world.kind = FrameKind::World;
+  world.head.kind = FrameKind::World;
   Writer w(world.body);
   w.put(table);
   for (auto& c : conns) {
     Message copy = world;
-    c->send(std::move(copy));
+    c->send(prepare(std::move(copy)));
   }
   Message self_world = std::move(world);
   on_world(std::move(self_world));

@@ -114,7 +114,7 @@ std::shared_ptr<RRefState> RRefContext::new_user(const RRefId& id, const ForkId&
   state->context = weak_from_this();
   user_refs_++;
   unconfirmed_++;
-  state->confirmed.on_complete_inline([self = weak_from_this()] {
+  detail::on_ready_inline(state->confirmed, [self = weak_from_this()] {
     if (auto ctx = self.lock()) ctx->unconfirmed_--;
   });
   return state;
@@ -148,7 +148,7 @@ std::shared_ptr<RRefState> RRefContext::receive(const RRefId& id, const ForkId& 
   } else {
     auto reply = rpc_async<&rref_fork_request>(owner, id, fork, self_, sender);
     const bool own_child = sender == self_;
-    reply.on_complete_inline([reply, confirm = state->confirm_promise, own_child, fork, weak = weak_from_this()] {
+    detail::on_ready_inline(reply, [reply, confirm = state->confirm_promise, own_child, fork, weak = weak_from_this()] {
       if (auto e = reply.error()) confirm->set_exception(e);
       else confirm->set_value();
       if (auto ctx = weak.lock(); ctx && own_child) ctx->accept_child(fork);
@@ -199,7 +199,7 @@ void RRefContext::release(RRefState& state) {
   // Not confirmed yet: the owner may not know this fork, so the delete waits for the confirmation.
   deferred_deletes_++;
   auto confirmed = state.confirmed;
-  confirmed.on_complete_inline([confirmed, send_delete, owner_may_know, self = weak_from_this()] {
+  detail::on_ready_inline(confirmed, [confirmed, send_delete, owner_may_know, self = weak_from_this()] {
     if (owner_may_know(confirmed)) send_delete();
     if (auto ctx = self.lock()) ctx->deferred_deletes_--;
   });
@@ -216,7 +216,7 @@ Future<void> RRefContext::run_serialized(const std::shared_ptr<OwnerSlot>& s, st
     } catch (...) {
       f = make_exceptional_future<void>(std::current_exception());
     }
-    f.on_complete_inline([weak, s, f, done] {
+    detail::on_ready_inline(f, [weak, s, f, done] {
       if (auto e = f.error()) done->set_exception(e);
       else done->set_value();
       if (auto ctx = weak.lock()) ctx->start_next(s);

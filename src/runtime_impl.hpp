@@ -1,5 +1,12 @@
-// The runtime's private state. Threads: the network thread owns connections and timers; the worker pool runs
-// handlers; any thread may call. Fields say which lock or thread guards them.
+// The runtime's private state, shared by the files that implement it:
+//   runtime.cpp     public surface, init_rpc, the I/O threads
+//   calls.cpp       outgoing calls: framing, registration, deadlines, replies
+//   dispatch.cpp    incoming requests: lookup, execution (I/O thread or pool), replies and error frames
+//   peers.cpp       connections: dialing, accepting, closing, peer death
+//   shutdown.cpp    graceful shutdown (termination detection)
+//   rendezvous.cpp  finding every worker at start
+// Threads: I/O threads own connections and timers; the worker pool runs handlers; any thread may call. Fields say
+// which lock or thread guards them.
 #pragma once
 
 #include <asio.hpp>
@@ -8,11 +15,13 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 #include <unordered_map>
 
 #include "connection.hpp"
+#include "corpc/rpc/registry.hpp"
 #include "corpc/rpc/runtime.hpp"
 
 namespace corpc {
@@ -24,10 +33,19 @@ struct Runtime::Impl {
   std::vector<WorkerInfo> workers;  // by rank; written once by rendezvous before init_rpc returns
   std::unordered_map<std::string, int> rank_by_name;
 
-  asio::io_context io;
-  asio::executor_work_guard<asio::io_context::executor_type> work{io.get_executor()};
-  asio::ip::tcp::acceptor acceptor{io};
-  std::thread io_thread;
+  // I/O threads: connection k (in order of creation) belongs to io_threads[k % n]. io_threads[0] also runs the
+  // acceptor and rendezvous.
+  struct IoThread {
+    asio::io_context io;
+    asio::executor_work_guard<asio::io_context::executor_type> work{io.get_executor()};
+    std::thread thread;
+    std::unique_ptr<Executor> executor;  // posts to `io`; current on the thread
+  };
+  std::vector<std::unique_ptr<IoThread>> io_threads;
+  std::atomic<std::size_t> next_io{0};
+  asio::io_context& main_io() { return io_threads[0]->io; }
+  asio::io_context& pick_io() { return io_threads[next_io.fetch_add(1) % io_threads.size()]->io; }
+  std::optional<asio::ip::tcp::acceptor> acceptor;  // on the main I/O thread; created with the threads
   std::unique_ptr<ThreadPool> pool;
 
   // Connections, guarded by conn_mutex.
@@ -36,29 +54,6 @@ struct Runtime::Impl {
   std::set<std::shared_ptr<detail::Connection>> incoming;      // accepted connections
   std::vector<std::string> dead;                               // by rank: why it is gone ("" = alive)
   bool closing = false;
-
-  // Calls in flight, guarded by pending_mutex.
-  // Timeouts: one timer for all calls, armed for the earliest deadline (calls made with the same timeout arrive in
-  // deadline order, so it rarely needs re-arming), instead of a timer and a network-thread post per call.
-  using Deadlines = std::multimap<std::chrono::steady_clock::time_point, std::uint64_t>;
-  struct Pending {
-    int dst;
-    std::string function;
-    ReplyCallback callback;
-    Deadlines::iterator deadline;
-    std::chrono::milliseconds timeout;
-    bool counted;
-  };
-  std::mutex pending_mutex;
-  std::unordered_map<std::uint64_t, Pending> pending;
-  Deadlines deadlines;                                                    // pending_mutex
-  std::chrono::steady_clock::time_point armed_for = std::chrono::steady_clock::time_point::max();  // pending_mutex
-  asio::steady_timer sweeper{io};                                         // network thread
-  // Removes a pending call (pending_mutex held); false if it is not there any more.
-  bool take_pending(std::uint64_t id, Pending& out);
-  void arm_sweeper();  // network thread
-  void sweep();        // network thread
-  std::atomic<std::uint64_t> next_request_id{1};
 
   std::atomic<std::uint64_t> accepted{0}, accept_errors{0};  // diagnostics for rendezvous failures
   std::atomic<std::uint64_t> requests_sent{0}, requests_handled{0}, calls_in_flight{0}, handlers_running{0};
@@ -73,16 +68,16 @@ struct Runtime::Impl {
   std::mutex extensions_mutex;
   std::map<std::type_index, std::shared_ptr<void>> extensions;
 
-  std::mutex hooks_mutex;
-  TensorHooks tensor_hooks;
+  TensorHooks tensor_hooks;  // set by runtime initializers, read-only afterwards
+  std::mutex hooks_mutex;    // guards the two below
   std::vector<std::function<void(int, const std::string&)>> failure_listeners;
   std::function<bool()> quiescence_probe;
 
-  // Rendezvous (network thread). On rank 0: registrations so far. Elsewhere: the answer.
+  // Rendezvous (main I/O thread). On rank 0: registrations so far. Elsewhere: the answer.
   std::map<int, std::pair<WorkerInfo, std::shared_ptr<detail::Connection>>> registrations;  // conn_mutex
   Promise<void> world_ready;
   std::atomic<bool> world_known{false};
-  // Requests that arrive before we have the world table (a peer heard from rank 0 first); network thread.
+  // Requests that arrive before we have the world table (a peer heard from rank 0 first); main I/O thread.
   std::vector<std::pair<std::shared_ptr<detail::Connection>, Message>> early_requests;
 
   // Graceful shutdown bookkeeping on rank 0, guarded by barrier_mutex.
@@ -96,22 +91,42 @@ struct Runtime::Impl {
 
   // ---- runtime.cpp ----
   void start_threads();
+  void stop_threads();
+  std::string name_of(int rank) const;
+  // The CallContext a request's handler runs with: the caller's context id in the hooks' slot.
+  CallContext handler_context(std::int64_t context_id) const noexcept;
+  std::int64_t outbound_context() const noexcept {
+    return tensor_hooks.context_slot >= 0 ? current_call_context().get(tensor_hooks.context_slot) : -1;
+  }
+
+  // ---- calls.cpp ----
+  void start_call(detail::OutboundCall&& call);
+  void deliver_reply(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
+  void arm_deadline_timer(const std::shared_ptr<detail::Connection>& conn);  // conn's I/O thread
+  void fail_calls(detail::Connection& conn, std::exception_ptr error);
+  // Lets distributed autograd record a send function for an outbound message; fills its header's autograd ids.
+  void stamp_autograd(Message& m, int dst) const;
+  void attach_autograd(const FrameHeader& h, int src, std::vector<at::Tensor>& tensors) const;
+
+  // ---- dispatch.cpp ----
   void on_frame(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
-  void on_close(const std::shared_ptr<detail::Connection>& conn, const std::string& why);
-  void handle_request(std::shared_ptr<detail::Connection> conn, Message msg);
-  void deliver_reply(Message&& msg);
+  void on_request(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
   void send_error(const std::shared_ptr<detail::Connection>& conn, std::uint64_t id, std::exception_ptr error,
                   std::string_view function);
-  std::shared_ptr<detail::Connection> connection_to(int rank);
-  void mark_dead(int rank, const std::string& why);
-  void fail_pending(int rank, std::exception_ptr error);
-  void fail_all_pending(std::exception_ptr error);
-  void accept_loop();
-  void close_everything(bool say_goodbye);
+
+  // ---- peers.cpp ----
   std::function<void(const std::shared_ptr<detail::Connection>&, Message&&)> frame_handler();
   std::function<void(const std::shared_ptr<detail::Connection>&, const std::string&)> close_handler();
+  std::shared_ptr<detail::Connection> connection_to(int rank);
+  void on_close(const std::shared_ptr<detail::Connection>& conn, const std::string& why);
+  void mark_dead(int rank, const std::string& why);
+  void fail_all_calls(std::exception_ptr error);
+  void accept_loop();
+  void close_everything(bool say_goodbye);
+
+  // ---- shutdown.cpp ----
   void check_rounds();
-  std::string name_of(int rank) const;
+  void graceful_shutdown();
 
   // ---- rendezvous.cpp ----
   void rendezvous(const std::string& master_host, std::uint16_t master_port, int listen_fd);
@@ -121,8 +136,13 @@ struct Runtime::Impl {
   void publish_world_if_complete();
 };
 
+Runtime::Impl& runtime_impl(Runtime& rt) noexcept;
+
 void validate_worker_name(const std::string& name);
 // The first frame on every dialed connection (rendezvous.cpp).
-Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous);
+Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits);
+// Error frames (error_frames.cpp): [u8 code][worker][function][type][message].
+Message error_frame(std::uint64_t id, std::exception_ptr error, const std::string& worker, std::string_view function);
+std::exception_ptr decode_error(const Message& msg, const std::string& worker, std::string_view function);
 
 }  // namespace corpc

@@ -58,9 +58,9 @@ std::vector<at::Tensor> encode_tensor_meta(const std::vector<at::Tensor>& tensor
   return wire;
 }
 
-std::vector<at::Tensor> decode_tensor_meta(const std::string& meta, std::uint32_t num_tensors,
+std::vector<at::Tensor> decode_tensor_meta(const char* meta, std::size_t meta_len, std::uint32_t num_tensors,
                                            std::uint64_t total_bytes, const WireLimits& limits) {
-  Reader r(meta.data(), meta.size());
+  Reader r(meta, meta_len);
   std::vector<at::Tensor> out;
   out.reserve(num_tensors);
   std::uint64_t sum = 0;
@@ -100,6 +100,39 @@ std::vector<at::Tensor> decode_tensor_meta(const std::string& meta, std::uint32_
   if (sum != total_bytes) throw ProtocolError("tensor bytes do not add up to the frame's total");
   if (r.remaining() != 0) throw ProtocolError("trailing bytes in tensor metadata");
   return out;
+}
+
+OutFrame prepare(Message&& msg) {
+  OutFrame f;
+  f.head = msg.head;
+  std::uint64_t total = 0;
+  if (!msg.tensors.empty()) f.tensors = encode_tensor_meta(msg.tensors, f.meta, total);
+  f.head.meta_len = static_cast<std::uint32_t>(f.meta.size());
+  f.head.body_len = static_cast<std::uint32_t>(msg.body.size());
+  f.head.num_tensors = static_cast<std::uint32_t>(f.tensors.size());
+  f.head.tensor_bytes = total;
+  f.body = std::move(msg.body);
+  // Checked here, against our own limits' hard ceiling, so that no length is ever truncated by the 32-bit fields.
+  if (f.body.size() > std::numeric_limits<std::uint32_t>::max() || f.meta.size() > std::numeric_limits<std::uint32_t>::max())
+    throw MessageTooLargeError("message body of " + std::to_string(f.body.size()) + " bytes cannot be framed (4 GiB at most)");
+  return f;
+}
+
+void check_limits(const OutFrame& f, const WireLimits& lim, const std::string& receiver) {
+  auto refuse = [&](const std::string& what, std::uint64_t n, std::uint64_t limit) {
+    throw MessageTooLargeError(what + " of " + std::to_string(n) + " bytes is over the " + std::to_string(limit) +
+                               " that worker '" + receiver + "' accepts (its RpcOptions::limits)");
+  };
+  if (f.body.size() > lim.max_body_bytes) refuse("message body", f.body.size(), lim.max_body_bytes);
+  if (f.meta.size() > lim.max_meta_bytes) refuse("tensor metadata", f.meta.size(), lim.max_meta_bytes);
+  if (f.tensors.size() > lim.max_tensors)
+    throw MessageTooLargeError(std::to_string(f.tensors.size()) + " tensors are more than worker '" + receiver +
+                               "' accepts in one message (" + std::to_string(lim.max_tensors) + ")");
+  if (f.head.tensor_bytes > lim.max_tensor_bytes) refuse("tensor data", f.head.tensor_bytes, lim.max_tensor_bytes);
+  for (const auto& t : f.tensors)
+    if (static_cast<std::uint32_t>(t.dim()) > lim.max_dims)
+      throw MessageTooLargeError("a tensor of " + std::to_string(t.dim()) + " dimensions is more than worker '" +
+                                 receiver + "' accepts");
 }
 
 }  // namespace corpc

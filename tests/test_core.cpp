@@ -140,14 +140,17 @@ TEST_CASE("co_await resumes on the executor the coroutine suspended on") {
 
 TEST_CASE("the call context follows a coroutine across threads") {
   ThreadPool pool(2);
+  static const int slot = CallContext::new_slot();
   auto task = []() -> Task<std::int64_t> {
-    CallContextScope scope(CallContext{17});
+    CallContext ctx;
+    ctx.set(slot, 17);
+    CallContextScope scope(ctx);
     co_await later(1, 5ms);      // completes on a foreign thread, resumes on a pool thread
     co_await later(1, 5ms);
-    co_return current_call_context().autograd_context_id;
+    co_return current_call_context().get(slot);
   };
   CHECK(spawn(pool, task()).wait(5s) == 17);
-  CHECK(current_call_context().autograd_context_id == -1);
+  CHECK(current_call_context().get(slot) == CallContext::kUnset);
 }
 
 TEST_CASE("wait_all gathers in order and fails with the first error; collect_all never fails") {
@@ -178,10 +181,11 @@ TEST_CASE("thousands of continuations on a pool complete exactly once") {
   std::atomic<int> sum{0};
   std::vector<Future<void>> fs;
   for (int i = 0; i < 5000; ++i) {
-    fs.push_back(spawn(pool, [&sum](int v) -> Task<void> {
+    // Captureless: a coroutine lambda's captures die with the temporary closure, before the pool runs the task.
+    fs.push_back(spawn(pool, [](std::atomic<int>& total, int v) -> Task<void> {
       co_await make_ready_future(0);
-      sum += v;
-    }(i)));
+      total += v;
+    }(sum, i)));
   }
   wait_all(fs).wait(10s);
   CHECK(sum.load() == 5000 * 4999 / 2);

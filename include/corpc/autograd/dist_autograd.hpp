@@ -42,6 +42,16 @@ struct TensorIdentityEqual {
 // Leaf tensor -> its gradient in one context.
 using GradientMap = std::unordered_map<at::Tensor, at::Tensor, TensorIdentityHash, TensorIdentityEqual>;
 
+namespace detail {
+// The CallContext slot holding the current distributed autograd context id (-1: none).
+int context_slot();
+// The calling coroutine's CallContext with the autograd context set to `id`.
+CallContext with_context(std::int64_t id);
+}  // namespace detail
+
+// The distributed autograd context current in the calling coroutine, or -1.
+std::int64_t current_context_id();
+
 class Context {
  public:
   Context();
@@ -61,7 +71,7 @@ class Context {
 // Makes context `id` current (for code that received the id explicitly).
 class ContextScope {
  public:
-  explicit ContextScope(std::int64_t id) : scope_(CallContext{id}) {}
+  explicit ContextScope(std::int64_t id) : scope_(detail::with_context(id)) {}
 
  private:
   CallContextScope scope_;

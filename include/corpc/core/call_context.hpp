@@ -1,17 +1,30 @@
 // corpc/core/call_context.hpp — per-coroutine ambient state that follows a coroutine across threads.
 //
-// A plain thread_local is lost when a coroutine resumes on another thread. corpc's awaitables (Future, Task) save the
-// context when a coroutine suspends and restore it when it resumes, wherever that is; jobs posted to executors and
-// `then` callbacks restore the context of the code that registered them. So, e.g., an RPC issued after a `co_await`
-// inside a distributed-autograd context still belongs to that context.
+// A plain thread_local is lost when a coroutine resumes on another thread, and leaks into whatever the thread runs
+// next. corpc's awaitables save the context when a coroutine suspends and restore it around its resumption, wherever
+// that is; starting a coroutine (`spawn`, `sync_wait`) and running posted work restore the starter's own context
+// afterwards. So an RPC issued after a `co_await` inside a distributed-autograd context still belongs to that context,
+// and the context never outlives the coroutine that opened it.
+//
+// The core knows nothing of what the slots mean: layers allocate a slot once (`CallContext::new_slot()`) and keep
+// their own value in it (distributed autograd keeps its context id).
 #pragma once
 
+#include <array>
 #include <cstdint>
 
 namespace corpc {
 
 struct CallContext {
-  std::int64_t autograd_context_id = -1;  // -1: no distributed autograd context
+  static constexpr int kSlots = 4;
+  static constexpr std::int64_t kUnset = -1;
+  std::array<std::int64_t, kSlots> slots{kUnset, kUnset, kUnset, kUnset};
+
+  // A process-wide slot index for one layer's value; throws UsageError when all are taken.
+  static int new_slot();
+  std::int64_t get(int slot) const noexcept { return slots[slot]; }
+  void set(int slot, std::int64_t v) noexcept { slots[slot] = v; }
+  friend bool operator==(const CallContext&, const CallContext&) = default;
 };
 
 // The calling thread's (that is, the running coroutine's) context.
@@ -20,7 +33,7 @@ CallContext& current_call_context() noexcept;
 // Sets the context for the guard's lifetime, then restores the previous one.
 class CallContextScope {
  public:
-  explicit CallContextScope(CallContext c) noexcept : previous_(current_call_context()) { current_call_context() = c; }
+  explicit CallContextScope(const CallContext& c) noexcept : previous_(current_call_context()) { current_call_context() = c; }
   ~CallContextScope() { current_call_context() = previous_; }
   CallContextScope(const CallContextScope&) = delete;
   CallContextScope& operator=(const CallContextScope&) = delete;

@@ -66,6 +66,13 @@ class ProtocolError : public RpcError {
   using RpcError::RpcError;
 };
 
+// A message is larger than the receiving worker accepts (its WireLimits, announced when connecting). Raised at the
+// sender, before anything is sent: the connection and the peer are unaffected.
+class MessageTooLargeError : public RpcError {
+ public:
+  using RpcError::RpcError;
+};
+
 // The runtime is not initialised, or has shut down.
 class ShutdownError : public RpcError {
  public:

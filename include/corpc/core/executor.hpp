@@ -1,15 +1,21 @@
 // corpc/core/executor.hpp — where continuations run.
 //
 // The resumption rule, used by every awaitable in corpc: a coroutine that suspends on a corpc awaitable resumes on the
-// executor that was current on its thread when it suspended. A thread with no current executor (a plain thread outside
-// `sync_wait`) has its continuations run inline by whichever thread completes the awaited future. The runtime's worker
-// pool and `sync_wait` each install themselves as the current executor of the threads they drive; the network thread
-// never runs user code.
+// executor that was current on its thread when it suspended. On a thread with no current executor (a plain thread
+// outside `sync_wait`, such as `main`), it resumes on the *default executor* — the runtime's worker pool while
+// `init_rpc` is active — and inline on the completing thread only when there is none (core-only programs).
+// The runtime's I/O threads are executors too: a coroutine function that runs on an I/O thread comes back to it.
+//
+// Blocking (`Future::wait`, `rpc_sync`) is forbidden on I/O threads — it would stop the thread that must deliver
+// the value — and throws UsageError there at once. On a worker-pool thread it is allowed: the pool starts a
+// replacement thread while one blocks, so handlers that block on nested calls cannot starve the others.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
-#include <deque>
+#include <cstdint>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -17,11 +23,22 @@
 
 namespace corpc {
 
+// A unit of work that an executor runs once. Intrusive, so that an awaiting coroutine frame can itself be the queue
+// node: resuming a coroutine on an executor allocates nothing.
+struct WorkItem {
+  WorkItem* next = nullptr;
+  void (*run)(WorkItem*) noexcept = nullptr;
+};
+
 class Executor {
  public:
   virtual ~Executor() = default;
-  // Schedules `job` to run later on this executor; never runs it inline.
-  virtual void post(std::function<void()> job) = 0;
+  // Queues `item` to run later on this executor; never runs it inline. `item` must stay alive until it has run.
+  virtual void enqueue(WorkItem* item) noexcept = 0;
+  // True on a thread this executor drives (work for it may then run inline instead of being queued).
+  virtual bool running_here() const noexcept { return false; }
+  // Convenience: queues a callable (allocates a node).
+  void post(std::function<void()> job);
 };
 
 // The executor driving the calling thread, or nullptr.
@@ -39,56 +56,140 @@ class ExecutorScope {
   Executor* previous_;
 };
 
-// A fixed set of threads draining one FIFO queue. `stop()` finishes queued jobs, then joins.
+// Where continuations registered on executor-less threads run (nullptr: inline). The runtime sets its worker pool.
+void set_default_executor(Executor* e) noexcept;
+Executor* default_executor() noexcept;
+
+// The executor a continuation registered now should run on: the current one, else the default one (maybe null).
+inline Executor* resumption_executor() noexcept {
+  Executor* e = current_executor();
+  return e ? e : default_executor();
+}
+
+// ---- blocking ---------------------------------------------------------------------------------------------------
+
+// Marks the calling thread as one that must never block (the runtime's I/O threads) for the guard's lifetime.
+class NonBlockingThreadScope {
+ public:
+  NonBlockingThreadScope() noexcept;
+  ~NonBlockingThreadScope();
+  NonBlockingThreadScope(const NonBlockingThreadScope&) = delete;
+  NonBlockingThreadScope& operator=(const NonBlockingThreadScope&) = delete;
+
+ private:
+  bool previous_;
+};
+bool blocking_forbidden() noexcept;
+// Throws UsageError naming `what` if the calling thread must not block.
+void check_may_block(const char* what);
+
+// How long a blocking wait spins before it sleeps. A short spin turns the wake-up of a sleeping vCPU (3-25 us here)
+// into a cache-line transfer when the value arrives soon, as a reply on a fast link does. Default 50 us; 0 disables.
+void set_spin_before_block(std::chrono::nanoseconds d) noexcept;
+std::chrono::nanoseconds spin_before_block() noexcept;
+
+// A one-shot event that one thread waits on: spins (see above), then sleeps on a futex. No mutex, no condition
+// variable; `set` makes a system call only when the waiter is asleep.
+class Event {
+ public:
+  void set() noexcept;
+  void wait() noexcept;
+  // False if `deadline` passed first.
+  bool wait_until(std::chrono::steady_clock::time_point deadline) noexcept;
+  bool is_set() const noexcept { return state_.load(std::memory_order_acquire) == kSet; }
+  void reset() noexcept { state_.store(kEmpty, std::memory_order_relaxed); }
+
+ private:
+  static constexpr std::uint32_t kEmpty = 0, kSet = 1, kSleeping = 2;
+  std::atomic<std::uint32_t> state_{kEmpty};
+};
+
+// Tells the pool driving this thread (if any) that the thread is about to block, for the guard's lifetime, so that
+// the pool can keep its number of runnable threads. Used by every blocking wait in corpc.
+class BlockingRegion {
+ public:
+  BlockingRegion() noexcept;
+  ~BlockingRegion();
+  BlockingRegion(const BlockingRegion&) = delete;
+  BlockingRegion& operator=(const BlockingRegion&) = delete;
+
+ private:
+  class ThreadPool* pool_;
+};
+
+// ---- executors ----------------------------------------------------------------------------------------------------
+
+// A set of threads draining one FIFO queue. `stop()` finishes queued jobs, then joins. While a pool thread blocks
+// (inside a BlockingRegion) and work is queued, the pool starts a replacement so that `size()` threads stay runnable;
+// replacements exit when they are no longer needed (at most `max_threads` in all).
 class ThreadPool final : public Executor {
  public:
   // `on_start` runs first on each thread (thread-local settings such as intra-op thread counts).
-  explicit ThreadPool(std::size_t threads, std::function<void()> on_start = {});
+  explicit ThreadPool(std::size_t threads, std::function<void()> on_start = {}, std::size_t max_threads = 512);
   ~ThreadPool() override;
-  void post(std::function<void()> job) override;
+  void enqueue(WorkItem* item) noexcept override;
+  bool running_here() const noexcept override;
   void stop();
-  std::size_t size() const noexcept { return threads_.size(); }
+  std::size_t size() const noexcept { return base_; }
+  std::size_t threads_started() const noexcept;  // replacements included, for tests
 
  private:
+  friend class BlockingRegion;
   void run();
+  void start_thread();  // mutex_ held
+  void block_begin();
+  void block_end();
+
   std::function<void()> on_start_;
-  std::mutex mutex_;
+  const std::size_t base_, max_;
+  mutable std::mutex mutex_;
   std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
+  WorkItem* head_ = nullptr;
+  WorkItem* tail_ = nullptr;
+  std::size_t live_ = 0, idle_ = 0, blocked_ = 0, started_ = 0;
   bool stopping_ = false;
   std::vector<std::thread> threads_;
 };
 
-// Runs at most `width` of its jobs at once, starting them in the order posted, on another executor. With width 1 it
+// Runs at most `width` of its jobs at once, starting them in the order queued, on another executor. With width 1 it
 // is a strand (like Asio's): mutual exclusion without holding a thread while waiting for a turn. The underlying
 // executor must outlive the jobs.
 class BoundedExecutor final : public Executor {
  public:
   explicit BoundedExecutor(Executor& underlying, std::size_t width = 1) : underlying_(underlying), width_(width ? width : 1) {}
-  void post(std::function<void()> job) override;
+  ~BoundedExecutor() override;
+  void enqueue(WorkItem* item) noexcept override;
 
  private:
-  void run_one();
+  struct Runner : WorkItem {
+    BoundedExecutor* owner;
+  };
+  static void run_one(WorkItem* self) noexcept;
   Executor& underlying_;
   const std::size_t width_;
   std::mutex mutex_;
-  std::deque<std::function<void()>> queue_;
+  std::condition_variable drained_;
+  WorkItem* head_ = nullptr;
+  WorkItem* tail_ = nullptr;
   std::size_t running_ = 0;
+  std::vector<Runner*> free_runners_;
 };
 
-// An executor drained by hand, by the one thread that owns it (used by `sync_wait`).
+// An executor drained by hand, by the one thread that owns it (used by `sync_wait`). Enqueueing is lock-free.
 class ManualExecutor final : public Executor {
  public:
-  void post(std::function<void()> job) override;
-  // Runs queued jobs until `done()` returns true; blocks while the queue is empty.
-  void run_until(const std::function<bool()>& done);
-  // Wakes `run_until` so that it re-checks its predicate.
-  void notify();
+  void enqueue(WorkItem* item) noexcept override;
+  bool running_here() const noexcept override { return owner_ == std::this_thread::get_id(); }
+  // Runs queued work until `done` is set; sleeps (after a short spin) while there is none.
+  void run_until(const std::atomic<bool>& done);
+  // Wakes run_until so that it re-checks `done`.
+  void notify() noexcept;
 
  private:
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
+  std::atomic<WorkItem*> inbox_{nullptr};  // LIFO stack of pushed items; reversed when drained
+  std::atomic<std::uint32_t> wake_{0};     // futex word: bumped on every push and notify
+  std::atomic<bool> sleeping_{false};
+  std::thread::id owner_;
 };
 
 }  // namespace corpc

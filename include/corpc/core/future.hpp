@@ -1,20 +1,26 @@
 // corpc/core/future.hpp — eager, thread-safe, shareable results: Future<T> and its Promise<T>.
 //
-// A Future is a handle on a value that is being computed now (an RPC in flight, a spawned task). It is cheap to copy;
-// all copies see the same result. Consume it by `co_await fut` in a coroutine, `fut.wait()` outside one, or
-// `fut.then(f)`. Errors travel as exceptions: awaiting or waiting on a failed future rethrows its error.
+// A Future is a handle on a value that is being computed now (an RPC in flight, a spawned task). Copies share one
+// result. Consume it in one of two ways:
+//   - `co_await fut` in a coroutine (resumes per the rule in corpc/core/executor.hpp), or `fut.wait()` outside one;
+//   - `fut.then(f)`, which returns the Future of `f`'s result; `f` runs on the executor current where `then` was
+//     called (the runtime's worker pool on a plain thread).
+// Errors travel as exceptions: awaiting or waiting on a failed future rethrows its error.
 //
-// Where continuations run: see corpc/core/executor.hpp. `co_await` resumes on the executor current at suspension;
-// `then` callbacks run on the executor current where `then` was called (inline on the completing thread if none).
+// Results are handed out by value: `co_await std::move(fut)` (or awaiting the prvalue `rpc_async(...)`) moves the
+// result out when no other copy of the future exists, and copies it otherwise. A move-only result can be taken once.
+//
+// The common path — one coroutine awaiting one result — takes no lock and allocates nothing beyond the shared state,
+// which is recycled per thread: the awaiting frame itself is the continuation. `wait()` spins briefly, then sleeps on
+// a futex; it throws UsageError on a corpc I/O thread, where blocking would deadlock.
 #pragma once
 
+#include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <coroutine>
+#include <cstdint>
 #include <exception>
-#include <functional>
-#include <memory>
-#include <mutex>
+#include <new>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -38,22 +44,255 @@ namespace detail {
 template <class T>
 using Stored = std::conditional_t<std::is_void_v<T>, std::monostate, T>;
 
-// Wraps `fn` so that it runs with the caller's CallContext, on the caller's executor when it has one.
-inline std::function<void()> bind_to_current(std::function<void()> fn) {
-  CallContext ctx = current_call_context();
-  auto with_ctx = [ctx, fn = std::move(fn)]() {
-    CallContextScope scope(ctx);
-    fn();
+// Something to notify when a state completes: an awaiting coroutine, a blocked thread, a `then` node.
+struct Waiter {
+  Waiter* next = nullptr;
+  void (*notify)(Waiter*) noexcept = nullptr;
+};
+
+// Recycles blocks of one size per thread, so that steady-state calls take no trip to the heap. A block freed on
+// another thread (a reply completes on an I/O thread, the caller drops the future on its own) goes back to the cache
+// of the thread that allocated it, through a lock-free list that the owner drains when its own list is empty.
+template <std::size_t Size>
+class BlockCache {
+  struct Cache;
+  struct alignas(16) Header {
+    Cache* owner;
+    Header* next;
   };
-  if (Executor* ex = current_executor()) {
-    return [ex, job = std::move(with_ctx)]() mutable { ex->post(std::move(job)); };
+
+ public:
+  static void* allocate() {
+    Cache& c = local();
+    if (!c.count) c.drain_remote();
+    Header* h;
+    if (c.count) {
+      h = c.blocks[--c.count];
+    } else {
+      h = static_cast<Header*>(::operator new(sizeof(Header) + Size));
+      h->owner = &c;
+    }
+    return h + 1;
   }
-  return with_ctx;
+  static void deallocate(void* p) noexcept {
+    Header* h = static_cast<Header*>(p) - 1;
+    Cache* owner = h->owner;
+    Cache* mine = tls_cache;
+    if (owner == mine) {
+      if (mine->count < kKeep) return void(mine->blocks[mine->count++] = h);
+      return ::operator delete(h);
+    }
+    if (owner->orphaned.load(std::memory_order_acquire)) return ::operator delete(h);
+    Header* head = owner->remote.load(std::memory_order_relaxed);
+    do {
+      h->next = head;
+    } while (!owner->remote.compare_exchange_weak(head, h, std::memory_order_release, std::memory_order_relaxed));
+  }
+
+ private:
+  static constexpr std::size_t kKeep = 256;
+  struct Cache {
+    Header* blocks[kKeep];
+    std::size_t count = 0;
+    std::atomic<Header*> remote{nullptr};
+    std::atomic<bool> orphaned{false};
+    void drain_remote() noexcept {
+      for (Header* h = remote.exchange(nullptr, std::memory_order_acquire); h;) {
+        Header* next = h->next;
+        if (count < kKeep) blocks[count++] = h;
+        else ::operator delete(h);
+        h = next;
+      }
+    }
+  };
+  // The cache outlives its thread (blocks elsewhere still name it); at thread exit it stops taking blocks back.
+  struct Guard {
+    Cache* cache = new Cache;
+    ~Guard() {
+      cache->orphaned.store(true, std::memory_order_release);
+      cache->drain_remote();
+      while (cache->count) ::operator delete(cache->blocks[--cache->count]);
+    }
+  };
+  static inline thread_local Cache* tls_cache = nullptr;
+  static Cache& local() {
+    if (!tls_cache) {
+      static thread_local Guard guard;
+      tls_cache = guard.cache;
+    }
+    return *tls_cache;
+  }
+};
+
+// Inline resumption nests on the stack; past this depth, continuations are queued instead.
+inline thread_local int tls_inline_depth = 0;
+inline constexpr int kMaxInlineDepth = 16;
+
+// Runs `item` on `ex`: inline when `ex` is null or already drives this thread (bounded nesting), queued otherwise.
+inline void dispatch(Executor* ex, WorkItem* item) noexcept {
+  if (!ex || (ex->running_here() && tls_inline_depth < kMaxInlineDepth)) {
+    ++tls_inline_depth;
+    item->run(item);
+    --tls_inline_depth;
+  } else {
+    ex->enqueue(item);
+  }
 }
+
+template <class T>
+class FutureState {
+ public:
+  static FutureState* make() { return new (BlockCache<sizeof(FutureState)>::allocate()) FutureState; }
+
+  void add_ref() noexcept { refs_.fetch_add(1, std::memory_order_relaxed); }
+  void release() noexcept {
+    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      this->~FutureState();
+      BlockCache<sizeof(FutureState)>::deallocate(this);
+    }
+  }
+  // Future handles (consumers), as opposed to promises and internal references: a result is moved out only when
+  // exactly one consumer exists.
+  void add_handle() noexcept {
+    add_ref();
+    handles_.fetch_add(1, std::memory_order_relaxed);
+  }
+  void release_handle() noexcept {
+    handles_.fetch_sub(1, std::memory_order_relaxed);
+    release();
+  }
+  bool sole_handle() const noexcept { return handles_.load(std::memory_order_acquire) == 1; }
+
+  bool ready() const noexcept { return head_.load(std::memory_order_acquire) == kReady; }
+
+  // First completion wins; returns false if the state was already completed (or being completed).
+  template <class... A>
+  bool set_value(A&&... a) {
+    if (claimed_.exchange(true, std::memory_order_acq_rel)) return false;
+    try {
+      value_.emplace(std::forward<A>(a)...);
+    } catch (...) {
+      error_ = std::current_exception();
+    }
+    publish();
+    return true;
+  }
+  bool set_exception(std::exception_ptr e) noexcept {
+    if (claimed_.exchange(true, std::memory_order_acq_rel)) return false;
+    error_ = std::move(e);
+    publish();
+    return true;
+  }
+
+  // Registers `w` to be notified on completion. False if the state is complete already: `w` is not registered and
+  // the caller proceeds at once.
+  bool add_waiter(Waiter* w) noexcept {
+    std::uintptr_t head = head_.load(std::memory_order_acquire);
+    do {
+      if (head == kReady) return false;
+      w->next = reinterpret_cast<Waiter*>(head);
+    } while (!head_.compare_exchange_weak(head, reinterpret_cast<std::uintptr_t>(w), std::memory_order_acq_rel,
+                                          std::memory_order_acquire));
+    return true;
+  }
+
+  // Preconditions for the accessors: ready().
+  std::exception_ptr error() const noexcept { return error_; }
+  const Stored<T>& get() const {
+    if (error_) std::rethrow_exception(error_);
+    return *value_;
+  }
+  Stored<T>&& take() {
+    if (error_) std::rethrow_exception(error_);
+    return std::move(*value_);
+  }
+  // The value for one consumer: moved when it is the only one (or when T cannot be copied), copied otherwise.
+  Stored<T> consume(bool may_move) {
+    if constexpr (std::is_copy_constructible_v<Stored<T>>) {
+      if (!may_move || !sole_handle()) return get();
+    }
+    return take();
+  }
+
+ private:
+  static constexpr std::uintptr_t kReady = 1;
+
+  void publish() noexcept {
+    std::uintptr_t head = head_.exchange(kReady, std::memory_order_acq_rel);
+    // The list is newest-first; notify in registration order.
+    Waiter* fifo = nullptr;
+    for (auto* w = reinterpret_cast<Waiter*>(head); w;) {
+      Waiter* next = w->next;
+      w->next = fifo;
+      fifo = w;
+      w = next;
+    }
+    while (fifo) {
+      Waiter* next = fifo->next;  // read first: notify may end the waiter's life
+      fifo->notify(fifo);
+      fifo = next;
+    }
+  }
+
+  std::atomic<std::uint32_t> refs_{1};
+  std::atomic<std::uint32_t> handles_{0};
+  std::atomic<bool> claimed_{false};
+  std::atomic<std::uintptr_t> head_{0};  // 0: pending; kReady; or the newest Waiter*
+  std::exception_ptr error_;
+  std::optional<Stored<T>> value_;
+};
+
+// A thread blocked in wait(): the waiter lives on its stack.
+struct BlockingWaiter : Waiter {
+  Event event;
+  BlockingWaiter() { notify = [](Waiter* w) noexcept { static_cast<BlockingWaiter*>(w)->event.set(); }; }
+};
+
+// A thread blocked in wait(timeout): may give up before completion, so the node is shared with the state.
+struct TimedWaiter : Waiter {
+  Event event;
+  std::atomic<int> refs{2};
+  TimedWaiter() {
+    notify = [](Waiter* w) noexcept {
+      auto* self = static_cast<TimedWaiter*>(w);
+      self->event.set();
+      self->release();
+    };
+  }
+  void release() noexcept {
+    if (refs.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+  }
+};
+
+// Runs `fn` once a state completes, on `ex` (inline when null), restoring the registrant's CallContext around it.
+template <class Fn>
+struct CallbackNode : Waiter, WorkItem {
+  Fn fn;
+  Executor* ex;
+  CallContext ctx;
+  CallbackNode(Fn f, Executor* e) : fn(std::move(f)), ex(e), ctx(current_call_context()) {
+    notify = [](Waiter* w) noexcept {
+      auto* self = static_cast<CallbackNode*>(w);
+      dispatch(self->ex, static_cast<WorkItem*>(self));
+    };
+    run = [](WorkItem* w) noexcept {
+      auto* self = static_cast<CallbackNode*>(w);
+      {
+        CallContextScope scope(self->ctx);
+        try {
+          self->fn();
+        } catch (...) {
+          // Callbacks report their own errors (through the futures they complete).
+        }
+      }
+      delete self;
+    };
+  }
+};
 
 template <class F, class T>
 struct ThenResult {
-  using type = std::invoke_result_t<F, const T&>;
+  using type = std::invoke_result_t<F, Stored<T>>;
 };
 template <class F>
 struct ThenResult<F, void> {
@@ -61,231 +300,226 @@ struct ThenResult<F, void> {
 };
 
 template <class T>
-class FutureState {
- public:
-  bool ready() const {
-    std::lock_guard lock(mutex_);
-    return ready_;
-  }
+FutureState<T>* state_of(const Future<T>& f) noexcept;
+// A Future handle on `s` (for code that completes the state itself, such as an RPC's reply path).
+template <class T>
+Future<T> future_of(FutureState<T>* s) noexcept;
 
-  // First completion wins; returns false if the state was already complete.
-  template <class... A>
-  bool set_value(A&&... a) {
-    std::unique_lock lock(mutex_);
-    if (ready_) return false;
-    value_.emplace(std::forward<A>(a)...);
-    return finish(lock);
-  }
-  bool set_exception(std::exception_ptr e) {
-    std::unique_lock lock(mutex_);
-    if (ready_) return false;
-    error_ = std::move(e);
-    return finish(lock);
-  }
-
-  // Runs `cb` inline when the state completes (at once if it already has), on the completing thread.
-  void on_ready_inline(std::function<void()> cb) {
-    {
-      std::lock_guard lock(mutex_);
-      if (!ready_) {
-        callbacks_.push_back(std::move(cb));
-        return;
-      }
-    }
-    cb();
-  }
-
-  void wait() const {
-    std::unique_lock lock(mutex_);
-    cv_.wait(lock, [&] { return ready_; });
-  }
-  template <class Rep, class Period>
-  bool wait_for(std::chrono::duration<Rep, Period> d) const {
-    std::unique_lock lock(mutex_);
-    return cv_.wait_for(lock, d, [&] { return ready_; });
-  }
-
-  // Precondition: ready.
-  const Stored<T>& get() const {
-    if (error_) std::rethrow_exception(error_);
-    return *value_;
-  }
-  std::exception_ptr error() const {
-    std::lock_guard lock(mutex_);
-    return error_;
-  }
-
- private:
-  bool finish(std::unique_lock<std::mutex>& lock) {
-    ready_ = true;
-    auto callbacks = std::move(callbacks_);
-    callbacks_.clear();
-    lock.unlock();
-    cv_.notify_all();
-    for (auto& cb : callbacks) {
-      try {
-        cb();
-      } catch (...) {
-        // A throwing callback must not keep the others from running, nor escape into the completing thread (which
-        // may be the network thread). Callbacks report their own errors through the futures they complete.
-      }
-    }
-    return true;
-  }
-
-  mutable std::mutex mutex_;
-  mutable std::condition_variable cv_;
-  bool ready_ = false;
-  std::optional<Stored<T>> value_;
-  std::exception_ptr error_;
-  std::vector<std::function<void()>> callbacks_;
-};
+// Internal (corpc's own bookkeeping): runs `fn()` once `f` completes, inline on the completing thread, which may be
+// an I/O thread: `fn` must be short and must not block.
+template <class T, class Fn>
+void on_ready_inline(const Future<T>& f, Fn fn) {
+  auto* node = new CallbackNode<Fn>(std::move(fn), nullptr);
+  if (!state_of(f)->add_waiter(node)) node->notify(node);
+}
 
 }  // namespace detail
 
 template <class T>
-class Future {
+class [[nodiscard]] Future {
  public:
   using value_type = T;
 
   Future() = default;  // an invalid future; `valid()` is false
-
-  bool valid() const noexcept { return state_ != nullptr; }
-  bool done() const { return state_->ready(); }
-  bool has_error() const { return done() && state_->error() != nullptr; }
-  std::exception_ptr error() const { return state_->error(); }
-
-  // The value of a completed future (rethrows its error). Throws UsageError if it is not complete yet.
-  decltype(auto) value() const {
-    if (!done()) throw UsageError("Future::value() called before the future completed");
-    if constexpr (std::is_void_v<T>) {
-      state_->get();
-    } else {
-      return static_cast<const T&>(state_->get());
-    }
+  Future(const Future& o) noexcept : s_(o.s_) {
+    if (s_) s_->add_handle();
+  }
+  Future(Future&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
+  Future& operator=(Future o) noexcept {
+    std::swap(s_, o.s_);
+    return *this;
+  }
+  ~Future() {
+    if (s_) s_->release_handle();
   }
 
+  bool valid() const noexcept { return s_ != nullptr; }
+  bool done() const noexcept { return s_->ready(); }
+  bool has_error() const noexcept { return done() && s_->error() != nullptr; }
+  std::exception_ptr error() const noexcept { return done() ? s_->error() : nullptr; }
+
+  // The value of a completed future (rethrows its error). Throws UsageError if it is not complete yet.
+  T value() const& { return result(false); }
+  T value() && { return result(true); }
+
   // Blocks the calling thread until complete, then returns the value or rethrows the error.
-  // Never call from a worker-pool thread when the completion needs that pool: use co_await there.
-  decltype(auto) wait() const {
-    state_->wait();
-    return value();
+  // Throws UsageError on a corpc I/O thread (co_await there instead).
+  T wait() const& {
+    block();
+    return result(false);
+  }
+  T wait() && {
+    block();
+    return result(true);
   }
   // As wait(), but throws TimeoutError if the future is not complete after `timeout`.
   template <class Rep, class Period>
-  decltype(auto) wait(std::chrono::duration<Rep, Period> timeout) const {
-    if (!state_->wait_for(timeout)) throw TimeoutError("Future::wait timed out");
-    return value();
-  }
-
-  // Calls `fn(value)` (or `fn()` for Future<void>) when this completes and returns a future of its result.
-  // An error in this future, or thrown by `fn`, completes the returned future with that error; `fn` is skipped then.
-  template <class F>
-  auto then(F fn) const {
-    return chain(std::move(fn), /*inline_on_completion=*/false);
-  }
-
-  // As then(), but `fn` runs inline on the completing thread whatever the executors: for short, non-blocking
-  // functions whose result someone may wait() on from a thread that is itself an executor (no deadlock then).
-  template <class F>
-  auto then_inline(F fn) const {
-    return chain(std::move(fn), /*inline_on_completion=*/true);
-  }
-
-  // Calls `fn()` once this completes, with value or error; inspect the future inside it. Runs per the executor rule.
-  void on_complete(std::function<void()> fn) const { state_->on_ready_inline(detail::bind_to_current(std::move(fn))); }
-
-  // Internal: runs `fn` inline on the completing thread. For corpc's own short, non-blocking bookkeeping.
-  void on_complete_inline(std::function<void()> fn) const { state_->on_ready_inline(std::move(fn)); }
-
-  // Resumption goes through bind_to_current, which also restores the coroutine's CallContext around it.
-  struct Awaiter {
-    std::shared_ptr<detail::FutureState<T>> state;
-    bool await_ready() const { return state->ready(); }
-    void await_suspend(std::coroutine_handle<> h) {
-      state->on_ready_inline(detail::bind_to_current([h] { h.resume(); }));
-    }
-    T await_resume() {
-      if constexpr (std::is_void_v<T>) {
-        state->get();
+  T wait(std::chrono::duration<Rep, Period> timeout) const {
+    if (!s_->ready()) {
+      check_may_block("Future::wait");
+      auto* w = new detail::TimedWaiter;
+      if (!s_->add_waiter(w)) {
+        w->release();
+        w->release();
       } else {
-        return static_cast<const T&>(state->get());
+        const bool ok = w->event.wait_until(std::chrono::steady_clock::now() + timeout);
+        w->release();
+        if (!ok) throw TimeoutError("Future::wait timed out");
       }
     }
-  };
-  Awaiter operator co_await() const { return Awaiter{state_}; }
+    return result(false);
+  }
 
-  explicit Future(std::shared_ptr<detail::FutureState<T>> s) : state_(std::move(s)) {}
-
- private:
+  // Calls `fn(value)` (or `fn()` for Future<void>) when this completes and returns a future of its result (a Future
+  // or Task returned by `fn` is not unwrapped). An error in this future, or thrown by `fn`, completes the returned
+  // future with that error; `fn` is skipped then. `fn` runs on the executor current here, else the default one.
   template <class F>
-  auto chain(F fn, bool inline_on_completion) const {
+  auto then(F fn) const {
     using U = typename detail::ThenResult<F, T>::type;
-    auto next = std::make_shared<detail::FutureState<U>>();
-    auto self = state_;
-    std::function<void()> run = [self, next, fn = std::move(fn)]() mutable {
+    Promise<U> next;
+    Future<U> out = next.get_future();
+    auto body = [src = *this, fn = std::move(fn), next = std::move(next)]() mutable {
       try {
         if constexpr (std::is_void_v<T>) {
-          self->get();
+          src.s_->get();
           if constexpr (std::is_void_v<U>) {
             fn();
-            next->set_value();
+            next.set_value();
           } else {
-            next->set_value(fn());
+            next.set_value(fn());
           }
         } else {
           if constexpr (std::is_void_v<U>) {
-            fn(static_cast<const T&>(self->get()));
-            next->set_value();
+            fn(src.s_->get());
+            next.set_value();
           } else {
-            next->set_value(fn(static_cast<const T&>(self->get())));
+            next.set_value(fn(src.s_->get()));
           }
         }
       } catch (...) {
-        next->set_exception(std::current_exception());
+        next.set_exception(std::current_exception());
       }
     };
-    if (inline_on_completion) on_complete_inline(std::move(run));
-    else on_complete(std::move(run));
-    return Future<U>(std::move(next));
+    auto* node = new detail::CallbackNode<decltype(body)>(std::move(body), resumption_executor());
+    if (!s_->add_waiter(node)) node->notify(node);
+    return out;
   }
 
-  std::shared_ptr<detail::FutureState<T>> state_;
+  // Awaiting: the awaiter lives in the coroutine frame and is itself the continuation (no allocation, no lock).
+  class Awaiter : detail::Waiter, WorkItem {
+   public:
+    Awaiter(detail::FutureState<T>* s, bool owns) noexcept : s_(s), owns_(owns) {}
+    Awaiter(const Awaiter&) = delete;
+    ~Awaiter() {
+      if (owns_) s_->release_handle();
+    }
+    bool await_ready() const noexcept { return s_->ready(); }
+    bool await_suspend(std::coroutine_handle<> h) noexcept {
+      h_ = h;
+      ex_ = resumption_executor();
+      ctx_ = current_call_context();
+      notify = [](detail::Waiter* w) noexcept {
+        auto* self = static_cast<Awaiter*>(w);
+        detail::dispatch(self->ex_, static_cast<WorkItem*>(self));
+      };
+      run = [](WorkItem* w) noexcept {
+        auto* self = static_cast<Awaiter*>(w);
+        CallContextScope scope(self->ctx_);  // the coroutine's context while it runs; the resumer's afterwards
+        self->h_.resume();
+      };
+      return s_->add_waiter(this);
+    }
+    T await_resume() {
+      if constexpr (std::is_void_v<T>) {
+        s_->get();
+      } else {
+        return s_->consume(owns_);
+      }
+    }
+
+   private:
+    detail::FutureState<T>* s_;
+    bool owns_;  // awaited as an rvalue: holds the handle and may move the result out
+    std::coroutine_handle<> h_;
+    Executor* ex_ = nullptr;
+    CallContext ctx_;
+  };
+  Awaiter operator co_await() const& noexcept { return Awaiter{s_, false}; }
+  Awaiter operator co_await() && noexcept { return Awaiter{std::exchange(s_, nullptr), true}; }
+
+ private:
+  friend class Promise<T>;
+  friend detail::FutureState<T>* detail::state_of<T>(const Future<T>&) noexcept;
+  friend Future<T> detail::future_of<T>(detail::FutureState<T>*) noexcept;
+  template <class>
+  friend class Future;
+  explicit Future(detail::FutureState<T>* s) noexcept : s_(s) { s_->add_handle(); }
+
+  void block() const {
+    if (s_->ready()) return;
+    check_may_block("Future::wait");
+    detail::BlockingWaiter w;
+    if (s_->add_waiter(&w)) w.event.wait();
+  }
+  T result(bool may_move) const {
+    if (!s_->ready()) throw UsageError("Future::value() called before the future completed");
+    if constexpr (std::is_void_v<T>) {
+      s_->get();
+    } else {
+      return s_->consume(may_move);
+    }
+  }
+
+  detail::FutureState<T>* s_ = nullptr;
 };
+
+namespace detail {
+template <class T>
+FutureState<T>* state_of(const Future<T>& f) noexcept {
+  return f.s_;
+}
+template <class T>
+Future<T> future_of(FutureState<T>* s) noexcept {
+  return Future<T>(s);
+}
+}  // namespace detail
 
 // The write end of a Future. Move-only; the first completion wins. Destroying an unfulfilled promise fails its
 // future with RpcError("broken promise") so that no waiter hangs.
 template <class T>
 class Promise {
  public:
-  Promise() : state_(std::make_shared<detail::FutureState<T>>()) {}
-  Promise(Promise&&) noexcept = default;
+  Promise() : s_(detail::FutureState<T>::make()) {}
+  Promise(Promise&& o) noexcept : s_(std::exchange(o.s_, nullptr)) {}
   Promise& operator=(Promise&& o) noexcept {
     if (this != &o) {
       abandon();
-      state_ = std::move(o.state_);
+      s_ = std::exchange(o.s_, nullptr);
     }
     return *this;
   }
   ~Promise() { abandon(); }
 
-  Future<T> get_future() const { return Future<T>(state_); }
+  Future<T> get_future() const { return Future<T>(s_); }
 
   template <class... A>
   bool set_value(A&&... a) {
-    return state_->set_value(std::forward<A>(a)...);
+    return s_->set_value(std::forward<A>(a)...);
   }
-  bool set_exception(std::exception_ptr e) { return state_->set_exception(std::move(e)); }
+  bool set_exception(std::exception_ptr e) noexcept { return s_->set_exception(std::move(e)); }
   template <class E>
   bool set_error(E e) {
     return set_exception(std::make_exception_ptr(std::move(e)));
   }
 
  private:
-  void abandon() {
-    if (state_ && !state_->ready()) state_->set_exception(std::make_exception_ptr(RpcError("broken promise")));
+  void abandon() noexcept {
+    if (!s_) return;
+    if (!s_->ready()) s_->set_exception(std::make_exception_ptr(RpcError("broken promise")));
+    s_->release();
+    s_ = nullptr;
   }
-  std::shared_ptr<detail::FutureState<T>> state_;
+  detail::FutureState<T>* s_;
 };
 
 template <class T>

@@ -131,13 +131,33 @@ Detached drive(Task<T> task, Promise<T> promise) {
     promise.set_exception(std::current_exception());
   }
 }
+// A task queued to start on an executor, with the starter's CallContext.
+template <class T>
+struct SpawnJob : WorkItem {
+  Task<T> task;
+  Promise<T> promise;
+  CallContext ctx = current_call_context();
+  SpawnJob(Task<T> t, Promise<T> p) : task(std::move(t)), promise(std::move(p)) {
+    run = [](WorkItem* w) noexcept {
+      auto* self = static_cast<SpawnJob*>(w);
+      {
+        CallContextScope scope(self->ctx);
+        drive(std::move(self->task), std::move(self->promise));
+      }
+      delete self;
+    };
+  }
+};
 }  // namespace detail
 
-// Starts `task` now, on the calling thread, until its first suspension; returns a Future of its result.
+// Starts `task` now, on the calling thread, until its first suspension; returns a Future of its result. Whatever
+// ambient state the task sets (a distributed-autograd context it opens) stays with the task: the calling thread's own
+// CallContext is restored when control comes back here.
 template <class T>
 Future<T> spawn(Task<T> task) {
   Promise<T> promise;
   auto fut = promise.get_future();
+  CallContextScope keep(current_call_context());
   detail::drive(std::move(task), std::move(promise));
   return fut;
 }
@@ -147,12 +167,7 @@ template <class T>
 Future<T> spawn(Executor& executor, Task<T> task) {
   Promise<T> promise;
   auto fut = promise.get_future();
-  auto job = std::make_shared<std::pair<Task<T>, Promise<T>>>(std::move(task), std::move(promise));
-  CallContext ctx = current_call_context();
-  executor.post([job, ctx]() mutable {
-    CallContextScope scope(ctx);
-    detail::drive(std::move(job->first), std::move(job->second));
-  });
+  executor.enqueue(new detail::SpawnJob<T>(std::move(task), std::move(promise)));
   return fut;
 }
 

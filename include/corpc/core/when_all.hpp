@@ -33,7 +33,7 @@ Future<std::conditional_t<std::is_void_v<T>, void, std::vector<T>>> wait_all(std
     return out;
   }
   for (auto& f : join->inputs) {
-    f.on_complete_inline([join, f] {
+    detail::on_ready_inline(f, [join, f] {
       if (auto e = f.error()) {
         join->promise.set_exception(e);  // first error wins; later completions are ignored
         return;
@@ -68,7 +68,7 @@ Future<std::vector<Future<T>>> collect_all(std::vector<Future<T>> futures) {
     return out;
   }
   for (auto& f : join->inputs) {
-    f.on_complete_inline([join] {
+    detail::on_ready_inline(f, [join] {
       if (join->remaining.fetch_sub(1) == 1) join->promise.set_value(join->inputs);
     });
   }

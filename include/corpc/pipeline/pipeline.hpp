@@ -145,7 +145,7 @@ class Pipeline {
 
   // The whole batch's output, concatenated on the caller.
   Future<at::Tensor> forward(const at::Tensor& batch) const {
-    return wait_all(forward_micro_batches(batch)).then_inline([](const std::vector<at::Tensor>& parts) { return at::cat(parts); });
+    return wait_all(forward_micro_batches(batch)).then([](const std::vector<at::Tensor>& parts) { return at::cat(parts); });
   }
 
   std::vector<RRef<at::Tensor>> parameter_rrefs() const {

@@ -21,6 +21,7 @@
 #include "corpc/core/task.hpp"
 #include "corpc/rpc/function_traits.hpp"
 #include "corpc/rpc/registry.hpp"
+#include "corpc/rpc/outbound.hpp"
 #include "corpc/rpc/runtime.hpp"
 #include "corpc/wire/codec.hpp"
 #include "corpc/wire/tensor_codec.hpp"
@@ -61,9 +62,10 @@ ArgsTuple decode_args(Reader& r) {
   return args;
 }
 
+// The reply carrying `value` to `dst` (its body; the runtime fills in the header).
 template <class T>
 Message encode_reply(const T& value, int dst) {
-  Message m = make_reply();
+  Message m;
   Writer w(m.body);
   w.tensors = &m.tensors;
   w.peer = dst;
@@ -78,13 +80,13 @@ Task<Message> encode_when_done(Fn fn, int dst) {
   using T = typename Unwrap<std::invoke_result_t<Fn&>>::type;
   if constexpr (std::is_void_v<T>) {
     co_await fn();
-    co_return make_reply();
+    co_return Message{};
   } else {
     co_return encode_reply(co_await fn(), dst);
   }
 }
 
-// Runs `fn` and turns its result — a value, void, Task<T> or Future<T> — into the reply for `dst`. `fn` owns the
+// Runs `fn` and turns its result — Task<T> or Future<T> — into the future of the reply for `dst`. `fn` owns the
 // arguments and is kept alive until the result is complete.
 template <class Fn>
 Future<Message> run_and_encode(Fn fn, int dst) {
@@ -95,81 +97,147 @@ Future<Message> run_and_encode(Fn fn, int dst) {
     using T = typename Unwrap<R>::type;
     auto keep = std::make_shared<Fn>(std::move(fn));
     if constexpr (std::is_void_v<T>) {
-      return (*keep)().then([keep] { return make_reply(); });
+      return (*keep)().then([keep] { return Message{}; });
     } else {
       return (*keep)().then([keep, dst](const T& v) { return encode_reply(v, dst); });
     }
   } else if constexpr (std::is_void_v<R>) {
     fn();
-    return make_ready_future(make_reply());
+    return make_ready_future(Message{});
   } else {
     return make_ready_future(encode_reply(fn(), dst));
   }
 }
 
-// A registry entry whose callers must send arguments of the types in ArgsTuple.
+// A registry entry whose callers must send arguments of the types in ArgsTuple; `handler` is the asynchronous form.
 template <class ArgsTuple>
-HandlerEntry typed_entry(Handler handler) {
+HandlerEntry typed_entry(std::string name, std::function<Future<Message>(Inbound&)> handler,
+                         Execution execution = Execution::worker_pool) {
   HandlerEntry e;
+  e.name = std::move(name);
   e.signature = signature_of<ArgsTuple>();
   e.signature_text = std::string(type_name<ArgsTuple>());
-  e.handler = std::move(handler);
+  e.execution = execution;
+  e.run_async = std::move(handler);
   return e;
 }
 
-// The handler entry for a free function F.
+template <class ArgsTuple>
+HandlerEntry typed_entry(std::function<Future<Message>(Inbound&)> handler) {
+  return typed_entry<ArgsTuple>(std::string(), std::move(handler));
+}
+
+// Calls F with arguments decoded from `args`.
 template <auto F>
-HandlerEntry make_entry() {
+decltype(auto) invoke_decoded(typename FnTraits<decltype(F)>::Args& args) {
+  using Tr = FnTraits<decltype(F)>;
+  return [&]<std::size_t... I>(std::index_sequence<I...>) -> decltype(auto) {
+    return F(forward_param<std::tuple_element_t<I, typename Tr::Params>>(std::get<I>(args))...);
+  }(std::make_index_sequence<std::tuple_size_v<typename Tr::Args>>{});
+}
+
+// The synchronous handler of a plain function F: no future, no allocation beyond the reply's own body.
+template <auto F>
+void run_plain(Inbound& in, Message& reply) {
+  using Tr = FnTraits<decltype(F)>;
+  auto args = decode_args<typename Tr::Args>(in.args);
+  if constexpr (std::is_void_v<typename Tr::Result>) {
+    invoke_decoded<F>(args);
+  } else {
+    reply = encode_reply(invoke_decoded<F>(args), in.src);
+  }
+}
+
+// The handler entry for a free function F, registered as `name`.
+template <auto F>
+HandlerEntry make_entry(std::string name, Execution execution = execution_of<F>) {
   using Tr = FnTraits<decltype(F)>;
   static_assert(std::is_void_v<typename Tr::Class>, "member functions are called through an RRef (rref.rpc_async)");
-  return typed_entry<typename Tr::Args>([](Inbound& in) -> Future<Message> {
-    return run_and_encode(
-        [args = decode_args<typename Tr::Args>(in.args)]() mutable -> decltype(auto) {
-          return [&]<std::size_t... I>(std::index_sequence<I...>) -> decltype(auto) {
-            return F(forward_param<std::tuple_element_t<I, typename Tr::Params>>(std::get<I>(args))...);
-          }(std::make_index_sequence<std::tuple_size_v<typename Tr::Args>>{});
+  using R = typename Tr::Result;
+  if constexpr (Unwrap<R>::is_task || Unwrap<R>::is_future) {
+    return typed_entry<typename Tr::Args>(
+        std::move(name),
+        [](Inbound& in) -> Future<Message> {
+          return run_and_encode([args = decode_args<typename Tr::Args>(in.args)]() mutable -> decltype(auto) {
+            return invoke_decoded<F>(args);
+          }, in.src);
         },
-        in.src);
-  });
+        execution);
+  } else {
+    HandlerEntry e;
+    e.name = std::move(name);
+    e.signature = signature_of<typename Tr::Args>();
+    e.signature_text = std::string(type_name<typename Tr::Args>());
+    e.execution = execution;
+    e.run_sync = &run_plain<F>;
+    return e;
+  }
 }
 
 // Static registration the first time a program mentions rpc to F: every process running this binary then has it.
 template <auto F>
 struct AutoRegistered {
   static inline const bool value = [] {
-    global_registry().add(std::string(function_name<F>()), make_entry<F>());
+    global_registry().add(make_entry<F>(std::string(function_name<F>())));
     return true;
   }();
 };
 
-// Issues the call and returns the future of its decoded result.
+// Completes a call's future from its reply (see OutboundCall::complete).
+template <class R>
+void complete_call(void* target, int src, Message* reply, std::exception_ptr error) noexcept {
+  auto* state = static_cast<FutureState<R>*>(target);
+  if (error) {
+    state->set_exception(std::move(error));
+  } else {
+    try {
+      Reader r(reply->body.data(), reply->body.size());
+      r.tensors = &reply->tensors;
+      r.peer = src;
+      if constexpr (std::is_void_v<R>) {
+        state->set_value();
+      } else {
+        state->set_value(r.get<R>());
+      }
+    } catch (...) {
+      state->set_exception(std::current_exception());
+    }
+  }
+  state->release();
+}
+
+// Issues the call and returns the future of its decoded result. Never throws: every failure lands on the future,
+// and one that happens before the request is sent (encoding, an unknown worker, a message over the receiver's
+// limits) touches nothing else.
+template <class R, class ArgsTuple, class... A>
+Future<R> call_remote(const WorkerRef& to, std::string_view function, bool function_is_static, std::uint64_t id,
+                      std::uint64_t signature, const CallOptions& options, A&&... a) {
+  auto* state = FutureState<R>::make();  // this reference is the call's, released by complete_call
+  Future<R> fut = future_of(state);
+  try {
+    OutboundCall call;
+    call.dst = Runtime::get().worker(to).rank;
+    call.function = function;
+    call.function_is_static = function_is_static;
+    call.function_id = id;
+    call.signature = signature;
+    call.timeout = options.timeout;
+    encode_args<ArgsTuple>(call.message, call.dst, std::forward<A>(a)...);
+    call.complete = &complete_call<R>;
+    call.target = state;
+    start_call(std::move(call));
+  } catch (...) {
+    state->set_exception(std::current_exception());
+    state->release();
+  }
+  return fut;
+}
+
 template <class R, class ArgsTuple, class... A>
 Future<R> call_remote(const WorkerRef& to, std::string_view function, std::uint64_t signature,
                       const CallOptions& options, A&&... a) {
-  auto promise = std::make_shared<Promise<R>>();
-  auto fut = promise->get_future();
-  try {
-    Runtime& rt = Runtime::get();
-    const int dst = rt.worker(to).rank;
-    Message req = Runtime::begin_request(function, signature);
-    encode_args<ArgsTuple>(req, dst, std::forward<A>(a)...);
-    rt.call(dst, std::move(req), options, [promise, dst](Message* reply, std::exception_ptr error) {
-      if (error) return void(promise->set_exception(error));
-      try {
-        Reader r = Runtime::reply_reader(*reply, dst);
-        if constexpr (std::is_void_v<R>) {
-          promise->set_value();
-        } else {
-          promise->set_value(r.get<R>());
-        }
-      } catch (...) {
-        promise->set_exception(std::current_exception());
-      }
-    });
-  } catch (...) {
-    promise->set_exception(std::current_exception());
-  }
-  return fut;
+  return call_remote<R, ArgsTuple>(to, function, false, function_id(function), signature, options,
+                                   std::forward<A>(a)...);
 }
 
 template <class... A>
@@ -181,35 +249,28 @@ inline constexpr bool first_is_options<A0, A...> = std::is_same_v<std::decay_t<A
 
 // Registers F under an explicit name, for callers built from other sources (they call by name).
 template <auto F>
-void register_function(std::string name) {
-  global_registry().add(std::move(name), detail::make_entry<F>());
+void register_function(std::string name, Execution execution = execution_of<F>) {
+  global_registry().add(detail::make_entry<F>(std::move(name), execution));
 }
 
 template <auto F, class... A>
   requires(!detail::first_is_options<A...>)
 Future<detail::ResultOf<F>> rpc_async(const WorkerRef& to, A&&... args) {
-  (void)detail::AutoRegistered<F>::value;
-  using Tr = detail::FnTraits<decltype(F)>;
-  return detail::call_remote<detail::ResultOf<F>, typename Tr::Args>(
-      to, function_name<F>(), detail::signature_of<typename Tr::Args>(), CallOptions{}, std::forward<A>(args)...);
+  return rpc_async<F>(to, CallOptions{}, std::forward<A>(args)...);
 }
 
 template <auto F, class... A>
 Future<detail::ResultOf<F>> rpc_async(const WorkerRef& to, const CallOptions& options, A&&... args) {
   (void)detail::AutoRegistered<F>::value;
   using Tr = detail::FnTraits<decltype(F)>;
+  static constexpr std::uint64_t id = function_id(function_name<F>());
   return detail::call_remote<detail::ResultOf<F>, typename Tr::Args>(
-      to, function_name<F>(), detail::signature_of<typename Tr::Args>(), options, std::forward<A>(args)...);
+      to, function_name<F>(), true, id, detail::signature_of<typename Tr::Args>(), options, std::forward<A>(args)...);
 }
 
 template <auto F, class... A>
-decltype(auto) rpc_sync(const WorkerRef& to, A&&... args) {
-  auto fut = rpc_async<F>(to, std::forward<A>(args)...);
-  if constexpr (std::is_void_v<detail::ResultOf<F>>) {
-    fut.wait();
-  } else {
-    return detail::ResultOf<F>(fut.wait());
-  }
+detail::ResultOf<F> rpc_sync(const WorkerRef& to, A&&... args) {
+  return rpc_async<F>(to, std::forward<A>(args)...).wait();
 }
 
 // By name, for functions registered with register_function in another binary. R: the expected result type;

@@ -1,71 +1,91 @@
-// corpc/rpc/registry.hpp — the table of callable functions, keyed by name.
+// corpc/rpc/registry.hpp — the table of callable functions, keyed by a 64-bit id computed from the function's name.
 //
-// Calls name functions by pointer (`rpc_async<&f>(...)`); the key is the function's own name (corpc/core/type_name.hpp)
-// and the entry is added by a static initialiser the first time the program mentions the call, so ranks that run the
-// same binary need no registration. Processes built from different sources register explicitly:
-//   corpc::register_function<&f>("f");     // callee
+// Calls name functions by pointer (`rpc_async<&f>(...)`); the id is the hash of the function's own name
+// (corpc/core/type_name.hpp), computed at compile time, and the entry is added by a static initialiser the first time
+// the program mentions the call, so ranks that run the same binary need no registration. Processes built from
+// different sources register explicitly:
+//   corpc::register_function<&f>("f");           // callee
 //   corpc::rpc_async<int>("worker1", "f", 1, 2);  // caller, by name
-// The table is process-wide (it is filled before main runs) and is part of the one documented runtime state.
+// Lookups take no lock: the table is an immutable snapshot, replaced whole (copy on write) by a registration, which
+// may come before or after init_rpc. The table is process-wide and part of the one documented runtime state.
+//
+// Where a function runs: on the worker pool by default, since a user function may compute for long or block, and on
+// an I/O thread it would hold up every message behind it. A short function that never blocks can run on the I/O
+// thread that read its request, which answers with no thread hand-off at all (the fastest call corpc makes):
+//   CORPC_IO_THREAD_FUNCTION(&f);   // at global scope, after f and before any call to it (calls by pointer)
+//   corpc::register_function<&f>("f", corpc::Execution::io_thread);  // or at registration
+// Such a function may be a coroutine: it then resumes on that I/O thread, and a blocking wait inside it throws.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
-#include <unordered_map>
+#include <vector>
 
 #include "corpc/core/future.hpp"
+#include "corpc/core/type_name.hpp"
 #include "corpc/wire/codec.hpp"
 #include "corpc/wire/message.hpp"
 
 namespace corpc {
 
-// What a handler sees of an incoming call.
-struct Inbound {
-  int src = -1;                 // caller's rank
-  std::string_view function;    // key it was called by
-  Reader args;                  // positioned at the arguments
-  Message* message = nullptr;   // owns the body and tensors `args` reads from
+enum class Execution : std::uint8_t {
+  worker_pool,  // default: any function, including ones that block or compute for long
+  io_thread,    // short and non-blocking: runs where its request was read, no hand-off
 };
 
-// A handler decodes its arguments, runs the function and returns the encoded reply (see make_reply()).
-using Handler = std::function<Future<Message>(Inbound&)>;
+// The execution of function F when called by pointer; specialise it with CORPC_IO_THREAD_FUNCTION(&f).
+template <auto F>
+inline constexpr Execution execution_of = Execution::worker_pool;
+
+#define CORPC_IO_THREAD_FUNCTION(fn) \
+  template <>                        \
+  inline constexpr ::corpc::Execution corpc::execution_of<fn> = ::corpc::Execution::io_thread
+
+// The wire id of a function registered as `name`.
+constexpr std::uint64_t function_id(std::string_view name) { return fnv1a(name); }
+
+// What a handler sees of an incoming call.
+struct Inbound {
+  int src = -1;               // caller's rank
+  std::string_view function;  // the name it is registered under
+  Reader args;                // positioned at the arguments; reads tensors from `message`
+  Message* message = nullptr;
+};
 
 struct HandlerEntry {
-  Handler handler;
+  std::string name;
+  std::uint64_t id = 0;
   std::uint64_t signature = 0;  // hash of the decayed parameter types; 0 accepts anything
   std::string signature_text;   // for error messages
+  Execution execution = Execution::worker_pool;
+  // Plain functions: decodes the arguments, runs the function and encodes its result into `reply`. Throws on failure.
+  void (*run_sync)(Inbound& in, Message& reply) = nullptr;
+  // Everything else (coroutine functions, Futures, the RRef layer's entries): the future of the encoded reply. The
+  // handler decodes what it needs before returning: `in` does not outlive the call.
+  std::function<Future<Message>(Inbound&)> run_async;
 };
 
 class Registry {
  public:
-  void add(std::string name, HandlerEntry entry) {
-    std::lock_guard lock(mutex_);
-    table_.insert_or_assign(std::move(name), std::make_shared<HandlerEntry>(std::move(entry)));
-  }
-  std::shared_ptr<const HandlerEntry> find(std::string_view name) const {
-    std::lock_guard lock(mutex_);
-    auto it = table_.find(std::string(name));
-    return it == table_.end() ? nullptr : it->second;
-  }
+  // Adds or replaces the entry for `entry.name`; throws UsageError if another name has the same id.
+  void add(HandlerEntry entry);
+  // Lock-free; nullptr if absent.
+  const HandlerEntry* find(std::uint64_t id) const noexcept;
 
  private:
-  mutable std::mutex mutex_;
-  std::unordered_map<std::string, std::shared_ptr<HandlerEntry>> table_;
+  struct Table {
+    std::vector<std::shared_ptr<const HandlerEntry>> by_id;  // sorted by id
+  };
+  std::atomic<const Table*> current_{nullptr};
+  std::mutex write_mutex_;
+  std::vector<std::unique_ptr<const Table>> tables_;  // every snapshot ever published: readers never see one freed
 };
 
 Registry& global_registry();
-
-// Bytes every reply body starts with, filled in by the runtime (distributed-autograd ids).
-inline constexpr std::size_t kReplyEnvelopeBytes = 16;
-
-inline Message make_reply() {
-  Message m;
-  m.kind = FrameKind::Response;
-  m.body.assign(kReplyEnvelopeBytes, '\0');
-  return m;
-}
 
 }  // namespace corpc

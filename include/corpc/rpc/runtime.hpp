@@ -1,26 +1,27 @@
 // corpc/rpc/runtime.hpp — the one runtime object of a process.
 //
 // `init_rpc` creates it and `shutdown` ends it; everything else in corpc reaches it through `Runtime::get()`.
-// It owns: one network thread (Asio) that reads and writes every connection and never runs user code; a pool of
-// `num_worker_threads` threads that runs user functions and continuations; the connections to every peer (dialed
-// lazily, one per direction); the table of calls in flight with their timeouts.
+// It owns: the I/O threads (Asio), each of which reads and writes its connections and runs the functions marked
+// `Execution::io_thread`; a pool of `num_worker_threads` threads that runs every other user function and the
+// continuations of threads that have no executor of their own; the connections to every peer (dialed lazily, one per
+// direction) with the calls in flight on each and their deadlines. docs/ARCHITECTURE.md says what runs where.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
-#include <exception>
 #include <functional>
 #include <memory>
 #include <string>
-#include <string_view>
 #include <typeindex>
 #include <vector>
 
 #include "corpc/core/executor.hpp"
 #include "corpc/rpc/options.hpp"
-#include "corpc/rpc/registry.hpp"
 #include "corpc/rpc/worker_info.hpp"
-#include "corpc/wire/message.hpp"
+
+namespace at {
+class Tensor;
+}
 
 namespace corpc {
 
@@ -30,11 +31,16 @@ struct RuntimeStats {
   std::uint64_t requests_handled = 0;   // user requests this worker finished handling
   std::uint64_t calls_in_flight = 0;    // our requests still waiting for a reply
   std::uint64_t handlers_running = 0;   // requests we are handling now
+  std::uint64_t pool_threads_started = 0;  // worker-pool threads ever started (replacements for blocked ones included)
 };
 
-// Hooks through which distributed autograd sees tensors cross the wire (installed by corpc/autograd).
+// Hooks through which distributed autograd sees tensors cross the wire (installed by corpc/autograd, from a runtime
+// initializer: they are read without a lock afterwards).
 struct TensorHooks {
-  // Before a request or reply leaves inside context `ctx`: may record a send function; returns its message id or -1.
+  // The CallContext slot whose value travels in every message header as its context id (-1: none).
+  int context_slot = -1;
+  // Before a request or reply with tensors leaves inside context `ctx`: may record a send function; returns its
+  // message id or -1.
   std::function<std::int64_t(std::int64_t ctx, int dst, const std::vector<at::Tensor>& tensors)> on_send;
   // After one arrives: may attach recv functions to `tensors` (in place).
   std::function<void(std::int64_t ctx, std::int64_t msg_id, int src, std::vector<at::Tensor>& tensors)> on_recv;
@@ -56,18 +62,9 @@ class Runtime {
   Executor& executor() noexcept;  // the worker pool
   RuntimeStats stats() const;
 
-  // ---- used by the call templates and the upper layers -------------------------------------------------------------
-  // A request body with its envelope; the caller appends the arguments.
-  static Message begin_request(std::string_view function, std::uint64_t signature);
-  using ReplyCallback = std::function<void(Message* reply, std::exception_ptr error)>;
-  // Sends a request built by begin_request. `on_reply` runs exactly once, on the network thread, with the reply
-  // positioned after its envelope in `reply->body` (use reply_reader), or with the error. Never throws for
-  // remote-side problems: those reach `on_reply`.
-  // `counted` false: corpc's own shutdown protocol, which graceful shutdown must not wait for.
-  void call(int dst, Message request, const CallOptions& options, ReplyCallback on_reply, bool counted = true);
-  static Reader reply_reader(Message& reply, int src);
-
+  // ---- for the upper layers ----------------------------------------------------------------------------------------
   void add_peer_failure_listener(std::function<void(int rank, const std::string& why)> listener);
+  // Call from a runtime initializer (add_runtime_initializer), before any message is exchanged.
   void set_tensor_hooks(TensorHooks hooks);
   // Called by the RRef layer to hold graceful shutdown while it still has bookkeeping to exchange.
   void set_quiescence_probe(std::function<bool()> idle);
@@ -80,12 +77,14 @@ class Runtime {
         extension_slot(typeid(Ext), [this] { return std::static_pointer_cast<void>(std::make_shared<Ext>(*this)); }));
   }
 
-  struct Impl;
+  struct Impl;  // src/runtime_impl.hpp
   explicit Runtime(std::unique_ptr<Impl> impl);
   ~Runtime();
-  Impl& impl() noexcept { return *impl_; }
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
 
  private:
+  friend Impl& runtime_impl(Runtime&) noexcept;
   std::shared_ptr<void> extension_slot(std::type_index key, const std::function<std::shared_ptr<void>()>& make);
   std::unique_ptr<Impl> impl_;
 };

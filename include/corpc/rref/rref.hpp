@@ -130,7 +130,9 @@ Task<T> rref_fetch(RRefId id) {
 template <class Tag>
 struct AutoEntry {
   static inline const bool value = [] {
-    global_registry().add(Tag::name(), Tag::entry());
+    HandlerEntry e = Tag::entry();
+    e.name = Tag::name();
+    global_registry().add(std::move(e));
     return true;
   }();
 };
@@ -174,7 +176,7 @@ Future<Message> create_in_slot(int creator, const RRefId& id, const ForkId& fork
   ctx->add_fork(id, fork, creator);
   ctx->claim(slot);
   (void)spawn(Runtime::get().executor(), fill_slot<R>(ctx, slot, std::move(fn)));
-  return make_ready_future(make_reply());
+  return make_ready_future(Message{});
 }
 
 // remote<F>(to, args...): create the result of F(args...) on the owner.
@@ -215,7 +217,7 @@ struct CreateObject {
       } catch (...) {
         ctx->fail(slot, std::current_exception());
       }
-      return make_ready_future(make_reply());
+      return make_ready_future(Message{});
     });
   }
 };
@@ -263,7 +265,7 @@ RRef<R> create_remote(const WorkerRef& to, A&&... args) {
   auto state = ctx->new_user(id, id, dst, type_hash_of<R>());
   auto ack = call_remote<void, typename Tag::Wire>(dst, name, signature_of<typename Tag::Wire>(), CallOptions{}, id, id,
                                                    std::forward<A>(args)...);
-  ack.on_complete_inline([ack, confirm = state->confirm_promise] {
+  on_ready_inline(ack, [ack, confirm = state->confirm_promise] {
     if (auto e = ack.error()) confirm->set_exception(e);
     else confirm->set_value();
   });
@@ -308,7 +310,7 @@ class RRef {
   Future<T> to_here(CallOptions options = {}) const {
     if (is_owner()) {
       auto slot = owner_slot();
-      return slot->ready.then_inline([slot] { return *detail::slot_value<T>(*slot); });
+      return slot->ready.then([slot] { return *detail::slot_value<T>(*slot); });
     }
     if (state_->confirmed.has_error()) return make_exceptional_future<T>(state_->confirmed.error());
     if constexpr (Encodable<T>) {

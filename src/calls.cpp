@@ -1,0 +1,135 @@
+// Outgoing calls: framing, checks, registration with a deadline, counting, sending; replies and timeouts.
+#include "corpc/rpc/outbound.hpp"
+#include "runtime_impl.hpp"
+
+namespace corpc {
+
+namespace detail {
+void start_call(OutboundCall&& call) noexcept {
+  Runtime* rt = Runtime::try_get();
+  if (!rt) {
+    return call.complete(call.target, call.dst, nullptr,
+                         std::make_exception_ptr(ShutdownError("corpc runtime is not running")));
+  }
+  try {
+    runtime_impl(*rt).start_call(std::move(call));
+  } catch (...) {
+    // start_call completes the call itself once it is registered; anything thrown before that lands here.
+    call.complete(call.target, call.dst, nullptr, std::current_exception());
+  }
+}
+}  // namespace detail
+
+void Runtime::Impl::stamp_autograd(Message& m, int dst) const {
+  m.head.context_id = outbound_context();
+  m.head.message_id = -1;
+  if (m.head.context_id != -1 && !m.tensors.empty() && tensor_hooks.on_send)
+    m.head.message_id = tensor_hooks.on_send(m.head.context_id, dst, m.tensors);
+}
+
+void Runtime::Impl::attach_autograd(const FrameHeader& h, int src, std::vector<at::Tensor>& tensors) const {
+  if (h.context_id != -1 && h.message_id != -1 && !tensors.empty() && tensor_hooks.on_recv)
+    tensor_hooks.on_recv(h.context_id, h.message_id, src, tensors);
+}
+
+// Every step that can fail comes before the call is registered and counted: a failure then concerns this call alone.
+void Runtime::Impl::start_call(detail::OutboundCall&& call) {
+  const int dst = call.dst;
+  if (dst < 0 || dst >= world_size) throw UnknownWorkerError("no worker with rank " + std::to_string(dst));
+  Message& m = call.message;
+  m.head.kind = FrameKind::Request;
+  m.head.flags = call.control ? kFlagControl : 0;
+  m.head.function = call.function_id;
+  m.head.signature = call.signature;
+  const auto timeout = call.timeout.value_or(options.rpc_timeout);
+  m.head.deadline_ms = static_cast<std::uint32_t>(std::min<std::int64_t>(timeout.count(), 0xffffffffLL));
+  auto conn = connection_to(dst);  // throws for a dead peer or a closing runtime
+  stamp_autograd(m, dst);
+  OutFrame frame = prepare(std::move(m));
+  check_limits(frame, conn->peer_limits, name_of(dst));
+
+  detail::PendingCall p;
+  p.complete = call.complete;
+  p.target = call.target;
+  if (call.function_is_static) {
+    p.function = call.function;
+  } else {
+    p.owned_name.assign(call.function);
+  }
+  p.deadline = detail::Clock::now() + timeout;
+  p.timeout = timeout;
+  p.dst = dst;
+  p.counted = !call.control;
+  bool earliest = false;
+  const std::uint64_t id = conn->pending.add(std::move(p), &earliest);
+  if (id == 0) {
+    throw ConnectionError("worker '" + name_of(dst) + "' (rank " + std::to_string(dst) + ") is gone");
+  }
+  frame.head.id = id;
+  if (!call.control) {
+    requests_sent.fetch_add(1, std::memory_order_relaxed);
+    sent_to[dst].fetch_add(1, std::memory_order_relaxed);
+    calls_in_flight.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (earliest && conn->pending.earliest() < conn->timer_armed_for.load(std::memory_order_acquire)) {
+    asio::post(conn->io(), [this, conn] { arm_deadline_timer(conn); });
+  }
+  try {
+    conn->send(std::move(frame));
+  } catch (const std::exception& e) {
+    // Registered already: closing the connection fails the call (and nothing else may complete it twice).
+    conn->close(std::string("send failed: ") + e.what());
+  }
+}
+
+void Runtime::Impl::arm_deadline_timer(const std::shared_ptr<detail::Connection>& conn) {
+  const auto next = conn->pending.earliest();
+  if (next == detail::Clock::time_point::max() || next >= conn->timer_armed_for.load()) return;
+  conn->timer_armed_for.store(next);
+  conn->deadline_timer.expires_at(next);
+  conn->deadline_timer.async_wait([this, weak = std::weak_ptr(conn)](const asio::error_code& ec) {
+    auto c = weak.lock();
+    if (ec || !c) return;  // re-armed for an earlier deadline, or gone
+    c->timer_armed_for.store(detail::Clock::time_point::max());
+    std::vector<detail::PendingCall> expired;
+    c->pending.take_expired(detail::Clock::now(), expired);
+    for (auto& p : expired) {
+      if (p.counted) calls_in_flight.fetch_sub(1, std::memory_order_relaxed);
+      p.finish(nullptr, std::make_exception_ptr(TimeoutError(
+                            "call to '" + std::string(p.function.empty() ? p.owned_name : p.function) + "' on worker '" +
+                            name_of(p.dst) + "' timed out after " + std::to_string(p.timeout.count()) + " ms")));
+    }
+    arm_deadline_timer(c);
+  });
+}
+
+void Runtime::Impl::deliver_reply(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
+  if (!conn->outgoing) return conn->close("protocol error: a reply on a connection that carries no calls of ours");
+  detail::PendingCall p;
+  switch (conn->pending.take(msg.head.id, p)) {
+    case detail::PendingCalls::Lookup::Late: return;  // timed out, or failed with its peer, already
+    case detail::PendingCalls::Lookup::NeverIssued:
+      return conn->close("protocol error: a reply to request " + std::to_string(msg.head.id) + ", never sent");
+    case detail::PendingCalls::Lookup::Found: break;
+  }
+  if (p.counted) calls_in_flight.fetch_sub(1, std::memory_order_relaxed);
+  const std::string_view function = p.function.empty() ? std::string_view(p.owned_name) : p.function;
+  if (msg.head.kind == FrameKind::Error) return p.finish(nullptr, decode_error(msg, name_of(p.dst), function));
+  try {
+    attach_autograd(msg.head, p.dst, msg.tensors);
+  } catch (...) {
+    return p.finish(nullptr, std::current_exception());
+  }
+  p.finish(&msg, nullptr);
+}
+
+void Runtime::Impl::fail_calls(detail::Connection& conn, std::exception_ptr error) {
+  std::vector<detail::PendingCall> failed;
+  conn.pending.close_and_take_all(failed);
+  for (auto& p : failed) {
+    if (p.counted) calls_in_flight.fetch_sub(1, std::memory_order_relaxed);
+    p.finish(nullptr, error);
+  }
+}
+
+}  // namespace corpc

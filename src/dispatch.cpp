@@ -1,0 +1,185 @@
+// Incoming frames: requests are looked up by id and run where their function says (on this I/O thread, or on the
+// worker pool); every request ends in exactly one reply or error frame, and in exactly one count for shutdown.
+#include "corpc/core/type_name.hpp"
+#include "runtime_impl.hpp"
+
+namespace corpc {
+
+namespace {
+
+// One request being handled: owns what the reply needs, and guarantees the reply and the accounting happen once,
+// even if the handler throws, its result fails to encode, or the handler is dropped without answering.
+class RequestScope {
+ public:
+  RequestScope(Runtime::Impl& rt, std::shared_ptr<detail::Connection> conn, const FrameHeader& h,
+               const HandlerEntry& entry)
+      : rt_(rt), conn_(std::move(conn)), id_(h.id), src_(conn_->peer_rank), ctx_(h.context_id),
+        counted_(!(h.flags & kFlagControl)), entry_(&entry) {}
+  RequestScope(RequestScope&& o) noexcept
+      : rt_(o.rt_), conn_(std::move(o.conn_)), id_(o.id_), src_(o.src_), ctx_(o.ctx_), counted_(o.counted_),
+        entry_(o.entry_), done_(std::exchange(o.done_, true)) {}
+  ~RequestScope() {
+    if (!done_) fail(std::make_exception_ptr(RpcError("the handler finished without a reply")));
+  }
+
+  void reply(Message&& out) noexcept {
+    if (done_) return;
+    try {
+      out.head.kind = FrameKind::Response;
+      out.head.id = id_;
+      {
+        CallContextScope scope(rt_.handler_context(ctx_));
+        rt_.stamp_autograd(out, src_);
+      }
+      OutFrame frame = prepare(std::move(out));  // a result that cannot be encoded becomes an error frame
+      check_limits(frame, conn_->peer_limits, rt_.name_of(src_));
+      conn_->send(std::move(frame));
+      finish();
+    } catch (...) {
+      fail(std::current_exception());
+    }
+  }
+  void fail(std::exception_ptr error) noexcept {
+    if (done_) return;
+    try {
+      rt_.send_error(conn_, id_, std::move(error), entry_->name);
+    } catch (...) {
+      conn_->close("cannot send an error reply");
+    }
+    finish();
+  }
+
+ private:
+  void finish() noexcept {
+    done_ = true;
+    if (!counted_) return;
+    rt_.requests_handled.fetch_add(1, std::memory_order_relaxed);
+    if (src_ >= 0 && src_ < rt_.world_size) rt_.handled_from[src_].fetch_add(1, std::memory_order_relaxed);
+    rt_.handlers_running.fetch_sub(1, std::memory_order_relaxed);
+  }
+
+  Runtime::Impl& rt_;
+  std::shared_ptr<detail::Connection> conn_;
+  std::uint64_t id_;
+  int src_;
+  std::int64_t ctx_;
+  bool counted_;
+  const HandlerEntry* entry_;
+  bool done_ = false;
+};
+
+// Runs `entry` on `msg` on the calling thread; the reply leaves from here, or when the handler's future completes.
+void run_request(Runtime::Impl& rt, RequestScope scope, const HandlerEntry& entry, Message& msg, int src) {
+  try {
+    CallContextScope ctx_scope(rt.handler_context(msg.head.context_id));
+    rt.attach_autograd(msg.head, src, msg.tensors);
+    Inbound in{src, entry.name, Reader(msg.body.data(), msg.body.size()), &msg};
+    in.args.tensors = &msg.tensors;
+    in.args.peer = src;
+    if (entry.run_sync) {
+      Message out;
+      entry.run_sync(in, out);
+      scope.reply(std::move(out));
+      return;
+    }
+    Future<Message> result = entry.run_async(in);
+    if (result.done()) {
+      if (auto e = result.error()) scope.fail(e);
+      else scope.reply(std::move(result).value());
+      return;
+    }
+    detail::on_ready_inline(result, [scope = std::move(scope), result]() mutable {
+      if (auto e = result.error()) scope.fail(e);
+      else scope.reply(std::move(result).value());
+    });
+  } catch (...) {
+    scope.fail(std::current_exception());
+  }
+}
+
+// A request handed to the worker pool: owns its message until it runs.
+struct PooledRequest : WorkItem {
+  Runtime::Impl& rt;
+  RequestScope scope;
+  const HandlerEntry& entry;
+  Message msg;
+  int src;
+  PooledRequest(Runtime::Impl& r, RequestScope s, const HandlerEntry& e, Message&& m, int source)
+      : rt(r), scope(std::move(s)), entry(e), msg(std::move(m)), src(source) {
+    run = [](WorkItem* w) noexcept {
+      auto* self = static_cast<PooledRequest*>(w);
+      run_request(self->rt, std::move(self->scope), self->entry, self->msg, self->src);
+      delete self;
+    };
+  }
+};
+
+}  // namespace
+
+CallContext Runtime::Impl::handler_context(std::int64_t context_id) const noexcept {
+  CallContext c;
+  if (tensor_hooks.context_slot >= 0) c.set(tensor_hooks.context_slot, context_id);
+  return c;
+}
+
+void Runtime::Impl::on_frame(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
+  switch (msg.head.kind) {
+    case FrameKind::Hello: return on_hello(conn, std::move(msg));
+    case FrameKind::World: return on_world(std::move(msg));
+    case FrameKind::Request: return on_request(conn, std::move(msg));
+    case FrameKind::Response:
+    case FrameKind::Error: {
+      if (msg.head.id == 0 && msg.head.kind == FrameKind::Error) {  // the peer refused the connection itself
+        std::string why = "refused by peer";
+        try {
+          std::rethrow_exception(decode_error(msg, name_of(conn->peer_rank), "rendezvous"));
+        } catch (const std::exception& e) {
+          why = e.what();
+        }
+        if (!world_ready.get_future().done()) world_ready.set_error(RpcError("rendezvous refused: " + why));
+        return conn->close(why);
+      }
+      return deliver_reply(conn, std::move(msg));
+    }
+    case FrameKind::Goodbye: return;
+  }
+}
+
+void Runtime::Impl::on_request(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
+  if (conn->peer_rank < 0) return conn->close("protocol error: a request before hello");
+  if (!world_known) return early_requests.emplace_back(conn, std::move(msg)), void();
+  const HandlerEntry* entry = global_registry().find(msg.head.function);
+  // A refused request still counts as handled: the caller counted it as sent, and graceful shutdown balances the two.
+  auto refuse = [&](std::exception_ptr error, std::string_view function) {
+    send_error(conn, msg.head.id, std::move(error), function);
+    if (msg.head.flags & kFlagControl) return;
+    requests_handled.fetch_add(1, std::memory_order_relaxed);
+    handled_from[conn->peer_rank].fetch_add(1, std::memory_order_relaxed);
+  };
+  if (!entry) {
+    return refuse(std::make_exception_ptr(UnknownFunctionError(
+                      "no function with id " + std::to_string(msg.head.function) + " is registered on worker '" +
+                      self.name + "' (different binaries? register it by name)")),
+                  "");
+  }
+  if (entry->signature != 0 && msg.head.signature != 0 && entry->signature != msg.head.signature) {
+    return refuse(std::make_exception_ptr(ArgumentTypeError("arguments do not match '" + entry->name + "' on worker '" +
+                                                            self.name + "', which takes " + entry->signature_text)),
+                  entry->name);
+  }
+  if (!(msg.head.flags & kFlagControl)) handlers_running.fetch_add(1, std::memory_order_relaxed);
+  RequestScope scope(*this, conn, msg.head, *entry);
+  const int src = conn->peer_rank;
+  if (entry->execution == Execution::io_thread) {
+    run_request(*this, std::move(scope), *entry, msg, src);
+  } else {
+    pool->enqueue(new PooledRequest(*this, std::move(scope), *entry, std::move(msg), src));
+  }
+}
+
+void Runtime::Impl::send_error(const std::shared_ptr<detail::Connection>& conn, std::uint64_t id,
+                               std::exception_ptr error, std::string_view function) {
+  conn->send(prepare(error_frame(id, std::move(error), self.name, function)));
+}
+
+}  // namespace corpc

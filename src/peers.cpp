@@ -1,0 +1,157 @@
+// Connections and peers: dialing, accepting, closing, and what a peer's death does.
+#include "runtime_impl.hpp"
+
+namespace corpc {
+
+std::function<void(const std::shared_ptr<detail::Connection>&, Message&&)> Runtime::Impl::frame_handler() {
+  return [this](const std::shared_ptr<detail::Connection>& c, Message&& m) { on_frame(c, std::move(m)); };
+}
+std::function<void(const std::shared_ptr<detail::Connection>&, const std::string&)> Runtime::Impl::close_handler() {
+  return [this](const std::shared_ptr<detail::Connection>& c, const std::string& why) { on_close(c, why); };
+}
+
+std::shared_ptr<detail::Connection> Runtime::Impl::connection_to(int rank) {
+  std::lock_guard lock(conn_mutex);
+  if (closing) throw ShutdownError("corpc runtime is shutting down");
+  if (!dead[rank].empty())
+    throw ConnectionError("worker '" + workers[rank].name + "' (rank " + std::to_string(rank) + ") is gone: " + dead[rank]);
+  auto& c = outgoing[rank];
+  if (!c) {
+    if (rank == self.rank) {
+      c = detail::make_loopback_connection(pick_io(), options.limits, frame_handler());
+    } else {
+      c = detail::dial_tcp_connection(pick_io(), rank, workers[rank].host, workers[rank].port, options.limits,
+                                      frame_handler(), close_handler());
+      // Every dialed connection starts with who we are and what we accept.
+      c->send(prepare(hello_message(self, world_size, false, options.limits)));
+    }
+    c->peer_rank = rank;
+    c->outgoing = true;
+  }
+  return c;
+}
+
+void Runtime::Impl::fail_all_calls(std::exception_ptr error) {
+  std::vector<std::shared_ptr<detail::Connection>> conns;
+  {
+    std::lock_guard lock(conn_mutex);
+    for (auto& c : outgoing)
+      if (c) conns.push_back(c);
+  }
+  for (auto& c : conns) fail_calls(*c, error);
+}
+
+void Runtime::Impl::mark_dead(int rank, const std::string& why) {
+  std::vector<std::function<void(int, const std::string&)>> listeners;
+  std::shared_ptr<detail::Connection> ours;
+  {
+    std::lock_guard lock(conn_mutex);
+    if (!dead[rank].empty()) return;
+    dead[rank] = why;
+    ours = outgoing[rank];
+  }
+  // Whichever direction noticed first: our calls to it fail now, not when our own connection notices too.
+  if (ours) ours->close(why);
+  {
+    std::lock_guard lock(hooks_mutex);
+    listeners = failure_listeners;
+  }
+  for (auto& l : listeners) l(rank, why);
+  check_rounds();
+}
+
+void Runtime::Impl::on_close(const std::shared_ptr<detail::Connection>& conn, const std::string& why) {
+  const int rank = conn->peer_rank;
+  bool was_closing;
+  {
+    std::lock_guard lock(conn_mutex);
+    was_closing = closing;
+    incoming.erase(conn);
+    if (rank >= 0 && rank < static_cast<int>(outgoing.size()) && outgoing[rank] == conn) outgoing[rank] = nullptr;
+  }
+  // Our requests on this connection cannot be answered any more, whatever the reason.
+  auto error = was_closing ? std::make_exception_ptr(ShutdownError("corpc runtime shut down"))
+                           : std::make_exception_ptr(ConnectionError(
+                                 "worker '" + name_of(rank) + "' (rank " + std::to_string(rank) + ") is gone: " +
+                                 (conn->said_goodbye ? std::string("it shut down") : why)));
+  fail_calls(*conn, error);
+  if (!world_known) {
+    if (self.rank == 0) {
+      // A worker that registered and left before the world was complete: forget it, it may come back.
+      std::lock_guard lock(conn_mutex);
+      for (auto it = registrations.begin(); it != registrations.end(); ++it) {
+        if (it->second.second == conn) {
+          registrations.erase(it);
+          break;
+        }
+      }
+    } else if (conn->outgoing && rank == 0) {
+      world_ready.set_error(ConnectionError("lost rank 0 during rendezvous: " + why));
+    }
+    return;
+  }
+  if (rank < 0 || was_closing) return;  // never said hello, or we are leaving ourselves
+  mark_dead(rank, conn->said_goodbye ? "it shut down" : why);
+}
+
+void Runtime::Impl::accept_loop() {
+  acceptor->async_accept(pick_io(), [this](const asio::error_code& ec, asio::ip::tcp::socket socket) {
+    if (ec == asio::error::operation_aborted || !acceptor->is_open()) return;  // closed: shutting down
+    if (ec) {
+      // A transient failure (a client that reset before we accepted it, a descriptor limit) must not stop us
+      // accepting for good: try again shortly.
+      accept_errors++;
+      auto pause = std::make_shared<asio::steady_timer>(main_io(), std::chrono::milliseconds(10));
+      pause->async_wait([this, pause](const asio::error_code&) { accept_loop(); });
+      return;
+    }
+    accepted++;
+    auto conn = detail::make_tcp_connection(std::move(socket), options.limits, frame_handler(), close_handler());
+    {
+      std::lock_guard lock(conn_mutex);
+      if (closing) return conn->close("shutting down");
+      incoming.insert(conn);
+    }
+    accept_loop();
+  });
+}
+
+void Runtime::Impl::close_everything(bool say_goodbye) {
+  std::vector<std::shared_ptr<detail::Connection>> conns;
+  {
+    std::lock_guard lock(conn_mutex);
+    closing = true;
+    for (auto& c : outgoing)
+      if (c) conns.push_back(c);
+    conns.insert(conns.end(), incoming.begin(), incoming.end());
+  }
+  // Before any connection closes, so that calls in flight fail as shut down, not as lost peers.
+  fail_all_calls(std::make_exception_ptr(ShutdownError("corpc runtime shut down")));
+  for (auto& c : conns) {
+    if (say_goodbye) {
+      Message bye;
+      bye.head.kind = FrameKind::Goodbye;
+      c->send(prepare(std::move(bye)));
+    }
+    c->close_when_flushed();
+  }
+  asio::post(main_io(), [this] {
+    asio::error_code ec;
+    acceptor->close(ec);
+  });
+  // Give queued frames (replies, goodbyes) a moment to leave, then stop the I/O threads.
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  for (;;) {
+    {
+      std::lock_guard lock(conn_mutex);
+      bool open = !incoming.empty();
+      for (auto& c : outgoing) open = open || (c && c->peer_rank != self.rank);
+      if (!open) break;
+    }
+    if (std::chrono::steady_clock::now() > deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  stop_threads();
+}
+
+}  // namespace corpc

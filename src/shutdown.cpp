@@ -1,0 +1,113 @@
+// Graceful shutdown's termination detection, run on rank 0: each rank reports, per peer, the user requests it sent
+// and the ones it finished handling; the world is quiet when every live pair balances and everyone is idle, twice in
+// a row. Counting per pair lets requests to a dead rank drop out instead of unbalancing the sums for ever. The
+// rounds themselves travel as control calls (kFlagControl), which are not counted.
+#include "corpc/rpc/call.hpp"
+#include "runtime_impl.hpp"
+
+namespace corpc {
+
+namespace {
+
+using RoundResult = std::pair<std::uint64_t, bool>;
+
+Future<RoundResult> shutdown_round(std::int64_t round, int rank, std::vector<std::uint64_t> sent_to,
+                                   std::vector<std::uint64_t> handled_from, bool idle) {
+  auto& impl = runtime_impl(Runtime::get());
+  Future<RoundResult> out;
+  {
+    std::lock_guard lock(impl.barrier_mutex);
+    auto& r = impl.rounds[round];
+    r.reports[rank] = {std::move(sent_to), std::move(handled_from)};
+    r.all_idle = r.all_idle && idle;
+    out = r.done.get_future();
+  }
+  impl.check_rounds();
+  return out;
+}
+
+constexpr std::string_view kRoundName = "corpc::shutdown_round";
+const bool g_registered = [] {
+  global_registry().add(detail::make_entry<&shutdown_round>(std::string(kRoundName), Execution::io_thread));
+  return true;
+}();
+
+}  // namespace
+
+void Runtime::Impl::check_rounds() {
+  std::vector<bool> alive(world_size);
+  {
+    std::lock_guard lock(conn_mutex);
+    for (int k = 0; k < world_size; ++k) alive[k] = dead[k].empty();
+  }
+  std::lock_guard lock(barrier_mutex);
+  for (auto& [round, r] : rounds) {
+    bool full = true;
+    for (int k = 0; k < world_size && full; ++k) full = r.reports.count(k) || !alive[k];
+    if (!full) continue;
+    std::uint64_t total = 0;
+    bool balanced = r.all_idle;
+    for (auto& [i, ri] : r.reports) {
+      for (auto& [j, rj] : r.reports) {
+        if (!alive[i] || !alive[j] || ri.first.size() != static_cast<std::size_t>(world_size) ||
+            rj.second.size() != static_cast<std::size_t>(world_size))
+          continue;
+        total += ri.first[j];
+        balanced = balanced && ri.first[j] == rj.second[i];
+      }
+    }
+    r.done.set_value(RoundResult{total, balanced});
+  }
+}
+
+void Runtime::Impl::graceful_shutdown() {
+  const auto limit = options.shutdown_timeout.count() > 0 ? options.shutdown_timeout
+                                                           : std::chrono::milliseconds(std::chrono::hours(24 * 365));
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  auto remaining = [&] {
+    return std::max<std::chrono::milliseconds>(
+        std::chrono::milliseconds(1),
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()));
+  };
+  auto ask = [&](std::int64_t round, bool idle) {
+    using Args = std::tuple<std::int64_t, int, std::vector<std::uint64_t>, std::vector<std::uint64_t>, bool>;
+    auto* state = detail::FutureState<RoundResult>::make();
+    auto fut = detail::future_of(state);
+    detail::OutboundCall call;
+    call.dst = 0;
+    call.function = kRoundName;
+    call.function_is_static = true;
+    call.function_id = function_id(kRoundName);
+    call.signature = detail::signature_of<Args>();
+    call.timeout = remaining();
+    call.control = true;
+    detail::encode_args<Args>(call.message, 0, round, self.rank, counts(sent_to), counts(handled_from), idle);
+    call.complete = &detail::complete_call<RoundResult>;
+    call.target = state;
+    detail::start_call(std::move(call));
+    return std::move(fut).wait();
+  };
+  auto locally_idle = [&] {
+    std::function<bool()> probe;
+    {
+      std::lock_guard hl(hooks_mutex);
+      probe = quiescence_probe;
+    }
+    return calls_in_flight.load() == 0 && handlers_running.load() == 0 && (!probe || probe());
+  };
+  try {
+    ask(-1, true);  // everyone has reached shutdown
+    std::optional<RoundResult> previous;
+    for (std::int64_t round = 0; std::chrono::steady_clock::now() < deadline; ++round) {
+      while (!locally_idle() && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      auto result = ask(round, locally_idle());
+      if (result.second && previous == result) break;  // quiet, and nothing moved since the last round
+      previous = result;
+    }
+  } catch (const RpcError&) {
+    // Rank 0 is gone or the deadline passed: close anyway rather than hang.
+  }
+}
+
+}  // namespace corpc
