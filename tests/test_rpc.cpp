@@ -73,7 +73,20 @@ Task<std::size_t> length_after_hop(const std::string& s, const std::vector<int>&
 
 Future<int> future_result(int v) { return make_ready_future(v * 2); }
 
+// Run on the I/O thread that reads their request (marked below, at global scope).
+int add_on_io(int a, int b) { return a + b; }
+Task<std::string> relay_on_io(std::vector<std::string> path) {
+  if (path.empty()) co_return get_worker_info().name;
+  auto next = path.front();
+  path.erase(path.begin());
+  std::string rest = co_await rpc_async<&relay_on_io>(next, path);  // resumes on the same I/O thread
+  co_return get_worker_info().name + ">" + rest;
+}
+
 }  // namespace
+
+CORPC_IO_THREAD_FUNCTION(&add_on_io);
+CORPC_IO_THREAD_FUNCTION(&relay_on_io);
 
 TEST_CASE("rpc_sync and rpc_async reach every worker by name, rank and WorkerInfo") {
   run_world(3, [](int rank) {
@@ -322,4 +335,19 @@ TEST_CASE("malformed frames close only the offending connection") {
     send_raw(std::string(reinterpret_cast<const char*>(&h), sizeof h));
     EXPECT_EQ(rpc_sync<&add>(1, 2, 2), 4);  // worker1 is fine
   });
+}
+
+TEST_CASE("functions on the I/O threads, with several I/O threads sharing the connections") {
+  auto options = quick_options();
+  options.num_io_threads = 2;
+  run_world(3, [](int rank) {
+    // Every rank calls every other at once, so that connections in both directions land on both I/O threads.
+    std::vector<Future<int>> sums;
+    for (int i = 0; i < 300; ++i) sums.push_back(rpc_async<&add_on_io>((rank + 1 + i % 2) % 3, i, rank));
+    for (int i = 0; i < 300; ++i) EXPECT_EQ(sums[i].wait(30s), i + rank);
+    const std::vector<std::string> path{worker_name((rank + 2) % 3), worker_name(rank)};
+    EXPECT_EQ(rpc_async<&relay_on_io>((rank + 1) % 3, path).wait(30s),
+              worker_name((rank + 1) % 3) + ">" + worker_name((rank + 2) % 3) + ">" + worker_name(rank));
+    EXPECT_EQ(rpc_sync<&add>((rank + 1) % 3, 2, 3), 5);  // pool functions alongside
+  }, options);
 }
