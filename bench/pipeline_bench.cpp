@@ -76,8 +76,10 @@ double run_split(const Config& c, long splits, const std::vector<std::pair<at::T
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// The same batches through both shards in this process: no RPC, no pipelining.
-double run_single_process(const Config& c, const std::vector<std::pair<at::Tensor, at::Tensor>>& data) {
+// The same batches through both shards in this process: no RPC, no pipelining. With `splits` > 1, each batch goes
+// through as that many micro-batches one after another (gradients accumulated, one optimizer step): what the pipeline
+// must beat for splitting to pay, since it pays the same per-micro-batch cost of small operators.
+double run_single_process(const Config& c, const std::vector<std::pair<at::Tensor, at::Tensor>>& data, long splits = 1) {
   auto s1 = make_shard1(c.width, kResNet50Blocks, c.classes, 0);
   auto s2 = make_shard2(c.width, kResNet50Blocks, c.classes, 1);
   std::vector<at::Tensor> params;
@@ -86,10 +88,17 @@ double run_single_process(const Config& c, const std::vector<std::pair<at::Tenso
   torch::optim::SGD opt(params, torch::optim::SGDOptions(0.05));
   auto step = [&](const at::Tensor& x, const at::Tensor& y) {
     opt.zero_grad();
-    auto loss = mse(s2->forward(s1->forward(x)), y);
-    loss.backward();
+    double total = 0;
+    auto xs = x.chunk(splits);
+    auto ys = y.chunk(splits);
+    for (std::size_t i = 0; i < xs.size(); ++i) {
+      const double share = static_cast<double>(xs[i].size(0)) / static_cast<double>(x.size(0));
+      auto loss = mse(s2->forward(s1->forward(xs[i])), ys[i]) * share;
+      loss.backward();
+      total += loss.item<double>();
+    }
     opt.step();
-    return loss.item<double>();
+    return total;
   };
   for (long w = 0; w < c.warmup; ++w) step(data[0].first, data[0].second);
   auto t0 = Clock::now();
@@ -183,6 +192,7 @@ int main(int argc, char** argv) {
           continue;
         }
         out << s << ' ' << run_split(c, s, data) << '\n';
+        out << "seq" << s << ' ' << run_single_process(c, data, s) << '\n';  // right after, on the same machine state
         out.flush();
       }
       out << "single " << run_single_process(c, data) << '\n';
@@ -190,7 +200,7 @@ int main(int argc, char** argv) {
     shutdown();
   }, so);
 
-  std::map<long, double> corpc_times;
+  std::map<long, double> corpc_times, sequential;
   double single = NAN;
   {
     std::ifstream in(path);
@@ -198,6 +208,7 @@ int main(int argc, char** argv) {
     double secs;
     while (in >> key >> secs) {
       if (key == "single") single = secs;
+      else if (key.rfind("seq", 0) == 0) sequential[std::stol(key.substr(3))] = secs;
       else corpc_times[std::stol(key)] = secs;
     }
   }
@@ -208,12 +219,14 @@ int main(int argc, char** argv) {
 
   const double images = static_cast<double>(c.batch * c.batches);
   const double base = corpc_times.count(1) ? corpc_times[1] : NAN;
-  std::printf("\n| splits | time (s) | speedup vs 1 split | images/s | GPipe ideal (2 stages) |%s\n",
+  std::printf("\n| splits | time (s) | speedup vs 1 split | images/s | GPipe ideal (2 stages) | 1 process, in sequence (s) | sequence / corpc |%s\n",
               torch_times.empty() ? "" : " PyTorch RPC (s) | PyTorch / corpc |");
-  std::printf("|-------:|---------:|-------------------:|---------:|-----------------------:|%s\n",
+  std::printf("|-------:|---------:|-------------------:|---------:|-----------------------:|---------------------------:|-----------------:|%s\n",
               torch_times.empty() ? "" : "----------------:|----------------:|");
   for (auto& [s, t] : corpc_times) {
     std::printf("| %6ld | %8.2f | %18.2f | %8.1f | %22.2f |", s, t, base / t, images / t, 2.0 * s / (s + 1.0));
+    const double seq = sequential.count(s) ? sequential[s] : NAN;
+    std::printf(" %26.2f | %16.2f |", seq, seq / t);
     if (!torch_times.empty()) {
       if (torch_times.count(s)) std::printf(" %15.2f | %15.2f |", torch_times[s], torch_times[s] / t);
       else std::printf(" %15s | %15s |", "-", "-");
@@ -221,5 +234,7 @@ int main(int argc, char** argv) {
     std::printf("\n");
   }
   std::printf("\nOne process, no RPC (same batches, %ld thread): %.2f s, %.1f images/s\n", c.threads, single, images / single);
+  std::printf("1 process, in sequence: the same micro-batches through both shards one after another in one process, no RPC,\n"
+              "timed right after each split's run. sequence / corpc > 1: the pipeline beats running them in sequence.\n");
   return corpc_times.empty() ? 1 : 0;
 }

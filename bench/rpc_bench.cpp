@@ -45,6 +45,7 @@
 #include <fmt/core.h>
 
 #include "corpc/corpc.hpp"
+#include "corpc/rref/rref.hpp"
 
 using asio::ip::tcp;
 using Clock = std::chrono::steady_clock;
@@ -54,25 +55,39 @@ namespace {
 // ---- the remote functions ---------------------------------------------------------------------------------------
 void noop() {}
 at::Tensor echo(const at::Tensor& t) { return t; }
+std::int64_t small_value() { return 42; }
+// The middle of the chain case: B awaits C, holding no thread, and answers A.
+corpc::Task<void> relay_noop() { co_await corpc::rpc_async<&noop>(2); }
 }  // namespace
-// Both are short and never block: they run on the I/O thread that reads the request (no hand-off to the pool).
+// All short and never blocking: they run on the I/O thread that reads the request (no hand-off to the pool).
 CORPC_IO_THREAD_FUNCTION(&noop);
 CORPC_IO_THREAD_FUNCTION(&echo);
+CORPC_IO_THREAD_FUNCTION(&small_value);
+CORPC_IO_THREAD_FUNCTION(&relay_noop);
 namespace {
 std::atomic<int> g_raw_port{0};
 int raw_port() { return g_raw_port.load(); }
+std::atomic<int> g_relay_port{0};
+int relay_port() { return g_relay_port.load(); }
 
 // ---- options ----------------------------------------------------------------------------------------------------
+enum class Kind { echo, async, remote, chain };
 struct CaseSpec {
   std::string name;
-  std::size_t bytes;  // payload each way; 0 for noop / async64
-  bool async;
+  std::size_t bytes;  // payload each way; 0 for noop / async64 / remote / chain
+  Kind kind = Kind::echo;
+  bool async() const { return kind == Kind::async; }
 };
 
+// remote: `remote<&f>(1)` then `to_here()`, against two raw ping-pongs. chain: A calls B, whose coroutine calls C
+// and answers A (3 ranks), against a raw relay (A -> B -> C -> B -> A, B forwarding on one io_context thread).
 const std::vector<CaseSpec> kAllCases = {
-    {"noop", 0, false},           {"4KiB", 4u << 10, false},   {"1MiB", 1u << 20, false},
-    {"16MiB", 16u << 20, false},  {"64MiB", 64u << 20, false}, {"async64", 0, true},
+    {"noop", 0},          {"4KiB", 4u << 10},  {"1MiB", 1u << 20},          {"16MiB", 16u << 20},
+    {"64MiB", 64u << 20}, {"async64", 0, Kind::async}, {"remote", 0, Kind::remote}, {"chain", 0, Kind::chain},
 };
+bool wants_chain(const std::vector<CaseSpec>& cases) {
+  return std::any_of(cases.begin(), cases.end(), [](const CaseSpec& c) { return c.kind == Kind::chain; });
+}
 constexpr int kInFlight = 64;
 
 struct Options {
@@ -80,6 +95,7 @@ struct Options {
   double block_ms = 100.0;
   int min_iters = 3;  // per block, for the slow cases
   int worker_threads = 0;
+  int spin_us = -1;  // corpc's spin before a blocked wait sleeps; -1: RpcOptions' default
   bool raw_alloc = false;  // raw receivers allocate a fresh at::empty buffer per message, as corpc must
   std::vector<CaseSpec> cases = kAllCases;
   std::string json_path;
@@ -87,12 +103,15 @@ struct Options {
 
 [[noreturn]] void usage(int code) {
   std::fprintf(code ? stderr : stdout,
-               "usage: rpc_bench [--seconds-per-case S] [--cases noop,4KiB,1MiB,16MiB,64MiB,async64]\n"
-               "                 [--block-ms MS] [--min-iters N] [--worker-threads N] [--raw-alloc] [--json PATH]\n"
+               "usage: rpc_bench [--seconds-per-case S] [--cases noop,4KiB,1MiB,16MiB,64MiB,async64,remote,chain]\n"
+               "                 [--block-ms MS] [--min-iters N] [--worker-threads N] [--spin-us US] [--raw-alloc]\n"
+               "                 [--json PATH]\n"
                "Each case alternates blocks of raw Asio TCP and corpc (~MS ms each, >= N calls) for ~S seconds\n"
                "and reports the median of the per-block ratios corpc/raw.\n"
                "--raw-alloc: the raw floor receives each message into a freshly allocated at::empty buffer (both\n"
-               "ends), as corpc does, instead of reusing one buffer: separates allocation cost from corpc's own.\n");
+               "ends), as corpc does, instead of reusing one buffer: separates allocation cost from corpc's own.\n"
+               "--spin-us: how long corpc's blocked waits spin before sleeping (RpcOptions::spin_before_block; the raw\n"
+               "floor always sleeps in read()); 0 compares both sleeping.\n");
   std::exit(code);
 }
 
@@ -118,6 +137,8 @@ Options parse(int argc, char** argv) {
         o.min_iters = std::max(1, std::stoi(value()));
       } else if (key == "--worker-threads") {
         o.worker_threads = std::stoi(value());
+      } else if (key == "--spin-us") {
+        o.spin_us = std::stoi(value());
       } else if (key == "--raw-alloc") {
         o.raw_alloc = true;
       } else if (key == "--json") {
@@ -188,6 +209,36 @@ asio::awaitable<void> raw_echo_session(tcp::acceptor& acceptor, bool fresh_buffe
   } catch (const std::system_error& e) {
     if (e.code() != asio::error::eof && e.code() != asio::error::connection_reset) throw;
   }
+}
+
+// Relay (rank 1, chain case): forwards each message from the client to rank 2's echo server and the answer back.
+asio::awaitable<void> raw_relay_session(tcp::acceptor& acceptor, int upstream_port) {
+  tcp::socket client = co_await acceptor.async_accept(asio::use_awaitable);
+  client.set_option(tcp::no_delay(true));
+  acceptor.close();
+  tcp::socket up(client.get_executor());
+  co_await up.async_connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(upstream_port)),
+                            asio::use_awaitable);
+  up.set_option(tcp::no_delay(true));
+  std::vector<char> buf;
+  try {
+    for (;;) {
+      for (tcp::socket* from : {&client, &up}) {
+        tcp::socket* to = from == &client ? &up : &client;
+        std::uint64_t n = 0;
+        co_await asio::async_read(*from, asio::buffer(&n, sizeof n), asio::use_awaitable);
+        if (n > (1ull << 31)) throw std::runtime_error("raw relay: absurd length");
+        if (buf.size() < n) buf.resize(n);
+        co_await asio::async_read(*from, asio::buffer(buf.data(), n), asio::use_awaitable);
+        std::array<asio::const_buffer, 2> out{asio::buffer(&n, sizeof n), asio::buffer(buf.data(), n)};
+        co_await asio::async_write(*to, out, asio::use_awaitable);
+      }
+    }
+  } catch (const std::system_error& e) {
+    if (e.code() != asio::error::eof && e.code() != asio::error::connection_reset) throw;
+  }
+  asio::error_code ec;
+  up.shutdown(tcp::socket::shutdown_both, ec);  // ends rank 2's echo session
 }
 
 class RawClient {
@@ -308,26 +359,37 @@ struct CaseResult {
   std::vector<double> ratios;                   // per block pair
 };
 
-CaseResult run_case(const Options& o, const CaseSpec& c, RawClient& raw) {
+CaseResult run_case(const Options& o, const CaseSpec& c, RawClient& raw, RawClient& relay) {
   CaseResult r{c, {}, {}, {}, {}, {}};
   at::Tensor t;
-  if (!c.async && c.bytes) t = at::rand({static_cast<std::int64_t>(c.bytes / sizeof(float))});
+  if (!c.async() && c.bytes) t = at::rand({static_cast<std::int64_t>(c.bytes / sizeof(float))});
 
   auto corpc_once = [&] {
-    if (c.bytes) {
+    if (c.kind == Kind::remote) {
+      auto ref = corpc::remote<&small_value>(1);
+      if (ref.to_here().wait() != 42) throw std::runtime_error("remote: wrong value");
+    } else if (c.kind == Kind::chain) {
+      corpc::rpc_sync<&relay_noop>(1);
+    } else if (c.bytes) {
       at::Tensor back = corpc::rpc_sync<&echo>(1, t);
       if (back.numel() != t.numel()) throw std::runtime_error("echo returned a tensor of the wrong size");
     } else {
       corpc::rpc_sync<&noop>(1);
     }
   };
-  auto raw_once = [&] { raw.round_trip(c.bytes); };
+  auto raw_once = [&] {
+    if (c.kind == Kind::chain) return relay.round_trip(0);
+    raw.round_trip(c.bytes);
+    if (c.kind == Kind::remote) raw.round_trip(c.bytes);  // remote() and to_here() are a round trip each
+  };
 
   // Warm-up, with a check of the results.
   for (int i = 0; i < 3; ++i) {
     raw_once();
     if (!raw.echoed_ok(c.bytes)) throw std::runtime_error("raw echo returned different bytes");
-    if (c.bytes) {
+    if (c.kind == Kind::remote || c.kind == Kind::chain) {
+      corpc_once();
+    } else if (c.bytes) {
       at::Tensor back = corpc::rpc_sync<&echo>(1, t);
       if (!back.equal(t)) throw std::runtime_error(c.name + ": corpc echo returned a different tensor");
       if (back.data_ptr() == t.data_ptr()) throw std::runtime_error(c.name + ": echo did not cross the wire?");
@@ -335,7 +397,7 @@ CaseResult run_case(const Options& o, const CaseSpec& c, RawClient& raw) {
       corpc::rpc_sync<&noop>(1);
     }
   }
-  if (c.async) {
+  if (c.async()) {
     Options w = o;
     w.block_ms = 20;
     corpc_async_block(w);
@@ -345,8 +407,8 @@ CaseResult run_case(const Options& o, const CaseSpec& c, RawClient& raw) {
   auto start = Clock::now();
   for (int pair = 0; pair < 3 || us_since(start) < o.seconds_per_case * 1e6; ++pair) {
     Block rb, cb;
-    auto do_raw = [&] { rb = c.async ? raw_async_block(o, raw) : latency_block(o, raw_once); };
-    auto do_corpc = [&] { cb = c.async ? corpc_async_block(o) : latency_block(o, corpc_once); };
+    auto do_raw = [&] { rb = c.async() ? raw_async_block(o, raw) : latency_block(o, raw_once); };
+    auto do_corpc = [&] { cb = c.async() ? corpc_async_block(o) : latency_block(o, corpc_once); };
     if (pair % 2 == 0) {
       do_raw();
       do_corpc();
@@ -358,7 +420,7 @@ CaseResult run_case(const Options& o, const CaseSpec& c, RawClient& raw) {
     r.corpc_us.insert(r.corpc_us.end(), cb.lat_us.begin(), cb.lat_us.end());
     r.raw_rate.push_back(rb.calls_per_s);
     r.corpc_rate.push_back(cb.calls_per_s);
-    r.ratios.push_back(c.async ? rb.calls_per_s / cb.calls_per_s : median(cb.lat_us) / median(rb.lat_us));
+    r.ratios.push_back(c.async() ? rb.calls_per_s / cb.calls_per_s : median(cb.lat_us) / median(rb.lat_us));
   }
   return r;
 }
@@ -406,15 +468,16 @@ int affinity_cores() {
 }
 
 void print_header(const Options& o) {
-  fmt::print("corpc rpc_bench: 2 ranks (corpc::launch_processes), 127.0.0.1, libtorch {}, at::get_num_threads()={}\n",
-             TORCH_VERSION, at::get_num_threads());
+  fmt::print("corpc rpc_bench: {} ranks (corpc::launch_processes), 127.0.0.1, libtorch {}, at::get_num_threads()={}\n",
+             wants_chain(o.cases) ? 3 : 2, TORCH_VERSION, at::get_num_threads());
   fmt::print("cores: hardware_concurrency={}, affinity={}  cpu: {}\n", std::thread::hardware_concurrency(),
              affinity_cores(), cpu_model());
   fmt::print("blas: {}\n", blas_info());
   fmt::print("per case ~{} s of alternating raw/corpc blocks of ~{} ms (>= {} calls); corpc worker threads: {}; "
-             "raw receive buffers: {}\n\n",
+             "corpc spin before sleeping: {}; raw receive buffers: {}\n\n",
              o.seconds_per_case, o.block_ms, o.min_iters,
              o.worker_threads > 0 ? std::to_string(o.worker_threads) : std::string("default"),
+             o.spin_us >= 0 ? fmt::format("{} us", o.spin_us) : std::string("default (50 us)"),
              o.raw_alloc ? "fresh at::empty per message (--raw-alloc)" : "reused");
   fmt::print("{:>8} {:>7} {:>7} | {:>10} {:>10} | {:>10} {:>10} | {:>9} {:>13} | {:>10}\n", "case", "blocks", "calls",
              "corpc med", "corpc p99", "raw med", "raw p99", "corpc/raw", "blocks min-max", "corpc MB/s");
@@ -431,7 +494,7 @@ void print_row(const CaseResult& r) {
   fmt::print("{:>8} {:>7} {:>7} | {:10.1f} {:10.1f} | {:10.1f} {:10.1f} | {:9.2f} {:>13} | {}\n", r.spec.name,
              r.ratios.size(), r.corpc_us.size(), median(r.corpc_us), p99(r.corpc_us), median(r.raw_us), p99(r.raw_us),
              median(r.ratios), fmt::format("{:.2f}-{:.2f}", *mn, *mx), mbps);
-  if (r.spec.async) {
+  if (r.spec.async()) {
     fmt::print("{:>8}   throughput, {} in flight: corpc {:.0f} calls/s, raw {:.0f} msgs/s (medians of blocks); "
                "latency = issue -> consumed\n",
                "", kInFlight, median(r.corpc_rate), median(r.raw_rate));
@@ -456,7 +519,7 @@ void write_json(const Options& o, const std::vector<CaseResult>& results) {
                      "\"raw_p99_us\": {:.3f}, \"ratio\": {:.4f}, \"ratio_blocks\": {}, \"iters\": {}",
                      r.spec.name, r.spec.bytes, median(r.corpc_us), p99(r.corpc_us), median(r.raw_us), p99(r.raw_us),
                      median(r.ratios), json_array(r.ratios), r.corpc_us.size());
-    if (r.spec.async) {
+    if (r.spec.async()) {
       s += fmt::format(", \"calls_per_s\": {:.1f}, \"raw_calls_per_s\": {:.1f}, \"in_flight\": {}",
                        median(r.corpc_rate), median(r.raw_rate), kInFlight);
     }
@@ -475,34 +538,52 @@ corpc::RpcOptions rpc_options(const Options& o) {
   r.rpc_timeout = std::chrono::seconds(30);
   r.shutdown_timeout = std::chrono::seconds(30);
   r.num_worker_threads = o.worker_threads;
+  if (o.spin_us >= 0) r.spin_before_block = std::chrono::microseconds(o.spin_us);
   return r;
 }
 
-void server_rank(const Options& o) {
+// Rank 1 (and rank 2 for the chain case): serves corpc and a raw echo; rank 1 also relays to rank 2 for the chain.
+void server_rank(const Options& o, int rank, int world) {
   asio::io_context ctx;
   tcp::acceptor acceptor(ctx, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
+  tcp::acceptor relay_acceptor(ctx, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
   g_raw_port = acceptor.local_endpoint().port();
+  g_relay_port = relay_acceptor.local_endpoint().port();
   std::exception_ptr raw_error;
-  asio::co_spawn(ctx, raw_echo_session(acceptor, o.raw_alloc), [&](std::exception_ptr e) { raw_error = e; });
+  auto on_error = [&](std::exception_ptr e) {
+    if (e && !raw_error) raw_error = e;
+  };
+  asio::co_spawn(ctx, raw_echo_session(acceptor, o.raw_alloc), on_error);
+  auto work = asio::make_work_guard(ctx);  // until the relay is set up
   std::thread raw_thread([&] { ctx.run(); });
 
-  corpc::init_rpc("server", 1, 2, rpc_options(o));
-  raw_thread.join();  // ends when the client closes its raw connection, after its last case
+  corpc::init_rpc(rank == 1 ? "server" : "server2", rank, world, rpc_options(o));
+  if (rank == 1 && world == 3) {
+    asio::co_spawn(ctx, raw_relay_session(relay_acceptor, corpc::rpc_sync<&raw_port>(2)), on_error);
+  } else {
+    asio::post(ctx, [&] { relay_acceptor.close(); });
+  }
+  work.reset();
+  raw_thread.join();  // ends when the client closes its raw connections, after its last case
   corpc::shutdown(true);
   if (raw_error) std::rethrow_exception(raw_error);
 }
 
-void client_rank(const Options& o) {
-  corpc::init_rpc("client", 0, 2, rpc_options(o));
+void client_rank(const Options& o, int world) {
+  corpc::init_rpc("client", 0, world, rpc_options(o));
   print_header(o);
   RawClient raw;
   std::size_t max_bytes = 0;
   for (auto& c : o.cases) max_bytes = std::max(max_bytes, c.bytes);
   raw.connect(corpc::rpc_sync<&raw_port>(1), max_bytes, o.raw_alloc);
+  RawClient relay;
+  if (world == 3) {
+    relay.connect(corpc::rpc_sync<&relay_port>(1), 0, false);
+  }
 
   std::vector<CaseResult> results;
   for (auto& c : o.cases) {
-    results.push_back(run_case(o, c, raw));
+    results.push_back(run_case(o, c, raw, relay));
     print_row(results.back());
   }
   fmt::print("{}\n", std::string(118, '-'));
@@ -510,8 +591,10 @@ void client_rank(const Options& o) {
       "corpc/raw = corpc time per call / raw time per call (async64: raw msgs/s / corpc calls/s), median over block\n"
       "pairs run back to back in ABBA order; > 1 means corpc is slower than the floor. med/p99 pool all blocks.\n"
       "raw = Asio TCP echo between the same two processes: rank 1 serves with a C++20-coroutine loop on one io_context\n"
-      "thread, rank 0 uses blocking asio::write/read, TCP_NODELAY, 8-byte length + payload.\n");
+      "thread, rank 0 uses blocking asio::write/read, TCP_NODELAY, 8-byte length + payload. remote: against two raw\n"
+      "round trips. chain: rank 0 -> 1 -> 2 and back; raw: rank 1 relays on one io_context thread.\n");
   raw.close();
+  relay.close();
   if (!o.json_path.empty()) {
     write_json(o, results);
     fmt::print("wrote {}\n", o.json_path);
@@ -528,7 +611,8 @@ int main(int argc, char** argv) {
   so.timeout = std::chrono::seconds(60 + static_cast<long>(o.cases.size() * (3 * o.seconds_per_case + 15)));
   so.grace = std::chrono::seconds(5);
   try {
-    corpc::launch_processes(2, [&](int rank) { rank == 0 ? client_rank(o) : server_rank(o); }, so);
+    const int world = wants_chain(o.cases) ? 3 : 2;
+    corpc::launch_processes(world, [&](int rank) { rank == 0 ? client_rank(o, world) : server_rank(o, rank, world); }, so);
   } catch (const corpc::LaunchError& e) {
     std::fprintf(stderr, "rpc_bench failed: %s\n", e.what());
     for (auto& f : e.failures()) std::fprintf(stderr, "  rank %d: %s\n", f.rank, f.reason.c_str());
