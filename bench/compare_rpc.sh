@@ -41,7 +41,7 @@ import sys
 
 corpc = json.load(open(sys.argv[1]))
 torch = json.load(open(sys.argv[2]))
-cases = [c for c in ["noop", "4KiB", "1MiB", "16MiB", "64MiB", "async64"] if c in corpc or c in torch]
+cases = [c for c in ["noop", "4KiB", "1MiB", "16MiB", "64MiB", "async64", "remote", "chain"] if c in corpc or c in torch]
 
 def fmt(v, spec):
     return "-" if v is None else format(v, spec)

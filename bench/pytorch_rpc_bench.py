@@ -3,8 +3,9 @@
 
 Two processes on 127.0.0.1 with the TensorPipe backend. Measures the
 round-trip latency of rpc_sync to a no-op and of echoing a float32 tensor
-(4 KiB .. 64 MiB), and the throughput of no-op rpc_async with 64 calls in
-flight. Iterations are calibrated so each case takes about 1.5 s
+(4 KiB .. 64 MiB), the throughput of no-op rpc_async with 64 calls in
+flight, remote() + to_here() of a small value, and a chain across 3 workers
+(client -> server -> server2, the middle hop an @async_execution function). Iterations are calibrated so each case takes about 1.5 s
 (times --iters-scale). The last line of output is "JSON: {...}".
 
 Run with /usr/bin/python3 (Debian's python3-torch).
@@ -23,7 +24,7 @@ import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 
 SIZES = {"4KiB": 4 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20, "64MiB": 64 << 20}
-CASES = ["noop", *SIZES, "async64"]
+CASES = ["noop", *SIZES, "async64", "remote", "chain"]
 TARGET_S = 1.5
 MIN_ITERS, MAX_ITERS = 5, 100_000
 IN_FLIGHT = 64
@@ -37,23 +38,39 @@ def echo(t):
     return t
 
 
+def small_value():
+    return 42
+
+
+@rpc.functions.async_execution
+def relay_noop():
+    # The middle of the chain: returns the future of the next hop, holding no thread (as corpc's coroutine does).
+    return rpc.rpc_async("server2", noop)
+
+
+def remote_to_here():
+    if rpc.remote("server", small_value).to_here() != 42:
+        raise RuntimeError("remote: wrong value")
+
+
 def iterations(per_call_s, scale):
     n = int(TARGET_S / max(per_call_s, 1e-9) * scale)
     return max(MIN_ITERS, min(MAX_ITERS, n))
 
 
-def latency_case(fn, args, scale):
+def latency_case(fn, args, scale, call=None):
+    call = call or (lambda: rpc.rpc_sync("server", fn, args=args))
     # Warm-up, which also opens the connection and calibrates.
     for _ in range(3):
-        rpc.rpc_sync("server", fn, args=args)
+        call()
     t0 = time.perf_counter()
     for _ in range(5):
-        rpc.rpc_sync("server", fn, args=args)
+        call()
     n = iterations((time.perf_counter() - t0) / 5, scale)
     samples = []
     for _ in range(n):
         t = time.perf_counter_ns()
-        rpc.rpc_sync("server", fn, args=args)
+        call()
         samples.append((time.perf_counter_ns() - t) / 1e3)
     samples.sort()
     p99 = samples[min(len(samples) - 1, int(0.99 * len(samples)))]
@@ -88,6 +105,10 @@ def client(args):
                   flush=True)
         elif case == "noop":
             r = latency_case(noop, (), args.iters_scale)
+        elif case == "remote":
+            r = latency_case(None, (), args.iters_scale, call=remote_to_here)
+        elif case == "chain":
+            r = latency_case(relay_noop, (), args.iters_scale)
         else:
             t = torch.rand(SIZES[case] // 4)
             r = latency_case(echo, (t,), args.iters_scale)
@@ -107,7 +128,7 @@ def run(rank, args):
     options = rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=16, rpc_timeout=args.timeout,
         init_method=f"tcp://127.0.0.1:{args.port}")
-    rpc.init_rpc("client" if rank == 0 else "server", rank=rank, world_size=2,
+    rpc.init_rpc(["client", "server", "server2"][rank], rank=rank, world_size=args.world,
                  rpc_backend_options=options)
     if rank == 0:
         client(args)
@@ -130,8 +151,9 @@ def main():
     args = p.parse_args()
     if args.port == 0:
         args.port = free_port()
+    args.world = 3 if "chain" in args.cases else 2
 
-    ctx = mp.spawn(run, args=(args,), nprocs=2, join=False)
+    ctx = mp.spawn(run, args=(args,), nprocs=args.world, join=False)
     deadline = time.monotonic() + args.timeout
     try:
         while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
