@@ -22,6 +22,15 @@ int add(int a, int b) { return a + b; }
 at::Tensor twice(at::Tensor t) { return t * 2; }
 at::Tensor size_of(at::Tensor t) { return at::scalar_tensor(static_cast<double>(t.numel())); }
 at::Tensor make_big(std::int64_t n) { return at::zeros({n}); }
+std::size_t length(std::string s) { return s.size(); }
+
+// Holds a call open until the test says so (bounded by the launcher's timeout).
+std::atomic<bool> g_released{false};
+int held_until_released() {
+  while (!g_released.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  return 500;
+}
+void release() { g_released = true; }
 int sleep_ms(int ms) {
   std::this_thread::sleep_for(std::chrono::milliseconds(ms));
   return ms;
@@ -85,7 +94,7 @@ TEST_CASE("3: a task spawned on main that blocks after its first co_await does n
 TEST_CASE("4: replies are accepted only from the connection that carried the request") {
   run_world(2, [](int rank) {
     if (rank != 0) return;
-    auto slow = rpc_async<&sleep_ms>(1, 500);
+    auto slow = rpc_async<&held_until_released>(1);  // in flight for as long as the forging takes
     // A stranger connects to this worker and answers every plausible request id with a forged value.
     asio::io_context io;
     asio::ip::tcp::socket s(io);
@@ -108,6 +117,8 @@ TEST_CASE("4: replies are accepted only from the connection that carried the req
     char c;
     s.read_some(asio::buffer(&c, 1), ec);
     EXPECT(ec);  // hung up on
+    EXPECT(!slow.done());
+    rpc_sync<&release>(1);
     EXPECT_EQ(slow.wait(30s), 500);  // the real answer, from the real peer
   });
 }
@@ -115,11 +126,14 @@ TEST_CASE("4: replies are accepted only from the connection that carried the req
 TEST_CASE("5: the sender checks the receiver's limits before anything is sent; the peer stays alive") {
   auto options = quick_options();
   options.limits.max_tensor_bytes = 1 << 20;
+  options.limits.max_body_bytes = 1 << 16;
   run_world(2, [](int rank) {
     if (rank != 0) return;
     auto big = at::zeros({(1 << 20) / 4 + 1});  // one float over 1 MiB
     auto msg = EXPECT_THROWS_AS(rpc_async<&size_of>(1, big).wait(30s), MessageTooLargeError);
     EXPECT(msg.find("worker1") != std::string::npos);
+    EXPECT_THROWS_AS(rpc_async<&length>(1, std::string(70000, 'x')).wait(30s), MessageTooLargeError);
+    EXPECT_EQ(rpc_sync<&length>(1, std::string(60000, 'x')), 60000u);
     // A reply over the caller's limit fails on the callee's side and comes back as an error.
     EXPECT_THROWS_AS(rpc_async<&make_big>(1, (1 << 20) / 4 + 1).wait(30s), RpcError);
     EXPECT(Runtime::get().is_alive(1));
