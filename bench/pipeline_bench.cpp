@@ -179,26 +179,32 @@ int main(int argc, char** argv) {
   options.worker_thread_init = [threads] { at::set_num_threads(threads); };
   LaunchOptions so;
   so.timeout = std::chrono::minutes(60);
-  launch_processes(3, [&](int rank) {
-    at::set_num_threads(threads);
-    bench::set_blas_threads(threads);
-    init_rpc(rank == 0 ? "master" : "worker" + std::to_string(rank), rank, 3, options);
-    if (rank == 0) {
-      auto data = make_data(c);
-      std::ofstream out(path);
-      for (long s : c.splits) {
-        if (micro_batch_too_small(c, s)) {
-          std::fprintf(stderr, "  [%ld splits] skipped: a micro-batch this small leaves one value per BatchNorm channel\n", s);
-          continue;
+  try {
+    launch_processes(3, [&](int rank) {
+      at::set_num_threads(threads);
+      bench::set_blas_threads(threads);
+      init_rpc(rank == 0 ? "master" : "worker" + std::to_string(rank), rank, 3, options);
+      if (rank == 0) {
+        auto data = make_data(c);
+        std::ofstream out(path);
+        for (long s : c.splits) {
+          if (micro_batch_too_small(c, s)) {
+            std::fprintf(stderr, "  [%ld splits] skipped: a micro-batch this small leaves one value per BatchNorm channel\n", s);
+            continue;
+          }
+          out << s << ' ' << run_split(c, s, data) << '\n';
+          out << "seq" << s << ' ' << run_single_process(c, data, s) << '\n';  // right after, on the same machine state
+          out.flush();
         }
-        out << s << ' ' << run_split(c, s, data) << '\n';
-        out << "seq" << s << ' ' << run_single_process(c, data, s) << '\n';  // right after, on the same machine state
-        out.flush();
+        out << "single " << run_single_process(c, data) << '\n';
       }
-      out << "single " << run_single_process(c, data) << '\n';
-    }
-    shutdown();
-  }, so);
+      shutdown();
+    }, so);
+  } catch (const std::exception& e) {  // a dead peer, a timeout: one line and a non-zero status, not std::terminate
+    ::unlink(path);
+    std::fprintf(stderr, "pipeline_bench: %s\n", e.what());
+    return 1;
+  }
 
   std::map<long, double> corpc_times, sequential;
   double single = NAN;

@@ -106,10 +106,15 @@ int main(int argc, char** argv) {
     }
     shutdown();
   };
-  if (const char* rank = std::getenv("RANK")) {
-    body(std::atoi(rank));  // one rank of a launcher's world (torchrun, Slurm); WORLD_SIZE must be 3
-  } else {
-    launch_processes(3, body);
+  try {
+    if (const char* rank = std::getenv("RANK")) {
+      body(std::atoi(rank));  // one rank of a launcher's world (torchrun, Slurm); WORLD_SIZE must be 3
+    } else {
+      launch_processes(3, body);
+    }
+  } catch (const std::exception& e) {  // a dead peer, a timeout: one line and a non-zero status, not std::terminate
+    std::fprintf(stderr, "pipeline_resnet50: %s\n", e.what());
+    return 1;
   }
   return 0;
 }
