@@ -54,8 +54,8 @@ class TcpConnection final : public Connection {
     flush_now();  // what was queued while dialing
   }
 
-  void dial(std::string host, std::uint16_t port) {
-    asio::co_spawn(socket_.get_executor(), connect(self(), std::move(host), port), asio::detached);
+  void dial(std::string host, std::uint16_t port, AuthConfig auth) {
+    asio::co_spawn(socket_.get_executor(), connect(self(), std::move(host), port, std::move(auth)), asio::detached);
   }
 
   void send(OutFrame&& f) override {
@@ -225,11 +225,13 @@ class TcpConnection final : public Connection {
     }
   }
 
-  static asio::awaitable<void> connect(std::shared_ptr<TcpConnection> self, std::string host, std::uint16_t port) {
+  static asio::awaitable<void> connect(std::shared_ptr<TcpConnection> self, std::string host, std::uint16_t port,
+                                       AuthConfig auth) {
     try {
       asio::ip::tcp::resolver resolver(self->socket_.get_executor());
       auto endpoints = co_await resolver.async_resolve(host, std::to_string(port), asio::use_awaitable);
       co_await asio::async_connect(self->socket_, endpoints, asio::use_awaitable);
+      co_await authenticate(self->socket_, auth, AuthRole::dialer);  // queued frames wait for it
     } catch (const std::exception& e) {
       self->fail("cannot connect to " + host + ":" + std::to_string(port) + ": " + e.what());
       co_return;
@@ -424,11 +426,11 @@ std::shared_ptr<Connection> make_tcp_connection(asio::ip::tcp::socket socket, Wi
 
 std::shared_ptr<Connection> dial_tcp_connection(asio::io_context& io, int peer_rank, std::string host,
                                                 std::uint16_t port, WireLimits limits, FrameHandler on_frame,
-                                                CloseHandler on_close) {
+                                                CloseHandler on_close, AuthConfig auth) {
   auto c = std::make_shared<TcpConnection>(asio::ip::tcp::socket(io), limits, std::move(on_frame), std::move(on_close));
   c->peer_rank = peer_rank;
   c->outgoing = true;
-  c->dial(std::move(host), port);
+  c->dial(std::move(host), port, std::move(auth));
   return c;
 }
 

@@ -8,6 +8,7 @@
 // replies costs one system call.
 #pragma once
 
+#include "auth.hpp"
 #include <asio.hpp>
 
 #include <functional>
@@ -74,7 +75,7 @@ std::shared_ptr<Connection> make_tcp_connection(asio::ip::tcp::socket socket, Wi
 // `peer_rank` is set before dialing starts, so that a connect that fails at once is still attributed to its peer.
 std::shared_ptr<Connection> dial_tcp_connection(asio::io_context& io, int peer_rank, std::string host,
                                                 std::uint16_t port, WireLimits limits, FrameHandler on_frame,
-                                                CloseHandler on_close);
+                                                CloseHandler on_close, AuthConfig auth);
 
 // Calls to ourselves: each frame comes back to `on_frame` as if received, through a copy of its tensors, so that a
 // self-call has exactly the semantics of a remote one.

@@ -1,6 +1,8 @@
 // Local launcher: fork one process per rank, watch them, report who failed and why.
 #include "corpc/rpc/launch.hpp"
 
+#include "auth.hpp"
+
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -61,7 +63,7 @@ void print_backtrace_and_die(int sig) {
   ::raise(sig);
 }
 
-[[noreturn]] void run_child(int rank, int world_size, int port, int listen_fd, int err_fd,
+[[noreturn]] void run_child(int rank, int world_size, int port, int listen_fd, int err_fd, const std::string& secret,
                             const std::function<void(int)>& fn) {
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) ::signal(sig, print_backtrace_and_die);
@@ -71,6 +73,7 @@ void print_backtrace_and_die(int sig) {
   ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
   ::setenv("WORLD_SIZE", std::to_string(world_size).c_str(), 1);
   ::setenv("LOCAL_WORLD_SIZE", std::to_string(world_size).c_str(), 1);
+  ::setenv("CORPC_SECRET", secret.c_str(), 1);  // connections between this run's ranks authenticate with it
   if (rank == 0) {
     ::setenv("CORPC_LISTEN_FD", std::to_string(listen_fd).c_str(), 1);
   } else {
@@ -113,6 +116,11 @@ void launch_processes(int world_size, const std::function<void(int rank)>& fn, L
     bool done = false;
   };
   std::vector<Child> children(world_size);
+  // The caller's CORPC_SECRET if it set one (ranks launched elsewhere may join), else a fresh one for this run.
+  const std::string secret = [] {
+    std::string s = detail::secret_from_environment();
+    return s.empty() ? detail::random_secret() : s;
+  }();
   std::fflush(stdout);
   std::fflush(stderr);
   for (int rank = 0; rank < world_size; ++rank) {
@@ -122,7 +130,7 @@ void launch_processes(int world_size, const std::function<void(int rank)>& fn, L
     if (pid < 0) throw RpcError(std::string("launch_processes: fork failed: ") + std::strerror(errno));
     if (pid == 0) {
       ::close(p[0]);
-      run_child(rank, world_size, port, listen_fd, p[1], fn);
+      run_child(rank, world_size, port, listen_fd, p[1], secret, fn);
     }
     ::close(p[1]);
     ::fcntl(p[0], F_SETFL, O_NONBLOCK);

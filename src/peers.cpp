@@ -21,7 +21,7 @@ std::shared_ptr<detail::Connection> Runtime::Impl::connection_to(int rank) {
       c = detail::make_loopback_connection(pick_io(), options.limits, frame_handler());
     } else {
       c = detail::dial_tcp_connection(pick_io(), rank, workers[rank].host, workers[rank].port, options.limits,
-                                      frame_handler(), close_handler());
+                                      frame_handler(), close_handler(), auth);
       // Every dialed connection starts with who we are and what we accept.
       c->send(prepare(hello_message(self, world_size, false, options.limits)));
     }
@@ -106,13 +106,35 @@ void Runtime::Impl::accept_loop() {
       return;
     }
     accepted++;
-    auto conn = detail::make_tcp_connection(std::move(socket), options.limits, frame_handler(), close_handler());
-    {
-      std::lock_guard lock(conn_mutex);
-      if (closing) return conn->close("shutting down");
-      incoming.insert(conn);
-    }
     accept_loop();
+    // Nothing is read as a frame before the peer has proved it knows the secret; a failure is logged and changes
+    // nothing else (no name is revealed, no rank is marked).
+    auto& io = static_cast<asio::io_context&>(socket.get_executor().context());
+    asio::co_spawn(io, [this, socket = std::move(socket)]() mutable -> asio::awaitable<void> {
+      std::string peer = "?";
+      asio::error_code ec;
+      if (auto ep = socket.remote_endpoint(ec); !ec) peer = ep.address().to_string() + ":" + std::to_string(ep.port());
+      std::string refused;
+      try {
+        co_await detail::authenticate(socket, auth, detail::AuthRole::acceptor);
+      } catch (const std::exception& e) {
+        refused = e.what();
+      }
+      if (!refused.empty()) {
+        refused_connections++;
+        std::fprintf(stderr, "corpc: worker '%s' refused a connection from %s: %s\n", self.name.c_str(), peer.c_str(),
+                     refused.c_str());
+        co_return;
+      }
+      auto conn = detail::make_tcp_connection(std::move(socket), options.limits, frame_handler(), close_handler());
+      bool shutting_down;
+      {
+        std::lock_guard lock(conn_mutex);
+        shutting_down = closing;
+        if (!shutting_down) incoming.insert(conn);
+      }
+      if (shutting_down) conn->close("shutting down");
+    }, asio::detached);
   });
 }
 

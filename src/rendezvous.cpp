@@ -78,6 +78,19 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
         } catch (const std::exception& e) {
           failure = e.what();
         }
+        if (failure.empty()) {
+          std::string refused;
+          try {
+            co_await detail::authenticate(socket, auth, detail::AuthRole::dialer);
+          } catch (const std::exception& e) {
+            refused = e.what();
+          }
+          if (!refused.empty()) {  // a different secret does not get better by retrying
+            world_ready.set_error(ConnectionError("rank 0 at " + master_host + ":" + std::to_string(master_port) +
+                                                  " refused us: " + refused));
+            co_return;
+          }
+        }
         if (!failure.empty()) {
           if (std::chrono::steady_clock::now() >= deadline) {
             world_ready.set_error(TimeoutError("could not reach rank 0 at " + master_host + ":" +

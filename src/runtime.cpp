@@ -174,6 +174,13 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   if (g_runtime) throw UsageError("init_rpc called twice: this process already runs a corpc runtime");
   auto impl = std::make_unique<Runtime::Impl>();
   impl->options = options;
+  impl->auth.secret = options.secret.empty() ? detail::secret_from_environment() : options.secret;
+  impl->auth.timeout = options.handshake_timeout;
+  if (impl->auth.secret.empty()) {
+    std::fprintf(stderr,
+                 "corpc: warning: no shared secret (RpcOptions::secret or CORPC_SECRET): any process that can reach "
+                 "this worker's port can call its functions\n");
+  }
   impl->self.name = std::move(name);
   impl->self.rank = rank;
   impl->world_size = world_size;

@@ -20,6 +20,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "auth.hpp"
 #include "connection.hpp"
 #include "corpc/rpc/registry.hpp"
 #include "corpc/rpc/runtime.hpp"
@@ -28,6 +29,7 @@ namespace corpc {
 
 struct Runtime::Impl {
   RpcOptions options;
+  detail::AuthConfig auth;  // from options.secret / CORPC_SECRET
   WorkerInfo self;
   int world_size = 0;
   std::vector<WorkerInfo> workers;  // by rank; written once by rendezvous before init_rpc returns
@@ -55,7 +57,7 @@ struct Runtime::Impl {
   std::vector<std::string> dead;                               // by rank: why it is gone ("" = alive)
   bool closing = false;
 
-  std::atomic<std::uint64_t> accepted{0}, accept_errors{0};  // diagnostics for rendezvous failures
+  std::atomic<std::uint64_t> accepted{0}, accept_errors{0}, refused_connections{0};  // diagnostics for rendezvous failures
   std::atomic<std::uint64_t> requests_sent{0}, requests_handled{0}, calls_in_flight{0}, handlers_running{0};
   // Per peer, for graceful shutdown: user requests we sent to rank j / finished handling from rank i.
   std::unique_ptr<std::atomic<std::uint64_t>[]> sent_to, handled_from;

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "corpc/autograd/dist_autograd.hpp"
+#include "raw_peer.hpp"
 #include "support.hpp"
 
 using namespace corpc;
@@ -97,9 +98,7 @@ TEST_CASE("4: replies are accepted only from the connection that carried the req
     auto slow = rpc_async<&held_until_released>(1);  // in flight for as long as the forging takes
     // A stranger connects to this worker and answers every plausible request id with a forged value.
     asio::io_context io;
-    asio::ip::tcp::socket s(io);
-    auto self = get_worker_info(0);
-    s.connect({asio::ip::make_address(self.host), self.port});
+    auto s = authenticated_socket(io, get_worker_info(0));  // even a peer that knows the secret
     Message forged = corpc::detail::encode_reply(7, 0);
     std::string bytes;
     for (std::uint64_t gen = 0; gen < 4; ++gen) {
@@ -114,9 +113,7 @@ TEST_CASE("4: replies are accepted only from the connection that carried the req
     }
     asio::error_code ec;
     asio::write(s, asio::buffer(bytes), ec);
-    char c;
-    s.read_some(asio::buffer(&c, 1), ec);
-    EXPECT(ec);  // hung up on
+    EXPECT(hung_up(s));
     EXPECT(!slow.done());
     rpc_sync<&release>(1);
     EXPECT_EQ(slow.wait(30s), 500);  // the real answer, from the real peer

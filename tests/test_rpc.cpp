@@ -9,6 +9,7 @@
 #include <asio.hpp>
 #include <thread>
 
+#include "raw_peer.hpp"
 #include "support.hpp"
 
 using namespace corpc;
@@ -47,6 +48,7 @@ int die_now() {
   return 0;
 }
 std::string whoami() { return get_worker_info().name; }
+std::string whoami_via(int rank) { return rpc_sync<&whoami>(rank); }
 
 // A chain A -> B -> C as coroutines: none holds a thread while it waits.
 Task<std::string> relay(std::vector<std::string> path) {
@@ -310,15 +312,11 @@ TEST_CASE("malformed frames close only the offending connection") {
     if (rank != 0) return;
     auto target = get_worker_info(1);
     asio::io_context io;
+    // A peer that knows this run's secret and then sends garbage: the frame layer must cope.
     auto send_raw = [&](const std::string& bytes) {
-      asio::ip::tcp::socket s(io);
-      s.connect({asio::ip::make_address(target.host), target.port});
+      auto s = authenticated_socket(io, target);
       asio::write(s, asio::buffer(bytes));
-      // The worker hangs up on us instead of allocating or crashing.
-      char c;
-      asio::error_code ec;
-      s.read_some(asio::buffer(&c, 1), ec);
-      EXPECT(ec);
+      EXPECT(hung_up(s));  // the worker hangs up on us instead of allocating or crashing
     };
     send_raw("GET / HTTP/1.1\r\n\r\nxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx");
     FrameHeader h;
@@ -349,5 +347,42 @@ TEST_CASE("functions on the I/O threads, with several I/O threads sharing the co
     EXPECT_EQ(rpc_async<&relay_on_io>((rank + 1) % 3, path).wait(30s),
               worker_name((rank + 1) % 3) + ">" + worker_name((rank + 2) % 3) + ">" + worker_name(rank));
     EXPECT_EQ(rpc_sync<&add>((rank + 1) % 3, 2, 3), 5);  // pool functions alongside
+  }, options);
+}
+
+TEST_CASE("connections must prove the run's secret before anything is read; strangers change nothing") {
+  auto options = quick_options();
+  options.handshake_timeout = 300ms;
+  run_world(3, [](int rank) {
+    if (rank != 0) return;
+    asio::io_context io;
+    const auto target = get_worker_info(1);
+    // Speaking the frame protocol without the handshake: dropped.
+    {
+      auto s = raw_socket(io, target);
+      asio::write(s, asio::buffer(std::string("GET / HTTP/1.1\r\n\r\n") + std::string(64, 'x')));
+      EXPECT(hung_up(s));
+    }
+    // The wrong secret: refused by the worker, and the worker's proof would not have convinced us either.
+    EXPECT_THROWS_AS(authenticated_socket(io, target, "not the secret"), ConnectionError);
+    // Silent strangers (a port scanner, a half-open connection): dropped after the handshake timeout.
+    {
+      std::vector<asio::ip::tcp::socket> silent;
+      for (int i = 0; i < 20; ++i) silent.push_back(raw_socket(io, target));
+      for (auto& s : silent) EXPECT(hung_up(s));
+    }
+    // An impostor claiming to be rank 2 (a Hello with its name and rank), then hanging up: before authentication
+    // this marked rank 2 dead on worker1. Now it never gets to say Hello.
+    {
+      auto s = raw_socket(io, target);
+      Message hello = hello_message(get_worker_info(2), 3, false, WireLimits{});
+      OutFrame f = prepare(std::move(hello));
+      asio::error_code ec;
+      asio::write(s, std::array<asio::const_buffer, 2>{asio::buffer(&f.head, sizeof f.head), asio::buffer(f.body)}, ec);
+      s.close();
+    }
+    std::this_thread::sleep_for(200ms);
+    EXPECT_EQ(rpc_sync<&whoami_via>(1, 2), worker_name(2));  // worker1 still reaches worker2
+    EXPECT_EQ(rpc_sync<&add>(1, 2, 3), 5);
   }, options);
 }

@@ -31,6 +31,12 @@ struct RpcOptions {
   std::chrono::milliseconds shutdown_timeout{0};
   // Interface to listen on; empty: loopback when rank 0 is on loopback, otherwise all interfaces.
   std::string listen_address;
+  // Shared secret that every connection must prove knowledge of (HMAC challenge-response) before anything else is
+  // read from it; empty: the CORPC_SECRET environment variable (launch_processes sets a fresh one per run). With
+  // neither, the job is open to any process that can reach its ports, and init_rpc says so on stderr.
+  std::string secret;
+  // How long a new connection may take to authenticate; a peer silent for longer is dropped.
+  std::chrono::milliseconds handshake_timeout{5000};
   WireLimits limits;
 };
 

@@ -1,0 +1,120 @@
+#include "auth.hpp"
+
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/rand.h>
+
+#include <array>
+#include <cstdlib>
+#include <cstring>
+
+#include "corpc/core/errors.hpp"
+
+namespace corpc::detail {
+
+namespace {
+
+constexpr char kTag[4] = {'C', 'R', 'P', 'A'};
+using Nonce = std::array<unsigned char, 16>;
+using Mac = std::array<unsigned char, 32>;
+
+Nonce fresh_nonce() {
+  Nonce n;
+  if (RAND_bytes(n.data(), static_cast<int>(n.size())) != 1) throw ConnectionError("authentication: no randomness");
+  return n;
+}
+
+Mac mac(const std::string& secret, const char* label, const Nonce& first, const Nonce& second) {
+  unsigned char msg[16 + 2 * 16];
+  const std::size_t label_len = std::strlen(label);
+  std::memcpy(msg, label, label_len);
+  std::memcpy(msg + label_len, first.data(), first.size());
+  std::memcpy(msg + label_len + first.size(), second.data(), second.size());
+  Mac out;
+  unsigned int len = 0;
+  if (!HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()), msg, label_len + 2 * 16, out.data(), &len) ||
+      len != out.size())
+    throw ConnectionError("authentication: HMAC failed");
+  return out;
+}
+
+bool same(const Mac& a, const Mac& b) { return CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0; }
+
+}  // namespace
+
+asio::awaitable<void> authenticate(asio::ip::tcp::socket& socket, const AuthConfig& config, AuthRole role) {
+  if (config.secret.empty()) co_return;
+  // A peer that stops talking is dropped: the timer closes the socket, which aborts the pending read.
+  asio::steady_timer timer(socket.get_executor(), config.timeout);
+  bool timed_out = false;
+  timer.async_wait([&](const asio::error_code& ec) {
+    if (ec) return;
+    timed_out = true;
+    asio::error_code ignored;
+    socket.close(ignored);
+  });
+  try {
+    if (role == AuthRole::acceptor) {
+      const Nonce mine = fresh_nonce();
+      std::array<char, 4 + 16> hello;
+      std::memcpy(hello.data(), kTag, 4);
+      std::memcpy(hello.data() + 4, mine.data(), 16);
+      co_await asio::async_write(socket, asio::buffer(hello), asio::use_awaitable);
+      std::array<unsigned char, 4 + 16 + 32> proof;
+      co_await asio::async_read(socket, asio::buffer(proof), asio::use_awaitable);
+      if (std::memcmp(proof.data(), kTag, 4) != 0) throw ConnectionError("not a corpc peer (no authentication)");
+      Nonce theirs;
+      Mac got;
+      std::memcpy(theirs.data(), proof.data() + 4, 16);
+      std::memcpy(got.data(), proof.data() + 20, 32);
+      if (!same(got, mac(config.secret, "dialer", mine, theirs))) throw ConnectionError("wrong secret");
+      const Mac answer = mac(config.secret, "acceptor", theirs, mine);
+      co_await asio::async_write(socket, asio::buffer(answer), asio::use_awaitable);
+    } else {
+      std::array<unsigned char, 4 + 16> hello;
+      co_await asio::async_read(socket, asio::buffer(hello), asio::use_awaitable);
+      if (std::memcmp(hello.data(), kTag, 4) != 0)
+        throw ConnectionError("the peer does not authenticate (is CORPC_SECRET set on every rank?)");
+      Nonce theirs;
+      std::memcpy(theirs.data(), hello.data() + 4, 16);
+      const Nonce mine = fresh_nonce();
+      const Mac proof = mac(config.secret, "dialer", theirs, mine);
+      std::array<unsigned char, 4 + 16 + 32> out;
+      std::memcpy(out.data(), kTag, 4);
+      std::memcpy(out.data() + 4, mine.data(), 16);
+      std::memcpy(out.data() + 20, proof.data(), 32);
+      co_await asio::async_write(socket, asio::buffer(out), asio::use_awaitable);
+      Mac answer;
+      co_await asio::async_read(socket, asio::buffer(answer), asio::use_awaitable);
+      if (!same(answer, mac(config.secret, "acceptor", mine, theirs)))
+        throw ConnectionError("the peer does not know the secret");
+    }
+  } catch (const ConnectionError&) {
+    timer.cancel();
+    throw;
+  } catch (const std::exception& e) {
+    timer.cancel();
+    throw ConnectionError(timed_out ? std::string("authentication timed out") : std::string("authentication: ") + e.what());
+  }
+  timer.cancel();
+}
+
+std::string secret_from_environment() {
+  const char* s = std::getenv("CORPC_SECRET");
+  return s ? std::string(s) : std::string();
+}
+
+std::string random_secret() {
+  std::array<unsigned char, 32> bytes;
+  if (RAND_bytes(bytes.data(), static_cast<int>(bytes.size())) != 1) throw RpcError("no randomness for a secret");
+  static const char* hex = "0123456789abcdef";
+  std::string out;
+  for (unsigned char b : bytes) {
+    out += hex[b >> 4];
+    out += hex[b & 15];
+  }
+  return out;
+}
+
+}  // namespace corpc::detail

@@ -1,0 +1,35 @@
+// Connection authentication: a challenge–response over a shared secret, run on every TCP connection before any
+// frame is read from it (internal).
+//
+//   acceptor -> dialer:  "CRPA" nonce_a (16 random bytes)
+//   dialer -> acceptor:  "CRPA" nonce_d  HMAC-SHA256(secret, "dialer"   || nonce_a || nonce_d)
+//   acceptor -> dialer:                  HMAC-SHA256(secret, "acceptor" || nonce_d || nonce_a)
+//
+// Both sides prove knowledge of the secret over nonces the other chose, so neither a replay nor a reflection passes.
+// Nothing identifying (names, ranks, world size) is sent before this succeeds. With an empty secret nothing is
+// exchanged: the job is open to any process that can reach its ports (the runtime says so at start-up).
+#pragma once
+
+#include <asio.hpp>
+#include <chrono>
+#include <string>
+
+namespace corpc::detail {
+
+enum class AuthRole { acceptor, dialer };
+
+struct AuthConfig {
+  std::string secret;                         // empty: no authentication
+  std::chrono::milliseconds timeout{5000};    // the whole handshake; a silent peer is dropped after it
+};
+
+// Authenticates `socket` as `role`; throws ConnectionError (the reason, naming no worker) on failure or timeout.
+asio::awaitable<void> authenticate(asio::ip::tcp::socket& socket, const AuthConfig& config, AuthRole role);
+
+// The secret from the environment (CORPC_SECRET), or empty.
+std::string secret_from_environment();
+
+// A fresh random secret (hex), for launchers that start all the ranks of a job.
+std::string random_secret();
+
+}  // namespace corpc::detail

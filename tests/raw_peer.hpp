@@ -1,0 +1,47 @@
+// A raw TCP connection to a worker, for tests that play a misbehaving peer below the RPC layer.
+#pragma once
+
+#include <asio.hpp>
+#include <chrono>
+#include <exception>
+
+#include "../src/auth.hpp"
+#include "corpc/rpc/worker_info.hpp"
+#include "corpc/wire/message.hpp"
+
+namespace corpc {
+// The Hello a dialing worker sends first (src/rendezvous.cpp), for tests that impersonate one.
+Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits);
+}  // namespace corpc
+
+namespace corpc::test {
+
+inline asio::ip::tcp::socket raw_socket(asio::io_context& io, const WorkerInfo& target) {
+  asio::ip::tcp::socket s(io);
+  s.connect({asio::ip::make_address(target.host), target.port});
+  return s;
+}
+
+// A raw connection that has passed the handshake with `secret` (by default this run's, from CORPC_SECRET): a peer
+// that knows the secret and then misbehaves. Throws ConnectionError if the worker refuses it.
+inline asio::ip::tcp::socket authenticated_socket(asio::io_context& io, const WorkerInfo& target,
+                                                  std::string secret = detail::secret_from_environment()) {
+  asio::ip::tcp::socket s = raw_socket(io, target);
+  detail::AuthConfig config{std::move(secret), std::chrono::seconds(10)};
+  std::exception_ptr error;
+  asio::co_spawn(io, detail::authenticate(s, config, detail::AuthRole::dialer), [&](std::exception_ptr e) { error = e; });
+  io.run();
+  io.restart();
+  if (error) std::rethrow_exception(error);
+  return s;
+}
+
+// True once the worker has closed `s` (reads until EOF or an error, discarding what arrives).
+inline bool hung_up(asio::ip::tcp::socket& s) {
+  char buf[256];
+  asio::error_code ec;
+  while (!ec) s.read_some(asio::buffer(buf), ec);
+  return ec == asio::error::eof || ec == asio::error::connection_reset;
+}
+
+}  // namespace corpc::test
