@@ -7,11 +7,18 @@ namespace corpc {
 
 namespace {
 
-bool is_loopback_host(const std::string& host) {
-  if (host == "localhost") return true;
+// The loopback address `host` names (a literal such as 127.0.0.2 or ::1, or a name that resolves only to loopback
+// addresses), or empty if it names anything else: a job whose rank 0 is on loopback stays on loopback.
+std::string loopback_address_of(asio::io_context& io, const std::string& host) {
   asio::error_code ec;
-  auto a = asio::ip::make_address(host, ec);
-  return !ec && a.is_loopback();
+  auto literal = asio::ip::make_address(host, ec);
+  if (!ec) return literal.is_loopback() ? literal.to_string() : std::string();
+  asio::ip::tcp::resolver resolver(io);
+  auto results = resolver.resolve(host, "", ec);
+  if (ec || results.empty()) return {};
+  for (const auto& r : results)
+    if (!r.endpoint().address().is_loopback()) return {};
+  return results.begin()->endpoint().address().to_string();
 }
 
 }  // namespace
@@ -35,7 +42,10 @@ Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, c
 
 void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t master_port, int listen_fd) {
   std::string listen_host = options.listen_address;
-  if (listen_host.empty()) listen_host = is_loopback_host(master_host) ? "127.0.0.1" : "0.0.0.0";
+  if (listen_host.empty()) {
+    listen_host = loopback_address_of(main_io(), master_host);
+    if (listen_host.empty()) listen_host = "0.0.0.0";
+  }
   if (self.rank == 0 && listen_fd >= 0) {
     // A launcher (corpc::launch_processes) bound the port for us, so no other process can take it in between.
     acceptor->assign(asio::ip::tcp::v4(), listen_fd);
@@ -53,7 +63,10 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
     acceptor->listen();
   }
   self.port = acceptor->local_endpoint().port();
-  self.host = self.rank == 0 ? master_host : "";  // others: the address rank 0 sees them at
+  // Rank 0 is where everyone found it. The others: the address they listen on if it is a specific one, else the
+  // address rank 0 sees them at (filled in there).
+  const bool specific = listen_host != "0.0.0.0" && listen_host != "::";
+  self.host = self.rank == 0 ? master_host : specific ? listen_host : "";
   if (self.rank == 0) {
     // Registered before accepting anyone: a worker's registration may be processed the moment we accept it.
     std::lock_guard lock(conn_mutex);

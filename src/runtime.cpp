@@ -159,6 +159,7 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
     auto colon = hp.rfind(':');
     if (colon == std::string::npos) throw UsageError("init_method must be tcp://host:port");
     host = hp.substr(0, colon);
+    if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);  // [::1]
     port = std::atoi(hp.c_str() + colon + 1);
   } else if (options.init_method == "env://") {
     const char* a = std::getenv("MASTER_ADDR");
@@ -194,7 +195,8 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   // Before rendezvous: the hooks they install are read without a lock once connections exist.
   for (auto& init : runtime_initializers()) init(*rt);
   int listen_fd = -1;
-  if (rank == 0) listen_fd = env_int({"CORPC_LISTEN_FD"}, -1);
+  // The launcher's pre-bound socket matches MASTER_ADDR/MASTER_PORT, so it serves env:// only.
+  if (rank == 0 && options.init_method == "env://") listen_fd = env_int({"CORPC_LISTEN_FD"}, -1);
   // Published before rendezvous ends: a peer that heard from rank 0 first may already be calling us, and its
   // requests run (after we have the table) with Runtime::get() working.
   g_runtime = std::move(rt);

@@ -386,3 +386,28 @@ TEST_CASE("connections must prove the run's secret before anything is read; stra
     EXPECT_EQ(rpc_sync<&add>(1, 2, 3), 5);
   }, options);
 }
+
+TEST_CASE("a job whose rank 0 is on another loopback address (127.0.0.2, ::1) stays on loopback and works") {
+  for (std::string host : {"127.0.0.2", "::1"}) {
+    int port = 0;
+    try {
+      asio::io_context io;
+      asio::ip::tcp::acceptor probe(io, {asio::ip::make_address(host), 0});
+      port = probe.local_endpoint().port();
+    } catch (const std::exception& e) {
+      MESSAGE("skipped " << host << ": cannot bind it here (" << e.what() << ")");
+      continue;
+    }
+    INFO(host);
+    launch_processes(2, [&](int rank) {
+      auto options = quick_options();
+      options.init_method = "tcp://" + (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":" +
+                            std::to_string(port);
+      init_rpc(worker_name(rank), rank, 2, options);
+      EXPECT(asio::ip::make_address(get_worker_info(0).host).is_loopback());
+      EXPECT(asio::ip::make_address(get_worker_info(1).host).is_loopback());
+      EXPECT_EQ(rpc_sync<&whoami>((rank + 1) % 2), worker_name((rank + 1) % 2));
+      shutdown(true);
+    }, LaunchOptions{std::chrono::seconds(60)});
+  }
+}
