@@ -216,9 +216,17 @@ void shutdown(bool graceful) {
   if (!g_runtime) return;
   auto& impl = runtime_impl(*g_runtime);
   if (graceful) impl.graceful_shutdown();
+  // A worker whose rank 0 died (rather than shut down) must not look like a success to its launcher.
+  std::string master_lost;
+  if (graceful && impl.self.rank != 0) {
+    std::lock_guard conn_lock(impl.conn_mutex);
+    if (!impl.dead[0].empty() && impl.dead[0] != "it shut down") master_lost = impl.dead[0];
+  }
   impl.close_everything(true);
   g_runtime_ptr.store(nullptr, std::memory_order_release);
   g_runtime.reset();
+  if (!master_lost.empty())
+    throw ConnectionError("shutdown: rank 0 died before the job ended (" + master_lost + "); this worker stopped");
 }
 
 WorkerInfo get_worker_info() { return Runtime::get().self(); }

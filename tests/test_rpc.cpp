@@ -411,3 +411,23 @@ TEST_CASE("a job whose rank 0 is on another loopback address (127.0.0.2, ::1) st
     }, LaunchOptions{std::chrono::seconds(60)});
   }
 }
+
+TEST_CASE("workers whose master died fail their shutdown instead of exiting as a success") {
+  try {
+    launch_processes(3, [](int rank) {
+      init_rpc(worker_name(rank), rank, 3, quick_options());
+      EXPECT_EQ(rpc_sync<&add>((rank + 1) % 3, 1, 1), 2);  // everyone is connected
+      if (rank == 0) {
+        std::this_thread::sleep_for(200ms);
+        ::raise(SIGKILL);
+      }
+      auto why = EXPECT_THROWS_AS(shutdown(true), ConnectionError);
+      EXPECT(why.find("rank 0 died") != std::string::npos);
+    }, LaunchOptions{60s});
+    FAIL("the master was expected to die");
+  } catch (const LaunchError& e) {
+    INFO(e.what());
+    REQUIRE(e.failures().size() == 1);  // the master; the workers saw the typed error and stopped
+    CHECK(e.failures()[0].rank == 0);
+  }
+}

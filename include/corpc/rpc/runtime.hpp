@@ -96,6 +96,8 @@ void init_rpc(std::string name, int rank = -1, int world_size = -1, RpcOptions o
 
 // graceful: waits until every worker has called shutdown and no worker has work in flight, then closes every
 // connection. Never waits for a dead peer; gives up on live ones after RpcOptions::shutdown_timeout (if set).
+// On a worker whose rank 0 died (rather than shut down), it closes everything and then throws ConnectionError, so
+// that the process does not exit as a success.
 // non-graceful: fails everything in flight with ShutdownError and closes at once.
 void shutdown(bool graceful = true);
 
