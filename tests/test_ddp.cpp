@@ -166,7 +166,9 @@ TEST_CASE("ddp: the example runs under torchrun --no_python") {
     MESSAGE("torchrun not found: skipped");
     return;
   }
-  const std::string cmd = std::string("timeout 120 torchrun --no_python --standalone --nproc_per_node=2 ") +
+  // --redirects/--tee 1: Debian's torchrun 1.13 on Python 3.11 cannot parse their default "0" (an IntFlag change).
+  const std::string cmd =
+      std::string("timeout 120 torchrun --no_python --standalone --nproc_per_node=2 --redirects 1 --tee 1 ") +
                           CORPC_DDP_EXAMPLE + " 5 > /dev/null 2>&1";
   REQUIRE(std::system(cmd.c_str()) == 0);
 }
