@@ -4,6 +4,7 @@
 // Reducer's C++ constructor wants Python-side bucket assignment and logger plumbing, and the pieces below are what
 // it does for the dense, single-device-per-parameter case.
 #include <mutex>
+#include <unordered_set>
 #include <stdexcept>
 #include <vector>
 
@@ -64,6 +65,8 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
   bool sync = true;
   bool in_backward = false;
   size_t next_launch = 0;
+  size_t launched_early = 0;  // of the current / last backward
+  std::vector<bool> unused;   // find_unused_parameters: not reachable from the last forward's output
 
   void build_buckets() {
     const double cap_bytes = options.bucket_cap_mb * 1024 * 1024;
@@ -104,6 +107,7 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
       b.result.reset();
     }
     next_launch = 0;
+    launched_early = 0;
   }
 
   // Collectives must be issued in the same order on every rank: launch strictly in bucket order.
@@ -120,14 +124,25 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
     if (!in_backward) {
       in_backward = true;
       reset_locked();
+      for (size_t j = 0; j < unused.size(); ++j) {
+        if (unused[j]) mark_ready_locked(j);
+      }
       std::weak_ptr<State> weak = weak_from_this();
       torch::autograd::Engine::get_default_engine().queue_callback([weak] {
         if (auto self = weak.lock()) self->finish_backward();
       });
     }
+    mark_ready_locked(i);
+    const size_t before = next_launch;
+    launch_ready_locked();
+    launched_early += next_launch - before;
+  }
+
+  // Copies parameter i's gradient (zero if it has none) into its bucket.
+  void mark_ready_locked(size_t i) {
     const auto [bi, k] = slots[i];
     auto& b = buckets[bi];
-    if (b.ready[k]) return;  // a parameter used twice still has one accumulator, which fires once
+    if (b.ready[k]) return;
     const auto& grad = params[i].grad();
     torch::NoGradGuard no_grad;
     if (grad.defined()) {
@@ -136,7 +151,28 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
       view_of(b, k).zero_();
     }
     b.ready[k] = true;
-    if (--b.pending == 0) launch_ready_locked();
+    --b.pending;
+  }
+
+  // PyTorch's find_unused_parameters: walk the autograd graph from the output; parameters whose accumulator is not
+  // on it will get no gradient in this backward, so their buckets need not wait for them.
+  void find_unused(const at::Tensor& output) {
+    std::unordered_set<torch::autograd::Node*> seen;
+    std::vector<torch::autograd::Node*> stack;
+    if (output.grad_fn()) {
+      stack.push_back(output.grad_fn().get());
+      seen.insert(stack.back());
+    }
+    while (!stack.empty()) {
+      auto* node = stack.back();
+      stack.pop_back();
+      for (const auto& edge : node->next_edges()) {
+        if (edge.function && seen.insert(edge.function.get()).second) stack.push_back(edge.function.get());
+      }
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    unused.assign(params.size(), false);
+    for (size_t i = 0; i < params.size(); ++i) unused[i] = seen.count(accumulators[i].get()) == 0;
   }
 
   void finish_backward() {
@@ -158,8 +194,16 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
       b.pending = 0;
     }
     launch_ready_locked();
-    for (auto& b : buckets) {
+    for (size_t bi = 0; bi < buckets.size(); ++bi) {
+      auto& b = buckets[bi];
       b.result->wait();
+      if (b.result->hasError()) {
+        const std::string why = b.result->tryRetrieveErrorMessage();
+        reset_locked();
+        in_backward = false;
+        throw std::runtime_error("DDP: gradient allreduce of bucket " + std::to_string(bi) + " failed on rank " +
+                                 std::to_string(group->getRank()) + " (a peer died or timed out?): " + why);
+      }
       const auto value = b.result->value();
       const at::Tensor averaged = value.isTensor() ? value.toTensor() : value.toTensorVector()[0];
       for (size_t k = 0; k < b.params.size(); ++k) {
@@ -223,6 +267,10 @@ void GradientSync::before_forward() {
   }
 }
 
+void GradientSync::after_forward(const at::Tensor& output) {
+  if (state_->options.find_unused_parameters && sync_enabled()) state_->find_unused(output);
+}
+
 void GradientSync::set_sync(bool enabled) {
   std::lock_guard<std::mutex> lock(state_->mutex);
   state_->sync = enabled;
@@ -234,5 +282,10 @@ bool GradientSync::sync_enabled() const {
 }
 
 size_t GradientSync::bucket_count() const { return state_->buckets.size(); }
+
+size_t GradientSync::buckets_launched_during_last_backward() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->launched_early;
+}
 
 }  // namespace corpc::ddp

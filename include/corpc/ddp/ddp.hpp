@@ -14,8 +14,8 @@
 //   and a full bucket's allreduce starts at once, in bucket order on every rank (collectives must match up);
 // - at the end of backward (an autograd engine callback) it waits for every bucket, and writes the averaged
 //   gradients back into `param.grad()`. Parameters that got no gradient in this backward count as zero, so every
-//   rank takes part in every bucket's allreduce and nothing hangs (this is what `find_unused_parameters` buys in
-//   PyTorch; here it is always on, at the cost of no error for a model that unexpectedly skips a parameter);
+//   rank takes part in every bucket's allreduce and nothing hangs; `find_unused_parameters` (a graph walk after
+//   forward, as in PyTorch) lets their buckets start early instead of at the end of backward;
 // - `no_sync()` returns a guard under which backward only accumulates locally; the next synchronised backward
 //   averages the accumulated sum, exactly as in PyTorch;
 // - the communication hook is replaceable: `allreduce_hook()` (default) or `fp16_compress_hook()`.
@@ -28,6 +28,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -61,6 +62,10 @@ CommHook fp16_compress_hook();
 
 struct DdpOptions {
   double bucket_cap_mb = 25.0;
+  // Walk the autograd graph after each forward to find parameters that will get no gradient, so that the buckets
+  // holding them can start before backward ends. Without it such parameters still count as zero (nothing hangs),
+  // but their buckets, and every bucket after them, wait for the end of backward.
+  bool find_unused_parameters = false;
   bool broadcast_buffers = true;  // rank 0's buffers (e.g. BatchNorm statistics) to all ranks before each forward
   CommHook comm_hook;             // empty: allreduce_hook()
 };
@@ -73,10 +78,14 @@ class GradientSync {
   GradientSync(const GradientSync&) = delete;
   GradientSync& operator=(const GradientSync&) = delete;
 
-  void before_forward();               // broadcasts buffers if asked
+  void before_forward();                          // broadcasts buffers if asked
+  void after_forward(const at::Tensor& output);   // find_unused_parameters' graph walk
   void set_sync(bool enabled);         // false: backward accumulates locally only
   bool sync_enabled() const;
   size_t bucket_count() const;
+  // Buckets whose allreduce started from a gradient hook, i.e. while the last synchronised backward still ran
+  // (the rest started in the end-of-backward callback). The overlap, observable without a clock.
+  size_t buckets_launched_during_last_backward() const;
 
   struct State;
 
@@ -92,9 +101,11 @@ class DistributedDataParallel {
       : module_(std::move(module)), sync_(std::make_unique<GradientSync>(*module_, std::move(group), std::move(options))) {}
 
   template <typename... Args>
-  decltype(auto) forward(Args&&... args) {
+  auto forward(Args&&... args) {
     sync_->before_forward();
-    return module_->forward(std::forward<Args>(args)...);
+    auto output = module_->forward(std::forward<Args>(args)...);
+    if constexpr (std::is_convertible_v<decltype(output), at::Tensor>) sync_->after_forward(output);
+    return output;
   }
 
   ModuleT& module() { return module_; }
