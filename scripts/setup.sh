@@ -4,7 +4,7 @@
 #   scripts/setup.sh --pytorch    also Debian's python3-torch, for the PyTorch comparison benchmarks
 set -euo pipefail
 
-packages=(g++ meson ninja-build pkg-config libtorch-dev libasio-dev libfmt-dev doctest-dev libssl-dev
+packages=(g++ meson ninja-build pkg-config libtorch-dev libgloo-dev libasio-dev libfmt-dev doctest-dev libssl-dev
           # libtorch sends small convolutions through libblas.so.3; Debian's default is the slow reference BLAS.
           libopenblas0-pthread)
 if [[ "${1:-}" == "--pytorch" ]]; then

@@ -1,0 +1,200 @@
+// DistributedDataParallel against one process training on the whole batch, in real worker processes (Gloo over
+// 127.0.0.1, FileStore rendezvous from launch_processes' environment).
+//
+// Tolerance: DDP's gradient is (g_0 + g_1) / 2 of the two half-batch mean losses, the reference is the gradient of
+// the full-batch mean loss; both are the same sum of float32 terms in a different order, so they differ by a few
+// ulps per step (~1e-7 relative). After a few SGD steps on O(1) values, 1e-5 absolute + 1e-5 relative is loose
+// enough for reordering and tight enough that any missing, doubled or stale gradient (errors of order lr * grad,
+// ~1e-2) fails. The fp16 hook rounds each gradient to 11 significant bits (~5e-4 relative): 5e-3 there.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include <corpc/ddp/ddp.hpp>
+
+#include "support.hpp"
+
+namespace {
+
+using corpc::ddp::DistributedDataParallel;
+
+constexpr int kWorld = 2;
+constexpr int64_t kBatch = 8;
+
+// A model with an unused parameter: DDP must still complete every bucket (and not hang).
+struct NetImpl : torch::nn::Module {
+  NetImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(5, 7));
+    fc2 = register_module("fc2", torch::nn::Linear(7, 3));
+    unused = register_module("unused", torch::nn::Linear(3, 3));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return fc2->forward(torch::tanh(fc1->forward(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, unused{nullptr};
+};
+TORCH_MODULE(Net);
+
+struct Data {
+  torch::Tensor x, y;
+};
+
+Data batch(int step) {
+  torch::manual_seed(1000 + step);
+  auto x = torch::randn({kBatch, 5});
+  return {x, torch::randn({kBatch, 3})};
+}
+
+torch::Tensor rows(const torch::Tensor& t, int rank) {
+  const int64_t n = t.size(0) / kWorld;
+  return t.narrow(0, rank * n, n);
+}
+
+Net rank_model(int rank) {
+  torch::manual_seed(rank + 1);  // every rank different; DDP must adopt rank 0's (seed 1)
+  return Net();
+}
+
+void expect_close(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want, double tol) {
+  EXPECT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double err = (got[i] - want[i]).abs().max().item<double>();
+    if (!torch::allclose(got[i], want[i], tol, tol)) {
+      throw std::runtime_error("parameter " + std::to_string(i) + " differs by " + std::to_string(err));
+    }
+  }
+}
+
+void expect_same_on_all_ranks(c10d::ProcessGroup& group, const std::vector<torch::Tensor>& params) {
+  for (const auto& p : params) {
+    std::vector<at::Tensor> zero{p.detach().clone()};
+    group.broadcast(zero)->wait();
+    EXPECT(torch::equal(zero[0], p.detach()));
+  }
+}
+
+std::vector<torch::Tensor> snapshot(torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (auto& p : m.parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+void launch(const std::function<void(int)>& body) {
+  corpc::LaunchOptions o;
+  o.timeout = std::chrono::seconds(120);
+  corpc::launch_processes(kWorld, body, o);
+}
+
+// Trains `steps` SGD steps with DDP (each rank on its rows) and the reference (one process, whole batch), and
+// compares the parameters. `micro` > 1: gradient accumulation over micro-batches with no_sync on all but the last.
+void ddp_matches_reference(corpc::ddp::DdpOptions options, int steps, int micro, double tol,
+                           size_t min_buckets = 1, bool expect_overlap = true) {
+  launch([=](int rank) {
+    auto group = corpc::ddp::init_process_group();
+    EXPECT_EQ(group->getRank(), rank);
+    DistributedDataParallel ddp(rank_model(rank), group, options);
+    torch::optim::SGD opt(ddp->parameters(), 0.1);
+
+    Net reference = rank_model(0);
+    torch::optim::SGD ref_opt(reference->parameters(), 0.1);
+
+    for (int step = 0; step < steps; ++step) {
+      opt.zero_grad();
+      ref_opt.zero_grad();
+      for (int m = 0; m < micro; ++m) {
+        auto d = batch(step * micro + m);
+        auto local = [&] { torch::mse_loss(ddp.forward(rows(d.x, rank)), rows(d.y, rank)).backward(); };
+        if (m + 1 < micro) {
+          auto guard = ddp.no_sync();
+          local();
+        } else {
+          local();
+        }
+        torch::mse_loss(reference->forward(d.x), d.y).backward();
+      }
+      opt.step();
+      ref_opt.step();
+      auto& sync = ddp.gradient_sync();
+      EXPECT(sync.bucket_count() >= min_buckets);
+      // With several buckets, the ones holding the last layers' gradients start before backward ends.
+      if (expect_overlap && sync.bucket_count() > 1) EXPECT(sync.buckets_launched_during_last_backward() >= 1);
+    }
+    auto params = snapshot(*ddp.module());
+    expect_close(params, snapshot(*reference), tol);
+    expect_same_on_all_ranks(*group, params);
+    // The unused layer got no gradient anywhere and so never moved from rank 0's initial weights.
+    EXPECT(torch::equal(ddp.module()->unused->weight, reference->unused->weight));
+  });
+}
+
+}  // namespace
+
+TEST_CASE("ddp: parameters equal one process on the whole batch (several small buckets)") {
+  corpc::ddp::DdpOptions o;
+  o.bucket_cap_mb = 16.0 / (1024 * 1024);  // 16 bytes: one or two parameters per bucket, 4 buckets
+  o.find_unused_parameters = true;         // else the unused layer's bucket (the first) holds back the others
+  ddp_matches_reference(o, 4, 1, 1e-5, 4);
+}
+
+TEST_CASE("ddp: without find_unused_parameters an unused parameter still neither hangs nor skews") {
+  corpc::ddp::DdpOptions o;
+  o.bucket_cap_mb = 16.0 / (1024 * 1024);
+  ddp_matches_reference(o, 2, 1, 1e-5, 4, /*expect_overlap=*/false);
+}
+
+TEST_CASE("ddp: parameters equal one process with one bucket") {
+  ddp_matches_reference({}, 4, 1, 1e-5);
+}
+
+TEST_CASE("ddp: no_sync accumulates exactly like the whole batch") {
+  corpc::ddp::DdpOptions o;
+  o.bucket_cap_mb = 16.0 / (1024 * 1024);
+  o.find_unused_parameters = true;
+  ddp_matches_reference(o, 2, 3, 1e-5);
+}
+
+TEST_CASE("ddp: fp16 compression hook stays within its tolerance") {
+  corpc::ddp::DdpOptions o;
+  o.comm_hook = corpc::ddp::fp16_compress_hook();
+  ddp_matches_reference(o, 3, 1, 5e-3);
+}
+
+TEST_CASE("ddp: a dead rank makes the others' backward fail within the collective timeout instead of hanging") {
+  std::vector<corpc::RankFailure> failures;
+  try {
+    launch([](int rank) {
+      corpc::ddp::ProcessGroupOptions po;
+      po.timeout = std::chrono::seconds(5);
+      auto group = corpc::ddp::init_process_group(po);
+      DistributedDataParallel ddp(rank_model(rank), group);
+      if (rank == 1) std::_Exit(3);  // dies before the first backward
+      auto d = batch(0);
+      torch::mse_loss(ddp.forward(rows(d.x, rank)), rows(d.y, rank)).backward();
+    });
+  } catch (const corpc::LaunchError& e) {
+    failures = e.failures();
+  }
+  REQUIRE(failures.size() == 2);
+  std::string rank0;
+  for (auto& f : failures) {
+    if (f.rank == 0) rank0 = f.reason;
+  }
+  // Rank 0 failed by itself, with DDP's error, rather than being killed by the launcher's grace period.
+  INFO(rank0);
+  REQUIRE(rank0.find("DDP: gradient allreduce") != std::string::npos);
+}
+
+#ifdef CORPC_DDP_EXAMPLE
+TEST_CASE("ddp: the example runs under torchrun --no_python") {
+  if (std::system("command -v torchrun >/dev/null 2>&1") != 0) {
+    MESSAGE("torchrun not found: skipped");
+    return;
+  }
+  // --redirects/--tee 1: Debian's torchrun 1.13 on Python 3.11 cannot parse their default "0" (an IntFlag change).
+  const std::string cmd =
+      std::string("timeout 120 torchrun --no_python --standalone --nproc_per_node=2 --redirects 1 --tee 1 ") +
+                          CORPC_DDP_EXAMPLE + " 5 > /dev/null 2>&1";
+  REQUIRE(std::system(cmd.c_str()) == 0);
+}
+#endif
