@@ -3,6 +3,7 @@
 # PyTorch's DDP, interleaved round by round so machine noise hits all three alike. Prints the median of each.
 #   bench/compare_ddp.sh [rounds] [steps]      (from the repository root, after ninja -C build bench/ddp_bench)
 set -euo pipefail
+python=${PYTHON:-/usr/bin/python3}  # Debian's python3-torch; a pyenv python3 first on PATH has no torch
 rounds=${1:-3}
 steps=${2:-20}
 tmp=$(mktemp)
@@ -10,7 +11,7 @@ for model in linear cnn; do
   for ((r = 0; r < rounds; r++)); do
     ./build/bench/ddp_bench "$model" overlap "$steps" >>"$tmp"
     ./build/bench/ddp_bench "$model" after "$steps" >>"$tmp"
-    python3 bench/pytorch_ddp_bench.py "$model" "$steps" 2>/dev/null >>"$tmp"
+    "$python" bench/pytorch_ddp_bench.py "$model" "$steps" 2>/dev/null >>"$tmp"
   done
 done
 python3 - "$tmp" <<'PY'
