@@ -9,10 +9,14 @@
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
+#include <corpc/ddp/checkpoint.hpp>
 #include <corpc/ddp/ddp.hpp>
 
 #include "support.hpp"
@@ -183,6 +187,31 @@ TEST_CASE("ddp: a dead rank makes the others' backward fail within the collectiv
   // Rank 0 failed by itself, with DDP's error, rather than being killed by the launcher's grace period.
   INFO(rank0);
   REQUIRE(rank0.find("DDP: gradient allreduce") != std::string::npos);
+}
+
+TEST_CASE("ddp: checkpoint round-trip: rank 0 saves, all wait, all load rank 0's state") {
+  const std::string path = "/tmp/corpc-test-ddp-ckpt-" + std::to_string(::getpid()) + ".pt";
+  launch([&](int rank) {
+    auto group = corpc::ddp::init_process_group();
+    DistributedDataParallel ddp(rank_model(rank), group);
+    torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    for (int step = 0; step < 2; ++step) {
+      opt.zero_grad();
+      auto d = batch(step);
+      torch::mse_loss(ddp.forward(rows(d.x, rank)), rows(d.y, rank)).backward();
+      opt.step();
+    }
+    auto saved = snapshot(*ddp.module());
+    if (rank == 1) {  // diverge: the reload must bring rank 0's weights back
+      torch::NoGradGuard g;
+      for (auto& p : ddp->parameters()) p.add_(1.0);
+    }
+    corpc::ddp::save_and_reload(*ddp.module(), &opt, path, *group, torch::Device(torch::kCPU));
+    auto loaded = snapshot(*ddp.module());
+    for (size_t i = 0; i < saved.size(); ++i) EXPECT(torch::equal(saved[i], loaded[i]));
+    group->barrier()->wait();
+    if (rank == 0) std::remove(path.c_str());
+  });
 }
 
 #ifdef CORPC_DDP_EXAMPLE
