@@ -18,6 +18,7 @@
 
 #include <corpc/ddp/checkpoint.hpp>
 #include <corpc/ddp/ddp.hpp>
+#include <corpc/ddp/elastic.hpp>
 
 #include "support.hpp"
 
@@ -255,6 +256,51 @@ TEST_CASE("ddp: checkpoint round-trip: rank 0 saves, all wait, all load rank 0's
     group->barrier()->wait();
     if (rank == 0) std::remove(path.c_str());
   });
+}
+
+TEST_CASE("ddp: a rank dies mid-training, the group restarts and resumes from the checkpoint") {
+  const std::string path = "/tmp/corpc-test-ddp-restart-" + std::to_string(::getpid()) + ".pt";
+  const std::string done = path + ".done";
+  std::remove(path.c_str());
+  constexpr int kSteps = 6, kCheckpointEvery = 2, kDieAt = 3;
+  corpc::LaunchOptions lo;
+  lo.timeout = std::chrono::seconds(120);
+  const int restarts = corpc::ddp::launch_with_restarts(kWorld, [&](int rank, int restart) {
+    corpc::ddp::ProcessGroupOptions po;
+    po.timeout = std::chrono::seconds(5);
+    auto group = corpc::ddp::init_process_group(po);
+    // Resume as torchelastic programs do: load the checkpoint into the bare model, then wrap it.
+    Net net = rank_model(rank);
+    int start = 0;
+    if (FILE* f = std::fopen(path.c_str(), "r")) {
+      std::fclose(f);
+      corpc::ddp::load_checkpoint(*net, nullptr, path);
+      start = kDieAt - kDieAt % kCheckpointEvery;  // the step after the last checkpoint
+    }
+    DistributedDataParallel ddp(net, group);
+    torch::optim::SGD opt(ddp->parameters(), 0.1);
+    EXPECT_EQ(start > 0, restart > 0);
+    for (int step = start; step < kSteps; ++step) {
+      if (restart == 0 && rank == 1 && step == kDieAt) std::_Exit(9);
+      opt.zero_grad();
+      auto d = batch(step);
+      torch::mse_loss(ddp.forward(rows(d.x, rank)), rows(d.y, rank)).backward();
+      opt.step();
+      if ((step + 1) % kCheckpointEvery == 0) corpc::ddp::save_checkpoint(*ddp.module(), nullptr, path, *group);
+    }
+    // Equal to an uninterrupted single-process run of all the steps.
+    Net reference = rank_model(0);
+    torch::optim::SGD ref_opt(reference->parameters(), 0.1);
+    for (int step = 0; step < kSteps; ++step) {
+      ref_opt.zero_grad();
+      auto d = batch(step);
+      torch::mse_loss(reference->forward(d.x), d.y).backward();
+      ref_opt.step();
+    }
+    expect_close(snapshot(*ddp.module()), snapshot(*reference), 1e-5);
+  }, /*max_restarts=*/2, lo);
+  std::remove(path.c_str());
+  REQUIRE(restarts == 1);
 }
 
 #ifdef CORPC_DDP_EXAMPLE
