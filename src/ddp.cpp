@@ -3,6 +3,7 @@
 // Built from c10d's ProcessGroup collectives and autograd's public-internal hooks rather than c10d::Reducer: the
 // Reducer's C++ constructor wants Python-side bucket assignment and logger plumbing, and the pieces below are what
 // it does for the dense, single-device-per-parameter case.
+#include <algorithm>
 #include <mutex>
 #include <unordered_set>
 #include <stdexcept>
@@ -79,7 +80,9 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
         const auto& first = params[b.params.front()];
         const double bytes = static_cast<double>(b.offsets.back() + params[b.params.back()].numel()) *
                              static_cast<double>(first.element_size());
-        fresh = bytes >= cap_bytes || first.scalar_type() != p.scalar_type() || first.device() != p.device();
+        // As PyTorch: the first bucket (the last layers, ready first) is small, so communication starts early.
+        const double cap = buckets.size() == 1 ? std::min(cap_bytes, 1024.0 * 1024.0) : cap_bytes;
+        fresh = bytes >= cap || first.scalar_type() != p.scalar_type() || first.device() != p.device();
       }
       if (fresh) buckets.emplace_back();
       auto& b = buckets.back();

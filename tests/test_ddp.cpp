@@ -9,11 +9,16 @@
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
+#include <corpc/ddp/checkpoint.hpp>
 #include <corpc/ddp/ddp.hpp>
+#include <corpc/ddp/elastic.hpp>
 
 #include "support.hpp"
 
@@ -183,6 +188,119 @@ TEST_CASE("ddp: a dead rank makes the others' backward fail within the collectiv
   // Rank 0 failed by itself, with DDP's error, rather than being killed by the launcher's grace period.
   INFO(rank0);
   REQUIRE(rank0.find("DDP: gradient allreduce") != std::string::npos);
+}
+
+// The DDP notes' ToyMpModel: one module split over two devices inside each process (both CPU here; the code
+// path is the device-aware one: the input moves between the halves, buckets never mix devices).
+struct ToyMpModelImpl : torch::nn::Module {
+  ToyMpModelImpl(torch::Device dev0, torch::Device dev1) : dev0(dev0), dev1(dev1) {
+    net1 = register_module("net1", torch::nn::Linear(10, 10));
+    net2 = register_module("net2", torch::nn::Linear(10, 5));
+    net1->to(dev0);
+    net2->to(dev1);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::relu(net1->forward(x.to(dev0)));
+    return net2->forward(x.to(dev1));
+  }
+  torch::Device dev0, dev1;
+  torch::nn::Linear net1{nullptr}, net2{nullptr};
+};
+TORCH_MODULE(ToyMpModel);
+
+TEST_CASE("ddp: model-parallel DDP (ToyMpModel over two devices) equals the unwrapped model in one process") {
+  launch([](int rank) {
+    auto group = corpc::ddp::init_process_group();
+    const torch::Device d0(torch::kCPU), d1(torch::kCPU);
+    torch::manual_seed(rank + 7);
+    DistributedDataParallel ddp(ToyMpModel(d0, d1), group);
+    torch::manual_seed(7);
+    ToyMpModel reference(d0, d1);
+    torch::optim::SGD opt(ddp->parameters(), 0.1), ref_opt(reference->parameters(), 0.1);
+    for (int step = 0; step < 3; ++step) {
+      torch::manual_seed(50 + step);
+      auto x = torch::randn({kBatch, 10});
+      auto y = torch::randn({kBatch, 5});
+      opt.zero_grad();
+      ref_opt.zero_grad();
+      torch::mse_loss(ddp.forward(rows(x, rank)), rows(y, rank).to(d1)).backward();
+      torch::mse_loss(reference->forward(x), y.to(d1)).backward();
+      opt.step();
+      ref_opt.step();
+    }
+    expect_close(snapshot(*ddp.module()), snapshot(*reference), 1e-5);
+    expect_same_on_all_ranks(*group, snapshot(*ddp.module()));
+  });
+}
+
+TEST_CASE("ddp: checkpoint round-trip: rank 0 saves, all wait, all load rank 0's state") {
+  const std::string path = "/tmp/corpc-test-ddp-ckpt-" + std::to_string(::getpid()) + ".pt";
+  launch([&](int rank) {
+    auto group = corpc::ddp::init_process_group();
+    DistributedDataParallel ddp(rank_model(rank), group);
+    torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    for (int step = 0; step < 2; ++step) {
+      opt.zero_grad();
+      auto d = batch(step);
+      torch::mse_loss(ddp.forward(rows(d.x, rank)), rows(d.y, rank)).backward();
+      opt.step();
+    }
+    auto saved = snapshot(*ddp.module());
+    if (rank == 1) {  // diverge: the reload must bring rank 0's weights back
+      torch::NoGradGuard g;
+      for (auto& p : ddp->parameters()) p.add_(1.0);
+    }
+    corpc::ddp::save_and_reload(*ddp.module(), &opt, path, *group, torch::Device(torch::kCPU));
+    auto loaded = snapshot(*ddp.module());
+    for (size_t i = 0; i < saved.size(); ++i) EXPECT(torch::equal(saved[i], loaded[i]));
+    group->barrier()->wait();
+    if (rank == 0) std::remove(path.c_str());
+  });
+}
+
+TEST_CASE("ddp: a rank dies mid-training, the group restarts and resumes from the checkpoint") {
+  const std::string path = "/tmp/corpc-test-ddp-restart-" + std::to_string(::getpid()) + ".pt";
+  const std::string done = path + ".done";
+  std::remove(path.c_str());
+  constexpr int kSteps = 6, kCheckpointEvery = 2, kDieAt = 3;
+  corpc::LaunchOptions lo;
+  lo.timeout = std::chrono::seconds(120);
+  const int restarts = corpc::ddp::launch_with_restarts(kWorld, [&](int rank, int restart) {
+    corpc::ddp::ProcessGroupOptions po;
+    po.timeout = std::chrono::seconds(5);
+    auto group = corpc::ddp::init_process_group(po);
+    // Resume as torchelastic programs do: load the checkpoint into the bare model, then wrap it.
+    Net net = rank_model(rank);
+    int start = 0;
+    if (FILE* f = std::fopen(path.c_str(), "r")) {
+      std::fclose(f);
+      corpc::ddp::load_checkpoint(*net, nullptr, path);
+      start = kDieAt - kDieAt % kCheckpointEvery;  // the step after the last checkpoint
+    }
+    DistributedDataParallel ddp(net, group);
+    torch::optim::SGD opt(ddp->parameters(), 0.1);
+    EXPECT_EQ(start > 0, restart > 0);
+    for (int step = start; step < kSteps; ++step) {
+      if (restart == 0 && rank == 1 && step == kDieAt) std::_Exit(9);
+      opt.zero_grad();
+      auto d = batch(step);
+      torch::mse_loss(ddp.forward(rows(d.x, rank)), rows(d.y, rank)).backward();
+      opt.step();
+      if ((step + 1) % kCheckpointEvery == 0) corpc::ddp::save_checkpoint(*ddp.module(), nullptr, path, *group);
+    }
+    // Equal to an uninterrupted single-process run of all the steps.
+    Net reference = rank_model(0);
+    torch::optim::SGD ref_opt(reference->parameters(), 0.1);
+    for (int step = 0; step < kSteps; ++step) {
+      ref_opt.zero_grad();
+      auto d = batch(step);
+      torch::mse_loss(reference->forward(d.x), d.y).backward();
+      ref_opt.step();
+    }
+    expect_close(snapshot(*ddp.module()), snapshot(*reference), 1e-5);
+  }, /*max_restarts=*/2, lo);
+  std::remove(path.c_str());
+  REQUIRE(restarts == 1);
 }
 
 #ifdef CORPC_DDP_EXAMPLE

@@ -9,7 +9,7 @@
 //
 // What it does, as PyTorch's DDP does:
 // - at construction, parameters and buffers are broadcast from rank 0, so every rank starts from the same model;
-// - gradients are grouped into buckets of about `bucket_cap_mb`, in reverse registration order (roughly the order
+// - gradients are grouped into buckets of about `bucket_cap_mb` (the first one at most 1 MiB), in reverse registration order (roughly the order
 //   backward produces them); a hook on each parameter's gradient accumulator copies the gradient into its bucket,
 //   and a full bucket's allreduce starts at once, in bucket order on every rank (collectives must match up);
 // - at the end of backward (an autograd engine callback) it waits for every bucket, and writes the averaged
