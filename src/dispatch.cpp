@@ -53,8 +53,7 @@ class RequestScope {
   void finish() noexcept {
     done_ = true;
     if (!counted_) return;
-    rt_.requests_handled.fetch_add(1, std::memory_order_relaxed);
-    if (src_ >= 0 && src_ < rt_.world_size) rt_.handled_from[src_].fetch_add(1, std::memory_order_relaxed);
+    rt_.count_handled(src_);
     rt_.handlers_running.fetch_sub(1, std::memory_order_relaxed);
   }
 
@@ -152,9 +151,7 @@ void Runtime::Impl::on_request(const std::shared_ptr<detail::Connection>& conn, 
   // A refused request still counts as handled: the caller counted it as sent, and graceful shutdown balances the two.
   auto refuse = [&](std::exception_ptr error, std::string_view function) {
     send_error(conn, msg.head.id, std::move(error), function);
-    if (msg.head.flags & kFlagControl) return;
-    requests_handled.fetch_add(1, std::memory_order_relaxed);
-    handled_from[conn->peer_rank].fetch_add(1, std::memory_order_relaxed);
+    if (!(msg.head.flags & kFlagControl)) count_handled(conn->peer_rank);
   };
   if (!entry) {
     return refuse(std::make_exception_ptr(UnknownFunctionError(

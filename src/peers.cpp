@@ -73,7 +73,7 @@ void Runtime::Impl::on_close(const std::shared_ptr<detail::Connection>& conn, co
   auto error = was_closing ? std::make_exception_ptr(ShutdownError("corpc runtime shut down"))
                            : std::make_exception_ptr(ConnectionError(
                                  "worker '" + name_of(rank) + "' (rank " + std::to_string(rank) + ") is gone: " +
-                                 (conn->said_goodbye ? std::string("it shut down") : why)));
+                                 (conn->said_goodbye ? std::string(kShutDownReason) : why)));
   fail_calls(*conn, error);
   if (!world_known) {
     if (self.rank == 0) {
@@ -91,7 +91,7 @@ void Runtime::Impl::on_close(const std::shared_ptr<detail::Connection>& conn, co
     return;
   }
   if (rank < 0 || was_closing) return;  // never said hello, or we are leaving ourselves
-  mark_dead(rank, conn->said_goodbye ? "it shut down" : why);
+  mark_dead(rank, conn->said_goodbye ? std::string(kShutDownReason) : why);
 }
 
 void Runtime::Impl::accept_loop() {

@@ -141,7 +141,8 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
                        " ms" +
                        (self.rank == 0 ? " (missing ranks: " + missing + "; " + std::to_string(accepted.load()) +
                                              " connections accepted, " + std::to_string(accept_errors.load()) +
-                                             " accept errors)"
+                                             " accept errors, " + std::to_string(refused_connections.load()) +
+                                             " refused by the handshake)"
                                        : " (no answer from rank 0)"));
   }
 }

@@ -220,7 +220,7 @@ void shutdown(bool graceful) {
   std::string master_lost;
   if (graceful && impl.self.rank != 0) {
     std::lock_guard conn_lock(impl.conn_mutex);
-    if (!impl.dead[0].empty() && impl.dead[0] != "it shut down") master_lost = impl.dead[0];
+    if (!impl.dead[0].empty() && impl.dead[0] != Runtime::Impl::kShutDownReason) master_lost = impl.dead[0];
   }
   impl.close_everything(true);
   g_runtime_ptr.store(nullptr, std::memory_order_release);

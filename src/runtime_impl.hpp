@@ -96,7 +96,14 @@ struct Runtime::Impl {
   void stop_threads();
   std::string name_of(int rank) const;
   // The CallContext a request's handler runs with: the caller's context id in the hooks' slot.
+  // Why a peer that said goodbye is gone (as opposed to one that died): compared against by shutdown().
+  static constexpr const char* kShutDownReason = "it shut down";
   CallContext handler_context(std::int64_t context_id) const noexcept;
+  // Counts a user request from `src` as handled (replied to or refused), for graceful shutdown's balance.
+  void count_handled(int src) noexcept {
+    requests_handled.fetch_add(1, std::memory_order_relaxed);
+    if (src >= 0 && src < world_size) handled_from[src].fetch_add(1, std::memory_order_relaxed);
+  }
   std::int64_t outbound_context() const noexcept {
     return tensor_hooks.context_slot >= 0 ? current_call_context().get(tensor_hooks.context_slot) : -1;
   }
