@@ -14,11 +14,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <corpc/ddp/checkpoint.hpp>
 #include <corpc/ddp/ddp.hpp>
 #include <corpc/ddp/elastic.hpp>
+#include <corpc/ddp/rpc_store.hpp>
 
 #include "support.hpp"
 
@@ -60,6 +62,10 @@ Net rank_model(int rank) {
   torch::manual_seed(rank + 1);  // every rank different; DDP must adopt rank 0's (seed 1)
   return Net();
 }
+
+// The model this process trains, for the RPC beside DDP.
+Net* g_trained = nullptr;
+double first_parameter_sum() { return (*g_trained)->parameters()[0].sum().item<double>(); }
 
 void expect_close(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want, double tol) {
   EXPECT_EQ(got.size(), want.size());
@@ -275,6 +281,78 @@ TEST_CASE("ddp: gradient_as_bucket_view gives the same parameters, with gradient
       results.push_back(snapshot(*ddp.module()));
     }
     for (size_t i = 0; i < results[0].size(); ++i) EXPECT(torch::equal(results[0][i], results[1][i]));
+  });
+}
+
+TEST_CASE("ddp: RpcStore implements c10d's store over RPC; wait and get answer when another rank sets the key") {
+  corpc::test::run_world(2, [](int rank) {
+    corpc::ddp::RpcStore store(0, std::chrono::seconds(20));
+    auto bytes = [](const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); };
+    if (rank == 1) {
+      store.wait({"from0"});  // held on rank 0 as a promise until rank 0 sets it
+      EXPECT(store.get("from0") == bytes("hello"));
+      EXPECT(store.check({"from0"}));
+      EXPECT(!store.check({"from0", "nothing"}));
+      EXPECT_EQ(store.add("counter", 2), 5);
+      store.set("from1", bytes("done"));
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));  // rank 1 is (most likely) waiting by now
+      EXPECT_EQ(store.add("counter", 3), 3);
+      store.set("from0", bytes("hello"));
+      EXPECT(store.get("from1") == bytes("done"));  // get on a missing key waits for it
+      EXPECT_EQ(store.add("counter", 0), 5);
+      EXPECT(store.compareSet("cas", bytes("x"), bytes("y")) == bytes("x"));  // missing, expected not empty
+      EXPECT(store.compareSet("cas", {}, bytes("a")) == bytes("a"));
+      EXPECT(store.compareSet("cas", bytes("b"), bytes("c")) == bytes("a"));  // mismatch: unchanged
+      EXPECT(store.compareSet("cas", bytes("a"), bytes("c")) == bytes("c"));
+      EXPECT_EQ(store.getNumKeys(), 4);
+      EXPECT(store.deleteKey("cas"));
+      EXPECT(!store.deleteKey("cas"));
+      EXPECT_EQ(store.getNumKeys(), 3);
+      EXPECT_THROWS_AS(store.wait({"never"}, std::chrono::milliseconds(100)), corpc::TimeoutError);
+    }
+  });
+}
+
+TEST_CASE("ddp: RPC and DDP in one program share one rendezvous (the process group's store is on RPC's rank 0)") {
+  corpc::test::run_world(kWorld, [](int rank) {
+    auto group = corpc::ddp::init_process_group();
+    EXPECT_EQ(group->getRank(), rank);
+    EXPECT(corpc::ddp::RpcStore().getNumKeys() > 0);  // Gloo's rendezvous keys went through RPC
+    DistributedDataParallel ddp(rank_model(rank), group);
+    torch::optim::SGD opt(ddp->parameters(), 0.1);
+    Net reference = rank_model(0);
+    torch::optim::SGD ref_opt(reference->parameters(), 0.1);
+    for (int step = 0; step < 3; ++step) {
+      opt.zero_grad();
+      ref_opt.zero_grad();
+      auto d = batch(step);
+      torch::mse_loss(ddp.forward(rows(d.x, rank)), rows(d.y, rank)).backward();
+      torch::mse_loss(reference->forward(d.x), d.y).backward();
+      opt.step();
+      ref_opt.step();
+    }
+    expect_close(snapshot(*ddp.module()), snapshot(*reference), 1e-5);
+    // And RPC keeps working beside it: each rank asks the other for its first parameter.
+    g_trained = &ddp.module();
+    const auto theirs = corpc::rpc_sync<&first_parameter_sum>(1 - rank);
+    EXPECT_EQ(theirs, ddp->parameters()[0].sum().item<double>());
+    group->barrier()->wait();  // the other rank's RPC to us is answered before we shut down
+  });
+}
+
+TEST_CASE("ddp: the process group takes Slurm's rank and size (SLURM_PROCID, SLURM_NTASKS)") {
+  launch([](int rank) {
+    ::unsetenv("RANK");
+    ::unsetenv("WORLD_SIZE");
+    ::setenv("SLURM_PROCID", std::to_string(rank).c_str(), 1);
+    ::setenv("SLURM_NTASKS", std::to_string(kWorld).c_str(), 1);
+    auto group = corpc::ddp::init_process_group();
+    EXPECT_EQ(group->getRank(), rank);
+    EXPECT_EQ(group->getSize(), kWorld);
+    std::vector<at::Tensor> one{torch::ones({1})};
+    group->allreduce(one)->wait();
+    EXPECT_EQ(one[0].item<float>(), static_cast<float>(kWorld));
   });
 }
 
