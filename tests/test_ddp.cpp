@@ -21,6 +21,8 @@
 #include <corpc/ddp/ddp.hpp>
 #include <corpc/ddp/elastic.hpp>
 #include <corpc/ddp/rpc_store.hpp>
+#include <corpc/autograd/dist_autograd.hpp>
+#include <corpc/autograd/optimizer.hpp>
 
 #include "support.hpp"
 
@@ -353,6 +355,54 @@ TEST_CASE("ddp: the process group takes Slurm's rank and size (SLURM_PROCID, SLU
     std::vector<at::Tensor> one{torch::ones({1})};
     group->allreduce(one)->wait();
     EXPECT_EQ(one[0].item<float>(), static_cast<float>(kWorld));
+  });
+}
+
+// The remote part of the hybrid test: a fixed layer on worker 2 (no parameters of its own, so that the two trainers'
+// steps cannot interleave on it and the dense result stays deterministic). Gradients flow through it back to the
+// trainers by distributed autograd.
+at::Tensor remote_part_weight() {
+  torch::manual_seed(77);
+  return torch::randn({7, 3});
+}
+at::Tensor remote_part(at::Tensor h) {
+  static const at::Tensor w = remote_part_weight();
+  return torch::tanh(h.matmul(w));
+}
+
+// DDP inside a distributed autograd context (issue 12's hybrid): two trainers, each with a DDP-wrapped dense part
+// whose output goes through worker 2; backward runs through dist_autograd, so gradients are captured into the
+// context rather than .grad; DDP must average them there, and DistributedOptimizer steps from the context.
+TEST_CASE("ddp: inside a distributed autograd context, trainers' dense parameters equal one process on the whole batch") {
+  corpc::test::run_world(3, [](int rank) {
+    if (rank == 2) return;  // the remote part only answers RPCs
+    corpc::ddp::ProcessGroupOptions po;
+    po.world_size = 2;  // the trainers, RPC ranks 0 and 1
+    auto group = corpc::ddp::init_process_group(po);
+    torch::manual_seed(rank + 1);
+    DistributedDataParallel ddp(torch::nn::Linear(5, 7), group);
+    std::vector<corpc::RRef<at::Tensor>> params;
+    for (auto& p : ddp->parameters()) params.emplace_back(p);
+    corpc::DistributedOptimizer<torch::optim::SGD> opt(params, torch::optim::SGDOptions(0.1));
+
+    torch::manual_seed(1);
+    torch::nn::Linear reference(5, 7);
+    torch::optim::SGD ref_opt(reference->parameters(), 0.1);
+    for (int step = 0; step < 3; ++step) {
+      auto d = batch(step);
+      {
+        corpc::dist_autograd::Context ctx;
+        auto out = corpc::rpc_sync<&remote_part>(2, ddp.forward(rows(d.x, rank)));
+        ctx.backward({torch::mse_loss(out, rows(d.y, rank))}).wait();
+        for (auto& p : ddp->parameters()) EXPECT(!p.grad().defined());  // in the context only
+        opt.step(ctx).wait();
+      }
+      ref_opt.zero_grad();
+      torch::mse_loss(remote_part(reference->forward(d.x)), d.y).backward();
+      ref_opt.step();
+    }
+    expect_close(snapshot(*ddp.module()), snapshot(*reference), 1e-5);
+    expect_same_on_all_ranks(*group, snapshot(*ddp.module()));
   });
 }
 
