@@ -295,6 +295,24 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
     }
   }
 
+  // Hooks parameter i's gradient accumulator. A parameter's accumulator can change under DDP: loading a checkpoint
+  // (InputArchive's set_ on each parameter) gives it a new one, and a hook on the old one would never fire again,
+  // leaving that rank training alone. So before each forward the hooks follow the current accumulators.
+  void follow_accumulators() {
+    std::weak_ptr<State> weak = weak_from_this();
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto acc = torch::autograd::impl::grad_accumulator(params[i]);
+      if (acc == accumulators[i]) continue;
+      acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+          [weak, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+            if (auto self = weak.lock()) self->on_grad_ready(i);
+            return outputs;
+          }));
+      std::lock_guard<std::mutex> lock(mutex);
+      accumulators[i] = std::move(acc);
+    }
+  }
+
   // Join: the allreduce every rank makes once per step while a join is open. Returns (ranks training, whether
   // they synchronise gradients this step); sets the divisor and the rank buffers come from.
   std::pair<int64_t, bool> join_vote(bool training, bool wants_sync) {
@@ -368,22 +386,15 @@ GradientSync::GradientSync(torch::nn::Module& module, c10::intrusive_ptr<c10d::P
     }
   }
 
-  std::weak_ptr<State> weak = state_;
-  for (size_t i = 0; i < s.params.size(); ++i) {
-    auto acc = torch::autograd::impl::grad_accumulator(s.params[i]);
-    acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [weak, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
-          if (auto self = weak.lock()) self->on_grad_ready(i);
-          return outputs;
-        }));
-    s.accumulators.push_back(std::move(acc));
-  }
+  s.accumulators.resize(s.params.size());
+  s.follow_accumulators();
 }
 
 GradientSync::~GradientSync() = default;
 
 void GradientSync::before_forward() {
   auto& s = *state_;
+  s.follow_accumulators();
   if (s.joining) s.join_vote(/*training=*/true, sync_enabled() && at::GradMode::is_enabled());
   if (s.has_buffers_to_broadcast()) s.broadcast(s.buffers, s.source_rank);
 }

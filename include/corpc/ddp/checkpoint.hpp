@@ -6,9 +6,8 @@
 // Only rank 0 writes (all ranks hold the same weights under DDP); a barrier keeps the others from reading a file
 // that is still being written. `device` maps the saved tensors, as map_location does in Python.
 //
-// Resume by loading into the bare module and then wrapping it in DistributedDataParallel (as the restart test
-// does). Known issue: training a wrapped module after load_checkpoint into it left ranks apart in a first test
-// (not yet understood; suspect Module::load replacing parameter data under the DDP hooks) — avoid it for now.
+// Loading into a module already wrapped in DistributedDataParallel is fine: libtorch's loader gives each parameter
+// a new gradient accumulator (set_), and DDP re-attaches its hooks to the current ones before every forward.
 #pragma once
 
 #include <optional>
