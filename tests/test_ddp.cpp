@@ -562,3 +562,18 @@ TEST_CASE("ddp: the example runs under torchrun --no_python") {
   REQUIRE(std::system(cmd.c_str()) == 0);
 }
 #endif
+
+#ifdef CORPC_EXAMPLES_DIR
+TEST_CASE("ddp: the DDP notes' programs (basic, checkpoint, model parallel) run by themselves and under torchrun") {
+  const bool torchrun = std::system("command -v torchrun >/dev/null 2>&1") == 0;
+  for (const char* demo : {"ddp_basic", "ddp_checkpoint", "ddp_model_parallel"}) {
+    const std::string exe = std::string(CORPC_EXAMPLES_DIR) + "/" + demo;
+    INFO(exe);
+    CHECK(std::system(("timeout 120 " + exe + " > /dev/null 2>&1").c_str()) == 0);
+    if (torchrun) {
+      CHECK(std::system(("timeout 120 torchrun --no_python --standalone --nproc_per_node=2 --redirects 1 --tee 1 " +
+                         exe + " > /dev/null 2>&1").c_str()) == 0);
+    }
+  }
+}
+#endif
