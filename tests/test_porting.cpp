@@ -70,6 +70,21 @@ struct Scale {
   Weight combined(const Weight& extra) const { return Weight(factor * extra.value); }
 };
 
+// An object and a module that take their time: calls on them time out.
+struct Sleeper {
+  int nap(int ms) const {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    return ms;
+  }
+};
+struct SlowIdentityImpl : torch::nn::Module {
+  at::Tensor forward(at::Tensor x, std::int64_t ms) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    return x;
+  }
+};
+TORCH_MODULE(SlowIdentity);
+
 using Bag = RemoteModule<torch::nn::EmbeddingBag>;
 
 // A trainer's use of a module it was handed: forward, and its parameters through the awaitable form.
@@ -179,5 +194,26 @@ TEST_CASE("a RemoteModule passed to two workers is shared by both, and freed whe
     EXPECT_EQ(rpc_sync<&use_kept_module>("worker2", input, offsets).size(0), 2);
     rpc_sync<&drop_kept_module>("worker2");
     expect_no_references(3);
+  });
+}
+
+TEST_CASE("proxy calls and RemoteModule::forward take a timeout, and time out with TimeoutError") {
+  run_world(2, [](int rank) {
+    if (rank != 0) return;
+    {
+      auto sleeper = remote<Sleeper>("worker1", with_timeout(10s));
+      EXPECT_THROWS_AS(sleeper.rpc_async<&Sleeper::nap>(with_timeout(50ms), 1000).wait(20s), TimeoutError);
+      EXPECT_THROWS_AS(sleeper.rpc_sync<&Sleeper::nap>(with_timeout(50ms), 1000), TimeoutError);
+      EXPECT_EQ(sleeper.rpc_async<&Sleeper::nap>(with_timeout(10s), 1).wait(20s), 1);  // the same call, in time
+      EXPECT_EQ(sleeper.remote<&Sleeper::nap>(with_timeout(10s), 2).to_here().wait(20s), 2);
+
+      RemoteModule<SlowIdentity> slow("worker1/cpu");
+      const auto x = at::ones({2});
+      EXPECT_THROWS_AS(slow.forward_async(with_timeout(50ms), x, std::int64_t{1000}).wait(20s), TimeoutError);
+      EXPECT_THROWS_AS(slow.forward(with_timeout(50ms), x, std::int64_t{1000}), TimeoutError);
+      EXPECT(at::equal(slow.forward(with_timeout(10s), x, std::int64_t{0}), x));
+      EXPECT_EQ(slow.remote_parameters(with_timeout(10s)).size(), 0u);
+    }
+    expect_no_references(2);
   });
 }

@@ -2,6 +2,7 @@
 //
 //   corpc::RemoteModule<torch::nn::Linear> lin("worker1/cpu", 4, 2);    // constructed on worker1, on its CPU
 //   at::Tensor y = lin.forward(x);                                       // or co_await lin.forward_async(x)
+//   auto z = co_await lin.forward_async(corpc::with_timeout(100ms), x);  // TimeoutError if no answer in 100 ms
 //   std::vector<corpc::RRef<at::Tensor>> ps = lin.remote_parameters();  // for DistributedOptimizer
 //   auto same = co_await lin.remote_parameters_async();                 // the awaitable form
 //   corpc::rpc_async<&train>("trainer1", lin);                           // share it: the trainer uses the same module
@@ -82,9 +83,15 @@ class RemoteModule {
   // reported by device().
   explicit RemoteModule(RRef<M> module, std::string device = {}) : module_(std::move(module)), device_(std::move(device)) {}
 
+  // forward([options,] args...) on the owner; options as for rpc_async (with_timeout(ms)).
   template <class... A>
+    requires(!detail::first_is_options<A...>)
   auto forward_async(A&&... args) const {
-    return rpc_async<&detail::module_forward<M, std::decay_t<A>...>>(module_.state()->owner, module_,
+    return forward_async(CallOptions{}, std::forward<A>(args)...);
+  }
+  template <class... A>
+  auto forward_async(const CallOptions& options, A&&... args) const {
+    return rpc_async<&detail::module_forward<M, std::decay_t<A>...>>(module_.state()->owner, options, module_,
                                                                       std::forward<A>(args)...);
   }
   template <class... A>
@@ -93,10 +100,12 @@ class RemoteModule {
   }
 
   // References to the module's parameters, owned where the module is (what DistributedOptimizer takes).
-  Future<std::vector<RRef<at::Tensor>>> remote_parameters_async() const {
-    return rpc_async<&detail::module_parameters<M>>(module_.state()->owner, module_);
+  Future<std::vector<RRef<at::Tensor>>> remote_parameters_async(const CallOptions& options = {}) const {
+    return rpc_async<&detail::module_parameters<M>>(module_.state()->owner, options, module_);
   }
-  std::vector<RRef<at::Tensor>> remote_parameters() const { return remote_parameters_async().wait(); }
+  std::vector<RRef<at::Tensor>> remote_parameters(const CallOptions& options = {}) const {
+    return remote_parameters_async(options).wait();
+  }
   const RRef<M>& module_rref() const noexcept { return module_; }
   const std::string& device() const noexcept { return device_; }
 
