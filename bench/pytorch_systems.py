@@ -205,6 +205,6 @@ def free_port():
 if __name__ == "__main__":
     case, trainers, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     if case == "hybrid":
-        mp.spawn(run_hybrid, args=(4, case, steps, free_port(), free_port()), nprocs=4, join=True)
+        mp.start_processes(run_hybrid, args=(4, case, steps, free_port(), free_port()), nprocs=4, start_method="fork")
     else:
-        mp.spawn(run_ps, args=(trainers + 1, case, steps, free_port()), nprocs=trainers + 1, join=True)
+        mp.start_processes(run_ps, args=(trainers + 1, case, steps, free_port()), nprocs=trainers + 1, start_method="fork")
