@@ -190,6 +190,94 @@ TEST_CASE("ddp: a dead rank makes the others' backward fail within the collectiv
   REQUIRE(rank0.find("DDP: gradient allreduce") != std::string::npos);
 }
 
+// Uneven inputs: rank 0 has 2 batches, rank 1 has 4. Under Join rank 0 shadows rank 1's last two steps; the
+// result is one process on the batches actually run: steps 0-1 on the whole batch, steps 2-3 on rank 1's rows,
+// whose gradient is divided by the ranks still training (1) or, PyTorch's default, by the world size (2).
+void join_matches_reference(bool divide_by_initial_world_size) {
+  launch([=](int rank) {
+    auto group = corpc::ddp::init_process_group();
+    corpc::ddp::DdpOptions o;
+    o.bucket_cap_mb = 16.0 / (1024 * 1024);  // several buckets: each is shadowed in order
+    DistributedDataParallel ddp(rank_model(rank), group, o);
+    torch::optim::SGD opt(ddp->parameters(), 0.1);
+    const int my_batches = rank == 0 ? 2 : 4;
+    corpc::ddp::JoinOptions jo;
+    jo.divide_by_initial_world_size = divide_by_initial_world_size;
+    auto join = ddp.join(jo);
+    for (int step = 0; step < my_batches; ++step) {
+      opt.zero_grad();
+      auto d = batch(step);
+      torch::mse_loss(ddp.forward(rows(d.x, rank)), rows(d.y, rank)).backward();
+      opt.step();
+    }
+    join.finish();
+
+    Net reference = rank_model(0);
+    torch::optim::SGD ref_opt(reference->parameters(), 0.1);
+    for (int step = 0; step < 4; ++step) {
+      ref_opt.zero_grad();
+      auto d = batch(step);
+      if (step < 2) {
+        torch::mse_loss(reference->forward(d.x), d.y).backward();
+      } else {
+        const double scale = divide_by_initial_world_size ? 0.5 : 1.0;
+        (scale * torch::mse_loss(reference->forward(rows(d.x, 1)), rows(d.y, 1))).backward();
+      }
+      ref_opt.step();
+    }
+    auto params = snapshot(*ddp.module());
+    expect_close(params, snapshot(*reference), 1e-5);
+    expect_same_on_all_ranks(*group, params);
+    // After the join, ordinary synchronised steps work again (collectives still line up).
+    opt.zero_grad();
+    auto d = batch(9);
+    torch::mse_loss(ddp.forward(rows(d.x, rank)), rows(d.y, rank)).backward();
+    opt.step();
+    expect_same_on_all_ranks(*group, snapshot(*ddp.module()));
+  });
+}
+
+TEST_CASE("ddp: join with uneven inputs finishes and equals one process on the batches run (divide by active ranks)") {
+  join_matches_reference(false);
+}
+
+TEST_CASE("ddp: join with uneven inputs, PyTorch's default divisor (the initial world size)") {
+  join_matches_reference(true);
+}
+
+TEST_CASE("ddp: gradient_as_bucket_view gives the same parameters, with gradients living in the buckets") {
+  launch([](int rank) {
+    auto group = corpc::ddp::init_process_group();
+    std::vector<std::vector<torch::Tensor>> results;
+    for (bool as_view : {false, true}) {
+      corpc::ddp::DdpOptions o;
+      o.gradient_as_bucket_view = as_view;
+      o.find_unused_parameters = true;
+      DistributedDataParallel ddp(rank_model(rank), group, o);
+      torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      for (int step = 0; step < 3; ++step) {
+        opt.zero_grad();
+        for (int m = 0; m < 2; ++m) {  // gradient accumulation: no_sync, then a synchronised backward
+          auto d = batch(step * 2 + m);
+          auto local = [&] { torch::mse_loss(ddp.forward(rows(d.x, rank)), rows(d.y, rank)).backward(); };
+          if (m == 0) {
+            auto guard = ddp.no_sync();
+            local();
+          } else {
+            local();
+          }
+        }
+        // One bucket here (a few hundred bytes): with views every gradient is a slice of the same buffer.
+        auto fc1 = ddp->fc1->weight.grad(), fc2 = ddp->fc2->bias.grad();
+        EXPECT_EQ(fc1.is_alias_of(fc2), as_view);
+        opt.step();
+      }
+      results.push_back(snapshot(*ddp.module()));
+    }
+    for (size_t i = 0; i < results[0].size(); ++i) EXPECT(torch::equal(results[0][i], results[1][i]));
+  });
+}
+
 // The DDP notes' ToyMpModel: one module split over two devices inside each process (both CPU here; the code
 // path is the device-aware one: the input moves between the halves, buckets never mix devices).
 struct ToyMpModelImpl : torch::nn::Module {

@@ -39,6 +39,16 @@ inline constexpr bool serialized_calls_v = requires { requires T::corpc_serializ
 
 namespace detail {
 
+// The tuple of A's and B's element types, without constructing either: parameter types need no default constructor.
+template <class A, class B>
+struct TupleCat;
+template <class... A, class... B>
+struct TupleCat<std::tuple<A...>, std::tuple<B...>> {
+  using type = std::tuple<A..., B...>;
+};
+template <class A, class B>
+using tuple_cat_t = typename TupleCat<A, B>::type;
+
 template <class T>
 constexpr std::uint64_t type_hash_of() {
   return fnv1a(type_name<T>());
@@ -183,7 +193,7 @@ Future<Message> create_in_slot(int creator, const RRefId& id, const ForkId& fork
 template <auto F>
 struct CreateCall {
   using Args = typename FnTraits<decltype(F)>::Args;
-  using Wire = decltype(std::tuple_cat(std::tuple<RRefId, ForkId>{}, Args{}));
+  using Wire = tuple_cat_t<std::tuple<RRefId, ForkId>, Args>;
   static std::string name() { return "corpc::remote<" + std::string(function_name<F>()) + ">"; }
   static HandlerEntry entry() {
     return creation_entry<Wire>([](int src, Wire all) {
@@ -226,7 +236,7 @@ struct CreateObject {
 template <auto M>
 struct InvokeMember {
   using Args = typename FnTraits<decltype(M)>::Args;
-  using Wire = decltype(std::tuple_cat(std::tuple<RRefId>{}, Args{}));
+  using Wire = tuple_cat_t<std::tuple<RRefId>, Args>;
   static std::string name() { return "corpc::rref_call<" + std::string(function_name<M>()) + ">"; }
   static HandlerEntry entry() {
     return entry_for<Wire>([](int src, Wire all) {
@@ -241,7 +251,7 @@ struct InvokeMember {
 template <auto M>
 struct CreateFromMember {
   using Args = typename FnTraits<decltype(M)>::Args;
-  using Wire = decltype(std::tuple_cat(std::tuple<RRefId, ForkId, RRefId>{}, Args{}));  // new id, fork, target
+  using Wire = tuple_cat_t<std::tuple<RRefId, ForkId, RRefId>, Args>;  // new id, fork, target
   static std::string name() { return "corpc::rref_remote<" + std::string(function_name<M>()) + ">"; }
   static HandlerEntry entry() {
     return creation_entry<Wire>([](int src, Wire all) {
