@@ -29,11 +29,12 @@ std::string env_or(const char* name, const char* fallback) {
 }
 
 // The first of `names` that is set, as init_rpc reads them (torchrun / Slurm / Open MPI / PMI).
-int env_int(std::initializer_list<const char*> names, const char* what) {
+int env_int(std::initializer_list<const char*> names, int fallback, const char* what) {
   for (const char* n : names) {
     const char* v = std::getenv(n);
     if (v != nullptr && *v != '\0') return std::stoi(v);
   }
+  if (fallback >= 0) return fallback;
   throw std::runtime_error(std::string("init_process_group: ") + what + " is not set (" + *names.begin() + ")");
 }
 
@@ -61,11 +62,13 @@ c10::intrusive_ptr<c10d::Store> make_store(const std::string& addr, int port, in
 
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const ProcessGroupOptions& options) {
   Runtime* rpc = Runtime::try_get();
+  // The environment first (a launcher's, or a program presenting a subset of the workers as a world of its own),
+  // then RPC's rank and size.
   int rank = options.rank, world = options.world_size;
-  if (rank < 0) rank = rpc ? rpc->rank() : env_int({"RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"}, "RANK");
+  if (rank < 0) rank = env_int({"RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"}, rpc ? rpc->rank() : -1, "RANK");
   if (world < 0) {
-    world = rpc ? rpc->world_size()
-                : env_int({"WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}, "WORLD_SIZE");
+    world = env_int({"WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}, rpc ? rpc->world_size() : -1,
+                    "WORLD_SIZE");
   }
   if (rank >= world) {
     throw std::invalid_argument("init_process_group: rank " + std::to_string(rank) + " is not below the group size " +

@@ -43,9 +43,9 @@ struct ProcessGroupOptions {
   // Keys of this group live under this prefix in the rendezvous store (followed by the group's number in this
   // process: groups made one after another, in the same order on every rank, do not collide).
   std::string store_prefix = "corpc/ddp/";
-  // This process's rank and the group's size; -1: RPC's (if init_rpc ran), else from the environment (RANK,
-  // WORLD_SIZE; Slurm's SLURM_PROCID, SLURM_NTASKS; Open MPI's). A group of the first N RPC workers (trainers
-  // beside parameter servers) sets both.
+  // This process's rank and the group's size; -1: from the environment (RANK, WORLD_SIZE; Slurm's SLURM_PROCID,
+  // SLURM_NTASKS; Open MPI's), else RPC's (if init_rpc ran). A group of the first N RPC workers (trainers beside
+  // parameter servers) sets both.
   int rank = -1;
   int world_size = -1;
 };
