@@ -29,7 +29,7 @@ int main(int argc, char** argv) {
     const std::string name = rank < 2 ? "trainer" + std::to_string(rank) : rank == 2 ? "master" : "ps";
     corpc::init_rpc(name, rank, 4, systems::single_threaded());
     if (rank == 2) {
-      auto table = corpc::remote<&make_embedding_table>("ps", config.seed);
+      corpc::RemoteModule<torch::nn::EmbeddingBag> table(corpc::remote<&make_embedding_table>("ps", config.seed));
       auto run = [&](Config c) {
         std::vector<corpc::Future<TrainerResult>> loops;
         for (int t = 0; t < kTrainers; ++t) loops.push_back(corpc::rpc_async<&run_trainer>(t, table, t, c));

@@ -148,7 +148,7 @@ TEST_CASE("DDP + RPC hybrid: the trainers' dense layers are identical and all pa
       config.seed = 5;
       config.steps = 8;
       config.lockstep = true;
-      auto table = remote<&hy::make_embedding_table>(3, config.seed);
+      RemoteModule<torch::nn::EmbeddingBag> table(remote<&hy::make_embedding_table>(3, config.seed));
       std::vector<Future<hy::TrainerResult>> loops;
       for (int t = 0; t < hy::kTrainers; ++t) loops.push_back(rpc_async<&hy::run_trainer>(t, table, t, config));
       auto results = wait_all(std::move(loops)).wait(60s);

@@ -41,6 +41,7 @@ inline int run_program(const char* program, int world, const std::function<void(
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s: %s\n", program, e.what());
+    if (corpc::Runtime::try_get() != nullptr) corpc::shutdown(false);  // a rank that failed mid-run: close, then exit
     return 1;
   }
   return 0;

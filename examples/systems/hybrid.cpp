@@ -5,9 +5,7 @@
 
 #include <chrono>
 #include <cmath>
-#include <cstdlib>
 #include <mutex>
-#include <optional>
 
 #include <corpc/autograd/dist_autograd.hpp>
 #include <corpc/autograd/optimizer.hpp>
@@ -26,49 +24,18 @@ std::int64_t randint(std::int64_t low, std::int64_t high, at::Generator& gen) {
   return at::randint(low, high, {1}, gen).item<std::int64_t>();
 }
 
-// Sets environment variables for the lifetime of the object, restoring them afterwards.
-class EnvOverride {
- public:
-  EnvOverride(std::vector<std::pair<std::string, std::string>> vars) {
-    for (auto& [k, v] : vars) {
-      const char* old = std::getenv(k.c_str());
-      saved_.emplace_back(k, old ? std::optional<std::string>(old) : std::nullopt);
-      ::setenv(k.c_str(), v.c_str(), 1);
-    }
-  }
-  ~EnvOverride() {
-    for (auto& [k, v] : saved_) v ? ::setenv(k.c_str(), v->c_str(), 1) : ::unsetenv(k.c_str());
-  }
-
- private:
-  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
-};
-
-// The two trainers' process group. corpc::ddp::init_process_group makes a group of the whole launch (RANK,
-// WORLD_SIZE) and has no subgroups yet, so the trainers (global ranks 0 and 1, as in the tutorial) present
-// themselves as a world of two while it runs.
+// The two trainers' process group: the first two RPC workers, on RPC's own rendezvous (no second port).
 c10::intrusive_ptr<c10d::ProcessGroup> trainer_group(int trainer, const std::string& prefix) {
   static std::once_flag once;
   static c10::intrusive_ptr<c10d::ProcessGroup> group;
   std::call_once(once, [&] {
-    EnvOverride env({{"RANK", std::to_string(trainer)}, {"WORLD_SIZE", std::to_string(kTrainers)}});
     corpc::ddp::ProcessGroupOptions options;
+    options.rank = trainer;
+    options.world_size = kTrainers;
     options.store_prefix = prefix;
     group = corpc::ddp::init_process_group(options);
   });
   return group;
-}
-
-// What DDP's gradient hooks do in a plain backward: average the dense gradients over the trainers. Distributed
-// autograd hands gradients to its context instead of running the parameters' AccumulateGrad functions, so DDP's
-// hooks do not fire there; the context's gradients are averaged in place, before the optimizer reads them.
-void average_dense_gradients(std::int64_t context, const std::vector<at::Tensor>& params, c10d::ProcessGroup& group) {
-  auto grads = corpc::dist_autograd::get_gradients(context);
-  for (auto& p : params) {
-    std::vector<at::Tensor> g{grads.at(p)};
-    group.allreduce(g)->wait();
-    g[0].div_(group.getSize());
-  }
 }
 
 at::Tensor weight_of(corpc::RRef<torch::nn::EmbeddingBag> table) { return table.local_value()->weight.detach().clone(); }
@@ -99,9 +66,8 @@ Batch make_batch(std::uint64_t seed, int trainer, std::int64_t step) {
   return {indices, at::tensor(offsets), target};
 }
 
-TrainerResult run_trainer(corpc::RRef<torch::nn::EmbeddingBag> table, int trainer, Config config) {
+TrainerResult run_trainer(corpc::RemoteModule<torch::nn::EmbeddingBag> embedding, int trainer, Config config) {
   auto group = trainer_group(trainer, config.group_prefix);
-  corpc::RemoteModule<torch::nn::EmbeddingBag> embedding(std::move(table));
   torch::nn::Linear fc(kEmbeddingDim, kClasses);
   {
     auto init = initial_dense(config.seed);
@@ -122,8 +88,7 @@ TrainerResult run_trainer(corpc::RRef<torch::nn::EmbeddingBag> table, int traine
     corpc::dist_autograd::Context ctx;
     auto out = dense.forward(embedding.forward(batch.indices, batch.offsets));
     auto loss = F::cross_entropy(out, batch.target);
-    ctx.backward({loss}).wait();
-    average_dense_gradients(ctx.id(), dense->parameters(), *group);
+    ctx.backward({loss}).wait();  // DDP averages the dense gradients in the context as backward reaches them
     optimizer.step(ctx).wait();
     if (config.lockstep) group->barrier()->wait();
   }
@@ -133,8 +98,8 @@ TrainerResult run_trainer(corpc::RRef<torch::nn::EmbeddingBag> table, int traine
   return result;
 }
 
-at::Tensor table_weight(corpc::RRef<torch::nn::EmbeddingBag> table) {
-  return corpc::rpc_sync<&weight_of>(table.owner().rank, table);
+at::Tensor table_weight(const corpc::RemoteModule<torch::nn::EmbeddingBag>& table) {
+  return corpc::rpc_sync<&weight_of>(table.module_rref().owner().rank, table.module_rref());
 }
 
 std::vector<at::Tensor> reference(const Config& config) {

@@ -4,8 +4,8 @@
 // embedding's remote parameters and the Linear's local ones.
 //
 //   ranks: 0, 1 trainers ("trainer0", "trainer1"), 2 master ("master"), 3 parameter server ("ps"), as in the tutorial.
-//   auto table = corpc::remote<&make_embedding_table>("ps", seed);                  // on the master
-//   corpc::rpc_async<&run_trainer>("trainer0", table, config);                       // starts a trainer's loop
+//   corpc::RemoteModule<torch::nn::EmbeddingBag> table(corpc::remote<&make_embedding_table>("ps", seed));  // master
+//   corpc::rpc_async<&run_trainer>("trainer0", table, 0, config);                    // starts a trainer's loop
 #pragma once
 
 #include <torch/nn/modules/embedding.h>
@@ -15,7 +15,7 @@
 #include <vector>
 
 #include <corpc/corpc.hpp>
-#include <corpc/rref/rref.hpp>
+#include <corpc/rref/remote_module.hpp>
 
 namespace systems::hybrid {
 
@@ -50,11 +50,12 @@ struct TrainerResult {
   CORPC_FIELDS(dense, seconds)
 };
 
-// A trainer's loop (started by the master over RPC). Joins the trainers' DDP process group on first use.
-TrainerResult run_trainer(corpc::RRef<torch::nn::EmbeddingBag> table, int trainer, Config config);
+// A trainer's loop (started by the master over RPC, which hands it the remote module). Joins the trainers' DDP
+// process group on first use.
+TrainerResult run_trainer(corpc::RemoteModule<torch::nn::EmbeddingBag> table, int trainer, Config config);
 
 // The parameters of the table (for checks): its weight.
-at::Tensor table_weight(corpc::RRef<torch::nn::EmbeddingBag> table);
+at::Tensor table_weight(const corpc::RemoteModule<torch::nn::EmbeddingBag>& table);
 
 // The same training in one process: every step, each trainer's batch through the same parameters; the dense part
 // steps with the mean of the two trainers' gradients (what DDP computes), the embedding with each trainer's gradient
