@@ -47,6 +47,7 @@ void Runtime::Impl::start_call(detail::OutboundCall&& call) {
   stamp_autograd(m, dst);
   OutFrame frame = prepare(std::move(m));
   check_limits(frame, conn->peer_limits, name_of(dst));
+  check_request_budget(frame, conn->peer_limits, name_of(dst));
 
   detail::PendingCall p;
   p.complete = call.complete;
@@ -60,19 +61,31 @@ void Runtime::Impl::start_call(detail::OutboundCall&& call) {
   p.timeout = timeout;
   p.dst = dst;
   p.counted = !call.control;
-  bool earliest = false;
-  const std::uint64_t id = conn->pending.add(std::move(p), &earliest);
-  if (id == 0) {
+  bool earliest = false, send_now = true;
+  // At the per-peer limit, a caller on a thread of its own (no executor: main, a user's thread) blocks for room;
+  // anywhere else (a coroutine, a handler, an I/O thread) the call waits in the connection and the caller goes on.
+  const bool block = !call.control && current_executor() == nullptr && !blocking_forbidden();
+  const std::uint64_t id = conn->pending.add(std::move(p), frame, !call.control, block, &earliest, &send_now);
+  if (id == detail::PendingCalls::kClosed) {
     throw ConnectionError("worker '" + name_of(dst) + "' (rank " + std::to_string(dst) + ") is gone");
   }
-  frame.head.id = id;
-  if (!call.control) {
-    requests_sent.fetch_add(1, std::memory_order_relaxed);
-    sent_to[dst].fetch_add(1, std::memory_order_relaxed);
-    calls_in_flight.fetch_add(1, std::memory_order_relaxed);
+  if (id == detail::PendingCalls::kNoRoom) {
+    throw TimeoutError("call to '" + std::string(call.function) + "' on worker '" + name_of(dst) + "' timed out after " +
+                       std::to_string(timeout.count()) + " ms waiting for room (" +
+                       std::to_string(options.max_calls_in_flight_per_peer) + " calls in flight to it)");
   }
+  if (!call.control) calls_in_flight.fetch_add(1, std::memory_order_relaxed);
   if (earliest && conn->pending.earliest() < conn->timer_armed_for.load(std::memory_order_acquire)) {
     asio::post(conn->io(), [this, conn] { arm_deadline_timer(conn); });
+  }
+  if (send_now) send_request(conn, std::move(frame), !call.control);
+}
+
+// Counted for graceful shutdown when it leaves: a call that waited for room and timed out was never sent.
+void Runtime::Impl::send_request(const std::shared_ptr<detail::Connection>& conn, OutFrame&& frame, bool counted) {
+  if (counted) {
+    requests_sent.fetch_add(1, std::memory_order_relaxed);
+    sent_to[conn->peer_rank].fetch_add(1, std::memory_order_relaxed);
   }
   try {
     conn->send(std::move(frame));
@@ -92,7 +105,9 @@ void Runtime::Impl::arm_deadline_timer(const std::shared_ptr<detail::Connection>
     if (ec || !c) return;  // re-armed for an earlier deadline, or gone
     c->timer_armed_for.store(detail::Clock::time_point::max());
     std::vector<detail::PendingCall> expired;
-    c->pending.take_expired(detail::Clock::now(), expired);
+    std::vector<OutFrame> ready;
+    c->pending.take_expired(detail::Clock::now(), expired, ready);
+    for (auto& f : ready) send_request(c, std::move(f), true);
     for (auto& p : expired) {
       if (p.counted) calls_in_flight.fetch_sub(1, std::memory_order_relaxed);
       p.finish(nullptr, std::make_exception_ptr(TimeoutError(
@@ -106,12 +121,14 @@ void Runtime::Impl::arm_deadline_timer(const std::shared_ptr<detail::Connection>
 void Runtime::Impl::deliver_reply(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
   if (!conn->outgoing) return conn->close("protocol error: a reply on a connection that carries no calls of ours");
   detail::PendingCall p;
-  switch (conn->pending.take(msg.head.id, p)) {
+  std::vector<OutFrame> ready;  // a call that waited for room, now sent (allocates only then)
+  switch (conn->pending.take(msg.head.id, p, ready)) {
     case detail::PendingCalls::Lookup::Late: return;  // timed out, or failed with its peer, already
     case detail::PendingCalls::Lookup::NeverIssued:
       return conn->close("protocol error: a reply to request " + std::to_string(msg.head.id) + ", never sent");
     case detail::PendingCalls::Lookup::Found: break;
   }
+  for (auto& f : ready) send_request(conn, std::move(f), true);
   if (p.counted) calls_in_flight.fetch_sub(1, std::memory_order_relaxed);
   const std::string_view function = p.function.empty() ? std::string_view(p.owned_name) : p.function;
   if (msg.head.kind == FrameKind::Error) return p.finish(nullptr, decode_error(msg, name_of(p.dst), function));

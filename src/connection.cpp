@@ -35,10 +35,16 @@ constexpr int kMaxIov = 64;
 
 class TcpConnection final : public Connection {
  public:
-  TcpConnection(asio::ip::tcp::socket s, WireLimits limits, FrameHandler on_frame, CloseHandler on_close)
-      : Connection(static_cast<asio::io_context&>(s.get_executor().context())), socket_(std::move(s)), limits_(limits),
-        on_frame_(std::move(on_frame)), on_close_(std::move(on_close)), rbuf_(kReadBuffer) {
-    peer_limits = limits;
+  TcpConnection(asio::ip::tcp::socket s, const ConnectionSettings& settings, FrameHandler on_frame, CloseHandler on_close)
+      : Connection(static_cast<asio::io_context&>(s.get_executor().context())), socket_(std::move(s)),
+        settings_(settings), limits_(settings.limits), on_frame_(std::move(on_frame)), on_close_(std::move(on_close)),
+        rbuf_(kReadBuffer), room_timer_(io()), liveness_timer_(io()) {
+    peer_limits = limits_;
+  }
+
+  void release_receive(std::uint64_t bytes) noexcept override {
+    received_held_.fetch_sub(bytes);
+    settings_.budget->give_back(bytes);  // wakes paused readers, this one included
   }
 
   void start_reading() {
@@ -52,6 +58,7 @@ class TcpConnection final : public Connection {
       connected_ = true;
     }
     flush_now();  // what was queued while dialing
+    if (settings_.liveness_timeout.count() > 0) schedule_liveness_check();
   }
 
   void dial(std::string host, std::uint16_t port, AuthConfig auth) {
@@ -136,7 +143,11 @@ class TcpConnection final : public Connection {
         return fail(why);
       }
       advance(static_cast<std::size_t>(w));
+      ++written_;  // the peer is taking what we send: a sign of life while it is busy reading a long message
+      backlog_.fetch_sub(static_cast<std::size_t>(w), std::memory_order_relaxed);
     }
+    backlog_.store(0, std::memory_order_relaxed);
+    if (paused_) room_timer_.cancel();  // a reader paused for the backlog may go on
     stage_.clear();
     segs_.clear();
     seg_i_ = seg_done_ = 0;
@@ -180,10 +191,12 @@ class TcpConnection final : public Connection {
       skip = 0;
       segs_.push_back({nullptr, stage_.size(), len});
       stage_.append(c, len);
+      backlog_.fetch_add(len, std::memory_order_relaxed);
     };
     auto refer = [&](const char* p, std::size_t len) {
       if (skip >= len) return void(skip -= len);
       segs_.push_back({p + skip, 0, len - skip});
+      backlog_.fetch_add(len - skip, std::memory_order_relaxed);
       skip = 0;
     };
     copy(&f.head, sizeof f.head);
@@ -252,6 +265,7 @@ class TcpConnection final : public Connection {
     std::size_t n = co_await socket_.async_read_some(asio::buffer(rbuf_.data() + rend_, rbuf_.size() - rend_),
                                                      asio::use_awaitable);
     rend_ += n;
+    ++heard_;
   }
 
   // Moves buffered bytes into `dst` (up to `len`); returns how many.
@@ -291,6 +305,29 @@ class TcpConnection final : public Connection {
       validate_header(h, limits_);
       rbeg_ += sizeof(FrameHeader);
       const std::size_t head_len = std::size_t{h.meta_len} + h.body_len;
+      ReceiveCredit credit;
+      if (h.kind == FrameKind::Request && settings_.budget) {
+        // Reserved before anything the header announces is allocated; while there is no room, this connection is
+        // not read, so TCP pushes back on its sender.
+        const std::uint64_t need = sizeof(FrameHeader) + head_len + h.tensor_bytes;
+        if (need > std::min(settings_.budget_per_connection, settings_.budget->bytes_limit())) {
+          co_await discard(head_len + h.tensor_bytes);
+          if (closed_) co_return;
+          if (tls_batch.open == 0) batch_begin(io());
+          delivering_refused_ = true;
+          on_frame_(base, std::move(msg));
+          delivering_refused_ = false;
+          continue;
+        }
+        co_await wait_for_room(need);
+        if (closed_) co_return;
+        credit = ReceiveCredit(this, need);
+      }
+      if (h.kind == FrameKind::Ping || h.kind == FrameKind::Pong) {
+        if (head_len || h.num_tensors || h.tensor_bytes) throw ProtocolError("a heartbeat with a payload");
+        if (h.kind == FrameKind::Ping) send_heartbeat(FrameKind::Pong);
+        continue;
+      }
       if (head_len <= rbuf_.size()) {
         while (rend_ - rbeg_ < head_len) co_await read_more();
         const char* meta = rbuf_.data() + rbeg_;
@@ -307,7 +344,7 @@ class TcpConnection final : public Connection {
         std::array<asio::mutable_buffer, 2> rest{asio::buffer(meta.data() + m, meta.size() - m),
                                                  asio::buffer(msg.body.data() + b, msg.body.size() - b)};
         batch_end();
-        co_await asio::async_read(socket_, rest, asio::use_awaitable);
+        co_await asio::async_read(socket_, rest, counting_progress(), asio::use_awaitable);
         msg.tensors = decode_tensor_meta(meta.data(), meta.size(), h.num_tensors, h.tensor_bytes, limits_);
       }
       if (h.tensor_bytes) {
@@ -320,17 +357,110 @@ class TcpConnection final : public Connection {
         }
         if (!rest.empty()) {
           batch_end();
-          co_await asio::async_read(socket_, rest, asio::use_awaitable);
+          co_await asio::async_read(socket_, rest, counting_progress(), asio::use_awaitable);
         }
       }
       if (h.kind == FrameKind::Goodbye) said_goodbye = true;
       if (closed_) co_return;
       if (tls_batch.open == 0) batch_begin(io());
-      on_frame_(base, std::move(msg));
+      delivering_ = &credit;
+      try {
+        on_frame_(base, std::move(msg));
+      } catch (...) {
+        delivering_ = nullptr;
+        throw;
+      }
+      delivering_ = nullptr;
+    }
+  }
+
+  // Reserves `need` bytes of the receive budget, pausing (reading nothing) until there is room and this
+  // connection's unsent output is below its bound.
+  asio::awaitable<void> wait_for_room(std::uint64_t need) {
+    for (;;) {
+      const bool backlog_ok = backlog_.load(std::memory_order_relaxed) <= settings_.max_write_backlog;
+      if (backlog_ok && try_reserve(need)) co_return;
+      batch_end();  // what this thread owes goes out before it waits (the replies among it free room)
+      if (backlog_ok) {
+        settings_.budget->on_next_give_back([weak = std::weak_ptr(self())] {
+          if (auto s = weak.lock()) asio::post(s->io(), [s] { s->room_timer_.cancel(); });
+        });
+        if (try_reserve(need)) co_return;
+      }  // else flush_now wakes us when the backlog has gone
+      paused_ = true;
+      ++pauses_;
+      room_timer_.expires_at(asio::steady_timer::time_point::max());
+      asio::error_code ec;
+      co_await room_timer_.async_wait(asio::redirect_error(asio::use_awaitable, ec));
+      paused_ = false;
+      if (closed_) co_return;
+    }
+  }
+
+  bool try_reserve(std::uint64_t need) noexcept {
+    if (received_held_.load() > settings_.budget_per_connection - need) return false;  // need <= the per-connection budget
+    if (!settings_.budget->try_take(need)) return false;
+    received_held_.fetch_add(need);
+    return true;
+  }
+
+  // A completion condition for long reads: each chunk that arrives is a sign of life.
+  struct CountingProgress {
+    std::uint64_t* heard;
+    std::size_t operator()(const asio::error_code& ec, std::size_t) const {
+      ++*heard;
+      return ec ? 0 : kReadBuffer;
+    }
+  };
+  CountingProgress counting_progress() { return {&heard_}; }
+
+  void send_heartbeat(FrameKind kind) {
+    OutFrame f;
+    f.head.kind = kind;
+    send(std::move(f));
+  }
+
+  // Liveness: every quarter of the timeout, a connection that heard nothing (no bytes in, no progress writing out)
+  // since the last check sends a Ping; after four such checks in a row the peer is declared unreachable. A busy
+  // connection sends nothing extra; an idle one a 72-byte Ping and Pong per quarter. TCP keepalive would not do:
+  // the kernel of a stopped process still answers it.
+  static constexpr int kLivenessChecks = 4;
+  void schedule_liveness_check() {
+    liveness_timer_.expires_after(settings_.liveness_timeout / kLivenessChecks);
+    liveness_timer_.async_wait([self = self()](const asio::error_code& ec) {
+      if (!ec && !self->closed_) self->check_liveness();
+    });
+  }
+  void check_liveness() {
+    // While we do not read (paused for room) we cannot hear the peer: that is our doing, not its silence.
+    const bool heard = heard_ != heard_checked_ || written_ != written_checked_ || paused_;
+    heard_checked_ = heard_;
+    written_checked_ = written_;
+    if (heard) {
+      silent_checks_ = 0;
+    } else if (++silent_checks_ >= kLivenessChecks) {
+      return fail("unreachable: no sign of life for " + std::to_string(settings_.liveness_timeout.count()) +
+                  " ms (heartbeats unanswered: the process may be stopped or the network cut)");
+    }
+    // A paused reader pings too, so that the peer keeps hearing from us while we do not read it.
+    if (silent_checks_ > 0 || paused_) send_heartbeat(FrameKind::Ping);
+    schedule_liveness_check();
+  }
+
+  // Reads and drops `n` bytes (a request refused for its size), through the read buffer.
+  asio::awaitable<void> discard(std::uint64_t n) {
+    for (;;) {
+      const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(n, rend_ - rbeg_));
+      rbeg_ += k;
+      n -= k;
+      if (!n) co_return;
+      co_await read_more();
     }
   }
 
   void fail(const std::string& why) {
+    room_timer_.cancel();  // a reader paused for room ends
+    liveness_timer_.cancel();
     {
       std::lock_guard lock(wmutex_);
       if (closed_) return;
@@ -348,11 +478,21 @@ class TcpConnection final : public Connection {
   }
 
   asio::ip::tcp::socket socket_;
+  const ConnectionSettings settings_;
   WireLimits limits_;
   FrameHandler on_frame_;   // I/O thread
   CloseHandler on_close_;   // I/O thread
   std::vector<char> rbuf_;  // I/O thread
   std::size_t rbeg_ = 0, rend_ = 0;
+  asio::steady_timer room_timer_;  // a paused reader waits on it; cancelled when there may be room (I/O thread)
+  bool paused_ = false;             // I/O thread
+  std::uint64_t pauses_ = 0;        // I/O thread
+  std::atomic<std::uint64_t> received_held_{0};  // this connection's share of the receive budget in use
+  std::atomic<std::uint64_t> backlog_{0};        // staged bytes not yet written (changed under wmutex_)
+  asio::steady_timer liveness_timer_;              // I/O thread, like the counters below
+  std::uint64_t heard_ = 0, heard_checked_ = 0;    // reads that brought bytes
+  std::uint64_t written_ = 0, written_checked_ = 0;  // staged writes that made progress
+  int silent_checks_ = 0;
 
   std::mutex wmutex_;  // guards everything below, and the socket's descriptor against close while a sender writes
   std::string stage_;
@@ -417,17 +557,17 @@ DispatchBatch::DispatchBatch(asio::io_context& io) { batch_begin(io); }
 DispatchBatch::~DispatchBatch() { flush(); }
 void DispatchBatch::flush() { batch_end(); }
 
-std::shared_ptr<Connection> make_tcp_connection(asio::ip::tcp::socket socket, WireLimits limits, FrameHandler on_frame,
-                                                CloseHandler on_close) {
-  auto c = std::make_shared<TcpConnection>(std::move(socket), limits, std::move(on_frame), std::move(on_close));
+std::shared_ptr<Connection> make_tcp_connection(asio::ip::tcp::socket socket, const ConnectionSettings& settings,
+                                                FrameHandler on_frame, CloseHandler on_close) {
+  auto c = std::make_shared<TcpConnection>(std::move(socket), settings, std::move(on_frame), std::move(on_close));
   c->start_reading();
   return c;
 }
 
 std::shared_ptr<Connection> dial_tcp_connection(asio::io_context& io, int peer_rank, std::string host,
-                                                std::uint16_t port, WireLimits limits, FrameHandler on_frame,
+                                                std::uint16_t port, const ConnectionSettings& settings, FrameHandler on_frame,
                                                 CloseHandler on_close, AuthConfig auth) {
-  auto c = std::make_shared<TcpConnection>(asio::ip::tcp::socket(io), limits, std::move(on_frame), std::move(on_close));
+  auto c = std::make_shared<TcpConnection>(asio::ip::tcp::socket(io), settings, std::move(on_frame), std::move(on_close));
   c->peer_rank = peer_rank;
   c->outgoing = true;
   c->dial(std::move(host), port, std::move(auth));

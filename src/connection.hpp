@@ -15,14 +15,50 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "corpc/wire/message.hpp"
 #include "pending_calls.hpp"
+#include "receive_budget.hpp"
 
 namespace corpc::detail {
 
 class Connection;
+
+// How the runtime's TCP connections behave (from RpcOptions).
+struct ConnectionSettings {
+  WireLimits limits;
+  // Requests' memory: the process-wide budget (owned by the runtime) and this connection's share of it.
+  ReceiveBudget* budget = nullptr;  // nullptr: unlimited
+  std::uint64_t budget_per_connection = ~std::uint64_t{0};
+  // Unsent output beyond which the connection stops reading requests (its peer is not reading our replies).
+  std::uint64_t max_write_backlog = ~std::uint64_t{0};
+  // Silence after which the peer is declared unreachable; 0: never. Heartbeats are sent while the connection is quiet.
+  std::chrono::milliseconds liveness_timeout{0};
+};
+
+// The receive-budget reservation of one request: given back when the request has been answered (or dropped).
+class ReceiveCredit {
+ public:
+  ReceiveCredit() = default;
+  ReceiveCredit(Connection* conn, std::uint64_t bytes) noexcept : conn_(bytes ? conn : nullptr), bytes_(bytes) {}
+  ReceiveCredit(ReceiveCredit&& o) noexcept : conn_(std::exchange(o.conn_, nullptr)), bytes_(o.bytes_) {}
+  ReceiveCredit& operator=(ReceiveCredit&& o) noexcept {
+    if (this != &o) {
+      release();
+      conn_ = std::exchange(o.conn_, nullptr);
+      bytes_ = o.bytes_;
+    }
+    return *this;
+  }
+  ~ReceiveCredit() { release(); }
+  inline void release() noexcept;  // the connection must still be alive (its holder keeps a reference)
+
+ private:
+  Connection* conn_ = nullptr;
+  std::uint64_t bytes_ = 0;
+};
 using FrameHandler = std::function<void(const std::shared_ptr<Connection>&, Message&&)>;
 using CloseHandler = std::function<void(const std::shared_ptr<Connection>&, const std::string& why)>;
 
@@ -41,6 +77,16 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   asio::io_context& io() noexcept { return io_; }
 
+  // While the frame handler runs for a request: its receive-budget reservation. A handler that keeps the request
+  // past its return (a pooled or asynchronous function) takes the credit and releases it once the request is
+  // answered; otherwise it is given back when the handler returns.
+  ReceiveCredit take_receive_credit() noexcept { return delivering_ ? std::move(*delivering_) : ReceiveCredit{}; }
+  // True while the frame handler runs for a request refused for its size: only its header was kept (its bytes were
+  // read and dropped), and the handler answers it with MessageTooLargeError.
+  bool delivering_refused() const noexcept { return delivering_refused_; }
+  // Gives back a request's reservation. Any thread.
+  virtual void release_receive(std::uint64_t) noexcept {}
+
   int peer_rank = -1;          // known after the Hello (or at once for dialed connections); I/O thread
   bool said_goodbye = false;   // the peer announced an orderly close
   bool outgoing = false;       // we dialed it: our requests to peer_rank go here, and only its replies are accepted
@@ -52,9 +98,17 @@ class Connection : public std::enable_shared_from_this<Connection> {
   asio::steady_timer deadline_timer;                                 // I/O thread
   std::atomic<Clock::time_point> timer_armed_for{Clock::time_point::max()};  // written on the I/O thread
 
+ protected:
+  ReceiveCredit* delivering_ = nullptr;  // I/O thread
+  bool delivering_refused_ = false;     // I/O thread
+
  private:
   asio::io_context& io_;
 };
+
+void ReceiveCredit::release() noexcept {
+  if (conn_) std::exchange(conn_, nullptr)->release_receive(bytes_);
+}
 
 // Flushes, at the end of the current dispatch batch, every connection that was written to during it. Installed by
 // the read loop around the delivery of the frames of one read.
@@ -68,13 +122,13 @@ class DispatchBatch {
 };
 
 // A TCP connection. `start` begins reading; frames and the close reach the handlers on the network thread.
-std::shared_ptr<Connection> make_tcp_connection(asio::ip::tcp::socket socket, WireLimits limits, FrameHandler on_frame,
-                                                CloseHandler on_close);
+std::shared_ptr<Connection> make_tcp_connection(asio::ip::tcp::socket socket, const ConnectionSettings& settings,
+                                                FrameHandler on_frame, CloseHandler on_close);
 
 // Dials host:port; queued frames wait for the connection. A failure to connect closes it with the reason.
 // `peer_rank` is set before dialing starts, so that a connect that fails at once is still attributed to its peer.
 std::shared_ptr<Connection> dial_tcp_connection(asio::io_context& io, int peer_rank, std::string host,
-                                                std::uint16_t port, WireLimits limits, FrameHandler on_frame,
+                                                std::uint16_t port, const ConnectionSettings& settings, FrameHandler on_frame,
                                                 CloseHandler on_close, AuthConfig auth);
 
 // Calls to ourselves: each frame comes back to `on_frame` as if received, through a copy of its tensors, so that a

@@ -17,10 +17,13 @@ class RequestScope {
         counted_(!(h.flags & kFlagControl)), entry_(&entry) {}
   RequestScope(RequestScope&& o) noexcept
       : rt_(o.rt_), conn_(std::move(o.conn_)), id_(o.id_), src_(o.src_), ctx_(o.ctx_), counted_(o.counted_),
-        entry_(o.entry_), done_(std::exchange(o.done_, true)) {}
+        entry_(o.entry_), credit_(std::move(o.credit_)), done_(std::exchange(o.done_, true)) {}
   ~RequestScope() {
     if (!done_) fail(std::make_exception_ptr(RpcError("the handler finished without a reply")));
   }
+
+  // Keeps the request's receive-budget reservation until it is answered.
+  void hold(detail::ReceiveCredit credit) noexcept { credit_ = std::move(credit); }
 
   void reply(Message&& out) noexcept {
     if (done_) return;
@@ -52,6 +55,7 @@ class RequestScope {
  private:
   void finish() noexcept {
     done_ = true;
+    credit_.release();
     if (!counted_) return;
     rt_.count_handled(src_);
     rt_.handlers_running.fetch_sub(1, std::memory_order_relaxed);
@@ -64,6 +68,7 @@ class RequestScope {
   std::int64_t ctx_;
   bool counted_;
   const HandlerEntry* entry_;
+  detail::ReceiveCredit credit_;  // after conn_: released while the connection is still referenced
   bool done_ = false;
 };
 
@@ -122,6 +127,7 @@ CallContext Runtime::Impl::handler_context(std::int64_t context_id) const noexce
 }
 
 void Runtime::Impl::on_frame(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
+  if (conn->delivering_refused()) return refuse_too_large(conn, msg.head);
   switch (msg.head.kind) {
     case FrameKind::Hello: return on_hello(conn, std::move(msg));
     case FrameKind::World: return on_world(std::move(msg));
@@ -140,7 +146,9 @@ void Runtime::Impl::on_frame(const std::shared_ptr<detail::Connection>& conn, Me
       }
       return deliver_reply(conn, std::move(msg));
     }
-    case FrameKind::Goodbye: return;
+    case FrameKind::Goodbye:
+    case FrameKind::Ping:  // answered by the transport
+    case FrameKind::Pong: return;
   }
 }
 
@@ -166,12 +174,25 @@ void Runtime::Impl::on_request(const std::shared_ptr<detail::Connection>& conn, 
   }
   if (!(msg.head.flags & kFlagControl)) handlers_running.fetch_add(1, std::memory_order_relaxed);
   RequestScope scope(*this, conn, msg.head, *entry);
+  scope.hold(conn->take_receive_credit());
   const int src = conn->peer_rank;
   if (entry->execution == Execution::io_thread) {
     run_request(*this, std::move(scope), *entry, msg, src);
   } else {
     pool->enqueue(new PooledRequest(*this, std::move(scope), *entry, std::move(msg), src));
   }
+}
+
+void Runtime::Impl::refuse_too_large(const std::shared_ptr<detail::Connection>& conn, const FrameHeader& h) {
+  if (h.kind != FrameKind::Request || conn->peer_rank < 0) return conn->close("protocol error: an oversized frame");
+  const std::uint64_t size = sizeof(FrameHeader) + std::uint64_t{h.meta_len} + h.body_len + h.tensor_bytes;
+  send_error(conn, h.id,
+             std::make_exception_ptr(MessageTooLargeError(
+                 "a request of " + std::to_string(size) + " bytes is over the " +
+                 std::to_string(options.limits.max_request_bytes) + " that worker '" + self.name +
+                 "' may hold (its RpcOptions::receive_budget_per_connection / _per_process)")),
+             "");
+  if (!(h.flags & kFlagControl)) count_handled(conn->peer_rank);
 }
 
 void Runtime::Impl::send_error(const std::shared_ptr<detail::Connection>& conn, std::uint64_t id,

@@ -1,4 +1,6 @@
 // Connections and peers: dialing, accepting, closing, and what a peer's death does.
+#include <algorithm>
+
 #include "runtime_impl.hpp"
 
 namespace corpc {
@@ -8,6 +10,23 @@ std::function<void(const std::shared_ptr<detail::Connection>&, Message&&)> Runti
 }
 std::function<void(const std::shared_ptr<detail::Connection>&, const std::string&)> Runtime::Impl::close_handler() {
   return [this](const std::shared_ptr<detail::Connection>& c, const std::string& why) { on_close(c, why); };
+}
+
+void Runtime::Impl::init_flow_control() {
+  receive_budget = std::make_unique<detail::ReceiveBudget>(options.receive_budget_per_process, options.max_requests_held);
+  // Announced in our Hello: senders refuse what we could never hold, instead of it waiting here for ever.
+  options.limits.max_request_bytes = std::min({options.limits.max_request_bytes, options.receive_budget_per_connection,
+                                               options.receive_budget_per_process});
+}
+
+detail::ConnectionSettings Runtime::Impl::connection_settings() const {
+  detail::ConnectionSettings s;
+  s.limits = options.limits;
+  s.budget = receive_budget.get();
+  s.budget_per_connection = options.receive_budget_per_connection;
+  s.max_write_backlog = options.max_write_backlog_bytes;
+  s.liveness_timeout = options.liveness_timeout;
+  return s;
 }
 
 std::shared_ptr<detail::Connection> Runtime::Impl::connection_to(int rank) {
@@ -20,13 +39,14 @@ std::shared_ptr<detail::Connection> Runtime::Impl::connection_to(int rank) {
     if (rank == self.rank) {
       c = detail::make_loopback_connection(pick_io(), options.limits, frame_handler());
     } else {
-      c = detail::dial_tcp_connection(pick_io(), rank, workers[rank].host, workers[rank].port, options.limits,
+      c = detail::dial_tcp_connection(pick_io(), rank, workers[rank].host, workers[rank].port, connection_settings(),
                                       frame_handler(), close_handler(), auth);
       // Every dialed connection starts with who we are and what we accept.
       c->send(prepare(hello_message(self, world_size, false, options.limits)));
     }
     c->peer_rank = rank;
     c->outgoing = true;
+    c->pending.set_limit(options.max_calls_in_flight_per_peer);
   }
   return c;
 }
@@ -127,7 +147,7 @@ void Runtime::Impl::accept_loop() {
                      refused.c_str());
         co_return;
       }
-      auto conn = detail::make_tcp_connection(std::move(socket), options.limits, frame_handler(), close_handler());
+      auto conn = detail::make_tcp_connection(std::move(socket), connection_settings(), frame_handler(), close_handler());
       bool shutting_down;
       {
         std::lock_guard lock(conn_mutex);

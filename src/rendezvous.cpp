@@ -37,6 +37,7 @@ Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, c
   w.put(limits.max_tensors);
   w.put(limits.max_tensor_bytes);
   w.put(limits.max_dims);
+  w.put(limits.max_request_bytes);
   return m;
 }
 
@@ -114,7 +115,7 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
           co_await pause.async_wait(asio::use_awaitable);
           continue;
         }
-        auto conn = detail::make_tcp_connection(std::move(socket), options.limits, frame_handler(), close_handler());
+        auto conn = detail::make_tcp_connection(std::move(socket), connection_settings(), frame_handler(), close_handler());
         conn->peer_rank = 0;
         conn->outgoing = true;
         {
@@ -170,6 +171,7 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Me
     theirs.max_tensors = r.get<std::uint32_t>();
     theirs.max_tensor_bytes = r.get<std::uint64_t>();
     theirs.max_dims = r.get<std::uint32_t>();
+    theirs.max_request_bytes = r.get<std::uint64_t>();
   } catch (const ProtocolError& e) {
     return refuse(conn, std::string("malformed hello: ") + e.what());
   }

@@ -175,6 +175,7 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   if (g_runtime) throw UsageError("init_rpc called twice: this process already runs a corpc runtime");
   auto impl = std::make_unique<Runtime::Impl>();
   impl->options = options;
+  impl->init_flow_control();
   impl->auth.secret = options.secret.empty() ? detail::secret_from_environment() : options.secret;
   impl->auth.timeout = options.handshake_timeout;
   if (impl->auth.secret.empty()) {

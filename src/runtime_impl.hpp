@@ -110,6 +110,7 @@ struct Runtime::Impl {
 
   // ---- calls.cpp ----
   void start_call(detail::OutboundCall&& call);
+  void send_request(const std::shared_ptr<detail::Connection>& conn, OutFrame&& frame, bool counted);
   void deliver_reply(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
   void arm_deadline_timer(const std::shared_ptr<detail::Connection>& conn);  // conn's I/O thread
   void fail_calls(detail::Connection& conn, std::exception_ptr error);
@@ -122,6 +123,14 @@ struct Runtime::Impl {
   void on_request(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
   void send_error(const std::shared_ptr<detail::Connection>& conn, std::uint64_t id, std::exception_ptr error,
                   std::string_view function);
+
+  // ---- flow control and liveness (peers.cpp) ----
+  // What peers' requests may hold here (RpcOptions::receive_budget_*, max_requests_held); shared by all connections.
+  std::unique_ptr<detail::ReceiveBudget> receive_budget;
+  detail::ConnectionSettings connection_settings() const;
+  void init_flow_control();  // from options; before any connection exists
+  // A request whose header announced more than the receive budget: its bytes were dropped; answer it.
+  void refuse_too_large(const std::shared_ptr<detail::Connection>& conn, const FrameHeader& h);
 
   // ---- peers.cpp ----
   std::function<void(const std::shared_ptr<detail::Connection>&, Message&&)> frame_handler();

@@ -118,6 +118,14 @@ OutFrame prepare(Message&& msg) {
   return f;
 }
 
+void check_request_budget(const OutFrame& f, const WireLimits& lim, const std::string& receiver) {
+  const std::uint64_t n = f.wire_bytes();
+  if (n > lim.max_request_bytes)
+    throw MessageTooLargeError("a request of " + std::to_string(n) + " bytes is over the " +
+                               std::to_string(lim.max_request_bytes) + " that worker '" + receiver +
+                               "' may hold (its RpcOptions::receive_budget_per_connection / _per_process)");
+}
+
 void check_limits(const OutFrame& f, const WireLimits& lim, const std::string& receiver) {
   auto refuse = [&](const std::string& what, std::uint64_t n, std::uint64_t limit) {
     throw MessageTooLargeError(what + " of " + std::to_string(n) + " bytes is over the " + std::to_string(limit) +

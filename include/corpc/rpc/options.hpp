@@ -25,10 +25,10 @@ struct RpcOptions {
   std::function<void()> worker_thread_init;
   std::chrono::milliseconds rpc_timeout{60'000};       // default per-call timeout
   std::chrono::milliseconds init_timeout{60'000};      // how long ranks may take to find each other
-  // How long a graceful shutdown waits for the other workers to finish; 0: as long as they are alive. Dead peers are
-  // detected and never waited for, so the default cannot hang on a crash; a worker whose peers still train for an
-  // hour waits that hour, as PyTorch's shutdown does.
-  std::chrono::milliseconds shutdown_timeout{0};
+  // How long a graceful shutdown waits for the other workers to finish; 0: as long as they are alive. Dead and
+  // silent peers (liveness_timeout) are detected and never waited for; the finite default bounds the rest (a peer
+  // that answers heartbeats but never finishes). A worker whose peers still train for longer must raise it.
+  std::chrono::milliseconds shutdown_timeout{std::chrono::minutes(30)};
   // Interface to listen on; empty: loopback when rank 0 is on loopback, otherwise all interfaces.
   std::string listen_address;
   // Shared secret that every connection must prove knowledge of (HMAC challenge-response) before anything else is
@@ -38,6 +38,30 @@ struct RpcOptions {
   // How long a new connection may take to authenticate; a peer silent for longer is dropped.
   std::chrono::milliseconds handshake_timeout{5000};
   WireLimits limits;
+
+  // ---- Flow control and liveness (README: "Flow control and liveness") ----
+  // Memory that requests from peers may hold here while they wait for a thread or run (their metadata, body and
+  // tensor data, reserved from each request's header before anything is allocated, given back once it is answered).
+  // While a connection's share or the process's total is spent, that connection is not read, so TCP slows its sender.
+  // A request larger than either budget fails on the caller's future with MessageTooLargeError.
+  std::uint64_t receive_budget_per_connection = std::uint64_t{2} << 30;
+  std::uint64_t receive_budget_per_process = std::uint64_t{4} << 30;
+  // Requests held at once (queued for the worker pool or running): the bound of the pool's queue. At it, reading
+  // requests pauses as for the memory budget.
+  std::uint32_t max_requests_held = 65536;
+  // Unsent output on one connection (our replies to a peer that does not read them) beyond which that connection's
+  // requests are not read.
+  std::uint64_t max_write_backlog_bytes = std::uint64_t{256} << 20;
+  // Calls to one peer sent and not yet answered. Beyond it a call waits for a reply to free room, holding no
+  // thread: rpc_async returns at once and the call leaves later, in order (its timeout runs meanwhile); only a
+  // caller on a thread of its own (main, a user thread; no corpc executor) blocks inside rpc_async until there is
+  // room, so that a loop issuing calls cannot pile up encoded messages without bound.
+  std::uint32_t max_calls_in_flight_per_peer = 1024;
+  // A connection on which nothing arrives for this long, although heartbeats were sent (only while it is quiet), is
+  // closed and its peer treated as dead: its calls fail with ConnectionError, its RRefs and contexts are released,
+  // graceful shutdown stops waiting for it. Catches a stopped process or a partition without a reset, which TCP
+  // alone does not notice. Detected within 1.25x this. 0: never.
+  std::chrono::milliseconds liveness_timeout{15'000};
 };
 
 struct CallOptions {

@@ -27,6 +27,8 @@ enum class FrameKind : std::uint8_t {
   Response = 4,  // a successful result for request `id` of this connection
   Error = 5,     // a failure for request `id` (id 0: the connection itself was refused)
   Goodbye = 6,   // orderly close: the peer is leaving on purpose
+  Ping = 7,      // heartbeat of a quiet connection: answer with Pong (no payload; handled by the transport)
+  Pong = 8,
 };
 
 // Header flags.
@@ -59,13 +61,17 @@ struct WireLimits {
   std::uint32_t max_tensors = 1u << 20;                      // tensors per message
   std::uint64_t max_tensor_bytes = std::uint64_t{64} << 30;  // 64 GiB of tensor data per message
   std::uint32_t max_dims = 64;                               // dimensions per tensor
+  // A request's metadata, body and tensor data together: the receiver's budget for received requests
+  // (RpcOptions::receive_budget_*). Checked by senders; the receiver drops a larger request and answers it with
+  // MessageTooLargeError.
+  std::uint64_t max_request_bytes = ~std::uint64_t{0};
 };
 
 inline void validate_header(const FrameHeader& h, const WireLimits& lim) {
   if (h.magic != kFrameMagic) throw ProtocolError("bad frame magic (not a corpc peer?)");
   if (h.version != kProtocolVersion)
     throw ProtocolError("protocol version " + std::to_string(h.version) + " != ours " + std::to_string(kProtocolVersion));
-  if (h.kind < FrameKind::Hello || h.kind > FrameKind::Goodbye)
+  if (h.kind < FrameKind::Hello || h.kind > FrameKind::Pong)
     throw ProtocolError("unknown frame kind " + std::to_string(static_cast<int>(h.kind)));
   if (h.body_len > lim.max_body_bytes) throw ProtocolError("frame body of " + std::to_string(h.body_len) + " bytes over the limit");
   if (h.meta_len > lim.max_meta_bytes) throw ProtocolError("tensor metadata of " + std::to_string(h.meta_len) + " bytes over the limit");

@@ -29,6 +29,8 @@ struct OutFrame {
 OutFrame prepare(Message&& msg);
 // Throws MessageTooLargeError if the receiver (whose limits are `limits`) would refuse `f`.
 void check_limits(const OutFrame& f, const WireLimits& limits, const std::string& receiver);
+// Throws MessageTooLargeError if `f`, a request, is over the receiver's budget for received requests.
+void check_request_budget(const OutFrame& f, const WireLimits& limits, const std::string& receiver);
 
 // Encodes a tensor table into `meta` and returns the tensors whose storage will be sent as they are: dense tensors
 // go from their own storage (their strides preserved), others are made contiguous first (only their elements travel),

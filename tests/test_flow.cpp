@@ -1,0 +1,223 @@
+// Flow control and liveness (issue 10): a slow consumer's memory stays within its receive budget while a producer
+// floods it, oversized requests fail typed, calls to one peer wait for room, and a silent peer is declared gone.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <ATen/ATen.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstdio>
+#include <thread>
+
+#include "support.hpp"
+
+using namespace corpc;
+using namespace corpc::test;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr std::uint64_t kMiB = 1 << 20;
+
+std::int64_t rss_bytes() {
+  long pages = 0, resident = 0;
+  if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  return static_cast<std::int64_t>(resident) * ::sysconf(_SC_PAGESIZE);
+}
+
+// ---- the consumer's side of the flood ----
+constexpr int kMaxCalls = 600;
+std::array<std::atomic<int>, kMaxCalls> g_seen{};  // how often each call arrived
+std::atomic<bool> g_slow{true};
+std::atomic<std::chrono::steady_clock::time_point> g_stalled_until{};  // the consumer takes nothing before this
+std::atomic<bool> g_sampling{false};
+std::atomic<std::int64_t> g_rss_base{0}, g_rss_peak{0};
+std::thread g_sampler;
+
+std::int64_t consume(std::int64_t seq, at::Tensor t) {
+  if (seq >= 0 && seq < kMaxCalls) g_seen[seq]++;
+  while (std::chrono::steady_clock::now() < g_stalled_until.load()) std::this_thread::sleep_for(1ms);
+  if (g_slow) std::this_thread::sleep_for(2ms);
+  return seq + t.numel();
+}
+
+// Starts watching this process's RSS; the consumer stalls for `stall_ms`, then works slowly.
+void start_sampling(int stall_ms) {
+  g_rss_base = g_rss_peak = rss_bytes();
+  g_stalled_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(stall_ms);
+  g_sampling = true;
+  g_sampler = std::thread([] {
+    while (g_sampling) {
+      std::int64_t now = rss_bytes(), peak = g_rss_peak.load();
+      while (now > peak && !g_rss_peak.compare_exchange_weak(peak, now)) {
+      }
+      std::this_thread::sleep_for(1ms);
+    }
+  });
+}
+
+// {calls not seen exactly once among the first n, RSS growth at the peak}
+std::vector<std::int64_t> stop_sampling(int n) {
+  g_sampling = false;
+  if (g_sampler.joinable()) g_sampler.join();
+  std::int64_t bad = 0;
+  for (int i = 0; i < n; ++i) bad += g_seen[i].load() != 1;
+  return {bad, g_rss_peak.load() - g_rss_base.load()};
+}
+
+void set_slow(bool slow) { g_slow = slow; }
+
+// ---- calls in flight ----
+std::atomic<int> g_running{0}, g_most_running{0};
+int held(int i) {
+  int now = ++g_running, most = g_most_running.load();
+  while (now > most && !g_most_running.compare_exchange_weak(most, now)) {
+  }
+  std::this_thread::sleep_for(5ms);
+  --g_running;
+  return i;
+}
+int most_running() { return g_most_running.exchange(0); }
+
+Task<int> issue_and_await(int n) {
+  std::vector<Future<int>> calls;
+  for (int i = 0; i < n; ++i) calls.push_back(rpc_async<&held>(1, i));  // past the limit: waits, holds no thread
+  int sum = 0;
+  for (auto& f : calls) sum += co_await f;
+  co_return sum;
+}
+
+// ---- liveness ----
+int pid() { return static_cast<int>(::getpid()); }
+int stop_whole_process() {
+  std::raise(SIGSTOP);  // every thread, the I/O threads too: the sockets stay open, nothing answers
+  return 0;
+}
+
+}  // namespace
+
+TEST_CASE("a producer flooding a slow consumer: the consumer's memory stays within its budget, no call is lost") {
+  // The consumer may hold 16 MiB of requests; the producer sends 1 MiB tensors as fast as it can for up to 1.5 s
+  // (up to kMaxCalls calls; 600 MiB if nothing held them back). The consumer takes nothing for the first 1.5 s, then
+  // 2 ms per call on 2 threads: without the budget it reads on at TCP's pace (over 100 MiB/s even on a loaded VM).
+  constexpr std::uint64_t kBudget = 16 * kMiB;
+  // Margin for what the budget does not cover: the allocator keeps freed chunks in per-thread arenas (allocation on
+  // the I/O thread, release on pool threads), 64 KiB read buffers, thread stacks touched for the first time.
+  constexpr std::int64_t kMargin = 48 * kMiB;
+  auto options = quick_options();
+  options.receive_budget_per_process = kBudget;
+  options.receive_budget_per_connection = kBudget;
+  options.num_worker_threads = 2;
+  run_world(2, [&](int rank) {
+    if (rank != 0) return;
+    const auto tensor = at::ones({static_cast<std::int64_t>(kMiB / sizeof(float))});
+    for (int i = 0; i < 8; ++i) rpc_sync<&consume>(1, -1, tensor);  // warm the consumer's allocator up
+    rpc_sync<&start_sampling>(1, 1500);
+    std::vector<Future<std::int64_t>> calls;
+    const auto flood_start = std::chrono::steady_clock::now();
+    const auto until = flood_start + 1500ms;
+    while (calls.size() < kMaxCalls && std::chrono::steady_clock::now() < until)
+      calls.push_back(rpc_async<&consume>(1, static_cast<std::int64_t>(calls.size()), tensor));
+    for (std::size_t i = 0; i < calls.size(); ++i) EXPECT_EQ(calls[i].wait(), static_cast<std::int64_t>(i) + tensor.numel());
+    const auto drained = std::chrono::steady_clock::now();
+    const auto report = rpc_sync<&stop_sampling>(1, static_cast<int>(calls.size()));
+    MESSAGE("flood: " << calls.size() << " calls of 1 MiB, consumer RSS grew by " << report[1] / kMiB
+                      << " MiB (budget " << kBudget / kMiB << " MiB + margin " << kMargin / kMiB << ")");
+    EXPECT_EQ(report[0], 0);  // every call arrived exactly once
+    EXPECT(report[1] < static_cast<std::int64_t>(kBudget) + kMargin);
+    // The consumer catches up: the paused connection reads again and a fast consumer takes calls at full speed.
+    rpc_sync<&set_slow>(1, false);
+    const auto again = std::chrono::steady_clock::now();
+    std::vector<Future<std::int64_t>> more;
+    for (int i = 0; i < 200; ++i) more.push_back(rpc_async<&consume>(1, -1, tensor));
+    for (auto& f : more) EXPECT_EQ(f.wait(), -1 + tensor.numel());
+    const auto secs = [](auto d) { return std::chrono::duration<double>(d).count(); };
+    MESSAGE("slow consumer: " << calls.size() / secs(drained - flood_start)
+                              << " calls/s; after it caught up: " << 200 / secs(std::chrono::steady_clock::now() - again)
+                              << " calls/s");
+  }, options);
+}
+
+TEST_CASE("a request larger than the receiver's whole budget fails with MessageTooLargeError, the peer stays") {
+  auto options = quick_options();
+  options.receive_budget_per_connection = 8 * kMiB;
+  options.receive_budget_per_process = 16 * kMiB;
+  run_world(2, [](int rank) {
+    if (rank != 0) return;
+    const auto big = at::ones({static_cast<std::int64_t>(12 * kMiB / sizeof(float))});
+    // The first call on a new connection leaves before the receiver's Hello (with its budget) is back: the receiver
+    // drops its bytes and answers; the second is refused by the sender, which knows the budget by then.
+    for (int i = 0; i < 2; ++i) {
+      auto msg = EXPECT_THROWS_AS(rpc_async<&consume>(1, -1, big).wait(30s), MessageTooLargeError);
+      EXPECT(msg.find("receive_budget") != std::string::npos);
+    }
+    const auto fits = at::ones({static_cast<std::int64_t>(4 * kMiB / sizeof(float))});
+    EXPECT_EQ(rpc_sync<&consume>(1, -1, fits), -1 + fits.numel());
+    EXPECT(Runtime::get().is_alive(1));
+  }, options);
+}
+
+TEST_CASE("calls to one peer beyond the limit wait for room: a blocking caller blocks, a coroutine suspends") {
+  auto options = quick_options();
+  options.max_calls_in_flight_per_peer = 4;
+  options.num_worker_threads = 8;  // the callee could run 8 at once: only the caller's limit keeps it at 4
+  run_world(2, [](int rank) {
+    if (rank != 0) return;
+    constexpr int kCalls = 40;
+    std::vector<Future<int>> calls;
+    for (int i = 0; i < kCalls; ++i) calls.push_back(rpc_async<&held>(1, i));  // main blocks at the limit
+    for (int i = 0; i < kCalls; ++i) EXPECT_EQ(calls[i].wait(), i);
+    EXPECT(rpc_sync<&most_running>(1) <= 4);
+    EXPECT_EQ(sync_wait(issue_and_await(kCalls)), kCalls * (kCalls - 1) / 2);
+    EXPECT(rpc_sync<&most_running>(1) <= 4);
+    EXPECT_EQ(Runtime::get().stats().calls_in_flight, 0u);
+  }, options);
+}
+
+TEST_CASE("a stopped worker (SIGSTOP) is declared unreachable; its peers' calls fail and their shutdown completes") {
+  auto options = quick_options();
+  options.liveness_timeout = 1s;   // short for the test; the default is 15 s
+  options.rpc_timeout = 60s;       // longer than the test allows: only the liveness check can end these calls
+  options.shutdown_timeout = 0ms;  // as long as the others are alive: only the death of worker2 lets it end
+  LaunchOptions launch;
+  launch.timeout = 50s;
+  try {
+    launch_processes(3, [&](int rank) {
+      init_rpc(worker_name(rank), rank, 3, options);
+      if (rank == 2) {
+        for (;;) std::this_thread::sleep_for(1s);  // stopped by rank 0's call, then killed
+      }
+      if (rank == 0) {
+        const int victim = rpc_sync<&pid>(2);
+        auto msg = EXPECT_THROWS_AS(rpc_async<&stop_whole_process>(2).wait(), ConnectionError);
+        EXPECT(msg.find("worker2") != std::string::npos && msg.find("unreachable") != std::string::npos);
+        EXPECT(!Runtime::get().is_alive(2));
+        shutdown(true);
+        ::kill(victim, SIGKILL);  // nothing left behind
+        return;
+      }
+      // Rank 1 keeps calling it until the calls fail.
+      for (;;) {
+        try {
+          rpc_sync<&pid>(2);
+          std::this_thread::sleep_for(10ms);
+        } catch (const ConnectionError& e) {
+          EXPECT(std::string(e.what()).find("worker2") != std::string::npos);
+          break;
+        }
+      }
+      EXPECT(!Runtime::get().is_alive(2));
+      shutdown(true);
+    }, launch);
+    FAIL("worker2 was not killed");
+  } catch (const LaunchError& e) {
+    // Only the stopped worker failed, and by rank 0's SIGKILL: the others' graceful shutdowns completed.
+    REQUIRE(e.failures().size() == 1);
+    CHECK(e.failures()[0].rank == 2);
+    CHECK(e.failures()[0].reason.find("Killed") != std::string::npos);
+  }
+}
