@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what building and testing corpc needs on Debian 12; skips what is already there. Idempotent.
 #   scripts/setup.sh              build + test dependencies
-#   scripts/setup.sh --pytorch    also Debian's python3-torch, for the PyTorch comparison benchmarks
+#   scripts/setup.sh --pytorch    also Debian's python3-torch, for the PyTorch comparison benchmarks, and gnuplot-nox,
+#                                 which draws the pipeline benchmark's Gantt chart (scripts/benchmark.sh)
 set -euo pipefail
 
 packages=(g++ meson ninja-build pkg-config cmake libtorch-dev libgloo-dev libasio-dev libfmt-dev doctest-dev libssl-dev
@@ -9,7 +10,7 @@ packages=(g++ meson ninja-build pkg-config cmake libtorch-dev libgloo-dev libasi
           libopenblas0-pthread)
 # cmake: tests/consumer builds a user project with find_package(corpc), as libtorch users do.
 if [[ "${1:-}" == "--pytorch" ]]; then
-  packages+=(python3-torch)
+  packages+=(python3-torch gnuplot-nox)
 fi
 
 missing=()
