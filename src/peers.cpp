@@ -1,4 +1,5 @@
 // Connections and peers: dialing, accepting, closing, and what a peer's death does.
+#include "log.hpp"
 #include "runtime_impl.hpp"
 
 namespace corpc {
@@ -123,8 +124,7 @@ void Runtime::Impl::accept_loop() {
       }
       if (!refused.empty()) {
         refused_connections++;
-        std::fprintf(stderr, "corpc: worker '%s' refused a connection from %s: %s\n", self.name.c_str(), peer.c_str(),
-                     refused.c_str());
+        detail::log(detail::LogLevel::warn, self.name, "accept", "refused a connection from {}: {}", peer, refused);
         co_return;
       }
       auto conn = detail::make_tcp_connection(std::move(socket), options.limits, frame_handler(), close_handler());

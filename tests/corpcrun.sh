@@ -24,6 +24,12 @@ kill -TERM $pid
 wait $pid || { cat "$work/out"; fail "ranks that exit 0 on SIGTERM gave a failure"; }
 [[ $(grep -c 'got TERM' "$work/out") == 2 ]] || { cat "$work/out"; fail "SIGTERM not forwarded to both ranks"; }
 
+# CORPC_LOG: the library's warning (no secret) names the worker and function by default, and is gone with "error".
+"$corpcrun" -n 1 --timeout 60 sh -c 'CORPC_SECRET= exec "$0"' "$hello" >"$work/out" 2>&1
+grep -q '^\[rank 0\] corpc warn \[master, init_rpc\]: no shared secret' "$work/out" || { cat "$work/out"; fail "default log level"; }
+CORPC_LOG=error "$corpcrun" -n 1 --timeout 60 sh -c 'CORPC_SECRET= exec "$0"' "$hello" >"$work/out" 2>&1
+! grep -q 'corpc warn' "$work/out" || { cat "$work/out"; fail "CORPC_LOG=error still prints warnings"; }
+
 # Debian's torchrun (python3-torch) launches a corpc binary too; its stream settings crash on Python 3.11 unless
 # -r/-t are given (see ../shared/TIPS.md).
 if command -v torchrun >/dev/null && [[ "$(command -v torchrun)" == /usr/bin/torchrun ]]; then
