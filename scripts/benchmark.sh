@@ -8,5 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --pytorch
-scripts/build.sh >/dev/null
+# Build progress goes to stderr ("[12/87] Compiling ..."), so that stdout stays the benchmark's tables.
+echo "benchmark: building corpc (the first build takes several minutes)" >&2
+scripts/build.sh >&2
 exec build/bench/pipeline_bench --compare-pytorch --trace pipeline_trace.json --gantt pipeline_gantt.png "$@"

@@ -5,9 +5,10 @@
 #                                 which draws the pipeline benchmark's Gantt chart (scripts/benchmark.sh)
 set -euo pipefail
 
-packages=(g++ meson ninja-build pkg-config libtorch-dev libgloo-dev libasio-dev libfmt-dev doctest-dev libssl-dev
+packages=(g++ meson ninja-build pkg-config cmake libtorch-dev libgloo-dev libasio-dev libfmt-dev doctest-dev libssl-dev
           # libtorch sends small convolutions through libblas.so.3; Debian's default is the slow reference BLAS.
           libopenblas0-pthread)
+# cmake: tests/consumer builds a user project with find_package(corpc), as libtorch users do.
 if [[ "${1:-}" == "--pytorch" ]]; then
   packages+=(python3-torch gnuplot-nox)
 fi

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "corpc/ddp/elastic.hpp"
+#include "log.hpp"
 
 namespace corpc::ddp {
 
@@ -20,8 +21,9 @@ int launch_with_restarts(int world_size, const std::function<void(int rank, int 
         ::unsetenv("TORCHELASTIC_RESTART_COUNT");
         throw;
       }
-      std::fprintf(stderr, "launch_with_restarts: attempt %d failed, restarting the group (%d of %d):\n%s\n",
-                   restart, restart + 1, max_restarts, e.what());
+      corpc::detail::log(corpc::detail::LogLevel::warn, "launcher", "launch_with_restarts",
+                         "attempt {} failed, restarting the group ({} of {}):\n{}", restart, restart + 1, max_restarts,
+                         e.what());
     }
   }
 }

@@ -2,6 +2,7 @@
 #include "corpc/rpc/launch.hpp"
 
 #include "auth.hpp"
+#include "log.hpp"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -92,7 +93,7 @@ void print_backtrace_and_die(int sig) {
     code = 1;
   }
   if (!error.empty()) {
-    std::fprintf(stderr, "[rank %d] failed: %s\n", rank, error.c_str());
+    detail::log(detail::LogLevel::error, "rank " + std::to_string(rank), "launch_processes", "failed: {}", error);
     auto n = ::write(err_fd, error.data(), error.size());
     (void)n;
   }

@@ -1,6 +1,7 @@
 // Connections and peers: dialing, accepting, closing, and what a peer's death does.
 #include <algorithm>
 
+#include "log.hpp"
 #include "runtime_impl.hpp"
 
 namespace corpc {
@@ -143,8 +144,7 @@ void Runtime::Impl::accept_loop() {
       }
       if (!refused.empty()) {
         refused_connections++;
-        std::fprintf(stderr, "corpc: worker '%s' refused a connection from %s: %s\n", self.name.c_str(), peer.c_str(),
-                     refused.c_str());
+        detail::log(detail::LogLevel::warn, self.name, "accept", "refused a connection from {}: {}", peer, refused);
         co_return;
       }
       auto conn = detail::make_tcp_connection(std::move(socket), connection_settings(), frame_handler(), close_handler());

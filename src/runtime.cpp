@@ -2,6 +2,7 @@
 #include <regex>
 
 #include "corpc/rpc/call.hpp"
+#include "log.hpp"
 #include "runtime_impl.hpp"
 
 namespace corpc {
@@ -179,9 +180,9 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   impl->auth.secret = options.secret.empty() ? detail::secret_from_environment() : options.secret;
   impl->auth.timeout = options.handshake_timeout;
   if (impl->auth.secret.empty()) {
-    std::fprintf(stderr,
-                 "corpc: warning: no shared secret (RpcOptions::secret or CORPC_SECRET): any process that can reach "
-                 "this worker's port can call its functions\n");
+    detail::log(detail::LogLevel::warn, name, "init_rpc",
+                "no shared secret (RpcOptions::secret or CORPC_SECRET): any process that can reach this worker's port "
+                "can call its functions");
   }
   impl->self.name = std::move(name);
   impl->self.rank = rank;

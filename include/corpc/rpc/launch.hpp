@@ -22,25 +22,32 @@
 
 namespace corpc {
 
+/// How long launch_processes lets its ranks run.
 struct LaunchOptions {
-  std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // for all ranks together
-  std::chrono::milliseconds grace{std::chrono::seconds(10)};   // after a first failure, before killing the rest
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};  ///< For all ranks together.
+  std::chrono::milliseconds grace{std::chrono::seconds(10)};   ///< After a first failure, before killing the rest.
 };
 
+/// One rank that did not finish cleanly, and why (its exception's message, exit code or signal).
 struct RankFailure {
-  int rank;
-  std::string reason;
+  int rank;            ///< The rank that failed.
+  std::string reason;  ///< What happened, in words.
 };
 
+/// Thrown by launch_processes when any rank failed; what() lists every failed rank.
 class LaunchError : public RpcError {
  public:
+  /// The failed ranks, in the order their failures were seen.
   explicit LaunchError(std::vector<RankFailure> failures);
+  /// Each failed rank and why.
   const std::vector<RankFailure>& failures() const noexcept { return failures_; }
 
  private:
   std::vector<RankFailure> failures_;
 };
 
+/// Runs `fn(rank)` for ranks 0 .. world_size-1, each in a forked process with the env:// variables set (see the top
+/// of this header); returns when all ranks have finished and throws LaunchError if any failed.
 void launch_processes(int world_size, const std::function<void(int rank)>& fn, LaunchOptions options = {});
 
 }  // namespace corpc
