@@ -13,6 +13,7 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include "corpc/autograd/dist_autograd.hpp"
 #include "corpc/ddp/ddp.hpp"
 
 namespace corpc::ddp {
@@ -67,6 +68,8 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
   bool in_backward = false;
   size_t next_launch = 0;
   size_t launched_early = 0;  // of the current / last backward
+  // The distributed autograd context whose backward pass this is (its gradients live there, not in .grad), or -1.
+  std::int64_t pass_context = -1;
   std::vector<bool> unused;   // find_unused_parameters: not reachable from the last forward's output
 
   // Join (uneven inputs): see ddp.hpp.
@@ -144,14 +147,20 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
     if (!sync) return;
     if (!in_backward) {
       in_backward = true;
+      pass_context = dist_autograd::leaf_hooks::pass_context_id();
       reset_locked();
       for (size_t j = 0; j < unused.size(); ++j) {
         if (unused[j]) mark_ready_locked(j);
       }
       std::weak_ptr<State> weak = weak_from_this();
-      torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+      auto finish = [weak] {
         if (auto self = weak.lock()) self->finish_backward();
-      });
+      };
+      if (pass_context >= 0) {
+        dist_autograd::leaf_hooks::at_end_of_pass(std::move(finish));
+      } else {
+        torch::autograd::Engine::get_default_engine().queue_callback(std::move(finish));
+      }
     }
     mark_ready_locked(i);
     const size_t before = next_launch;
@@ -159,12 +168,19 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
     launched_early += next_launch - before;
   }
 
+  bool views_in_use() const { return options.gradient_as_bucket_view && pass_context < 0; }
+
+  // Parameter i's gradient so far: in .grad, or in the distributed autograd context of this pass.
+  at::Tensor current_grad(size_t i) const {
+    return pass_context >= 0 ? dist_autograd::leaf_hooks::gradient(pass_context, params[i]) : params[i].grad();
+  }
+
   // Puts parameter k of bucket b's gradient (zero if it has none) into its bucket.
   void fill_slot_locked(Bucket& b, size_t k) {
     auto& p = params[b.params[k]];
-    const auto& grad = p.grad();
+    const auto grad = current_grad(b.params[k]);
     torch::NoGradGuard no_grad;
-    if (options.gradient_as_bucket_view && is_bucket_view(grad, b, k)) return;  // backward accumulated in place
+    if (views_in_use() && is_bucket_view(grad, b, k)) return;  // backward accumulated in place
     auto view = view_of(b, k);
     if (grad.defined()) {
       view.copy_(grad);
@@ -172,7 +188,7 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
       view.zero_();
     }
     // From now on backward accumulates into the bucket (AccumulateGrad adds in place to a defined .grad).
-    if (options.gradient_as_bucket_view) p.mutable_grad() = view;
+    if (views_in_use()) p.mutable_grad() = view;
   }
 
   void mark_ready_locked(size_t i) {
@@ -238,7 +254,16 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
     for (size_t bi = 0; bi < buckets.size(); ++bi) {
       auto& b = buckets[bi];
       const at::Tensor averaged = wait_bucket_locked(bi);
-      if (options.gradient_as_bucket_view) {
+      if (pass_context >= 0) {
+        // The context keeps what it is given: a copy, since the bucket is reused by the next backward.
+        for (size_t k = 0; k < b.params.size(); ++k) {
+          auto& p = params[b.params[k]];
+          dist_autograd::leaf_hooks::set_gradient(pass_context, p,
+                                                  averaged.narrow(0, b.offsets[k], p.numel()).view(p.sizes()).clone());
+        }
+        continue;
+      }
+      if (views_in_use()) {
         // allreduce_hook averages in place: then the gradients already hold their averages.
         if (averaged.data_ptr() != b.flat.data_ptr()) b.flat.copy_(averaged);
         for (size_t k = 0; k < b.params.size(); ++k) {

@@ -70,6 +70,47 @@ struct Scale {
   Weight combined(const Weight& extra) const { return Weight(factor * extra.value); }
 };
 
+// An object and a module that take their time: calls on them time out.
+struct Sleeper {
+  int nap(int ms) const {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    return ms;
+  }
+};
+struct SlowIdentityImpl : torch::nn::Module {
+  at::Tensor forward(at::Tensor x, std::int64_t ms) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    return x;
+  }
+};
+TORCH_MODULE(SlowIdentity);
+
+using Bag = RemoteModule<torch::nn::EmbeddingBag>;
+
+// A trainer's use of a module it was handed: forward, and its parameters through the awaitable form.
+Task<at::Tensor> use_module(Bag bag, at::Tensor input, at::Tensor offsets) {
+  std::vector<RRef<at::Tensor>> params = co_await bag.remote_parameters_async();
+  EXPECT_EQ(params.size(), 1u);
+  EXPECT_EQ(params[0].owner_name(), "worker1");
+  co_return co_await bag.forward_async(input, offsets);
+}
+
+std::optional<Bag> g_kept_module;  // a trainer that keeps the module past the call that brought it
+void keep_module(Bag bag) { g_kept_module = std::move(bag); }
+at::Tensor use_kept_module(at::Tensor input, at::Tensor offsets) { return g_kept_module->forward(input, offsets); }
+void drop_kept_module() { g_kept_module.reset(); }
+
+// Waits until `worker` owns exactly `n` values (deletes travel asynchronously).
+void wait_until_owned(const WorkerRef& worker, std::uint64_t n) {
+  auto deadline = std::chrono::steady_clock::now() + 20s;
+  std::uint64_t owned = 0;
+  while ((owned = rref_stats(worker).wait(10s).owned_values) != n) {
+    if (std::chrono::steady_clock::now() > deadline)
+      throw std::runtime_error("expected " + std::to_string(n) + " owned values, have " + std::to_string(owned));
+    std::this_thread::sleep_for(10ms);
+  }
+}
+
 // Every worker ends a scenario holding nothing: no owned values, no user references, no pending forks.
 void expect_no_references(int world) {
   auto deadline = std::chrono::steady_clock::now() + 20s;
@@ -129,6 +170,49 @@ TEST_CASE("RemoteModule<EmbeddingBag> built from options without a default const
       EXPECT(!at::allclose(expected, torch::nn::EmbeddingBag(torch::nn::EmbeddingBagOptions(10, 3)
                                                                  ._weight(local->weight.detach()))
                                           ->forward(input, offsets)));
+    }
+    expect_no_references(2);
+  });
+}
+
+TEST_CASE("a RemoteModule passed to two workers is shared by both, and freed when the last of them lets go") {
+  run_world(3, [](int rank) {
+    if (rank != 0) return;
+    const auto input = torch::tensor({1, 2, 4, 5, 4, 3, 2, 9}, torch::kLong);
+    const auto offsets = torch::tensor({0, 4}, torch::kLong);
+    {
+      Bag bag("worker1/cpu", torch::nn::EmbeddingBagOptions(10, 3).mode(torch::kSum));
+      const at::Tensor expected = bag.forward(input, offsets);
+      // To its owner and to a third worker; both run the same module (a copy would have other random weights).
+      EXPECT(at::equal(rpc_sync<&use_module>("worker1", bag, input, offsets), expected));
+      EXPECT(at::equal(rpc_sync<&use_module>("worker2", bag, input, offsets), expected));
+      rpc_sync<&keep_module>("worker2", bag);
+    }
+    // The master's reference is gone (once its delete has arrived, worker1 owns only the module): worker2's keeps
+    // the module alive.
+    wait_until_owned("worker1", 1);
+    EXPECT_EQ(rpc_sync<&use_kept_module>("worker2", input, offsets).size(0), 2);
+    rpc_sync<&drop_kept_module>("worker2");
+    expect_no_references(3);
+  });
+}
+
+TEST_CASE("proxy calls and RemoteModule::forward take a timeout, and time out with TimeoutError") {
+  run_world(2, [](int rank) {
+    if (rank != 0) return;
+    {
+      auto sleeper = remote<Sleeper>("worker1", with_timeout(10s));
+      EXPECT_THROWS_AS(sleeper.rpc_async<&Sleeper::nap>(with_timeout(50ms), 1000).wait(20s), TimeoutError);
+      EXPECT_THROWS_AS(sleeper.rpc_sync<&Sleeper::nap>(with_timeout(50ms), 1000), TimeoutError);
+      EXPECT_EQ(sleeper.rpc_async<&Sleeper::nap>(with_timeout(10s), 1).wait(20s), 1);  // the same call, in time
+      EXPECT_EQ(sleeper.remote<&Sleeper::nap>(with_timeout(10s), 2).to_here().wait(20s), 2);
+
+      RemoteModule<SlowIdentity> slow("worker1/cpu");
+      const auto x = at::ones({2});
+      EXPECT_THROWS_AS(slow.forward_async(with_timeout(50ms), x, std::int64_t{1000}).wait(20s), TimeoutError);
+      EXPECT_THROWS_AS(slow.forward(with_timeout(50ms), x, std::int64_t{1000}), TimeoutError);
+      EXPECT(at::equal(slow.forward(with_timeout(10s), x, std::int64_t{0}), x));
+      EXPECT_EQ(slow.remote_parameters(with_timeout(10s)).size(), 0u);
     }
     expect_no_references(2);
   });

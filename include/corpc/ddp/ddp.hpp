@@ -40,12 +40,18 @@ namespace corpc::ddp {
 struct ProcessGroupOptions {
   // Collective timeout: a rank that waits longer than this on a peer fails instead of hanging.
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
-  // Keys of this group live under this prefix in the rendezvous store.
+  // Keys of this group live under this prefix in the rendezvous store (followed by the group's number in this
+  // process: groups made one after another, in the same order on every rank, do not collide).
   std::string store_prefix = "corpc/ddp/";
+  // This process's rank and the group's size; -1: RPC's (if init_rpc ran), else from the environment (RANK,
+  // WORLD_SIZE; Slurm's SLURM_PROCID, SLURM_NTASKS; Open MPI's). A group of the first N RPC workers (trainers
+  // beside parameter servers) sets both.
+  int rank = -1;
+  int world_size = -1;
 };
 
-// A Gloo process group from the environment, as torchrun and corpc::launch_processes set it (RANK, WORLD_SIZE,
-// MASTER_ADDR, MASTER_PORT). The store:
+// A Gloo process group, from the same rendezvous as RPC when possible. The store:
+// - after init_rpc: an RpcStore (corpc/ddp/rpc_store.hpp) on RPC's rank 0: one MASTER_PORT for RPC and DDP;
 // - under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) the agent's TCPStore at MASTER_ADDR:MASTER_PORT;
 // - under corpc::launch_processes (whose rank 0 keeps MASTER_PORT for RPC) a FileStore in /tmp unique to the launch;
 // - otherwise a TCPStore served by rank 0 on MASTER_PORT.
