@@ -7,8 +7,9 @@ set -euo pipefail
 
 packages=(g++ meson ninja-build pkg-config cmake libtorch-dev libgloo-dev libasio-dev libfmt-dev doctest-dev libssl-dev
           # libtorch sends small convolutions through libblas.so.3; Debian's default is the slow reference BLAS.
-          libopenblas0-pthread)
-# cmake: tests/consumer builds a user project with find_package(corpc), as libtorch users do.
+          libopenblas0-pthread
+          # scripts/fuzz.sh: clang and its libFuzzer runtime (the fuzzed decoders need no libtorch).
+          clang libclang-rt-14-dev)
 if [[ "${1:-}" == "--pytorch" ]]; then
   packages+=(python3-torch gnuplot-nox)
 fi

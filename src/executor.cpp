@@ -160,8 +160,10 @@ void ThreadPool::enqueue(WorkItem* item) noexcept {
     wake = idle_ > 0;
     // Every thread is busy and some are blocked: keep `base_` threads runnable.
     if (!wake && live_ - blocked_ < base_ && live_ < max_ && !stopping_) start_thread();
+    // Notify under the lock: once it is released, the job may run, let its owner stop and destroy this pool, and
+    // take cv_ with it before a late notify (ThreadSanitizer saw exactly that).
+    if (wake) cv_.notify_one();
   }
-  if (wake) cv_.notify_one();
 }
 
 void ThreadPool::block_begin() {

@@ -1,6 +1,7 @@
 // Rendezvous: every rank registers with rank 0, which answers with the full table once all are there.
 // Ranks may start in any order: the others retry reaching rank 0 until RpcOptions::init_timeout.
 #include "corpc/rpc/call.hpp"
+#include "hello.hpp"
 #include "runtime_impl.hpp"
 
 namespace corpc {
@@ -26,18 +27,8 @@ std::string loopback_address_of(asio::io_context& io, const std::string& host) {
 Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits) {
   Message m;
   m.head.kind = FrameKind::Hello;
-  Writer w(m.body);
-  w.put(std::uint32_t{kProtocolVersion});
-  w.put(self);
-  w.put(world_size);
-  w.put(rendezvous);
-  // What we accept, so that senders refuse oversized messages themselves instead of losing the connection.
-  w.put(limits.max_body_bytes);
-  w.put(limits.max_meta_bytes);
-  w.put(limits.max_tensors);
-  w.put(limits.max_tensor_bytes);
-  w.put(limits.max_dims);
-  w.put(limits.max_request_bytes);
+  // Our limits go with it, so that senders refuse oversized messages themselves instead of losing the connection.
+  m.body = detail::encode_hello({kProtocolVersion, self, world_size, rendezvous, limits});
   return m;
 }
 
@@ -73,13 +64,16 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
     std::lock_guard lock(conn_mutex);
     registrations[0] = {self, nullptr};
   }
+  // From here on the network thread owns `self` (on_world rewrites it with the table's entry): this thread reads
+  // only its own copy of the rank.
+  const int my_rank = self.rank;
   asio::post(main_io(), [this] {
     accept_loop();
     if (self.rank == 0) publish_world_if_complete();  // a world of one
   });
 
   const auto deadline = std::chrono::steady_clock::now() + options.init_timeout;
-  if (self.rank != 0) {
+  if (my_rank != 0) {
     asio::co_spawn(main_io(), [this, master_host, master_port, deadline]() -> asio::awaitable<void> {
       asio::steady_timer pause(main_io());
       for (;;) {
@@ -140,7 +134,7 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
     }
     throw TimeoutError("init_rpc: workers did not all arrive within " + std::to_string(options.init_timeout.count()) +
                        " ms" +
-                       (self.rank == 0 ? " (missing ranks: " + missing + "; " + std::to_string(accepted.load()) +
+                       (my_rank == 0 ? " (missing ranks: " + missing + "; " + std::to_string(accepted.load()) +
                                              " connections accepted, " + std::to_string(accept_errors.load()) +
                                              " accept errors, " + std::to_string(refused_connections.load()) +
                                              " refused by the handshake)"
@@ -155,26 +149,16 @@ void Runtime::Impl::refuse(const std::shared_ptr<detail::Connection>& conn, cons
 }
 
 void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
-  WorkerInfo info;
-  int their_world = 0;
-  bool registering = false;
-  WireLimits theirs;
+  detail::Hello hello;
   try {
-    Reader r(msg.body.data(), msg.body.size());
-    auto version = r.get<std::uint32_t>();
-    if (version != kProtocolVersion) return refuse(conn, "protocol version " + std::to_string(version) + " != " + std::to_string(kProtocolVersion));
-    info = r.get<WorkerInfo>();
-    their_world = r.get<int>();
-    registering = r.get<bool>();
-    theirs.max_body_bytes = r.get<std::uint32_t>();
-    theirs.max_meta_bytes = r.get<std::uint32_t>();
-    theirs.max_tensors = r.get<std::uint32_t>();
-    theirs.max_tensor_bytes = r.get<std::uint64_t>();
-    theirs.max_dims = r.get<std::uint32_t>();
-    theirs.max_request_bytes = r.get<std::uint64_t>();
+    hello = detail::decode_hello(msg.body.data(), msg.body.size());
   } catch (const ProtocolError& e) {
     return refuse(conn, std::string("malformed hello: ") + e.what());
   }
+  WorkerInfo& info = hello.self;
+  const int their_world = hello.world_size;
+  const bool registering = hello.registering;
+  const WireLimits& theirs = hello.limits;
   if (conn->outgoing) {
     // The answer to our own Hello: what the peer accepts. Until it arrives we assume our own limits.
     if (info.rank != conn->peer_rank) return conn->close("protocol error: hello from rank " + std::to_string(info.rank));

@@ -1,35 +1,26 @@
 // Tensor metadata on the wire: dtype, shape, strides and requires_grad per tensor; the bytes travel separately.
 #include <ATen/ATen.h>
 
-#include <algorithm>
 #include <limits>
 
 #include "corpc/wire/codec.hpp"
 #include "corpc/wire/message.hpp"
+#include "tensor_meta.hpp"
 
 namespace corpc {
 
 namespace {
-constexpr std::uint8_t kRequiresGrad = 1;
-
 // Bytes spanned by a non-overlapping, dense layout: exactly numel * itemsize, starting at data_ptr().
 std::uint64_t dense_bytes(const at::Tensor& t) { return static_cast<std::uint64_t>(t.numel()) * t.element_size(); }
 
-// True if `strides` lay out `sizes` densely without overlap (some permutation of a contiguous layout). Checked before
-// allocating: empty_strided sizes its storage from the strides, so hostile strides could ask for any amount.
-bool dense_layout(const std::vector<std::int64_t>& sizes, const std::vector<std::int64_t>& strides) {
-  std::vector<std::pair<std::int64_t, std::int64_t>> dims;  // (stride, size) of the dims that matter
-  for (std::size_t i = 0; i < sizes.size(); ++i) {
-    if (sizes[i] == 0) return true;  // no elements: nothing is allocated
-    if (sizes[i] > 1) dims.emplace_back(strides[i], sizes[i]);
-  }
-  std::sort(dims.begin(), dims.end());
-  std::int64_t expected = 1;
-  for (auto [stride, size] : dims) {
-    if (stride != expected) return false;
-    expected *= size;
-  }
-  return true;
+std::size_t item_size(std::uint8_t raw) {
+  if (raw >= static_cast<std::uint8_t>(at::ScalarType::NumOptions) || raw == static_cast<std::uint8_t>(at::ScalarType::Undefined))
+    return 0;
+  return c10::elementSize(static_cast<at::ScalarType>(raw));
+}
+bool differentiable(std::uint8_t raw) {
+  const auto dtype = static_cast<at::ScalarType>(raw);
+  return at::isFloatingType(dtype) || at::isComplexType(dtype);
 }
 }  // namespace
 
@@ -49,7 +40,7 @@ std::vector<at::Tensor> encode_tensor_meta(const std::vector<at::Tensor>& tensor
     w.put(static_cast<std::uint8_t>(t.dim()));
     for (auto s : t.sizes()) w.put(static_cast<std::int64_t>(s));
     for (auto s : t.strides()) w.put(static_cast<std::int64_t>(s));
-    w.put(static_cast<std::uint8_t>(original.requires_grad() ? kRequiresGrad : 0));
+    w.put(static_cast<std::uint8_t>(original.requires_grad() ? detail::kTensorRequiresGrad : 0));
     std::uint64_t n = dense_bytes(t);
     w.put(n);
     total_bytes += n;
@@ -60,45 +51,14 @@ std::vector<at::Tensor> encode_tensor_meta(const std::vector<at::Tensor>& tensor
 
 std::vector<at::Tensor> decode_tensor_meta(const char* meta, std::size_t meta_len, std::uint32_t num_tensors,
                                            std::uint64_t total_bytes, const WireLimits& limits) {
-  Reader r(meta, meta_len);
+  auto table = detail::parse_tensor_meta(meta, meta_len, num_tensors, total_bytes, limits, {&item_size, &differentiable});
   std::vector<at::Tensor> out;
-  out.reserve(num_tensors);
-  std::uint64_t sum = 0;
-  for (std::uint32_t i = 0; i < num_tensors; ++i) {
-    auto dtype_raw = r.get<std::uint8_t>();
-    if (dtype_raw >= static_cast<std::uint8_t>(at::ScalarType::NumOptions) ||
-        dtype_raw == static_cast<std::uint8_t>(at::ScalarType::Undefined))
-      throw ProtocolError("unknown tensor dtype " + std::to_string(dtype_raw));
-    auto dtype = static_cast<at::ScalarType>(dtype_raw);
-    auto dim = r.get<std::uint8_t>();
-    if (dim > limits.max_dims) throw ProtocolError("tensor with " + std::to_string(dim) + " dimensions");
-    std::vector<std::int64_t> sizes(dim), strides(dim);
-    for (auto& s : sizes) s = r.get<std::int64_t>();
-    for (auto& s : strides) s = r.get<std::int64_t>();
-    auto flags = r.get<std::uint8_t>();
-    auto nbytes = r.get<std::uint64_t>();
-    // numel from sizes, with overflow checks, must match the announced byte count.
-    std::uint64_t numel = 1;
-    for (auto s : sizes) {
-      if (s < 0) throw ProtocolError("negative tensor size");
-      if (s != 0 && numel > std::numeric_limits<std::uint64_t>::max() / static_cast<std::uint64_t>(s))
-        throw ProtocolError("tensor size overflows");
-      numel *= static_cast<std::uint64_t>(s);
-    }
-    const std::uint64_t item = c10::elementSize(dtype);
-    if (numel > limits.max_tensor_bytes / item || numel * item != nbytes) throw ProtocolError("tensor byte count mismatch");
-    sum += nbytes;
-    if (sum > total_bytes) throw ProtocolError("tensor bytes exceed the frame's total");
-    if (!dense_layout(sizes, strides)) throw ProtocolError("tensor strides do not describe a dense layout");
-    at::Tensor t = at::empty_strided(sizes, strides, at::TensorOptions().dtype(dtype));
-    if (flags & kRequiresGrad) {
-      if (!at::isFloatingType(dtype) && !at::isComplexType(dtype)) throw ProtocolError("requires_grad on a non-float tensor");
-      t.set_requires_grad(true);
-    }
+  out.reserve(table.size());
+  for (auto& m : table) {
+    at::Tensor t = at::empty_strided(m.sizes, m.strides, at::TensorOptions().dtype(static_cast<at::ScalarType>(m.dtype)));
+    if (m.requires_grad) t.set_requires_grad(true);
     out.push_back(std::move(t));
   }
-  if (sum != total_bytes) throw ProtocolError("tensor bytes do not add up to the frame's total");
-  if (r.remaining() != 0) throw ProtocolError("trailing bytes in tensor metadata");
   return out;
 }
 

@@ -225,6 +225,23 @@ TEST_CASE("the codec rejects lengths the payload cannot hold, before allocating"
   CHECK_THROWS_AS(r5.get<bool>(), ProtocolError);
 }
 
+// Found by tests/fuzz/fuzz_codec.cpp (input kept in its corpus as regression_vector_of_monostate): five bytes asked
+// for 0xff000005 elements that encode to nothing, and the decoder built them all (4 GiB, minutes of CPU).
+TEST_CASE("the codec bounds elements that encode to nothing") {
+  std::string bytes("\x05\x00\x00\xff", 4);
+  Reader r1(bytes.data(), bytes.size());
+  CHECK_THROWS_AS(r1.get<std::vector<std::monostate>>(), ProtocolError);
+  // Nested, the budget is per payload, not per container.
+  std::string nested;
+  Writer w(nested);
+  w.put(std::uint32_t{64});
+  for (int i = 0; i < 64; ++i) w.put(std::uint32_t{Reader::kMaxEmptyElements / 32});
+  Reader r2(nested.data(), nested.size());
+  CHECK_THROWS_AS(r2.get<std::vector<std::vector<std::monostate>>>(), ProtocolError);
+  // What a real sender writes still decodes.
+  CHECK(roundtrip(std::vector<std::monostate>(1000)).size() == 1000);
+}
+
 TEST_CASE("a BoundedExecutor never runs more than its width at once, and starts jobs in order") {
   ThreadPool pool(4);
   for (std::size_t width : {1u, 2u}) {

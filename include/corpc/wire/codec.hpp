@@ -94,6 +94,16 @@ class Reader {
     return n;
   }
 
+  // Elements that encode to no bytes at all (std::monostate, empty tuples) are not paid for by the payload: each
+  // one read is charged to a budget per payload instead, so that a 4-byte count cannot make us build billions.
+  static constexpr std::size_t kMaxEmptyElements = std::size_t{1} << 20;
+  std::size_t empty_budget() const noexcept { return empty_budget_; }
+  void charge_empty_element() {
+    if (empty_budget_ == 0)
+      throw ProtocolError("more than " + std::to_string(kMaxEmptyElements) + " elements that encode to nothing");
+    --empty_budget_;
+  }
+
   const std::vector<at::Tensor>* tensors = nullptr;
   void* session = nullptr;
   int peer = -1;  // source rank
@@ -101,6 +111,7 @@ class Reader {
  private:
   const unsigned char* p_;
   const unsigned char* end_;
+  std::size_t empty_budget_ = kMaxEmptyElements;
 };
 
 template <class T>
@@ -171,11 +182,16 @@ struct Codec<std::vector<T, A>> {
       v.resize(n);
       r.raw(v.data(), n * sizeof(T));
     } else {
-      // Elements may encode to zero bytes (monostate); grow as we read instead of trusting the count for reserve.
+      // Elements may encode to zero bytes (monostate): those are charged to the reader's budget for them; the count
+      // is never trusted for more than the payload and that budget could hold.
       auto n = r.get<std::uint32_t>();
-      if (n > r.remaining() && !std::is_empty_v<T>) throw ProtocolError("element count exceeds payload");
+      if (n > r.remaining() + r.empty_budget()) throw ProtocolError("element count exceeds payload");
       v.reserve(std::min<std::size_t>(n, r.remaining() + 1));
-      for (std::uint32_t i = 0; i < n; ++i) v.push_back(r.get<T>());
+      for (std::uint32_t i = 0; i < n; ++i) {
+        const auto before = r.remaining();
+        v.push_back(r.get<T>());
+        if (r.remaining() == before) r.charge_empty_element();
+      }
     }
     return v;
   }

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Builds the library and the tests that exercise the runtime under AddressSanitizer + UndefinedBehaviorSanitizer
+# (build-asan/) and under ThreadSanitizer (build-tsan/), runs them, and prints one line per build:
+#   sanitize asan: N passed, N failed
+# Exits non-zero if any sanitized test failed; the last line has the form scripts/test.sh adds to its own count.
+#   scripts/sanitize.sh             both builds
+#   scripts/sanitize.sh asan|tsan   one of them
+# Only the library and the chosen tests are built, at -O0: instrumented optimisation passes over libtorch's headers
+# would double the compile time, and the tests wait on sockets more than they compute. No benchmarks or examples.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+
+# The tests that drive the runtime's threads and sockets; ddp and pipeline add libtorch's own code, little of ours.
+tests=(core rpc rref core_faults dist_autograd)
+which=("${@:-asan}")
+[[ $# -eq 0 ]] && which=(asan tsan)
+
+# Reports go to stderr of the failing process; a child rank's report reaches the test log through its launcher.
+# UBSan by default reports and carries on: make every finding fatal. LeakSanitizer runs at the test process's exit
+# (ranks leave through _exit, see src/launch.cpp, and are checked by launch.cpp's explicit leak check).
+export ASAN_OPTIONS="halt_on_error=1:abort_on_error=0:detect_leaks=1:strict_init_order=1:detect_stack_use_after_return=0"
+export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:suppressions=$root/tests/sanitizers/ubsan.supp"
+export LSAN_OPTIONS="suppressions=$root/tests/sanitizers/lsan.supp:print_suppressions=0"
+export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:report_signal_unsafe=0:suppressions=$root/tests/sanitizers/tsan.supp"
+
+total_pass=0
+total_fail=0
+for kind in "${which[@]}"; do
+  case "$kind" in
+    asan) sanitize=address,undefined ;;
+    tsan) sanitize=thread ;;
+    *) echo "sanitize: unknown build '$kind' (asan or tsan)" >&2; exit 2 ;;
+  esac
+  dir=build-$kind
+  if [[ ! -f $dir/build.ninja ]]; then
+    meson setup "$dir" --buildtype=plain -Doptimization=0 -Db_sanitize="$sanitize" \
+      -Dcpp_args=-fno-omit-frame-pointer -Dbenchmarks=false -Dexamples=false >/dev/null
+  fi
+  ninja -C "$dir" $(printf 'tests/test_%s ' "${tests[@]}") >/dev/null
+  set +e
+  meson test -C "$dir" --no-rebuild --print-errorlogs --num-processes 2 --timeout-multiplier 3 "${tests[@]}"
+  set -e
+  log=$dir/meson-logs/testlog.txt
+  pass=$(awk '/^Ok:/ {print $2}' "$log" | tail -1)
+  fail=$(awk '/^(Fail|Timeout|Unexpected Pass):/ {s += $NF} END {print s + 0}' "$log")
+  echo "sanitize $kind: ${pass:-0} passed, ${fail:-0} failed"
+  total_pass=$((total_pass + ${pass:-0}))
+  total_fail=$((total_fail + ${fail:-0}))
+done
+echo "sanitize: ${total_pass} passed, ${total_fail} failed"
+[[ $total_fail -eq 0 ]]

@@ -1,0 +1,25 @@
+// The Hello frame's body: the first thing a dialer says after authenticating (who it is, the world it expects, and the
+// limits it accepts), and the acceptor's answer. Torch-free, so that it is fuzzed on its own (tests/fuzz/).
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "corpc/rpc/worker_info.hpp"
+#include "corpc/wire/frame.hpp"
+
+namespace corpc::detail {
+
+struct Hello {
+  std::uint32_t version = kProtocolVersion;
+  WorkerInfo self;
+  int world_size = 0;
+  bool registering = false;  // a rendezvous registration (to rank 0), not a lazy dial
+  WireLimits limits;         // what the sender accepts
+};
+
+std::string encode_hello(const Hello& hello);
+// Throws ProtocolError if malformed or if the version is not ours (checked first: a newer peer's layout may differ).
+Hello decode_hello(const char* body, std::size_t size);
+
+}  // namespace corpc::detail
