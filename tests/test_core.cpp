@@ -242,6 +242,58 @@ TEST_CASE("the codec bounds elements that encode to nothing") {
   CHECK(roundtrip(std::vector<std::monostate>(1000)).size() == 1000);
 }
 
+namespace {
+enum class Color : std::uint8_t { red, green, blue };
+struct Celsius {  // no default constructor
+  explicit Celsius(double d) : degrees(d) {}
+  double degrees;
+  bool operator==(const Celsius&) const = default;
+};
+}  // namespace
+
+template <>
+struct corpc::Codec<Celsius> {
+  static void write(Writer& w, const Celsius& c) { w.put(c.degrees); }
+  static Celsius read(Reader& r) { return Celsius(r.get<double>()); }
+};
+
+TEST_CASE("the codec round-trips variants, maps, enums, and arrays of types without a default constructor") {
+  using V = std::variant<int, std::string, int, std::monostate>;  // a repeated alternative keeps its index
+  CHECK(roundtrip(V(std::in_place_index<0>, 4)).index() == 0);
+  CHECK(roundtrip(V(std::in_place_index<2>, 4)).index() == 2);
+  CHECK(std::get<1>(roundtrip(V(std::string("s")))) == "s");
+  CHECK(roundtrip(V(std::monostate{})).index() == 3);
+  CHECK(roundtrip(std::unordered_map<int, std::string>{{1, "a"}, {2, ""}}) ==
+        std::unordered_map<int, std::string>{{1, "a"}, {2, ""}});
+  CHECK(roundtrip(std::map<int, std::vector<int>>{{1, {2, 3}}}) == std::map<int, std::vector<int>>{{1, {2, 3}}});
+  CHECK(roundtrip(Color::blue) == Color::blue);
+  CHECK(roundtrip(std::array<Celsius, 2>{Celsius(1), Celsius(-2)}) == std::array<Celsius, 2>{Celsius(1), Celsius(-2)});
+  CHECK(roundtrip(std::optional<Celsius>(Celsius(3))) == Celsius(3));
+}
+
+TEST_CASE("the codec rejects variant tags, counts and truncations the payload cannot back") {
+  auto bytes_of = [](auto... v) {
+    std::string b;
+    Writer w(b);
+    (w.put(v), ...);
+    return b;
+  };
+  auto read_as = [](const std::string& b, auto type) {
+    Reader r(b.data(), b.size());
+    return r.get<typename decltype(type)::type>();
+  };
+  using V = std::variant<int, std::string>;
+  CHECK_THROWS_AS(read_as(bytes_of(std::uint32_t{2}, 1), std::type_identity<V>{}), ProtocolError);  // no alternative 2
+  CHECK_THROWS_AS(read_as(bytes_of(std::uint32_t{0xffffffffu}), std::type_identity<V>{}), ProtocolError);
+  CHECK_THROWS_AS(read_as(bytes_of(std::uint32_t{1}, std::uint32_t{1000}), std::type_identity<V>{}), ProtocolError);
+  CHECK_THROWS_AS(read_as(bytes_of(std::uint32_t{0}), std::type_identity<V>{}), ProtocolError);  // truncated int
+  using M = std::unordered_map<int, int>;
+  CHECK_THROWS_AS(read_as(bytes_of(std::uint32_t{0xfffffff0u}, 1, 2), std::type_identity<M>{}), ProtocolError);
+  CHECK_THROWS_AS(read_as(bytes_of(std::uint32_t{2}, 1, 2), std::type_identity<M>{}), ProtocolError);
+  CHECK_THROWS_AS(read_as(bytes_of(1.0), std::type_identity<std::array<Celsius, 2>>{}), ProtocolError);
+  CHECK_THROWS_AS(read_as(bytes_of(std::uint8_t{2}), std::type_identity<std::optional<int>>{}), ProtocolError);
+}
+
 TEST_CASE("a BoundedExecutor never runs more than its width at once, and starts jobs in order") {
   ThreadPool pool(4);
   for (std::size_t width : {1u, 2u}) {

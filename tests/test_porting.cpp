@@ -85,6 +85,37 @@ struct SlowIdentityImpl : torch::nn::Module {
 };
 TORCH_MODULE(SlowIdentity);
 
+// Registered by name, as a program built from other sources would call it.
+std::string greet(std::string greeting, std::string name, int times) {
+  std::string out;
+  for (int i = 0; i < times; ++i) out += greeting + ", " + name + "! ";
+  return out;
+}
+// torch's small value types as arguments, the way a one-line wrapper of a torch function takes them.
+at::Tensor full_on(std::vector<std::int64_t> size, c10::Scalar fill, at::ScalarType dtype, c10::Device device) {
+  return at::full(size, fill, at::TensorOptions().dtype(dtype).device(device));
+}
+
+template <class T>
+T roundtrip(const T& v) {
+  std::string bytes;
+  Writer w(bytes);
+  w.put(v);
+  Reader r(bytes.data(), bytes.size());
+  T out = r.get<T>();
+  EXPECT_EQ(r.remaining(), 0u);
+  return out;
+}
+
+template <class T, class... V>
+void expect_rejected(const V&... v) {
+  std::string bytes;
+  Writer w(bytes);
+  (w.put(v), ...);
+  Reader r(bytes.data(), bytes.size());
+  DOCTEST_CHECK_THROWS_AS(r.get<T>(), ProtocolError);  // DOCTEST_: glog (through torch) defines CHECK
+}
+
 using Bag = RemoteModule<torch::nn::EmbeddingBag>;
 
 // A trainer's use of a module it was handed: forward, and its parameters through the awaitable form.
@@ -215,5 +246,54 @@ TEST_CASE("proxy calls and RemoteModule::forward take a timeout, and time out wi
       EXPECT_EQ(slow.remote_parameters(with_timeout(10s)).size(), 0u);
     }
     expect_no_references(2);
+  });
+}
+
+TEST_CASE("torch's value types round-trip, and a malformed one is a ProtocolError") {
+  DOCTEST_CHECK((roundtrip(c10::Scalar(2.5)).toDouble() == 2.5));
+  DOCTEST_CHECK((roundtrip(c10::Scalar(std::int64_t{1} << 40)).toLong() == std::int64_t{1} << 40));
+  DOCTEST_CHECK((roundtrip(c10::Scalar(true)).isBoolean()));
+  DOCTEST_CHECK((roundtrip(c10::Scalar(c10::complex<double>(1, -2))).toComplexDouble() == c10::complex<double>(1, -2)));
+  DOCTEST_CHECK((roundtrip(c10::Scalar(3)).isIntegral(false)));
+  DOCTEST_CHECK((roundtrip(c10::Device("cpu")) == c10::Device("cpu")));
+  DOCTEST_CHECK((roundtrip(c10::Device("cuda:1")) == c10::Device("cuda:1")));
+  DOCTEST_CHECK((roundtrip(at::kBFloat16) == at::kBFloat16));
+  DOCTEST_CHECK((roundtrip(c10::optional<double>()) == c10::nullopt));
+  DOCTEST_CHECK((roundtrip(c10::optional<double>(1.5)) == 1.5));
+  DOCTEST_CHECK((roundtrip(torch::nn::EmbeddingBagMode(torch::kMax)).index() == 2));
+  DOCTEST_CHECK((roundtrip(torch::nn::EmbeddingBagMode(torch::kSum)).index() == 0));
+  const auto opts = roundtrip(torch::nn::EmbeddingBagOptions(7, 2).mode(torch::kSum).max_norm(0.5).padding_idx(3));
+  DOCTEST_CHECK((opts.num_embeddings() == 7));
+  DOCTEST_CHECK((c10::get_if<torch::enumtype::kSum>(&opts.mode()) != nullptr));
+  DOCTEST_CHECK((opts.max_norm() == 0.5));
+  DOCTEST_CHECK((opts.padding_idx() == 3));
+
+  expect_rejected<c10::Scalar>(std::uint8_t{9}, 1.0);                      // unknown kind
+  expect_rejected<c10::Scalar>(std::uint8_t{2}, 1.0);                      // complex, truncated
+  expect_rejected<c10::ScalarType>(std::int8_t{-1});
+  expect_rejected<c10::ScalarType>(static_cast<std::int8_t>(at::ScalarType::NumOptions));
+  expect_rejected<c10::Device>(std::int8_t{100}, std::int8_t{0});           // unknown device type
+  expect_rejected<c10::Device>(std::int8_t{0}, std::int8_t{3});             // cpu:3
+  expect_rejected<c10::Device>(std::int8_t{1}, std::int8_t{-5});
+  expect_rejected<c10::Device>(std::int8_t{1});                             // truncated
+  expect_rejected<c10::optional<int>>(std::uint8_t{5});
+  expect_rejected<torch::nn::EmbeddingBagMode>(std::uint32_t{3});
+  expect_rejected<c10::variant<int, double>>(std::uint32_t{1}, std::int32_t{1});  // a double cut short
+}
+
+TEST_CASE("by-name calls take string literals and torch's value types") {
+  register_function<&greet>("greet");
+  register_function<&full_on>("full_on");
+  run_world(2, [](int rank) {
+    if (rank != 0) return;
+    EXPECT_EQ(rpc_async<std::string>("worker1", "greet", "hi", "corpc", 2).wait(10s), "hi, corpc! hi, corpc! ");
+    const char* name = "you";
+    EXPECT_EQ(rpc_async<std::string>("worker1", "greet", with_timeout(10s), std::string("yo"), name, 1).wait(20s),
+              "yo, you! ");
+    const at::Tensor t = rpc_async<at::Tensor>("worker1", "full_on", std::vector<std::int64_t>{2, 3}, c10::Scalar(7),
+                                               at::kInt, c10::Device("cpu"))
+                             .wait(10s);
+    EXPECT(at::equal(t, at::full({2, 3}, 7, at::kInt)));
+    EXPECT(rpc_sync<&full_on>("worker1", std::vector<std::int64_t>{1}, 2.5, at::kDouble, c10::kCPU).item<double>() == 2.5);
   });
 }

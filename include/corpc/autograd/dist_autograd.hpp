@@ -3,7 +3,8 @@
 //   {
 //     corpc::dist_autograd::Context ctx;            // one per iteration; current until it is destroyed
 //     auto out = co_await model.forward(x);          // RPCs inside carry the context
-//     co_await ctx.backward({loss_fn(out)});         // runs on every worker the forward touched
+//     std::vector<at::Tensor> roots{loss_fn(out)};   // named first: GCC 12.2 miscompiles a braced list in co_await
+//     co_await ctx.backward(roots);                  // runs on every worker the forward touched
 //     co_await optimizer.step(ctx);                  // corpc::DistributedOptimizer
 //   }                                                // released on every worker it touched
 //

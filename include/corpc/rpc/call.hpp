@@ -241,6 +241,12 @@ Future<R> call_remote(const WorkerRef& to, std::string_view function, std::uint6
                                    std::forward<A>(a)...);
 }
 
+// The type a by-name call sends for an argument of type A: its decayed type, except that character strings
+// (literals, char pointers) travel as std::string.
+template <class A>
+using by_name_arg_t = std::conditional_t<std::is_same_v<std::decay_t<A>, const char*> || std::is_same_v<std::decay_t<A>, char*>,
+                                         std::string, std::decay_t<A>>;
+
 template <class... A>
 inline constexpr bool first_is_options = false;
 template <class A0, class... A>
@@ -275,11 +281,18 @@ detail::ResultOf<F> rpc_sync(const WorkerRef& to, A&&... args) {
 }
 
 // By name, for functions registered with register_function in another binary. R: the expected result type;
-// the arguments' own (decayed) types must match the callee's parameter types.
+// the arguments' own (decayed) types must match the callee's parameter types, except that string literals and
+// char pointers are sent as std::string:
+//   corpc::rpc_async<std::string>("worker1", "greet", "hello", 3);   // greet(std::string, int)
 template <class R, class... A>
+  requires(!detail::first_is_options<A...>)
 Future<R> rpc_async(const WorkerRef& to, std::string_view function, A&&... args) {
-  using Args = std::tuple<std::decay_t<A>...>;
-  return detail::call_remote<R, Args>(to, function, detail::signature_of<Args>(), CallOptions{}, std::forward<A>(args)...);
+  return rpc_async<R>(to, function, CallOptions{}, std::forward<A>(args)...);
+}
+template <class R, class... A>
+Future<R> rpc_async(const WorkerRef& to, std::string_view function, const CallOptions& options, A&&... args) {
+  using Args = std::tuple<detail::by_name_arg_t<A>...>;
+  return detail::call_remote<R, Args>(to, function, detail::signature_of<Args>(), options, std::forward<A>(args)...);
 }
 
 }  // namespace corpc
