@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "corpc/wire/message.hpp"
+#include "inbound_calls.hpp"
 #include "pending_calls.hpp"
 
 namespace corpc::detail {
@@ -51,6 +52,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   PendingCalls pending;
   asio::steady_timer deadline_timer;                                 // I/O thread
   std::atomic<Clock::time_point> timer_armed_for{Clock::time_point::max()};  // written on the I/O thread
+  // The peer's requests running here that a cancel frame can still stop.
+  InboundCalls inbound;
 
  private:
   asio::io_context& io_;

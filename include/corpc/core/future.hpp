@@ -7,6 +7,13 @@
 //     called (the runtime's worker pool on a plain thread).
 // Errors travel as exceptions: awaiting or waiting on a failed future rethrows its error.
 //
+// Cancellation: `fut.cancel()` asks the work behind the future to stop (an RPC sends a cancel to its callee; a
+// wait_all cancels its inputs) and completes the future — every copy — with CancelledError unless it completed
+// already; `cancelled()` tells that outcome from value and error. A coroutine running cancellable work (an RPC
+// handler, a TaskScope; see corpc/core/this_call.hpp) is stopped at its next await of a Future: once its stop token
+// is stopped, the awaited future is cancelled, so the await completes with CancelledError at once. A blocking
+// `wait()` in such work returns the same way.
+//
 // Results are handed out by value: `co_await std::move(fut)` (or awaiting the prvalue `rpc_async(...)`) moves the
 // result out when no other copy of the future exists, and copies it otherwise. A move-only result can be taken once.
 //
@@ -21,7 +28,9 @@
 #include <cstdint>
 #include <exception>
 #include <new>
+#include <memory>
 #include <optional>
+#include <stop_token>
 #include <type_traits>
 #include <utility>
 #include <variant>
@@ -139,8 +148,39 @@ inline void dispatch(Executor* ex, WorkItem* item) noexcept {
   }
 }
 
+// How a future asks its producer to stop. The producer arms a hook once; the first cancel request runs it (at once, or
+// when the hook is armed if the request came first). The hook must be short and must not block; `keep` holds what
+// it needs alive for as long as the state lives (it must not reference the state itself).
+struct CancelHook {
+  void (*fn)(const CancelHook&) noexcept = nullptr;
+  std::shared_ptr<void> keep;
+  void* p = nullptr;
+  std::uint64_t a = 0, b = 0;
+};
+class CancelSlot {
+ public:
+  void arm_cancel(CancelHook h) noexcept {
+    hook_ = std::move(h);
+    std::uint8_t s = kIdle;
+    if (!cancel_state_.compare_exchange_strong(s, kArmed, std::memory_order_acq_rel)) hook_.fn(hook_);  // requested
+  }
+  // True for the first request only.
+  bool request_cancel() noexcept {
+    const std::uint8_t old = cancel_state_.exchange(kRequested, std::memory_order_acq_rel);
+    if (old == kArmed) hook_.fn(hook_);
+    return old != kRequested;
+  }
+
+ private:
+  static constexpr std::uint8_t kIdle = 0, kArmed = 1, kRequested = 2;
+  std::atomic<std::uint8_t> cancel_state_{kIdle};
+  CancelHook hook_;
+};
+
+inline std::exception_ptr cancelled_error() { return std::make_exception_ptr(CancelledError()); }
+
 template <class T>
-class FutureState {
+class FutureState : public CancelSlot {
  public:
   static FutureState* make() { return new (BlockCache<sizeof(FutureState)>::allocate()) FutureState; }
 
@@ -164,6 +204,15 @@ class FutureState {
   bool sole_handle() const noexcept { return handles_.load(std::memory_order_acquire) == 1; }
 
   bool ready() const noexcept { return head_.load(std::memory_order_acquire) == kReady; }
+
+  // Asks the producer to stop, then completes as cancelled unless the producer (or anything else) completed first.
+  void cancel() noexcept {
+    if (ready()) return;
+    add_ref();  // the hook may complete this state, dropping the producer's reference
+    request_cancel();
+    if (!ready()) set_exception(cancelled_error());
+    release();
+  }
 
   // First completion wins; returns false if the state was already completed (or being completed).
   template <class... A>
@@ -290,6 +339,13 @@ struct CallbackNode : Waiter, WorkItem {
   }
 };
 
+// Cancels a state when the awaiting work is asked to stop.
+template <class T>
+struct CancelOnStop {
+  FutureState<T>* s;
+  void operator()() const noexcept { s->cancel(); }
+};
+
 template <class F, class T>
 struct ThenResult {
   using type = std::invoke_result_t<F, Stored<T>>;
@@ -337,6 +393,24 @@ class [[nodiscard]] Future {
   bool done() const noexcept { return s_->ready(); }
   bool has_error() const noexcept { return done() && s_->error() != nullptr; }
   std::exception_ptr error() const noexcept { return done() ? s_->error() : nullptr; }
+  // True if it completed with CancelledError (a stop, as opposed to a value or a failure).
+  bool cancelled() const noexcept {
+    if (!has_error()) return false;
+    try {
+      std::rethrow_exception(s_->error());
+    } catch (const CancelledError&) {
+      return true;
+    } catch (...) {
+      return false;
+    }
+  }
+
+  // Asks the work behind this future to stop and completes it — every copy — with CancelledError, unless it has
+  // completed already (then nothing happens). An RPC is cancelled on its callee (see corpc/core/this_call.hpp) and
+  // its reply, if one comes, is dropped. Idempotent; any thread.
+  void cancel() const noexcept {
+    if (s_) s_->cancel();
+  }
 
   // The value of a completed future (rethrows its error). Throws UsageError if it is not complete yet.
   T value() const& { return result(false); }
@@ -411,6 +485,7 @@ class [[nodiscard]] Future {
     Awaiter(detail::FutureState<T>* s, bool owns) noexcept : s_(s), owns_(owns) {}
     Awaiter(const Awaiter&) = delete;
     ~Awaiter() {
+      stop_.reset();
       if (owns_) s_->release_handle();
     }
     bool await_ready() const noexcept { return s_->ready(); }
@@ -418,6 +493,8 @@ class [[nodiscard]] Future {
       h_ = h;
       ex_ = resumption_executor();
       ctx_ = current_call_context();
+      // A stop of the work this coroutine belongs to cancels what it awaits (at once if requested already).
+      if (ctx_.stop.stop_possible()) stop_.emplace(ctx_.stop, detail::CancelOnStop<T>{s_});
       notify = [](detail::Waiter* w) noexcept {
         auto* self = static_cast<Awaiter*>(w);
         detail::dispatch(self->ex_, static_cast<WorkItem*>(self));
@@ -430,6 +507,7 @@ class [[nodiscard]] Future {
       return s_->add_waiter(this);
     }
     T await_resume() {
+      stop_.reset();
       if constexpr (std::is_void_v<T>) {
         s_->get();
       } else {
@@ -443,6 +521,7 @@ class [[nodiscard]] Future {
     std::coroutine_handle<> h_;
     Executor* ex_ = nullptr;
     CallContext ctx_;
+    std::optional<std::stop_callback<detail::CancelOnStop<T>>> stop_;
   };
   Awaiter operator co_await() const& noexcept { return Awaiter{s_, false}; }
   Awaiter operator co_await() && noexcept { return Awaiter{std::exchange(s_, nullptr), true}; }
@@ -458,6 +537,8 @@ class [[nodiscard]] Future {
   void block() const {
     if (s_->ready()) return;
     check_may_block("Future::wait");
+    std::optional<std::stop_callback<detail::CancelOnStop<T>>> stop;
+    if (auto& token = current_call_context().stop; token.stop_possible()) stop.emplace(token, detail::CancelOnStop<T>{s_});
     detail::BlockingWaiter w;
     if (s_->add_waiter(&w)) w.event.wait();
   }
