@@ -11,8 +11,9 @@
 // wait_all cancels its inputs) and completes the future — every copy — with CancelledError unless it completed
 // already; `cancelled()` tells that outcome from value and error. A coroutine running cancellable work (an RPC
 // handler, a TaskScope; see corpc/core/this_call.hpp) is stopped at its next await of a Future: once its stop token
-// is stopped, the awaited future is cancelled, so the await completes with CancelledError at once. A blocking
-// `wait()` in such work returns the same way.
+// is stopped, the await completes with CancelledError at once and the awaited future's producer is asked to stop (an
+// RPC is cancelled on its callee); the future itself is not completed, so other holders of it are unaffected. A
+// blocking `wait()` in such work returns the same way.
 //
 // Results are handed out by value: `co_await std::move(fut)` (or awaiting the prvalue `rpc_async(...)`) moves the
 // result out when no other copy of the future exists, and copies it otherwise. A move-only result can be taken once.
@@ -339,11 +340,46 @@ struct CallbackNode : Waiter, WorkItem {
   }
 };
 
-// Cancels a state when the awaiting work is asked to stop.
-template <class T>
-struct CancelOnStop {
-  FutureState<T>* s;
-  void operator()() const noexcept { s->cancel(); }
+// An await in stoppable work. The waiter node lives on the heap, shared by the state and the awaiter, so that a stop
+// can resume the coroutine before the state completes (the node stays in the state's list until then). The stop
+// asks the awaited future's producer to stop (an RPC is cancelled on its callee) but never completes the state
+// itself: other holders of a shared future (an RRef's readiness) are unaffected.
+struct StoppableWait : Waiter {
+  static constexpr int kSetup = 0, kWaiting = 1, kCompleted = 2, kStopped = 3;
+  std::atomic<int> st{kSetup};
+  std::atomic<int> refs{2};  // the state's list, the awaiter
+  WorkItem* resume = nullptr;
+  Executor* ex = nullptr;
+  CancelSlot* producer = nullptr;
+  StoppableWait() {
+    notify = [](Waiter* w) noexcept {
+      auto* self = static_cast<StoppableWait*>(w);
+      int expected = kWaiting;
+      if (self->st.compare_exchange_strong(expected, kCompleted, std::memory_order_acq_rel)) {
+        dispatch(self->ex, self->resume);
+      } else if (expected == kSetup) {
+        self->st.compare_exchange_strong(expected, kCompleted, std::memory_order_acq_rel);  // await_suspend sees it
+      }
+      self->release();
+    };
+  }
+  void release() noexcept {
+    if (refs.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+  }
+  // The stop callback.
+  void operator()() noexcept {
+    int expected = kWaiting;
+    if (st.compare_exchange_strong(expected, kStopped, std::memory_order_acq_rel)) {
+      producer->request_cancel();
+      dispatch(ex, resume);
+    } else if (expected == kSetup) {
+      st.compare_exchange_strong(expected, kStopped, std::memory_order_acq_rel);
+    }
+  }
+};
+struct StopWaitCallback {
+  StoppableWait* w;
+  void operator()() const noexcept { (*w)(); }
 };
 
 template <class F, class T>
@@ -486,6 +522,7 @@ class [[nodiscard]] Future {
     Awaiter(const Awaiter&) = delete;
     ~Awaiter() {
       stop_.reset();
+      if (node_) node_->release();
       if (owns_) s_->release_handle();
     }
     bool await_ready() const noexcept { return s_->ready(); }
@@ -493,8 +530,12 @@ class [[nodiscard]] Future {
       h_ = h;
       ex_ = resumption_executor();
       ctx_ = current_call_context();
-      // A stop of the work this coroutine belongs to cancels what it awaits (at once if requested already).
-      if (ctx_.stop.stop_possible()) stop_.emplace(ctx_.stop, detail::CancelOnStop<T>{s_});
+      run = [](WorkItem* w) noexcept {
+        auto* self = static_cast<Awaiter*>(w);
+        CallContextScope scope(self->ctx_);  // the coroutine's context while it runs; the resumer's afterwards
+        self->h_.resume();
+      };
+      if (ctx_.stop.stop_possible()) return suspend_stoppable();
       notify = [](detail::Waiter* w) noexcept {
         auto* self = static_cast<Awaiter*>(w);
         detail::dispatch(self->ex_, static_cast<WorkItem*>(self));
@@ -507,7 +548,12 @@ class [[nodiscard]] Future {
       return s_->add_waiter(this);
     }
     T await_resume() {
-      stop_.reset();
+      if (node_) {
+        stop_.reset();  // waits for a stop callback running elsewhere
+        const bool stopped = node_->st.load(std::memory_order_acquire) == detail::StoppableWait::kStopped;
+        std::exchange(node_, nullptr)->release();
+        if (stopped) throw CancelledError();
+      }
       if constexpr (std::is_void_v<T>) {
         s_->get();
       } else {
@@ -521,7 +567,26 @@ class [[nodiscard]] Future {
     std::coroutine_handle<> h_;
     Executor* ex_ = nullptr;
     CallContext ctx_;
-    std::optional<std::stop_callback<detail::CancelOnStop<T>>> stop_;
+    detail::StoppableWait* node_ = nullptr;
+    std::optional<std::stop_callback<detail::StopWaitCallback>> stop_;
+
+    // In stoppable work: resumes on completion or on a stop, whichever comes first (see StoppableWait).
+    bool suspend_stoppable() noexcept {
+      using W = detail::StoppableWait;
+      node_ = new W;
+      node_->resume = static_cast<WorkItem*>(this);
+      node_->ex = ex_;
+      node_->producer = s_;
+      stop_.emplace(ctx_.stop, detail::StopWaitCallback{node_});  // a stop requested already claims the node now
+      if (!s_->add_waiter(node_)) {
+        node_->release();  // the list's reference: never added
+        int expected = W::kSetup;
+        node_->st.compare_exchange_strong(expected, W::kCompleted, std::memory_order_acq_rel);
+        return false;
+      }
+      int expected = W::kSetup;
+      return node_->st.compare_exchange_strong(expected, W::kWaiting, std::memory_order_acq_rel);
+    }
   };
   Awaiter operator co_await() const& noexcept { return Awaiter{s_, false}; }
   Awaiter operator co_await() && noexcept { return Awaiter{std::exchange(s_, nullptr), true}; }
@@ -537,8 +602,26 @@ class [[nodiscard]] Future {
   void block() const {
     if (s_->ready()) return;
     check_may_block("Future::wait");
-    std::optional<std::stop_callback<detail::CancelOnStop<T>>> stop;
-    if (auto& token = current_call_context().stop; token.stop_possible()) stop.emplace(token, detail::CancelOnStop<T>{s_});
+    if (auto& token = current_call_context().stop; token.stop_possible()) {
+      // In stoppable work: a stop asks the producer to stop and wakes this thread, which then throws.
+      auto* w = new detail::TimedWaiter;
+      if (!s_->add_waiter(w)) {
+        w->release();
+        w->release();
+        return;
+      }
+      {
+        auto wake = [w, s = s_]() noexcept {
+          s->request_cancel();
+          w->event.set();
+        };
+        std::stop_callback<decltype(wake)> on_stop(token, wake);
+        w->event.wait();
+      }
+      w->release();
+      if (!s_->ready()) throw CancelledError();
+      return;
+    }
     detail::BlockingWaiter w;
     if (s_->add_waiter(&w)) w.event.wait();
   }

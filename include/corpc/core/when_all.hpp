@@ -1,12 +1,13 @@
 // corpc/core/when_all.hpp — joining many futures.
 //
 //   wait_all(futs)    -> Future<std::vector<T>>: all values in order; fails with the first error to occur, at once.
-//   wait_all(futs, WaitAll::stop_rest_on_failure): the same, and cancels the inputs still running when one fails
-//                        (their RPCs are cancelled on their callees), so that a failed batch does not keep working.
+//   wait_all(futs, WaitAll::stop_rest_on_failure): the same, and asks the producers of the inputs still running to
+//                        stop when one fails (RPCs are cancelled on their callees), so a failed batch stops working.
 //   collect_all(futs) -> Future<std::vector<Future<T>>>: completes when every input has, never fails; inspect each.
 //
 // Both are eager Futures, so they can be awaited (`co_await wait_all(std::move(futs))`) or waited on. Cancelling the
-// future wait_all returns cancels every input.
+// future wait_all returns asks the producers of its inputs to stop (the inputs themselves, which may be shared, are
+// completed only by their producers: an RPC completes as cancelled).
 #pragma once
 
 #include <atomic>
@@ -30,7 +31,7 @@ template <class T>
 void arm_cancel_inputs(CancelSlot& out, std::shared_ptr<std::vector<Future<T>>> inputs) {
   CancelHook h;
   h.fn = [](const CancelHook& self) noexcept {
-    for (auto& in : *static_cast<std::vector<Future<T>>*>(self.keep.get())) in.cancel();
+    for (auto& in : *static_cast<std::vector<Future<T>>*>(self.keep.get())) state_of(in)->request_cancel();
   };
   h.keep = std::move(inputs);
   out.arm_cancel(std::move(h));
@@ -63,7 +64,7 @@ Future<std::conditional_t<std::is_void_v<T>, void, std::vector<T>>> wait_all(std
       if (auto e = f.error()) {
         // First error wins; later completions are ignored.
         if (join->promise.set_exception(e) && join->mode == WaitAll::stop_rest_on_failure) {
-          for (auto& in : *join->inputs) in.cancel();
+          for (auto& in : *join->inputs) detail::state_of(in)->request_cancel();
         }
         return;
       }
