@@ -1,15 +1,16 @@
-// The split-size micro-benchmark of PyTorch's "Distributed Pipeline Parallelism Using RPC" tutorial, with corpc:
-// ResNet50 cut in two shards on two worker processes, a master streaming micro-batches through them, trained with
-// distributed autograd and DistributedOptimizer (SGD, lr 0.05, MSE on one-hot labels).
+// The main job's benchmark: ResNet50 as a torch::nn::Sequential cut into pipeline stages on worker processes, trained
+// (SGD, lr 0.05, MSE on one-hot labels) under each corpc::pipeline schedule and number of micro-batches, beside
+// PyTorch's "Distributed Pipeline Parallelism Using RPC" tutorial on the same network and data, run interleaved.
 //
-//   pipeline_bench                          # default: batch 32 of 64x64 images, 3 batches, splits 1 2 4 8, 1 thread
-//   pipeline_bench --tutorial               # the tutorial's setting: batch 120 of 128x128 images, 3 batches
-//   pipeline_bench --compare-pytorch        # then the same configuration through torch.distributed.rpc
+//   pipeline_bench                          # batch 32 of 64x64 images, 3 timed batches, splits 1 2 4 8, 1 thread each
+//   pipeline_bench --tutorial               # the tutorial's setting: batch 120 of 128x128 images
+//   pipeline_bench --compare-pytorch        # after each split, the same split through torch.distributed.rpc
+//   pipeline_bench --schedules gpipe,1f1b,interleaved,zbh1 --balance time|tutorial|11,12 --workers 2
+//   pipeline_bench --trace pipeline_trace.json --gantt pipeline_gantt.png   # the last timed step of every run
 //
-// Prints a table per split: training-loop time (start-up and one warm-up batch excluded), speedup over 1 split,
-// images/s and the GPipe ideal for 2 stages, plus the same batches trained in one process without RPC (the floor).
+// Prints, per schedule and split: the time of the timed batches, the bubble measured from the workers' timelines
+// beside the schedule's formula, each worker's peak activation memory and micro-batches held, and PyTorch's time.
 #include <torch/nn/functional/loss.h>
-#include <torch/cuda.h>
 #include <torch/optim/sgd.h>
 
 #include <chrono>
@@ -26,24 +27,34 @@
 
 using namespace corpc;
 using namespace corpc::examples;
+using namespace corpc::pipeline;
 using Clock = std::chrono::steady_clock;
 
 namespace {
 
 struct Config {
   std::vector<long> splits;
-  long batch, image, batches, threads, width, classes, warmup;
-  std::string device;
-  bool one_f_one_b;
+  std::vector<Schedule> schedules;
+  std::string balance;
+  long batch, image, batches, threads, width, classes, warmup, workers;
 };
 
+const std::vector<std::int64_t> kBlocks{3, 4, 6, 3};
+long g_classes = 1000;
+
 at::Tensor mse(const at::Tensor& out, const at::Tensor& target) { return torch::nn::functional::mse_loss(out, target); }
+std::unique_ptr<torch::optim::Optimizer> make_sgd(std::vector<at::Tensor> params) {
+  return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05));
+}
+torch::nn::Sequential resnet50(std::int64_t width, std::int64_t classes) {
+  return make_resnet_sequential(width, kBlocks, classes, 0);
+}
 
 // Training-mode BatchNorm needs more than one value per channel; layer4's maps are image/32 wide.
 bool micro_batch_too_small(const Config& c, long splits) {
   long hw = c.image;
   for (int i = 0; i < 5; ++i) hw = (hw - 1) / 2 + 1;
-  long smallest = c.batch / splits;  // chunk() makes the last chunk the smallest
+  long smallest = c.batch / splits;
   if (c.batch % splits) smallest = c.batch - (splits - 1) * ((c.batch + splits - 1) / splits);
   return smallest * hw * hw < 2;
 }
@@ -55,50 +66,65 @@ std::vector<std::pair<at::Tensor, at::Tensor>> make_data(const Config& c) {
   return data;
 }
 
-const std::vector<std::int64_t> kResNet50Blocks{3, 4, 6, 3};
+// Layers per stage: "tutorial" (after layer2, 2 stages), "time" (balance-by-time on a micro-batch-sized sample), or
+// a list.
+std::vector<int> make_balance(const Config& c, int stages) {
+  if (c.balance == "tutorial" && stages == 2) return tutorial_balance(kBlocks);
+  if (c.balance == "time" || c.balance == "tutorial") {
+    auto net = resnet50(c.width, c.classes);
+    return balance_by_time(net, random_images(std::max<long>(2, c.batch / 4), c.image, 5), stages, 2);
+  }
+  std::vector<int> out;
+  std::stringstream ss(c.balance);
+  for (std::string item; std::getline(ss, item, ',');) out.push_back(std::stoi(item));
+  return out;
+}
 
-double run_split(const Config& c, long splits, const std::vector<std::pair<at::Tensor, at::Tensor>>& data) {
-  auto s1 = pipeline::remote_stage<&make_shard1>("worker1/" + c.device, c.width, kResNet50Blocks, c.classes, std::uint64_t{0});
-  // Two GPUs: one shard each, as in the tutorial; otherwise both shards on the given device.
-  const std::string d2 = c.device.rfind("cuda", 0) == 0 && torch::cuda::device_count() >= 2 ? "cuda:1" : c.device;
-  auto s2 = pipeline::remote_stage<&make_shard2>("worker2/" + d2, c.width, kResNet50Blocks, c.classes, std::uint64_t{1});
-  pipeline::Pipeline pipe({s1, s2}, static_cast<int>(splits),
-                          c.one_f_one_b ? pipeline::Schedule::OneFOneB : pipeline::Schedule::GPipe);
-  DistributedOptimizer<torch::optim::SGD> opt(pipe.parameter_rrefs(), torch::optim::SGDOptions(0.05));
-  for (long w = 0; w < c.warmup; ++w) sync_wait(pipe.train_step(data[0].first, data[0].second, mse, opt));
+struct RunResult {
+  double seconds = 0, bubble = 0;
+  std::vector<WorkerReport> last;       // the last timed step
+  std::vector<std::int64_t> peak_bytes;  // per worker, over the timed steps
+  std::vector<int> held;
+};
+
+RunResult run_pipeline(const Config& c, Schedule schedule, long splits, const std::vector<int>& balance,
+                       const std::vector<std::pair<at::Tensor, at::Tensor>>& data) {
+  PipelineOptions o;
+  o.schedule = schedule;
+  o.micro_batches = static_cast<int>(splits);
+  for (long w = 1; w <= c.workers; ++w) o.workers.push_back("worker" + std::to_string(w) + "/cpu");
+  o.balance = balance;
+  auto pipe = Pipeline::create<&resnet50, &mse, &make_sgd>(o, std::int64_t{c.width}, std::int64_t{c.classes});
+  for (long w = 0; w < c.warmup; ++w) sync_wait(pipe.train_step(data[0].first, data[0].second));
+  RunResult r;
+  r.peak_bytes.assign(c.workers, 0);
+  r.held.assign(c.workers, 0);
   auto t0 = Clock::now();
   for (long b = 0; b < c.batches; ++b) {
     auto tb = Clock::now();
-    auto loss = sync_wait(pipe.train_step(data[b].first, data[b].second, mse, opt));
-    std::fprintf(stderr, "  [%ld split%s] batch %ld/%ld: %.2f s, loss %.5f\n", splits, splits == 1 ? "" : "s", b + 1,
-                 c.batches, std::chrono::duration<double>(Clock::now() - tb).count(), loss.item<double>());
+    auto step = sync_wait(pipe.train_step(data[b].first, data[b].second));
+    std::fprintf(stderr, "  [%s, %ld split%s] batch %ld/%ld: %.2f s, loss %.5f\n", to_string(schedule), splits,
+                 splits == 1 ? "" : "s", b + 1, c.batches, std::chrono::duration<double>(Clock::now() - tb).count(),
+                 step.loss.item<double>());
+    r.bubble += measured_bubble(step.workers) / static_cast<double>(c.batches);
+    for (std::size_t w = 0; w < step.workers.size(); ++w) {
+      r.peak_bytes[w] = std::max(r.peak_bytes[w], step.workers[w].peak_activation_bytes);
+      r.held[w] = std::max(r.held[w], step.workers[w].peak_micro_batches_held);
+    }
+    r.last = std::move(step.workers);
   }
-  return std::chrono::duration<double>(Clock::now() - t0).count();
+  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  return r;
 }
 
-// The same batches through both shards in this process: no RPC, no pipelining. With `splits` > 1, each batch goes
-// through as that many micro-batches one after another (gradients accumulated, one optimizer step): what the pipeline
-// must beat for splitting to pay, since it pays the same per-micro-batch cost of small operators.
-double run_single_process(const Config& c, const std::vector<std::pair<at::Tensor, at::Tensor>>& data, long splits = 1) {
-  auto s1 = make_shard1(c.width, kResNet50Blocks, c.classes, 0);
-  auto s2 = make_shard2(c.width, kResNet50Blocks, c.classes, 1);
-  std::vector<at::Tensor> params;
-  for (auto& p : s1->parameters()) params.push_back(p);
-  for (auto& p : s2->parameters()) params.push_back(p);
-  torch::optim::SGD opt(params, torch::optim::SGDOptions(0.05));
+// The same batches through the unsplit model in this process, no RPC, whole batches: the floor to beat.
+double run_single_process(const Config& c, const std::vector<std::pair<at::Tensor, at::Tensor>>& data) {
+  auto net = resnet50(c.width, c.classes);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05));
   auto step = [&](const at::Tensor& x, const at::Tensor& y) {
     opt.zero_grad();
-    double total = 0;
-    auto xs = x.chunk(splits);
-    auto ys = y.chunk(splits);
-    for (std::size_t i = 0; i < xs.size(); ++i) {
-      const double share = static_cast<double>(xs[i].size(0)) / static_cast<double>(x.size(0));
-      auto loss = mse(s2->forward(s1->forward(xs[i])), ys[i]) * share;
-      loss.backward();
-      total += loss.item<double>();
-    }
+    mse(net->forward(x), y).backward();
     opt.step();
-    return total;
   };
   for (long w = 0; w < c.warmup; ++w) step(data[0].first, data[0].second);
   auto t0 = Clock::now();
@@ -106,16 +132,14 @@ double run_single_process(const Config& c, const std::vector<std::pair<at::Tenso
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// Runs bench/pytorch_pipeline.py with the same configuration; returns split -> seconds (empty if unavailable).
-std::map<long, double> run_pytorch(const Config& c, const std::string& script) {
+// bench/pytorch_pipeline.py for one split; seconds, or NAN if it did not run.
+double run_pytorch(const Config& c, long split, const std::string& script) {
   std::ostringstream cmd;
   cmd << "/usr/bin/python3 " << script << " --batch-size " << c.batch << " --image-size " << c.image
       << " --num-batches " << c.batches << " --threads " << c.threads << " --base-width " << c.width
-      << " --num-classes " << c.classes << " --warmup " << c.warmup << " --splits";
-  for (long s : c.splits) cmd << ' ' << s;
-  cmd << " 2>/dev/null";
+      << " --num-classes " << c.classes << " --warmup " << c.warmup << " --splits " << split << " 2>/dev/null";
   std::fprintf(stderr, "# running PyTorch: %s\n", cmd.str().c_str());
-  std::map<long, double> out;
+  double out = NAN;
   FILE* p = ::popen(cmd.str().c_str(), "r");
   if (!p) return out;
   char line[4096];
@@ -125,17 +149,44 @@ std::map<long, double> run_pytorch(const Config& c, const std::string& script) {
       std::fprintf(stderr, "  [pytorch] %s", line);
       continue;
     }
-    // {"splits": {"1": 5.2, "2": 4.5}}: pull out each "N": seconds pair.
-    for (std::size_t pos = l.find('{', l.find("splits")); (pos = l.find('"', pos + 1)) != std::string::npos;) {
-      auto end = l.find('"', pos + 1);
-      long split = std::stol(l.substr(pos + 1, end - pos - 1));
-      auto colon = l.find(':', end);
-      out[split] = std::stod(l.substr(colon + 1));
-      pos = l.find_first_of(",}", colon);
-    }
+    auto key = l.find("\"" + std::to_string(split) + "\"");
+    if (key != std::string::npos) out = std::stod(l.substr(l.find(':', key) + 1));
   }
   ::pclose(p);
   return out;
+}
+
+// One Gantt chart: a row per (schedule run, worker), boxes from each action's start to end, coloured by kind.
+void write_gantt(const std::string& png, const std::vector<std::pair<std::string, std::vector<WorkerReport>>>& runs) {
+  const std::string data = png + ".dat", script = png + ".gp";
+  std::ofstream d(data), g(script);
+  std::string ytics;
+  int row = 0;
+  for (auto& [label, workers] : runs) {
+    std::int64_t origin = INT64_MAX;
+    for (auto& w : workers)
+      for (auto& r : w.records) origin = std::min(origin, r.start_ns);
+    for (auto& w : workers) {
+      ytics += (ytics.empty() ? "" : ", ") + ("\"" + label + " w" + std::to_string(w.rank) + "\" ") + std::to_string(row);
+      for (auto& r : w.records) {
+        const double s = (r.start_ns - origin) / 1e6, e = (r.end_ns - origin) / 1e6;
+        const int colour = static_cast<int>(r.action.kind);
+        d << (s + e) / 2 << ' ' << row << ' ' << (e - s) / 2 << ' ' << 0.4 << ' ' << colour << '\n';
+      }
+      ++row;
+    }
+    ++row;  // a gap between runs
+  }
+  g << "set terminal pngcairo size 1400," << 120 + 28 * row << " font 'sans,10'\nset output '" << png << "'\n"
+    << "set xlabel 'ms from the step start'\nset yrange [-1:" << row << "] reverse\nset ytics (" << ytics << ")\n"
+    << "set palette defined (0 '#3b75af', 1 '#c03d3e', 2 '#ef8636', 3 '#519e3e')\nset cbrange [0:3]\nunset colorbox\n"
+    << "set title 'pipeline timeline (blue F, red B, orange I, green W)'\nset grid xtics\n"
+    << "plot '" << data << "' using 1:2:3:4:5 with boxxyerror fs solid 0.9 noborder lc palette notitle\n";
+  g.close();
+  d.close();
+  const std::string cmd = "gnuplot '" + script + "'";
+  if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "# gnuplot failed or is missing: no %s\n", png.c_str());
+  else std::fprintf(stderr, "# wrote %s\n", png.c_str());
 }
 
 }  // namespace
@@ -143,35 +194,42 @@ std::map<long, double> run_pytorch(const Config& c, const std::string& script) {
 int main(int argc, char** argv) {
   bench::Flags flags(argc, argv);
   if (flags.has("help")) {
-    std::puts("pipeline_bench [--splits 1,2,4,8] [--batch-size 32] [--image-size 64] [--num-batches 3] [--threads 1]\n"
-              "               [--warmup 1] [--device auto|cpu|cuda:N] [--base-width 64] [--num-classes 1000] [--schedule gpipe|1f1b]\n"
-              "               [--tutorial] [--compare-pytorch] [--pytorch-script bench/pytorch_pipeline.py]");
+    std::puts("pipeline_bench [--schedules gpipe,1f1b,interleaved,zbh1] [--splits 1,2,4,8] [--balance time|tutorial|N,N..]\n"
+              "               [--workers 2] [--batch-size 32] [--image-size 64] [--num-batches 3] [--threads 1] [--warmup 1]\n"
+              "               [--base-width 64] [--num-classes 1000] [--tutorial] [--compare-pytorch]\n"
+              "               [--pytorch-script bench/pytorch_pipeline.py] [--trace FILE.json] [--gantt FILE.png]");
     return 0;
   }
   const bool tutorial = flags.has("tutorial");
-  Config c{flags.get_list("splits", "1,2,4,8"),
-           flags.get_int("batch-size", tutorial ? 120 : 32),
-           flags.get_int("image-size", tutorial ? 128 : 64),
-           flags.get_int("num-batches", 3),
-           flags.get_int("threads", 1),
-           flags.get_int("base-width", 64),
-           flags.get_int("num-classes", 1000),
-           flags.get_int("warmup", 1),
-           flags.get("device", "auto"),
-           flags.get("schedule", "gpipe") == "1f1b"};
+  Config c;
+  c.splits = flags.get_list("splits", "1,2,4,8");
+  {
+    std::stringstream ss(flags.get("schedules", "gpipe,1f1b,interleaved,zbh1"));
+    for (std::string s; std::getline(ss, s, ',');) c.schedules.push_back(schedule_from_string(s));
+  }
+  c.balance = flags.get("balance", "time");
+  c.batch = flags.get_int("batch-size", tutorial ? 120 : 32);
+  c.image = flags.get_int("image-size", tutorial ? 128 : 64);
+  c.batches = flags.get_int("num-batches", 3);
+  c.threads = flags.get_int("threads", 1);
+  c.width = flags.get_int("base-width", 64);
+  c.classes = g_classes = flags.get_int("num-classes", 1000);
+  c.warmup = flags.get_int("warmup", 1);
+  c.workers = flags.get_int("workers", 2);
+  const bool compare = flags.has("compare-pytorch");
+  const std::string script = flags.get("pytorch-script", "bench/pytorch_pipeline.py");
+  const std::string trace_path = flags.get("trace", ""), gantt_path = flags.get("gantt", "");
 
-  if (c.device == "auto") c.device = torch::cuda::is_available() ? "cuda:0" : "cpu";  // CUDA when build and machine have it
   bench::print_machine();
-  std::printf("# ResNet50 (base width %ld) in 2 shards on 2 worker processes + master; batch %ld of %ldx%ld images, "
-              "%ld timed batches after %ld warm-up, %ld intra-op thread(s) per process (OpenMP and OpenBLAS), device %s, schedule %s\n",
-              c.width, c.batch, c.image, c.image, c.batches, c.warmup, c.threads, c.device.c_str(),
-              c.one_f_one_b ? "1F1B" : "GPipe");
+  std::printf("# ResNet50 (base width %ld) as a Sequential of %zu layers on %ld worker processes + master (CPU); batch %ld of "
+              "%ldx%ld images, %ld timed batches after %ld warm-up, %ld intra-op thread(s) per process; balance: %s\n",
+              c.width, 4 + 16 + 3, c.workers, c.batch, c.image, c.image, c.batches, c.warmup, c.threads,
+              c.balance.c_str());
   std::fflush(stdout);
 
-  // Results cross from the ranks to this process through a file (ranks are forked processes).
+  // Results cross from rank 0 to this process through a file (ranks are forked processes).
   char path[] = "/tmp/corpc_pipeline_bench_XXXXXX";
-  int fd = ::mkstemp(path);
-  ::close(fd);
+  ::close(::mkstemp(path));
   RpcOptions options;
   options.rpc_timeout = std::chrono::minutes(10);
   options.init_timeout = std::chrono::seconds(60);
@@ -179,24 +237,51 @@ int main(int argc, char** argv) {
   options.worker_thread_init = [threads] { at::set_num_threads(threads); };
   LaunchOptions so;
   so.timeout = std::chrono::minutes(60);
+  const int world = static_cast<int>(c.workers) + 1;
   try {
-    launch_processes(3, [&](int rank) {
+    launch_processes(world, [&](int rank) {
       at::set_num_threads(threads);
       bench::set_blas_threads(threads);
-      init_rpc(rank == 0 ? "master" : "worker" + std::to_string(rank), rank, 3, options);
+      init_rpc(rank == 0 ? "master" : "worker" + std::to_string(rank), rank, world, options);
       if (rank == 0) {
         auto data = make_data(c);
         std::ofstream out(path);
+        std::map<int, std::vector<int>> balances;  // by number of stages
+        ChromeTrace trace;
+        std::vector<std::pair<std::string, std::vector<WorkerReport>>> gantt;
+        int process = 0;
         for (long s : c.splits) {
           if (micro_batch_too_small(c, s)) {
             std::fprintf(stderr, "  [%ld splits] skipped: a micro-batch this small leaves one value per BatchNorm channel\n", s);
             continue;
           }
-          out << s << ' ' << run_split(c, s, data) << '\n';
-          out << "seq" << s << ' ' << run_single_process(c, data, s) << '\n';  // right after, on the same machine state
+          for (auto schedule : c.schedules) {
+            const int v = schedule == Schedule::Interleaved1F1B ? 2 : 1;
+            const int stages = static_cast<int>(c.workers) * v;
+            if (!balances.count(stages)) balances[stages] = make_balance(c, stages);
+            auto r = run_pipeline(c, schedule, s, balances[stages], data);
+            out << "run " << static_cast<int>(schedule) << ' ' << s << ' ' << r.seconds << ' ' << r.bubble;
+            for (std::size_t w = 0; w < r.peak_bytes.size(); ++w) out << ' ' << r.peak_bytes[w] << ' ' << r.held[w];
+            out << '\n';
+            const std::string label = std::string(to_string(schedule)) + " M=" + std::to_string(s);
+            std::int64_t origin = INT64_MAX;
+            for (auto& w : r.last)
+              for (auto& rec : w.records) origin = std::min(origin, rec.start_ns);
+            trace.add_step(process++, label, r.last, origin);
+            if (s == c.splits.back()) gantt.emplace_back(label, r.last);
+          }
+          if (compare) out << "pytorch " << s << ' ' << run_pytorch(c, s, script) << '\n';  // interleaved with corpc
           out.flush();
         }
         out << "single " << run_single_process(c, data) << '\n';
+        out << "balance";
+        for (auto& [n, b] : balances) {
+          out << ' ' << n << ':';
+          for (std::size_t i = 0; i < b.size(); ++i) out << (i ? "," : "") << b[i];
+        }
+        out << '\n';
+        if (!trace_path.empty() && trace.write(trace_path)) std::fprintf(stderr, "# wrote %s\n", trace_path.c_str());
+        if (!gantt_path.empty()) write_gantt(gantt_path, gantt);
       }
       shutdown();
     }, so);
@@ -206,41 +291,74 @@ int main(int argc, char** argv) {
     return 1;
   }
 
-  std::map<long, double> corpc_times, sequential;
+  struct Row {
+    int schedule;
+    long splits;
+    double seconds, bubble;
+    std::vector<std::pair<std::int64_t, int>> workers;
+  };
+  std::vector<Row> rows;
+  std::map<long, double> torch_times;
   double single = NAN;
+  std::string balance_line;
   {
     std::ifstream in(path);
-    std::string key;
-    double secs;
-    while (in >> key >> secs) {
-      if (key == "single") single = secs;
-      else if (key.rfind("seq", 0) == 0) sequential[std::stol(key.substr(3))] = secs;
-      else corpc_times[std::stol(key)] = secs;
+    for (std::string line; std::getline(in, line);) {
+      std::istringstream ls(line);
+      std::string key;
+      ls >> key;
+      if (key == "run") {
+        Row r;
+        ls >> r.schedule >> r.splits >> r.seconds >> r.bubble;
+        std::int64_t bytes;
+        int held;
+        while (ls >> bytes >> held) r.workers.emplace_back(bytes, held);
+        rows.push_back(r);
+      } else if (key == "pytorch") {
+        long s;
+        double t;
+        ls >> s >> t;
+        torch_times[s] = t;
+      } else if (key == "single") {
+        ls >> single;
+      } else if (key == "balance") {
+        std::getline(ls, balance_line);
+      }
     }
   }
   ::unlink(path);
 
-  std::map<long, double> torch_times;
-  if (flags.has("compare-pytorch")) torch_times = run_pytorch(c, flags.get("pytorch-script", "bench/pytorch_pipeline.py"));
-
-  const double images = static_cast<double>(c.batch * c.batches);
-  const double base = corpc_times.count(1) ? corpc_times[1] : NAN;
-  std::printf("\n| splits | time (s) | speedup vs 1 split | images/s | GPipe ideal (2 stages) | 1 process, in sequence (s) | sequence / corpc |%s\n",
-              torch_times.empty() ? "" : " PyTorch RPC (s) | PyTorch / corpc |");
-  std::printf("|-------:|---------:|-------------------:|---------:|-----------------------:|---------------------------:|-----------------:|%s\n",
-              torch_times.empty() ? "" : "----------------:|----------------:|");
-  for (auto& [s, t] : corpc_times) {
-    std::printf("| %6ld | %8.2f | %18.2f | %8.1f | %22.2f |", s, t, base / t, images / t, 2.0 * s / (s + 1.0));
-    const double seq = sequential.count(s) ? sequential[s] : NAN;
-    std::printf(" %26.2f | %16.2f |", seq, seq / t);
-    if (!torch_times.empty()) {
-      if (torch_times.count(s)) std::printf(" %15.2f | %15.2f |", torch_times[s], torch_times[s] / t);
-      else std::printf(" %15s | %15s |", "-", "-");
+  std::printf("# balance (stages:layers per stage):%s\n", balance_line.c_str());
+  double gpipe1 = NAN;
+  for (auto& r : rows)
+    if (r.schedule == static_cast<int>(Schedule::GPipe) && r.splits == 1) gpipe1 = r.seconds;
+  std::printf("\n| schedule | splits | time (s) | GPipe@1 / this | bubble measured | bubble formula | peak activations per worker (MiB) | micro-batches held | PyTorch RPC (s) | PyTorch / corpc |\n");
+  std::printf("|---|---:|---:|---:|---:|---:|---|---|---:|---:|\n");
+  double best = INFINITY, best_torch = INFINITY;
+  for (auto& r : rows) {
+    const auto schedule = static_cast<Schedule>(r.schedule);
+    const int v = schedule == Schedule::Interleaved1F1B ? 2 : 1;
+    std::string mem, held;
+    for (auto& [b, h] : r.workers) {
+      char buf[32];
+      std::snprintf(buf, sizeof buf, "%s%.1f", mem.empty() ? "" : " / ", b / 1048576.0);
+      mem += buf;
+      held += (held.empty() ? "" : " / ") + std::to_string(h);
     }
-    std::printf("\n");
+    const double torch_s = torch_times.count(r.splits) ? torch_times[r.splits] : NAN;
+    best = std::min(best, r.seconds);
+    if (!std::isnan(torch_s)) best_torch = std::min(best_torch, torch_s);
+    std::printf("| %s | %ld | %.2f | %.2f | %.3f | %.3f | %s | %s | %.2f | %.2f |\n", to_string(schedule), r.splits,
+                r.seconds, gpipe1 / r.seconds, r.bubble,
+                bubble_formula(schedule, static_cast<int>(c.workers), v, static_cast<int>(r.splits)), mem.c_str(),
+                held.c_str(), torch_s, torch_s / r.seconds);
   }
-  std::printf("\nOne process, no RPC (same batches, %ld thread): %.2f s, %.1f images/s\n", c.threads, single, images / single);
-  std::printf("1 process, in sequence: the same micro-batches through both shards one after another in one process, no RPC,\n"
-              "timed right after each split's run. sequence / corpc > 1: the pipeline beats running them in sequence.\n");
-  return corpc_times.empty() ? 1 : 0;
+  const double images = static_cast<double>(c.batch * c.batches);
+  std::printf("\nOne process, no RPC, whole batches (%ld thread): %.2f s, %.1f images/s\n", c.threads, single, images / single);
+  std::printf("Best corpc run: %.2f s = %.2fx PyTorch's best split (%.2f s), %.2fx one process\n", best, best / best_torch,
+              best_torch, best / single);
+  std::printf("Bubble measured: idle share of each worker between the step's first and last action (waits for inputs,\n"
+              "messages, the step's start and end), averaged over workers and timed steps. Peak activations: the CPU\n"
+              "allocator's peak during a step above what was live at its start (parameters, gradients, optimizer state).\n");
+  return rows.empty() ? 1 : 0;
 }

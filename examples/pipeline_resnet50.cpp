@@ -4,8 +4,9 @@
 //
 // ResNet50 is cut in two shards that live on worker1 and worker2; the master splits each batch into micro-batches
 // and streams them through the shards as co_await chains: shard 1's output stays on worker1 as an RRef and worker2
-// pulls it from there. Training uses distributed autograd and DistributedOptimizer. (The library's reusable version
-// of this is corpc::pipeline::Pipeline; bench/pipeline_bench.cpp measures it.)
+// pulls it from there. Training uses distributed autograd and DistributedOptimizer. (The library's pipeline,
+// corpc::pipeline::Pipeline, runs per-stage schedules without distributed autograd; bench/pipeline_bench.cpp measures
+// it against this tutorial's code in PyTorch.)
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/sgd.h>
 
@@ -14,7 +15,9 @@
 
 #include "../bench/bench_util.hpp"
 #include "corpc/corpc.hpp"
-#include "corpc/pipeline/pipeline.hpp"
+#include "corpc/autograd/dist_autograd.hpp"
+#include "corpc/autograd/optimizer.hpp"
+#include "corpc/rref/rref.hpp"
 #include "resnet/resnet_shards.hpp"
 
 using namespace corpc;

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Installs what building and testing corpc needs on Debian 12; skips what is already there. Idempotent.
 #   scripts/setup.sh              build + test dependencies
-#   scripts/setup.sh --pytorch    also Debian's python3-torch, for the PyTorch comparison benchmarks
+#   scripts/setup.sh --pytorch    also Debian's python3-torch, for the PyTorch comparison benchmarks, and gnuplot-nox,
+#                                 which draws the pipeline benchmark's Gantt chart (scripts/benchmark.sh)
 set -euo pipefail
 
 packages=(g++ meson ninja-build pkg-config libtorch-dev libgloo-dev libasio-dev libfmt-dev doctest-dev libssl-dev
           # libtorch sends small convolutions through libblas.so.3; Debian's default is the slow reference BLAS.
           libopenblas0-pthread)
 if [[ "${1:-}" == "--pytorch" ]]; then
-  packages+=(python3-torch)
+  packages+=(python3-torch gnuplot-nox)
 fi
 
 missing=()

@@ -13,27 +13,28 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include "corpc/autograd/dist_autograd.hpp"
 #include "corpc/ddp/ddp.hpp"
 
 namespace corpc::ddp {
 
 CommHook allreduce_hook() {
-  return [](c10d::ProcessGroup& group, const at::Tensor& bucket) {
-    std::vector<at::Tensor> tensors{bucket};
+  return [](c10d::ProcessGroup& group, const GradBucket& bucket) {
+    std::vector<at::Tensor> tensors{bucket.buffer};
     auto work = group.allreduce(tensors);
-    const double world = group.getSize();
+    const double divisor = static_cast<double>(bucket.divisor);
     return work->getFuture()->then(
-        [world](c10::ivalue::Future& f) { return c10::IValue(f.value().toTensorVector()[0].div_(world)); },
+        [divisor](c10::ivalue::Future& f) { return c10::IValue(f.value().toTensorVector()[0].div_(divisor)); },
         c10::TensorType::get());
   };
 }
 
 CommHook fp16_compress_hook() {
-  return [](c10d::ProcessGroup& group, const at::Tensor& bucket) {
-    const double world = group.getSize();
-    std::vector<at::Tensor> tensors{bucket.div(world).to(at::kHalf)};  // divide first: the sum stays in range
+  return [](c10d::ProcessGroup& group, const GradBucket& bucket) {
+    // Divide first: the sum stays in float16's range.
+    std::vector<at::Tensor> tensors{bucket.buffer.div(static_cast<double>(bucket.divisor)).to(at::kHalf)};
     auto work = group.allreduce(tensors);
-    const auto dtype = bucket.scalar_type();
+    const auto dtype = bucket.buffer.scalar_type();
     return work->getFuture()->then(
         [dtype](c10::ivalue::Future& f) { return c10::IValue(f.value().toTensorVector()[0].to(dtype)); },
         c10::TensorType::get());
@@ -67,7 +68,16 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
   bool in_backward = false;
   size_t next_launch = 0;
   size_t launched_early = 0;  // of the current / last backward
+  // The distributed autograd context whose backward pass this is (its gradients live there, not in .grad), or -1.
+  std::int64_t pass_context = -1;
   std::vector<bool> unused;   // find_unused_parameters: not reachable from the last forward's output
+
+  // Join (uneven inputs): see ddp.hpp.
+  bool joining = false;
+  JoinOptions join_options;
+  int64_t divisor = 1;           // of the current step's gradients
+  int64_t source_rank = 0;       // buffers come from here: the highest rank still training
+  int64_t last_source_rank = -1; // source_rank of the last step any rank trained in
 
   void build_buckets() {
     const double cap_bytes = options.bucket_cap_mb * 1024 * 1024;
@@ -98,9 +108,19 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
     }
   }
 
+  // Parameter k of bucket b's slice of the flat buffer. Made with set_ on the buffer's storage rather than
+  // narrow/view so that it carries no autograd view metadata: as a `.grad` it must survive zero_grad's detach_().
   at::Tensor view_of(const Bucket& b, size_t k) const {
     const auto& p = params[b.params[k]];
-    return b.flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes());
+    std::vector<int64_t> strides(p.dim(), 1);
+    for (int64_t d = p.dim() - 1; d > 0; --d) strides[d - 1] = strides[d] * p.size(d);
+    return at::empty({0}, b.flat.options()).set_(b.flat.storage(), b.flat.storage_offset() + b.offsets[k], p.sizes(),
+                                                 strides);
+  }
+
+  bool is_bucket_view(const at::Tensor& grad, const Bucket& b, size_t k) const {
+    return grad.defined() && grad.is_alias_of(b.flat) &&
+           grad.storage_offset() == b.flat.storage_offset() + b.offsets[k] && grad.is_contiguous();
   }
 
   void reset_locked() {
@@ -116,8 +136,9 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
   // Collectives must be issued in the same order on every rank: launch strictly in bucket order.
   void launch_ready_locked() {
     while (next_launch < buckets.size() && buckets[next_launch].pending == 0) {
-      auto& b = buckets[next_launch++];
-      b.result = options.comm_hook(*group, b.flat);
+      auto& b = buckets[next_launch];
+      b.result = options.comm_hook(*group, GradBucket{b.flat, next_launch, divisor});
+      ++next_launch;
     }
   }
 
@@ -126,14 +147,20 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
     if (!sync) return;
     if (!in_backward) {
       in_backward = true;
+      pass_context = dist_autograd::leaf_hooks::pass_context_id();
       reset_locked();
       for (size_t j = 0; j < unused.size(); ++j) {
         if (unused[j]) mark_ready_locked(j);
       }
       std::weak_ptr<State> weak = weak_from_this();
-      torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+      auto finish = [weak] {
         if (auto self = weak.lock()) self->finish_backward();
-      });
+      };
+      if (pass_context >= 0) {
+        dist_autograd::leaf_hooks::at_end_of_pass(std::move(finish));
+      } else {
+        torch::autograd::Engine::get_default_engine().queue_callback(std::move(finish));
+      }
     }
     mark_ready_locked(i);
     const size_t before = next_launch;
@@ -141,18 +168,34 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
     launched_early += next_launch - before;
   }
 
-  // Copies parameter i's gradient (zero if it has none) into its bucket.
+  bool views_in_use() const { return options.gradient_as_bucket_view && pass_context < 0; }
+
+  // Parameter i's gradient so far: in .grad, or in the distributed autograd context of this pass.
+  at::Tensor current_grad(size_t i) const {
+    return pass_context >= 0 ? dist_autograd::leaf_hooks::gradient(pass_context, params[i]) : params[i].grad();
+  }
+
+  // Puts parameter k of bucket b's gradient (zero if it has none) into its bucket.
+  void fill_slot_locked(Bucket& b, size_t k) {
+    auto& p = params[b.params[k]];
+    const auto grad = current_grad(b.params[k]);
+    torch::NoGradGuard no_grad;
+    if (views_in_use() && is_bucket_view(grad, b, k)) return;  // backward accumulated in place
+    auto view = view_of(b, k);
+    if (grad.defined()) {
+      view.copy_(grad);
+    } else {
+      view.zero_();
+    }
+    // From now on backward accumulates into the bucket (AccumulateGrad adds in place to a defined .grad).
+    if (views_in_use()) p.mutable_grad() = view;
+  }
+
   void mark_ready_locked(size_t i) {
     const auto [bi, k] = slots[i];
     auto& b = buckets[bi];
     if (b.ready[k]) return;
-    const auto& grad = params[i].grad();
-    torch::NoGradGuard no_grad;
-    if (grad.defined()) {
-      view_of(b, k).copy_(grad);
-    } else {
-      view_of(b, k).zero_();
-    }
+    fill_slot_locked(b, k);
     b.ready[k] = true;
     --b.pending;
   }
@@ -178,6 +221,22 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
     for (size_t i = 0; i < params.size(); ++i) unused[i] = seen.count(accumulators[i].get()) == 0;
   }
 
+  // Waits for bucket bi's average; throws DDP's error (naming the bucket and this rank) if the collective failed.
+  at::Tensor wait_bucket_locked(size_t bi) {
+    auto& b = buckets[bi];
+    b.result->wait();
+    if (b.result->hasError()) {
+      const std::string why = b.result->tryRetrieveErrorMessage();
+      reset_locked();
+      in_backward = false;
+      throw std::runtime_error("DDP: gradient allreduce of bucket " + std::to_string(bi) + " failed on rank " +
+                               std::to_string(group->getRank()) + " (a peer died or timed out?): " + why);
+    }
+    const auto value = b.result->value();
+    b.result.reset();
+    return value.isTensor() ? value.toTensor() : value.toTensorVector()[0];
+  }
+
   void finish_backward() {
     std::lock_guard<std::mutex> lock(mutex);
     torch::NoGradGuard no_grad;
@@ -186,12 +245,7 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
       if (b.pending == 0) continue;
       for (size_t k = 0; k < b.params.size(); ++k) {
         if (b.ready[k]) continue;
-        const auto& grad = params[b.params[k]].grad();
-        if (grad.defined()) {
-          view_of(b, k).copy_(grad);
-        } else {
-          view_of(b, k).zero_();
-        }
+        fill_slot_locked(b, k);
         b.ready[k] = true;
       }
       b.pending = 0;
@@ -199,16 +253,25 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
     launch_ready_locked();
     for (size_t bi = 0; bi < buckets.size(); ++bi) {
       auto& b = buckets[bi];
-      b.result->wait();
-      if (b.result->hasError()) {
-        const std::string why = b.result->tryRetrieveErrorMessage();
-        reset_locked();
-        in_backward = false;
-        throw std::runtime_error("DDP: gradient allreduce of bucket " + std::to_string(bi) + " failed on rank " +
-                                 std::to_string(group->getRank()) + " (a peer died or timed out?): " + why);
+      const at::Tensor averaged = wait_bucket_locked(bi);
+      if (pass_context >= 0) {
+        // The context keeps what it is given: a copy, since the bucket is reused by the next backward.
+        for (size_t k = 0; k < b.params.size(); ++k) {
+          auto& p = params[b.params[k]];
+          dist_autograd::leaf_hooks::set_gradient(pass_context, p,
+                                                  averaged.narrow(0, b.offsets[k], p.numel()).view(p.sizes()).clone());
+        }
+        continue;
       }
-      const auto value = b.result->value();
-      const at::Tensor averaged = value.isTensor() ? value.toTensor() : value.toTensorVector()[0];
+      if (views_in_use()) {
+        // allreduce_hook averages in place: then the gradients already hold their averages.
+        if (averaged.data_ptr() != b.flat.data_ptr()) b.flat.copy_(averaged);
+        for (size_t k = 0; k < b.params.size(); ++k) {
+          auto& p = params[b.params[k]];
+          if (!is_bucket_view(p.grad(), b, k)) p.mutable_grad() = view_of(b, k);
+        }
+        continue;
+      }
       for (size_t k = 0; k < b.params.size(); ++k) {
         auto& p = params[b.params[k]];
         auto part = averaged.narrow(0, b.offsets[k], p.numel()).view(p.sizes());
@@ -218,17 +281,59 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
           p.mutable_grad() = part.clone();
         }
       }
-      b.result.reset();
     }
     in_backward = false;
   }
 
-  void broadcast(std::vector<at::Tensor>& tensors) {
+  void broadcast(std::vector<at::Tensor>& tensors, int64_t root = 0) {
     torch::NoGradGuard no_grad;
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
     for (auto& t : tensors) {
       std::vector<at::Tensor> one{t.detach()};
-      group->broadcast(one)->wait();
+      group->broadcast(one, o)->wait();
     }
+  }
+
+  // Join: the allreduce every rank makes once per step while a join is open. Returns (ranks training, whether
+  // they synchronise gradients this step); sets the divisor and the rank buffers come from.
+  std::pair<int64_t, bool> join_vote(bool training, bool wants_sync) {
+    const int64_t world = group->getSize();
+    auto votes = at::zeros({world + 1}, at::kLong);
+    if (training) {
+      votes[group->getRank()] = 1;
+      votes[world] = wants_sync ? 1 : 0;
+    }
+    std::vector<at::Tensor> t{votes};
+    group->allreduce(t)->wait();
+    auto v = t[0];
+    const int64_t active = v.narrow(0, 0, world).sum().item<int64_t>();
+    if (active > 0) {
+      source_rank = v.narrow(0, 0, world).nonzero().max().item<int64_t>();
+      last_source_rank = source_rank;
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    divisor = join_options.divide_by_initial_world_size || active == 0 ? world : active;
+    return {active, v[world].item<int64_t>() > 0};
+  }
+
+  bool has_buffers_to_broadcast() const {
+    return options.broadcast_buffers && !buffers.empty() && group->getSize() > 1;
+  }
+
+  // A joined rank's share of one step of the others: what their forward and backward do collectively.
+  void shadow_step(bool synchronised) {
+    if (has_buffers_to_broadcast()) broadcast(buffers, source_rank);
+    if (!synchronised) return;
+    std::lock_guard<std::mutex> lock(mutex);
+    torch::NoGradGuard no_grad;
+    reset_locked();
+    for (auto& b : buckets) {
+      b.flat.zero_();  // a joined rank contributes nothing
+      b.pending = 0;
+    }
+    launch_ready_locked();
+    for (size_t bi = 0; bi < buckets.size(); ++bi) wait_bucket_locked(bi);
   }
 };
 
@@ -237,6 +342,7 @@ GradientSync::GradientSync(torch::nn::Module& module, c10::intrusive_ptr<c10d::P
   auto& s = *state_;
   s.group = std::move(group);
   s.options = std::move(options);
+  s.divisor = s.group->getSize();
   if (!s.options.comm_hook) s.options.comm_hook = allreduce_hook();
   for (auto& p : module.parameters()) {
     if (p.requires_grad()) s.params.push_back(p);
@@ -249,6 +355,18 @@ GradientSync::GradientSync(torch::nn::Module& module, c10::intrusive_ptr<c10d::P
   auto all = s.params;
   all.insert(all.end(), s.buffers.begin(), s.buffers.end());
   s.broadcast(all);
+
+  if (s.options.gradient_as_bucket_view) {
+    // Gradients that exist already move into their buckets; the others follow at their first backward.
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < s.params.size(); ++i) {
+      auto& p = s.params[i];
+      if (!p.grad().defined()) continue;
+      auto view = s.view_of(s.buckets[s.slots[i].bucket], s.slots[i].index);
+      view.copy_(p.grad());
+      p.mutable_grad() = view;
+    }
+  }
 
   std::weak_ptr<State> weak = state_;
   for (size_t i = 0; i < s.params.size(); ++i) {
@@ -265,9 +383,41 @@ GradientSync::GradientSync(torch::nn::Module& module, c10::intrusive_ptr<c10d::P
 GradientSync::~GradientSync() = default;
 
 void GradientSync::before_forward() {
-  if (state_->options.broadcast_buffers && !state_->buffers.empty() && state_->group->getSize() > 1) {
-    state_->broadcast(state_->buffers);
+  auto& s = *state_;
+  if (s.joining) s.join_vote(/*training=*/true, sync_enabled() && at::GradMode::is_enabled());
+  if (s.has_buffers_to_broadcast()) s.broadcast(s.buffers, s.source_rank);
+}
+
+void GradientSync::join_begin(JoinOptions options) {
+  auto& s = *state_;
+  if (s.joining) throw std::logic_error("DDP: join() while a join is already open");
+  s.joining = true;
+  s.join_options = options;
+  s.last_source_rank = -1;
+}
+
+void GradientSync::join_finish() {
+  auto& s = *state_;
+  for (;;) {
+    const auto [active, synchronised] = s.join_vote(/*training=*/false, false);
+    if (active == 0) break;
+    s.shadow_step(synchronised);
   }
+  join_abandon();
+  // Joined ranks skipped the last optimizer steps: everyone adopts the model of a rank that trained to the end.
+  if (s.last_source_rank >= 0) {
+    auto all = s.params;
+    all.insert(all.end(), s.buffers.begin(), s.buffers.end());
+    s.broadcast(all, s.last_source_rank);
+  }
+}
+
+void GradientSync::join_abandon() {
+  auto& s = *state_;
+  s.joining = false;
+  s.source_rank = 0;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.divisor = s.group->getSize();
 }
 
 void GradientSync::after_forward(const at::Tensor& output) {

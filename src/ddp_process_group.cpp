@@ -1,7 +1,9 @@
 // The env:// rendezvous for DDP: a store (see init_process_group's comment for which) and a Gloo group on it.
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 
@@ -11,6 +13,8 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "corpc/ddp/ddp.hpp"
+#include "corpc/ddp/rpc_store.hpp"
+#include "corpc/rpc/runtime.hpp"
 
 namespace corpc::ddp {
 namespace {
@@ -22,6 +26,15 @@ std::string env_or(const char* name, const char* fallback) {
     return fallback;
   }
   return v;
+}
+
+// The first of `names` that is set, as init_rpc reads them (torchrun / Slurm / Open MPI / PMI).
+int env_int(std::initializer_list<const char*> names, const char* what) {
+  for (const char* n : names) {
+    const char* v = std::getenv(n);
+    if (v != nullptr && *v != '\0') return std::stoi(v);
+  }
+  throw std::runtime_error(std::string("init_process_group: ") + what + " is not set (" + *names.begin() + ")");
 }
 
 c10::intrusive_ptr<c10d::Store> make_store(const std::string& addr, int port, int rank, int world,
@@ -47,12 +60,28 @@ c10::intrusive_ptr<c10d::Store> make_store(const std::string& addr, int port, in
 }  // namespace
 
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const ProcessGroupOptions& options) {
-  const int rank = std::stoi(env_or("RANK", nullptr));
-  const int world = std::stoi(env_or("WORLD_SIZE", nullptr));
+  Runtime* rpc = Runtime::try_get();
+  int rank = options.rank, world = options.world_size;
+  if (rank < 0) rank = rpc ? rpc->rank() : env_int({"RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"}, "RANK");
+  if (world < 0) {
+    world = rpc ? rpc->world_size()
+                : env_int({"WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}, "WORLD_SIZE");
+  }
+  if (rank >= world) {
+    throw std::invalid_argument("init_process_group: rank " + std::to_string(rank) + " is not below the group size " +
+                                std::to_string(world));
+  }
   const std::string addr = env_or("MASTER_ADDR", "127.0.0.1");
-  const int port = std::stoi(env_or("MASTER_PORT", "29500"));
-  auto store = c10::make_intrusive<c10d::PrefixStore>(options.store_prefix,
-                                                      make_store(addr, port, rank, world, options.timeout));
+  // Groups made one after another in a process (on every rank in the same order, as in PyTorch) get their own keys.
+  static std::atomic<int> groups_made{0};
+  const std::string prefix = options.store_prefix + std::to_string(groups_made++) + "/";
+  c10::intrusive_ptr<c10d::Store> base;
+  if (rpc != nullptr) {
+    base = c10::make_intrusive<RpcStore>(0, options.timeout);  // one rendezvous: the keys live on RPC's rank 0
+  } else {
+    base = make_store(addr, std::stoi(env_or("MASTER_PORT", "29500")), rank, world, options.timeout);
+  }
+  auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, base);
   auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
   const bool loopback = addr == "127.0.0.1" || addr == "localhost";
   gloo_options->devices = {loopback ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")

@@ -168,12 +168,34 @@ const bool g_hooks_installed = [] {
 
 Future<void> continue_from_send(std::int64_t ctx_id, std::int64_t msg_id, std::vector<at::Tensor> grads);
 
+// The local pass running leaf hooks on this thread (see leaf_hooks in the header).
+struct LeafHookPass {
+  std::int64_t context;
+  std::vector<std::function<void()>> at_end;
+};
+thread_local LeafHookPass* tls_leaf_pass = nullptr;
+
+// Adds a leaf's gradient to the context, then runs the post hooks of its accumulator.
+void accumulate_leaf(ContextState& ctx, LeafHookPass& pass, ag::AccumulateGrad& acc, const at::Tensor& grad) {
+  ctx.accumulate(acc.variable, grad);
+  if (acc.post_hooks().empty() || !grad.defined()) return;
+  tls_leaf_pass = &pass;
+  try {
+    for (auto& hook : acc.post_hooks()) (*hook)({}, {grad});
+  } catch (...) {
+    tls_leaf_pass = nullptr;
+    throw;
+  }
+  tls_leaf_pass = nullptr;
+}
+
 // One worker's share of a backward pass: run the local engine from `roots`, keep the gradients of leaves in the
 // context, and ship the gradients that reach recv functions to their senders. Completes when those have finished.
 Future<void> local_pass(const std::shared_ptr<ContextState>& ctx, const ag::edge_list& roots, ag::variable_list grads) {
   ag::edge_list engine_roots;
   ag::variable_list engine_grads;
   std::map<RecvFunction*, std::vector<at::Tensor>> shipped;  // gradients for the senders of what we received
+  LeafHookPass hook_pass{ctx->id, {}};
   auto ship = [&](RecvFunction* recv, std::uint32_t nr, const at::Tensor& g) {
     auto& slot = shipped[recv];
     slot.resize(recv->num_inputs());
@@ -182,14 +204,14 @@ Future<void> local_pass(const std::shared_ptr<ContextState>& ctx, const ag::edge
   };
   for (std::size_t i = 0; i < roots.size(); ++i) {
     ag::Node* fn = roots[i].function.get();
-    if (auto* acc = dynamic_cast<ag::AccumulateGrad*>(fn)) ctx->accumulate(acc->variable, grads[i]);  // a leaf, sent as is
+    if (auto* acc = dynamic_cast<ag::AccumulateGrad*>(fn)) accumulate_leaf(*ctx, hook_pass, *acc, grads[i]);  // a leaf, sent as is
     else if (auto* recv = dynamic_cast<RecvFunction*>(fn)) ship(recv, roots[i].input_nr, grads[i]);  // passed straight on
     else if (fn) engine_roots.push_back(roots[i]), engine_grads.push_back(grads[i]);
   }
 
   // What the engine should hand back instead of accumulating or running: leaves and recv functions.
   ag::edge_list outputs;
-  std::vector<at::Tensor> leaves;
+  std::vector<ag::AccumulateGrad*> leaves;
   std::vector<RecvFunction*> recvs;  // parallel to outputs; nullptr for leaves
   std::set<ag::Node*> seen;
   std::vector<ag::Node*> stack;
@@ -200,14 +222,14 @@ Future<void> local_pass(const std::shared_ptr<ContextState>& ctx, const ag::edge
     if (!n || !seen.insert(n).second) continue;
     if (auto* acc = dynamic_cast<ag::AccumulateGrad*>(n)) {
       outputs.emplace_back(acc->shared_from_this(), 0);
-      leaves.push_back(acc->variable);
+      leaves.push_back(acc);
       recvs.push_back(nullptr);
       continue;
     }
     if (auto* recv = dynamic_cast<RecvFunction*>(n)) {
       for (std::uint32_t i = 0; i < recv->num_inputs(); ++i) {
         outputs.emplace_back(recv->shared_from_this(), i);
-        leaves.emplace_back();
+        leaves.push_back(nullptr);
         recvs.push_back(recv);
       }
       continue;
@@ -223,8 +245,9 @@ Future<void> local_pass(const std::shared_ptr<ContextState>& ctx, const ag::edge
 
   for (std::size_t i = 0; i < outputs.size(); ++i) {
     if (recvs[i]) ship(recvs[i], outputs[i].input_nr, captured[i]);
-    else ctx->accumulate(leaves[i], captured[i]);
+    else accumulate_leaf(*ctx, hook_pass, *leaves[i], captured[i]);
   }
+  for (auto& fn : hook_pass.at_end) fn();
   std::vector<Future<void>> remote;
   CallContextScope no_ctx(detail::with_context(-1));
   for (auto& [recv, g] : shipped) remote.push_back(rpc_async<&continue_from_send>(recv->src(), ctx->id, recv->msg_id(), g));
@@ -323,6 +346,27 @@ GradientMap get_gradients(std::int64_t context_id) {
 }
 
 std::size_t live_contexts() { return container()->size(); }
+
+namespace leaf_hooks {
+std::int64_t pass_context_id() { return tls_leaf_pass ? tls_leaf_pass->context : -1; }
+void at_end_of_pass(std::function<void()> fn) {
+  if (!tls_leaf_pass) throw UsageError("dist_autograd::leaf_hooks::at_end_of_pass outside a leaf hook of a pass");
+  tls_leaf_pass->at_end.push_back(std::move(fn));
+}
+at::Tensor gradient(std::int64_t context_id, const at::Tensor& leaf) {
+  auto ctx = container()->find(context_id);
+  if (!ctx) return {};
+  std::lock_guard lock(ctx->mutex);
+  auto it = ctx->grads.find(leaf);
+  return it == ctx->grads.end() ? at::Tensor() : it->second;
+}
+void set_gradient(std::int64_t context_id, const at::Tensor& leaf, at::Tensor grad) {
+  auto ctx = container()->find(context_id);
+  if (!ctx) throw UsageError("distributed autograd context " + std::to_string(context_id) + " is not alive");
+  std::lock_guard lock(ctx->mutex);
+  ctx->grads.insert_or_assign(leaf, std::move(grad));
+}
+}  // namespace leaf_hooks
 Future<std::uint64_t> live_contexts(const WorkerRef& worker) { return rpc_async<&live_contexts_here>(worker); }
 
 namespace detail {

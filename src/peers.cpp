@@ -69,11 +69,14 @@ void Runtime::Impl::on_close(const std::shared_ptr<detail::Connection>& conn, co
     incoming.erase(conn);
     if (rank >= 0 && rank < static_cast<int>(outgoing.size()) && outgoing[rank] == conn) outgoing[rank] = nullptr;
   }
+  const std::string reason = conn->said_goodbye ? std::string(kShutDownReason) : why;
+  // The death is recorded before anyone learns of it through a failed call: a caller woken by that failure (e.g.
+  // shutdown() on a worker whose master died) must find the rank already dead.
+  if (world_known && rank >= 0 && !was_closing) mark_dead(rank, reason);
   // Our requests on this connection cannot be answered any more, whatever the reason.
   auto error = was_closing ? std::make_exception_ptr(ShutdownError("corpc runtime shut down"))
                            : std::make_exception_ptr(ConnectionError(
-                                 "worker '" + name_of(rank) + "' (rank " + std::to_string(rank) + ") is gone: " +
-                                 (conn->said_goodbye ? std::string(kShutDownReason) : why)));
+                                 "worker '" + name_of(rank) + "' (rank " + std::to_string(rank) + ") is gone: " + reason));
   fail_calls(*conn, error);
   conn->inbound.cancel_all();  // the peer's requests running here: nobody waits for their replies any more
   if (!world_known) {
@@ -91,8 +94,6 @@ void Runtime::Impl::on_close(const std::shared_ptr<detail::Connection>& conn, co
     }
     return;
   }
-  if (rank < 0 || was_closing) return;  // never said hello, or we are leaving ourselves
-  mark_dead(rank, conn->said_goodbye ? std::string(kShutDownReason) : why);
 }
 
 void Runtime::Impl::accept_loop() {

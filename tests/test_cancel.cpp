@@ -43,9 +43,16 @@ Task<void> park() {
   }
 }
 
+// Works on its input for up to 5 s, polling its stop token as a long computation would.
 std::int64_t consume(at::Tensor t) {
   ++g_started;
-  if (this_call::stop_requested()) ++g_stopped;
+  for (int i = 0; i < 5000; ++i) {
+    if (this_call::stop_requested()) {
+      ++g_stopped;
+      break;
+    }
+    std::this_thread::sleep_for(1ms);
+  }
   return t.numel();
 }
 
@@ -125,6 +132,7 @@ TEST_CASE("a stop token stops a coroutine function at its next await, on the cal
     // The same through the future, and through wait_all stopping the rest after a failure.
     std::vector<Future<void>> batch;
     batch.push_back(rpc_async<&park>(1));
+    eventually<&started>(1, 2);  // running, not merely queued (a queued call would be dropped, not stopped)
     batch.push_back(make_exceptional_future<void>(std::make_exception_ptr(std::runtime_error("one failed"))));
     auto all = wait_all(std::move(batch), WaitAll::stop_rest_on_failure);
     EXPECT_THROWS_AS(all.wait(), std::runtime_error);

@@ -14,11 +14,15 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <corpc/ddp/checkpoint.hpp>
 #include <corpc/ddp/ddp.hpp>
 #include <corpc/ddp/elastic.hpp>
+#include <corpc/ddp/rpc_store.hpp>
+#include <corpc/autograd/dist_autograd.hpp>
+#include <corpc/autograd/optimizer.hpp>
 
 #include "support.hpp"
 
@@ -60,6 +64,10 @@ Net rank_model(int rank) {
   torch::manual_seed(rank + 1);  // every rank different; DDP must adopt rank 0's (seed 1)
   return Net();
 }
+
+// The model this process trains, for the RPC beside DDP.
+Net* g_trained = nullptr;
+double first_parameter_sum() { return (*g_trained)->parameters()[0].sum().item<double>(); }
 
 void expect_close(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want, double tol) {
   EXPECT_EQ(got.size(), want.size());
@@ -188,6 +196,214 @@ TEST_CASE("ddp: a dead rank makes the others' backward fail within the collectiv
   // Rank 0 failed by itself, with DDP's error, rather than being killed by the launcher's grace period.
   INFO(rank0);
   REQUIRE(rank0.find("DDP: gradient allreduce") != std::string::npos);
+}
+
+// Uneven inputs: rank 0 has 2 batches, rank 1 has 4. Under Join rank 0 shadows rank 1's last two steps; the
+// result is one process on the batches actually run: steps 0-1 on the whole batch, steps 2-3 on rank 1's rows,
+// whose gradient is divided by the ranks still training (1) or, PyTorch's default, by the world size (2).
+void join_matches_reference(bool divide_by_initial_world_size) {
+  launch([=](int rank) {
+    auto group = corpc::ddp::init_process_group();
+    corpc::ddp::DdpOptions o;
+    o.bucket_cap_mb = 16.0 / (1024 * 1024);  // several buckets: each is shadowed in order
+    DistributedDataParallel ddp(rank_model(rank), group, o);
+    torch::optim::SGD opt(ddp->parameters(), 0.1);
+    const int my_batches = rank == 0 ? 2 : 4;
+    corpc::ddp::JoinOptions jo;
+    jo.divide_by_initial_world_size = divide_by_initial_world_size;
+    auto join = ddp.join(jo);
+    for (int step = 0; step < my_batches; ++step) {
+      opt.zero_grad();
+      auto d = batch(step);
+      torch::mse_loss(ddp.forward(rows(d.x, rank)), rows(d.y, rank)).backward();
+      opt.step();
+    }
+    join.finish();
+
+    Net reference = rank_model(0);
+    torch::optim::SGD ref_opt(reference->parameters(), 0.1);
+    for (int step = 0; step < 4; ++step) {
+      ref_opt.zero_grad();
+      auto d = batch(step);
+      if (step < 2) {
+        torch::mse_loss(reference->forward(d.x), d.y).backward();
+      } else {
+        const double scale = divide_by_initial_world_size ? 0.5 : 1.0;
+        (scale * torch::mse_loss(reference->forward(rows(d.x, 1)), rows(d.y, 1))).backward();
+      }
+      ref_opt.step();
+    }
+    auto params = snapshot(*ddp.module());
+    expect_close(params, snapshot(*reference), 1e-5);
+    expect_same_on_all_ranks(*group, params);
+    // After the join, ordinary synchronised steps work again (collectives still line up).
+    opt.zero_grad();
+    auto d = batch(9);
+    torch::mse_loss(ddp.forward(rows(d.x, rank)), rows(d.y, rank)).backward();
+    opt.step();
+    expect_same_on_all_ranks(*group, snapshot(*ddp.module()));
+  });
+}
+
+TEST_CASE("ddp: join with uneven inputs finishes and equals one process on the batches run (divide by active ranks)") {
+  join_matches_reference(false);
+}
+
+TEST_CASE("ddp: join with uneven inputs, PyTorch's default divisor (the initial world size)") {
+  join_matches_reference(true);
+}
+
+TEST_CASE("ddp: gradient_as_bucket_view gives the same parameters, with gradients living in the buckets") {
+  launch([](int rank) {
+    auto group = corpc::ddp::init_process_group();
+    std::vector<std::vector<torch::Tensor>> results;
+    for (bool as_view : {false, true}) {
+      corpc::ddp::DdpOptions o;
+      o.gradient_as_bucket_view = as_view;
+      o.find_unused_parameters = true;
+      DistributedDataParallel ddp(rank_model(rank), group, o);
+      torch::optim::SGD opt(ddp->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      for (int step = 0; step < 3; ++step) {
+        opt.zero_grad();
+        for (int m = 0; m < 2; ++m) {  // gradient accumulation: no_sync, then a synchronised backward
+          auto d = batch(step * 2 + m);
+          auto local = [&] { torch::mse_loss(ddp.forward(rows(d.x, rank)), rows(d.y, rank)).backward(); };
+          if (m == 0) {
+            auto guard = ddp.no_sync();
+            local();
+          } else {
+            local();
+          }
+        }
+        // One bucket here (a few hundred bytes): with views every gradient is a slice of the same buffer.
+        auto fc1 = ddp->fc1->weight.grad(), fc2 = ddp->fc2->bias.grad();
+        EXPECT_EQ(fc1.is_alias_of(fc2), as_view);
+        opt.step();
+      }
+      results.push_back(snapshot(*ddp.module()));
+    }
+    for (size_t i = 0; i < results[0].size(); ++i) EXPECT(torch::equal(results[0][i], results[1][i]));
+  });
+}
+
+TEST_CASE("ddp: RpcStore implements c10d's store over RPC; wait and get answer when another rank sets the key") {
+  corpc::test::run_world(2, [](int rank) {
+    corpc::ddp::RpcStore store(0, std::chrono::seconds(20));
+    auto bytes = [](const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); };
+    if (rank == 1) {
+      store.wait({"from0"});  // held on rank 0 as a promise until rank 0 sets it
+      EXPECT(store.get("from0") == bytes("hello"));
+      EXPECT(store.check({"from0"}));
+      EXPECT(!store.check({"from0", "nothing"}));
+      EXPECT_EQ(store.add("counter", 2), 5);
+      store.set("from1", bytes("done"));
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));  // rank 1 is (most likely) waiting by now
+      EXPECT_EQ(store.add("counter", 3), 3);
+      store.set("from0", bytes("hello"));
+      EXPECT(store.get("from1") == bytes("done"));  // get on a missing key waits for it
+      EXPECT_EQ(store.add("counter", 0), 5);
+      EXPECT(store.compareSet("cas", bytes("x"), bytes("y")) == bytes("x"));  // missing, expected not empty
+      EXPECT(store.compareSet("cas", {}, bytes("a")) == bytes("a"));
+      EXPECT(store.compareSet("cas", bytes("b"), bytes("c")) == bytes("a"));  // mismatch: unchanged
+      EXPECT(store.compareSet("cas", bytes("a"), bytes("c")) == bytes("c"));
+      EXPECT_EQ(store.getNumKeys(), 4);
+      EXPECT(store.deleteKey("cas"));
+      EXPECT(!store.deleteKey("cas"));
+      EXPECT_EQ(store.getNumKeys(), 3);
+      EXPECT_THROWS_AS(store.wait({"never"}, std::chrono::milliseconds(100)), corpc::TimeoutError);
+    }
+  });
+}
+
+TEST_CASE("ddp: RPC and DDP in one program share one rendezvous (the process group's store is on RPC's rank 0)") {
+  corpc::test::run_world(kWorld, [](int rank) {
+    auto group = corpc::ddp::init_process_group();
+    EXPECT_EQ(group->getRank(), rank);
+    EXPECT(corpc::ddp::RpcStore().getNumKeys() > 0);  // Gloo's rendezvous keys went through RPC
+    DistributedDataParallel ddp(rank_model(rank), group);
+    torch::optim::SGD opt(ddp->parameters(), 0.1);
+    Net reference = rank_model(0);
+    torch::optim::SGD ref_opt(reference->parameters(), 0.1);
+    for (int step = 0; step < 3; ++step) {
+      opt.zero_grad();
+      ref_opt.zero_grad();
+      auto d = batch(step);
+      torch::mse_loss(ddp.forward(rows(d.x, rank)), rows(d.y, rank)).backward();
+      torch::mse_loss(reference->forward(d.x), d.y).backward();
+      opt.step();
+      ref_opt.step();
+    }
+    expect_close(snapshot(*ddp.module()), snapshot(*reference), 1e-5);
+    // And RPC keeps working beside it: each rank asks the other for its first parameter.
+    g_trained = &ddp.module();
+    const auto theirs = corpc::rpc_sync<&first_parameter_sum>(1 - rank);
+    EXPECT_EQ(theirs, ddp->parameters()[0].sum().item<double>());
+    group->barrier()->wait();  // the other rank's RPC to us is answered before we shut down
+  });
+}
+
+TEST_CASE("ddp: the process group takes Slurm's rank and size (SLURM_PROCID, SLURM_NTASKS)") {
+  launch([](int rank) {
+    ::unsetenv("RANK");
+    ::unsetenv("WORLD_SIZE");
+    ::setenv("SLURM_PROCID", std::to_string(rank).c_str(), 1);
+    ::setenv("SLURM_NTASKS", std::to_string(kWorld).c_str(), 1);
+    auto group = corpc::ddp::init_process_group();
+    EXPECT_EQ(group->getRank(), rank);
+    EXPECT_EQ(group->getSize(), kWorld);
+    std::vector<at::Tensor> one{torch::ones({1})};
+    group->allreduce(one)->wait();
+    EXPECT_EQ(one[0].item<float>(), static_cast<float>(kWorld));
+  });
+}
+
+// The remote part of the hybrid test: a fixed layer on worker 2 (no parameters of its own, so that the two trainers'
+// steps cannot interleave on it and the dense result stays deterministic). Gradients flow through it back to the
+// trainers by distributed autograd.
+at::Tensor remote_part_weight() {
+  torch::manual_seed(77);
+  return torch::randn({7, 3});
+}
+at::Tensor remote_part(at::Tensor h) {
+  static const at::Tensor w = remote_part_weight();
+  return torch::tanh(h.matmul(w));
+}
+
+// DDP inside a distributed autograd context (issue 12's hybrid): two trainers, each with a DDP-wrapped dense part
+// whose output goes through worker 2; backward runs through dist_autograd, so gradients are captured into the
+// context rather than .grad; DDP must average them there, and DistributedOptimizer steps from the context.
+TEST_CASE("ddp: inside a distributed autograd context, trainers' dense parameters equal one process on the whole batch") {
+  corpc::test::run_world(3, [](int rank) {
+    if (rank == 2) return;  // the remote part only answers RPCs
+    corpc::ddp::ProcessGroupOptions po;
+    po.world_size = 2;  // the trainers, RPC ranks 0 and 1
+    auto group = corpc::ddp::init_process_group(po);
+    torch::manual_seed(rank + 1);
+    DistributedDataParallel ddp(torch::nn::Linear(5, 7), group);
+    std::vector<corpc::RRef<at::Tensor>> params;
+    for (auto& p : ddp->parameters()) params.emplace_back(p);
+    corpc::DistributedOptimizer<torch::optim::SGD> opt(params, torch::optim::SGDOptions(0.1));
+
+    torch::manual_seed(1);
+    torch::nn::Linear reference(5, 7);
+    torch::optim::SGD ref_opt(reference->parameters(), 0.1);
+    for (int step = 0; step < 3; ++step) {
+      auto d = batch(step);
+      {
+        corpc::dist_autograd::Context ctx;
+        auto out = corpc::rpc_sync<&remote_part>(2, ddp.forward(rows(d.x, rank)));
+        ctx.backward({torch::mse_loss(out, rows(d.y, rank))}).wait();
+        for (auto& p : ddp->parameters()) EXPECT(!p.grad().defined());  // in the context only
+        opt.step(ctx).wait();
+      }
+      ref_opt.zero_grad();
+      torch::mse_loss(remote_part(reference->forward(d.x)), d.y).backward();
+      ref_opt.step();
+    }
+    expect_close(snapshot(*ddp.module()), snapshot(*reference), 1e-5);
+    expect_same_on_all_ranks(*group, snapshot(*ddp.module()));
+  });
 }
 
 // The DDP notes' ToyMpModel: one module split over two devices inside each process (both CPU here; the code

@@ -1,4 +1,4 @@
-// The pipelined ResNet (tiny configuration) against the same model in one process.
+// Pipeline schedules against the unsplit model in one process; memory of 1F1B against GPipe; balancing; a dead stage.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
@@ -13,92 +13,163 @@
 using namespace corpc;
 using namespace corpc::test;
 using namespace corpc::examples;
-using namespace std::chrono_literals;
+using namespace corpc::pipeline;
 
 namespace {
 
-// Tiny but structurally the tutorial's model: every Bottleneck, downsample and both shards.
+// Tiny but structurally ResNet50: 4 + 4 + 3 = 11 layers, every kind of Bottleneck and downsample.
 const std::int64_t kWidth = 2, kClasses = 10, kImage = 16, kBatch = 8;
 const std::vector<std::int64_t> kBlocks{1, 1, 1, 1};
+const double kLr = 0.05;
 
 at::Tensor mse(const at::Tensor& out, const at::Tensor& target) { return torch::nn::functional::mse_loss(out, target); }
+std::unique_ptr<torch::optim::Optimizer> make_sgd(std::vector<at::Tensor> params) {
+  return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(kLr));
+}
+torch::nn::Sequential tiny_resnet(std::uint64_t seed) { return make_resnet_sequential(kWidth, kBlocks, kClasses, seed); }
+
+// Float32 with the batch cut into micro-batches: the loss mean and every weight gradient become sums of per-micro-
+// batch partial sums, a different order of float additions than the whole batch's; over a few hundred terms of
+// similar magnitude that moves results by some 1e-6 relative. 1e-4 relative (plus 1e-6 absolute for values near
+// zero) leaves room for that and still catches any wrong scaling, missing or doubled micro-batch (>= 1e-1).
 bool close(const at::Tensor& a, const at::Tensor& b) { return at::allclose(a, b, 1e-4, 1e-6); }
 
 // One SGD step of the unsplit model in this process; returns (loss, parameters after the step).
 std::pair<at::Tensor, std::vector<at::Tensor>> reference_step(const at::Tensor& x, const at::Tensor& y) {
-  auto s1 = make_shard1(kWidth, kBlocks, kClasses, 1);
-  auto s2 = make_shard2(kWidth, kBlocks, kClasses, 2);
-  s1->eval();
-  s2->eval();
-  std::vector<at::Tensor> params;
-  for (auto& p : s1->parameters()) params.push_back(p);
-  for (auto& p : s2->parameters()) params.push_back(p);
-  torch::optim::SGD opt(params, torch::optim::SGDOptions(0.05));
-  auto loss = mse(s2->forward(s1->forward(x)), y);
+  auto net = tiny_resnet(1);
+  net->eval();
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(kLr));
+  auto loss = mse(net->forward(x), y);
   loss.backward();
   opt.step();
-  return {loss.detach(), params};
+  return {loss.detach(), net->parameters()};
+}
+
+PipelineOptions layout(Schedule schedule, int stages, int micro_batches) {
+  PipelineOptions o;
+  o.schedule = schedule;
+  o.micro_batches = micro_batches;
+  const int workers = schedule == Schedule::Interleaved1F1B ? stages / 2 : stages;
+  for (int w = 1; w <= workers; ++w) o.workers.push_back("worker" + std::to_string(w) + "/cpu");
+  o.balance = stages == 2 ? std::vector<int>{5, 6} : std::vector<int>{3, 3, 3, 2};
+  return o;
 }
 
 }  // namespace
 
-TEST_CASE("pipelined training with 1, 2 and 4 micro-batches equals the unsplit model in one process") {
-  run_world(3, [](int rank) {
+TEST_CASE("every schedule's order is complete and deadlock-free, with the bubble of its formula") {
+  for (auto s : {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved1F1B, Schedule::ZeroBubbleH1})
+    for (int K = 1; K <= 4; ++K)
+      for (int M = 1; M <= 8; ++M) {
+        const int v = s == Schedule::Interleaved1F1B ? 2 : 1;
+        auto plan = make_schedule(s, K, v, M);
+        const double span = simulate_schedule(plan, K * v, M);  // throws on a deadlock or a missing backward
+        const double bubble = 1.0 - 3.0 * v * M / span;         // each worker works 3 units per stage and micro-batch
+        INFO(to_string(s) << " K=" << K << " M=" << M);
+        if (s != Schedule::Interleaved1F1B || M % K == 0) REQUIRE(bubble == doctest::Approx(bubble_formula(s, K, v, M)));
+      }
+}
+
+TEST_CASE("every schedule, with 2 and 4 stages and 1, 2, 4, 8 micro-batches, equals the unsplit model in one process") {
+  run_world(5, [](int rank) {
     if (rank != 0) return;
     auto x = random_images(kBatch, kImage, 7);
     auto y = one_hot_labels(kBatch, kClasses, 8);
     auto [ref_loss, ref_params] = reference_step(x, y);
-    for (auto schedule : {pipeline::Schedule::GPipe, pipeline::Schedule::OneFOneB}) {
-      for (int splits : {1, 2, 4}) {
-        auto s1 = pipeline::remote_stage<&make_shard1>("worker1/cpu", kWidth, kBlocks, kClasses, std::uint64_t{1});
-        auto s2 = pipeline::remote_stage<&make_shard2>("worker2/cpu", kWidth, kBlocks, kClasses, std::uint64_t{2});
-        pipeline::Pipeline pipe({s1, s2}, splits, schedule);
-        pipe.train(false);  // BatchNorm in eval mode: micro-batches then compute exactly what the whole batch does
-        auto params = pipe.parameter_rrefs();
-        DistributedOptimizer<torch::optim::SGD> opt(params, torch::optim::SGDOptions(0.05));
-        auto loss = sync_wait(pipe.train_step(x, y, mse, opt));
-        INFO("splits " << splits);
-        EXPECT(close(loss, ref_loss));
-        EXPECT_EQ(params.size(), ref_params.size());
-        for (std::size_t i = 0; i < params.size(); ++i) EXPECT(close(params[i].to_here().wait(10s), ref_params[i]));
-      }
-    }
+    for (auto schedule : {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved1F1B, Schedule::ZeroBubbleH1})
+      for (int stages : {2, 4})
+        for (int micro : {1, 2, 4, 8}) {
+          auto pipe = Pipeline::create<&tiny_resnet, &mse, &make_sgd>(layout(schedule, stages, micro), std::uint64_t{1});
+          pipe.train(false);  // BatchNorm in eval mode: micro-batches then compute exactly what the whole batch does
+          auto result = sync_wait(pipe.train_step(x, y));
+          auto params = pipe.parameters();
+          INFO(to_string(schedule) << ", " << stages << " stages, " << micro << " micro-batches");
+          EXPECT(close(result.loss, ref_loss));
+          EXPECT_EQ(params.size(), ref_params.size());
+          for (std::size_t i = 0; i < params.size(); ++i) EXPECT(close(params[i], ref_params[i]));
+          auto plan = pipe.plan(micro);
+          for (std::size_t w = 0; w < result.workers.size(); ++w) EXPECT_EQ(result.workers[w].records.size(), plan[w].size());
+        }
   }, quick_options(), std::chrono::seconds(300));
+}
+
+TEST_CASE("1F1B frees each micro-batch's activations: at 8 micro-batches and 2 stages, a quarter of GPipe's peak") {
+  run_world(3, [](int rank) {
+    if (rank != 0) return;
+    auto x = random_images(32, 32, 7);
+    auto y = one_hot_labels(32, kClasses, 8);
+    std::map<Schedule, std::vector<WorkerReport>> reports;
+    for (auto schedule : {Schedule::GPipe, Schedule::OneFOneB, Schedule::ZeroBubbleH1}) {
+      auto pipe = Pipeline::create<&tiny_resnet, &mse, &make_sgd>(layout(schedule, 2, 8), std::uint64_t{1});
+      sync_wait(pipe.train_step(x, y));  // the first step also allocates gradients and optimizer state
+      reports[schedule] = sync_wait(pipe.train_step(x, y)).workers;
+    }
+    // Micro-batches held at once: exactly the schedule's formula.
+    for (auto schedule : {Schedule::GPipe, Schedule::OneFOneB, Schedule::ZeroBubbleH1})
+      for (int r = 0; r < 2; ++r)
+        EXPECT_EQ(reports[schedule][r].peak_micro_batches_held, static_cast<int>(peak_held_formula(schedule, 2, 1, 8, r)));
+    // Bytes: stage 0 holds 2 of 8 micro-batches under 1F1B. The constant: one micro-batch's worth of GPipe's peak,
+    // for what any schedule allocates transiently (a backward's gradient buffers, the received activation).
+    const double gpipe = static_cast<double>(reports[Schedule::GPipe][0].peak_activation_bytes);
+    const double one_f_one_b = static_cast<double>(reports[Schedule::OneFOneB][0].peak_activation_bytes);
+    std::fprintf(stderr, "peak activation bytes of stage 0 at 8 micro-batches: GPipe %.0f, 1F1B %.0f (%.3f)\n", gpipe,
+                 one_f_one_b, one_f_one_b / gpipe);
+    EXPECT(gpipe > 0);
+    EXPECT(one_f_one_b <= 2.0 / 8.0 * gpipe + gpipe / 8.0);
+  }, quick_options(), std::chrono::seconds(120));
+}
+
+TEST_CASE("balancing puts every layer on exactly one stage and minimizes the slowest stage") {
+  REQUIRE((partition_by_cost({1, 1, 1, 1, 4}, 2) == std::vector<int>{4, 1}));
+  REQUIRE((partition_by_cost({5, 1, 1, 1, 1, 1}, 2) == std::vector<int>{1, 5}));
+  REQUIRE((partition_by_cost({1, 2, 3}, 3) == std::vector<int>{1, 1, 1}));
+  CHECK_THROWS_AS(partition_by_cost({1, 2}, 3), UsageError);
+  auto net = tiny_resnet(1);
+  for (int stages : {1, 2, 4, 11}) {
+    auto balance = balance_by_time(net, random_images(4, kImage, 3), stages, 1);
+    REQUIRE(balance.size() == static_cast<std::size_t>(stages));
+    int total = 0;
+    for (int b : balance) {
+      REQUIRE(b >= 1);
+      total += b;
+    }
+    REQUIRE(total == static_cast<int>(net->size()));
+  }
 }
 
 namespace {
 std::atomic<int> g_calls{0};
-// Shard 2, except that its worker dies on its second micro-batch.
-struct DoomedShard2Impl : torch::nn::Module {
-  ResNetShard2 inner;
-  explicit DoomedShard2Impl(ResNetShard2 s) : inner(register_module("inner", std::move(s))) {}
+// A layer whose worker dies the second time it runs.
+struct DoomImpl : torch::nn::Module {
   at::Tensor forward(at::Tensor x) {
     if (++g_calls == 2) ::raise(SIGKILL);
-    return inner->forward(x);
+    return x;
   }
 };
-TORCH_MODULE(DoomedShard2);
-DoomedShard2 make_doomed(std::uint64_t seed) { return DoomedShard2(make_shard2(kWidth, kBlocks, kClasses, seed)); }
+TORCH_MODULE(Doom);
+torch::nn::Sequential doomed_resnet(std::uint64_t seed) {
+  auto net = tiny_resnet(seed);
+  net->push_back("doom", Doom());
+  return net;
+}
 }  // namespace
 
-TEST_CASE("a worker dying mid-pipeline fails the step with a clear error, without a hang") {
+TEST_CASE("a stage's worker killed mid-step fails the step with PipelineError naming it, without a hang") {
   try {
     run_world(3, [](int rank) {
       if (rank != 0) return;
-      auto s1 = pipeline::remote_stage<&make_shard1>("worker1/cpu", kWidth, kBlocks, kClasses, std::uint64_t{1});
-      auto s2 = pipeline::remote_stage<&make_doomed>("worker2/cpu", std::uint64_t{2});
-      pipeline::Pipeline pipe({s1, s2}, 4);
-      auto params = s1.parameters();
-      DistributedOptimizer<torch::optim::SGD> opt(params, torch::optim::SGDOptions(0.05));
-      auto x = random_images(kBatch, kImage, 7);
-      auto y = one_hot_labels(kBatch, kClasses, 8);
-      auto msg = EXPECT_THROWS_AS(sync_wait(pipe.train_step(x, y, mse, opt)), RpcError);
+      auto o = layout(Schedule::OneFOneB, 2, 4);
+      o.balance = {5, 7};  // the doomed layer is on stage 1, worker2
+      auto pipe = Pipeline::create<&doomed_resnet, &mse, &make_sgd>(o, std::uint64_t{1});
+      auto msg = EXPECT_THROWS_AS(sync_wait(pipe.train_step(random_images(kBatch, kImage, 7),
+                                                            one_hot_labels(kBatch, kClasses, 8))), PipelineError);
       EXPECT(msg.find("worker2") != std::string::npos);
+      EXPECT(msg.find("stage 1") != std::string::npos);
     });
     FAIL("worker2 was expected to die");
   } catch (const LaunchError& e) {
     INFO(e.what());
     REQUIRE(e.failures().size() == 1);
-    CHECK(e.failures()[0].rank == 2);
+    REQUIRE(e.failures()[0].rank == 2);
   }
 }

@@ -3,6 +3,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/init.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/utils.h>
 
 namespace corpc::examples {
@@ -133,6 +135,34 @@ ResNetShard1 make_shard1(int64_t base_width, std::vector<int64_t> blocks, int64_
 ResNetShard2 make_shard2(int64_t base_width, std::vector<int64_t> blocks, int64_t num_classes, uint64_t seed) {
   torch::manual_seed(seed);
   return ResNetShard2(make_config(base_width, blocks, num_classes));
+}
+
+torch::nn::Sequential make_resnet_sequential(int64_t base_width, std::vector<int64_t> blocks, int64_t num_classes,
+                                             uint64_t seed) {
+  torch::manual_seed(seed);
+  const auto cfg = make_config(base_width, blocks, num_classes);
+  const int64_t w = cfg.base_width;
+  nn::Sequential net;
+  net->push_back("conv1", conv(3, w, 7, 2, 3));
+  net->push_back("bn1", bn(w));
+  net->push_back("relu", nn::ReLU());
+  net->push_back("maxpool", nn::MaxPool2d(nn::MaxPool2dOptions(3).stride(2).padding(1)));
+  int64_t inplanes = w;
+  const int64_t widths[4] = {w, 2 * w, 4 * w, 8 * w};
+  for (int l = 0; l < 4; ++l)
+    for (int64_t i = 0; i < cfg.blocks[l]; ++i) {
+      net->push_back("layer" + std::to_string(l + 1) + "_" + std::to_string(i),
+                     Bottleneck(inplanes, widths[l], i == 0 && l > 0 ? 2 : 1));
+      inplanes = widths[l] * BottleneckImpl::kExpansion;
+    }
+  net->push_back("avgpool", nn::AdaptiveAvgPool2d(1));
+  net->push_back("flatten", nn::Flatten());
+  net->push_back("fc", nn::Linear(inplanes, cfg.num_classes));
+  return net;
+}
+
+std::vector<int> tutorial_balance(const std::vector<int64_t>& blocks) {
+  return {static_cast<int>(4 + blocks.at(0) + blocks.at(1)), static_cast<int>(blocks.at(2) + blocks.at(3) + 3)};
 }
 
 torch::Tensor one_hot_labels(int64_t batch, int64_t num_classes,

@@ -84,10 +84,16 @@ class ResNet50Impl : public torch::nn::Module {
 TORCH_MODULE(ResNet50);
 
 // Seeded factories with plain arguments, so that a shard can be built on another worker (corpc::remote, or
-// corpc::pipeline::remote_stage) with the same weights as a local reference built from the same seed.
+// corpc::RemoteModule) with the same weights as a local reference built from the same seed.
 // blocks: Bottlenecks per layer (4 entries).
 ResNetShard1 make_shard1(int64_t base_width, std::vector<int64_t> blocks, int64_t num_classes, uint64_t seed);
 ResNetShard2 make_shard2(int64_t base_width, std::vector<int64_t> blocks, int64_t num_classes, uint64_t seed);
+// The same network as one torch::nn::Sequential of 4 + sum(blocks) + 3 layers (conv1, bn1, relu, maxpool, each
+// Bottleneck, avgpool, flatten, fc), for corpc::pipeline to cut anywhere. The tutorial's split is after layer2:
+// {4 + blocks[0] + blocks[1], blocks[2] + blocks[3] + 3}.
+torch::nn::Sequential make_resnet_sequential(int64_t base_width, std::vector<int64_t> blocks, int64_t num_classes,
+                                             uint64_t seed);
+std::vector<int> tutorial_balance(const std::vector<int64_t>& blocks);
 ResNetConfig make_config(int64_t base_width, const std::vector<int64_t>& blocks, int64_t num_classes);
 
 // Deterministic inputs independent of the global RNG, so runs with

@@ -5,7 +5,7 @@
 //   corpc/rref/remote_module.hpp      RemoteModule<M>               (torch::nn)
 //   corpc/autograd/dist_autograd.hpp  dist_autograd::Context, backward, get_gradients
 //   corpc/autograd/optimizer.hpp      DistributedOptimizer<Opt>     (torch::optim)
-//   corpc/pipeline/pipeline.hpp       pipeline::Pipeline, remote_stage
+//   corpc/pipeline/pipeline.hpp       pipeline::Pipeline (schedules, balancing, timeline)
 #pragma once
 
 #include "corpc/core/errors.hpp"

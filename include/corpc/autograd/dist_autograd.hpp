@@ -24,6 +24,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <unordered_map>
 #include <vector>
 
@@ -79,6 +80,21 @@ class ContextScope {
 
 Future<void> backward(std::int64_t context_id, std::vector<at::Tensor> roots, bool retain_graph = false);
 GradientMap get_gradients(std::int64_t context_id);  // this worker's gradients in that context (empty if none)
+
+// For layers that hook a leaf's gradient accumulator (DistributedDataParallel does). A distributed backward pass does
+// not run the leaves' AccumulateGrad nodes (their gradients go to the context, not to .grad); as PyTorch's
+// distributed engine does, it runs their post hooks instead, right after adding each leaf's gradient to the context,
+// with these available inside the hook:
+namespace leaf_hooks {
+// The context whose pass runs the calling hook on this thread; -1 inside an ordinary (local) backward.
+std::int64_t pass_context_id();
+// Runs `fn` when this worker's current local pass has run the hooks of all its leaves (the distributed counterpart of
+// autograd's Engine::queue_callback). An exception from `fn` fails the backward pass.
+void at_end_of_pass(std::function<void()> fn);
+// Leaf's gradient in context `context_id` (undefined if none), and replacing it.
+at::Tensor gradient(std::int64_t context_id, const at::Tensor& leaf);
+void set_gradient(std::int64_t context_id, const at::Tensor& leaf, at::Tensor grad);
+}  // namespace leaf_hooks
 
 // Live contexts on this worker / on another one (tests check that none outlive their iteration).
 std::size_t live_contexts();

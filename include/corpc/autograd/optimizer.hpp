@@ -16,6 +16,7 @@
 #include <torch/optim/sgd.h>
 
 #include <map>
+#include <mutex>
 #include <vector>
 
 #include "corpc/autograd/dist_autograd.hpp"
@@ -89,6 +90,11 @@ class LocalOptimizer {
   }
 
   void step(std::int64_t context_id) {
+    // One step of this optimizer type at a time in the process, as PyTorch's _LocalOptimizer does (its lock is
+    // global): several DistributedOptimizers (one per trainer) may hold the same parameters, and each sets their
+    // .grad for the duration of its step.
+    static std::mutex all_local_optimizers;
+    std::lock_guard lock(all_local_optimizers);
     auto grads = dist_autograd::get_gradients(context_id);
     for (auto& p : params_) {
       auto it = grads.find(p);

@@ -20,7 +20,8 @@
 //   averages the accumulated sum, exactly as in PyTorch;
 // - the communication hook is replaceable: `allreduce_hook()` (default) or `fp16_compress_hook()`.
 //
-// Every rank must run the same number of synchronised backward passes (there is no `join` yet).
+// Every rank must run the same number of synchronised backward passes, unless the training loop runs under `Join`
+// (uneven inputs: a rank that ran out of batches shadows the others' collectives until all have run out).
 // The process group: Gloo on CPU tensors. A NCCL group (CUDA builds) can be passed in as any c10d::ProcessGroup.
 #pragma once
 
@@ -39,23 +40,35 @@ namespace corpc::ddp {
 struct ProcessGroupOptions {
   // Collective timeout: a rank that waits longer than this on a peer fails instead of hanging.
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
-  // Keys of this group live under this prefix in the rendezvous store.
+  // Keys of this group live under this prefix in the rendezvous store (followed by the group's number in this
+  // process: groups made one after another, in the same order on every rank, do not collide).
   std::string store_prefix = "corpc/ddp/";
+  // This process's rank and the group's size; -1: RPC's (if init_rpc ran), else from the environment (RANK,
+  // WORLD_SIZE; Slurm's SLURM_PROCID, SLURM_NTASKS; Open MPI's). A group of the first N RPC workers (trainers
+  // beside parameter servers) sets both.
+  int rank = -1;
+  int world_size = -1;
 };
 
-// A Gloo process group from the environment, as torchrun and corpc::launch_processes set it (RANK, WORLD_SIZE,
-// MASTER_ADDR, MASTER_PORT). The store:
+// A Gloo process group, from the same rendezvous as RPC when possible. The store:
+// - after init_rpc: an RpcStore (corpc/ddp/rpc_store.hpp) on RPC's rank 0: one MASTER_PORT for RPC and DDP;
 // - under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) the agent's TCPStore at MASTER_ADDR:MASTER_PORT;
 // - under corpc::launch_processes (whose rank 0 keeps MASTER_PORT for RPC) a FileStore in /tmp unique to the launch;
 // - otherwise a TCPStore served by rank 0 on MASTER_PORT.
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const ProcessGroupOptions& options = {});
 
-// A communication hook gets one flat bucket of gradients (summed over nothing yet) and returns a future whose value
-// is the bucket averaged over the group (a Tensor, or a TensorList whose first element is it).
-using CommHook =
-    std::function<c10::intrusive_ptr<c10::ivalue::Future>(c10d::ProcessGroup& group, const at::Tensor& bucket)>;
+// What a communication hook gets: one bucket of this rank's gradients, flattened.
+struct GradBucket {
+  at::Tensor buffer;    // this rank's gradients; the hook may reduce into it in place
+  size_t index;         // bucket number, in launch order (the same on every rank)
+  int64_t divisor;      // what the sum is divided by: the world size, or under Join the ranks still training
+};
 
-// Allreduce, then divide by the world size.
+// A communication hook returns a future whose value is the bucket averaged over the group (a Tensor, or a TensorList
+// whose first element is it). Returning `bucket.buffer` itself saves a copy.
+using CommHook = std::function<c10::intrusive_ptr<c10::ivalue::Future>(c10d::ProcessGroup& group, const GradBucket& bucket)>;
+
+// Allreduce in place, then divide.
 CommHook allreduce_hook();
 // Divide, cast to float16, allreduce, cast back: half the bytes on the wire, ~1e-3 relative error per gradient.
 CommHook fp16_compress_hook();
@@ -67,7 +80,18 @@ struct DdpOptions {
   // but their buckets, and every bucket after them, wait for the end of backward.
   bool find_unused_parameters = false;
   bool broadcast_buffers = true;  // rank 0's buffers (e.g. BatchNorm statistics) to all ranks before each forward
+  // Gradients are views into the bucket buffers: backward accumulates straight into the buckets and the averages
+  // land in `.grad` with no copy either way (saves one gradient-sized copy each way and the memory of one copy).
+  // `.grad` is then a slice of a shared buffer: replace it (`grad = ...`) rather than resize it in place.
+  bool gradient_as_bucket_view = false;
   CommHook comm_hook;             // empty: allreduce_hook()
+};
+
+struct JoinOptions {
+  // PyTorch's default: the sum of gradients is divided by the world size even when some ranks have joined (they
+  // contribute zeros), so a step taken by fewer ranks is smaller. false: divided by the number of ranks that still
+  // train, so each step is the average over the batches actually run (one process on their concatenation).
+  bool divide_by_initial_world_size = true;
 };
 
 // The gradient machinery, independent of the module's forward signature.
@@ -81,6 +105,9 @@ class GradientSync {
   void before_forward();                          // broadcasts buffers if asked
   void after_forward(const at::Tensor& output);   // find_unused_parameters' graph walk
   void set_sync(bool enabled);         // false: backward accumulates locally only
+  void join_begin(JoinOptions options);  // see Join
+  void join_finish();
+  void join_abandon();
   bool sync_enabled() const;
   size_t bucket_count() const;
   // Buckets whose allreduce started from a gradient hook, i.e. while the last synchronised backward still ran
@@ -126,9 +153,52 @@ class DistributedDataParallel {
   };
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*sync_); }
 
+  // Uneven inputs, as PyTorch's `with Join([ddp]):` — see Join below.
+  class Join;
+  [[nodiscard]] Join join(JoinOptions options = {});
+
  private:
   ModuleT module_;
   std::unique_ptr<GradientSync> sync_;
 };
+
+// Ranks with different numbers of batches (PyTorch's Join context manager with DDP):
+//
+//   auto join = ddp.join();
+//   for (auto& [x, y] : my_batches) { opt.zero_grad(); loss(ddp.forward(x), y).backward(); opt.step(); }
+//   join.finish();
+//
+// While the join is open, each forward first takes part in one small allreduce saying which ranks still train (and
+// whether this step synchronises gradients). `finish()` makes this rank *joined*: it keeps answering that allreduce
+// with "not training", and shadows each step of the others (buffer broadcast from the highest rank still training,
+// one allreduce of zeros per bucket) until every rank has finished; then every rank adopts the parameters and buffers
+// of the highest rank among the last ones training (a joined rank took no optimizer steps meanwhile, so its own are
+// stale; its optimizer state, e.g. momentum, stays stale as in PyTorch). Gradients are divided as JoinOptions says.
+// A Join destroyed without finish() (an exception) only stops the per-forward allreduce: the others then fail with
+// a collective error or timeout instead of hanging forever.
+template <typename ModuleT>
+class DistributedDataParallel<ModuleT>::Join {
+ public:
+  Join(GradientSync& sync, JoinOptions options) : sync_(&sync) { sync_->join_begin(options); }
+  ~Join() {
+    if (sync_ != nullptr) sync_->join_abandon();
+  }
+  Join(Join&& other) noexcept : sync_(std::exchange(other.sync_, nullptr)) {}
+  Join& operator=(Join&&) = delete;
+
+  // Shadows the other ranks until all have finished, then synchronises the final model. Collective: every rank calls it.
+  void finish() {
+    auto* s = std::exchange(sync_, nullptr);
+    if (s != nullptr) s->join_finish();
+  }
+
+ private:
+  GradientSync* sync_;
+};
+
+template <typename ModuleT>
+typename DistributedDataParallel<ModuleT>::Join DistributedDataParallel<ModuleT>::join(JoinOptions options) {
+  return Join(*sync_, options);
+}
 
 }  // namespace corpc::ddp

@@ -1,215 +1,150 @@
-// corpc/pipeline/pipeline.hpp — pipeline parallelism over model shards on other workers.
+// corpc/pipeline/pipeline.hpp — pipeline parallelism: a torch::nn::Sequential cut into stages on other workers, each
+// worker running its schedule's list of actions (corpc/pipeline/schedule.hpp).
 //
-//   auto s1 = corpc::pipeline::remote_stage<&make_shard1>("worker1/cpu", seed);   // a module built on worker1
-//   auto s2 = corpc::pipeline::remote_stage<&make_shard2>("worker2/cpu", seed);
-//   corpc::pipeline::Pipeline pipe({s1, s2}, /*micro_batches=*/4);
-//   corpc::DistributedOptimizer<torch::optim::SGD> opt(pipe.parameter_rrefs(), torch::optim::SGDOptions(0.05));
-//   at::Tensor loss = co_await pipe.train_step(images, labels, mse, opt);
+//   torch::nn::Sequential make_model(std::int64_t width, std::uint64_t seed);       // same weights wherever it is built
+//   at::Tensor mse(const at::Tensor& out, const at::Tensor& target);                 // runs on the last stage's worker
+//   std::unique_ptr<torch::optim::Optimizer> make_sgd(std::vector<at::Tensor> params);  // one per stage, on its worker
 //
-// Each micro-batch is a chain of `remote()` calls: stage k's output stays on stage k's worker as an RRef and stage
-// k+1 pulls it from there (never through the caller); only the last stage's output comes back. All micro-batches are
-// in flight at once, so stage k works on micro-batch i+1 while stage k+1 works on micro-batch i.
+//   corpc::pipeline::PipelineOptions o;
+//   o.workers = {"worker1", "worker2"};                       // stage s runs on workers[s % workers.size()]
+//   o.balance = corpc::pipeline::balance_by_time(make_model(64, 0), sample, 2);  // layers per stage
+//   o.schedule = corpc::pipeline::Schedule::OneFOneB;
+//   o.micro_batches = 8;
+//   auto pipe = corpc::pipeline::Pipeline::create<&make_model, &mse, &make_sgd>(o, std::int64_t{64}, std::uint64_t{0});
+//   corpc::pipeline::StepResult r = co_await pipe.train_step(images, labels);   // r.loss, r.workers (timeline, memory)
 //
-// Each stage runs one micro-batch at a time, in arrival order (its host object opts into serialized calls, which is
-// what the tutorial's per-shard lock does), without holding a thread while it waits for its input.
+// How a step runs. The caller cuts the batch into micro-batches and sends each worker its action list for the step
+// (the first stage's worker also gets the inputs, the last stage's the targets). A forward receives its activation
+// from the stage before (stage k's worker calls stage k+1's directly, never through the caller), runs the stage's
+// layers, keeps (input, output) for that micro-batch and sends the output on; the last stage computes the loss,
+// scaled by the micro-batch's share of the batch so that the gradients equal the whole batch's. A backward receives
+// the output's gradient, runs libtorch's autograd engine on the stage's own graph (torch::autograd::backward), sends
+// the input's gradient back, and drops the micro-batch: its activations are freed when its backward ends, which is
+// what lets 1F1B hold K-r micro-batches where GPipe holds M. Zero bubble splits the backward into I (gradients of the
+// input and of each layer's output, graph kept) and W (each layer's weight gradients from its output's gradient).
+// When every action is done, each stage's optimizer steps on its worker. No distributed autograd is involved.
 //
-// Schedules, for K stages, M micro-batches, and per-batch forward+backward time T on one worker:
-//   GPipe: all forwards, then one backward from the loss of the whole batch. Time ~ T (M + K - 1) / (M K) per stage
-//          ideal (bubble fraction (K-1)/(M+K-1)); activations of all M micro-batches are alive at the peak.
-//   OneFOneB: each micro-batch's backward starts as soon as its output is back (loss scaled by its share of the
-//          batch, so the gradients equal GPipe's), overlapping backward of early micro-batches with forward of later
-//          ones. Same bubble in this implementation; it would bound live activations to K micro-batches if graphs
-//          were freed per micro-batch, but corpc keeps each context's graph until the context ends, so peak memory
-//          is GPipe's.
-// Both need a loss that is a mean over the batch (as MSE and cross-entropy with the default reduction are).
+// Losses must be means over the batch (MSE, cross-entropy with the default reduction). BatchNorm in training mode
+// normalizes each micro-batch by itself, so results equal the unsplit model's only in eval mode (`train(false)`).
 //
-// BatchNorm and micro-batches: in training mode each stage normalizes each micro-batch with that micro-batch's own
-// mean and variance, and updates the running statistics once per micro-batch; the unsplit batch uses one set of
-// statistics over all of it. Results therefore differ from the unsplit model unless BatchNorm is in eval mode (or
-// replaced, e.g. by GroupNorm), which is how the equivalence tests run.
+// Failure: if a stage's worker dies or a stage throws, the caller tells every other worker to abort the step (their
+// pending receives fail at once), and train_step fails with PipelineError naming the stage and worker.
 #pragma once
 
-#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/optim/optimizer.h>
 
+#include <atomic>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
-#include "corpc/autograd/dist_autograd.hpp"
-#include "corpc/autograd/optimizer.hpp"
-#include "corpc/rref/remote_module.hpp"
+#include "corpc/core/task.hpp"
+#include "corpc/core/when_all.hpp"
+#include "corpc/pipeline/balance.hpp"
+#include "corpc/pipeline/schedule.hpp"
+#include "corpc/pipeline/timeline.hpp"
+#include "corpc/rpc/call.hpp"
 
 namespace corpc::pipeline {
 
-enum class Schedule { GPipe, OneFOneB };
+using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
+using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor> params)>;
 
-// Owns one stage's module on its worker. Serialized: one micro-batch at a time per stage.
-template <class M>
-class StageHost {
- public:
-  static constexpr bool corpc_serialized_calls = true;
+struct PipelineOptions {
+  // "worker1" or "worker1/cpu" (the stage's device); stage s runs on workers[s % workers.size()]. With more stages
+  // than workers, each worker hosts several (Interleaved1F1B needs that; the other schedules need one per worker).
+  std::vector<std::string> workers;
+  std::vector<int> balance;  // consecutive layers per stage; its size is the number of stages
+  Schedule schedule = Schedule::OneFOneB;
+  int micro_batches = 4;
+};
 
-  StageHost(M module, std::string device) : module_(std::move(module)), device_(std::move(device)) {
-    module_->to(c10::Device(device_));
-  }
-  at::Tensor forward(at::Tensor x) { return module_->forward(x.to(c10::Device(device_))); }
-  void train(bool on) { module_->train(on); }
-  std::vector<RRef<at::Tensor>> parameters() {
-    std::vector<RRef<at::Tensor>> out;
-    for (auto& p : module_->parameters()) out.emplace_back(p);
-    return out;
-  }
-  M& module() { return module_; }
+struct StepResult {
+  at::Tensor loss;                     // the batch's loss (sum of the micro-batches' scaled losses)
+  std::vector<WorkerReport> workers;   // one per worker, in stage order of their first stage
+};
 
- private:
-  M module_;
-  std::string device_;
+// Where the stages of one pipeline are (sent to each worker that hosts some).
+struct StagePlacement {
+  std::uint64_t pipeline_id = 0;
+  std::vector<std::int32_t> stage_ranks;   // per stage
+  std::vector<std::int32_t> balance;       // per stage
+  std::vector<std::string> stage_devices;  // per stage
+  CORPC_FIELDS(pipeline_id, stage_ranks, balance, stage_devices)
 };
 
 namespace detail {
 
-template <auto Factory, class... A>
-auto build_host(std::string device, A... args) {
-  using M = std::decay_t<decltype(Factory(std::move(args)...))>;
-  return StageHost<M>(Factory(std::move(args)...), std::move(device));
+// Worker side (src/pipeline_stages.cpp).
+void host_stages(const StagePlacement& placement, torch::nn::Sequential model, LossFn loss, OptimizerFactory optimizer);
+Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Action> actions,
+                            std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets, std::int64_t batch_size);
+void deliver(std::uint64_t id, std::int64_t step, std::int32_t stage, std::int32_t micro, bool gradient, at::Tensor value);
+void abort_step(std::uint64_t id, std::int64_t step, std::string reason);
+void drop_stages(std::uint64_t id);
+void set_training(std::uint64_t id, bool on);
+std::vector<std::pair<std::int32_t, std::vector<at::Tensor>>> stage_parameters(std::uint64_t id);
+
+template <auto Model, auto Loss, auto MakeOptimizer, class... A>
+void create_stages(StagePlacement placement, A... args) {
+  host_stages(placement, Model(std::move(args)...), Loss, MakeOptimizer);
 }
 
-// Runs on the stage's worker: waits for the input (wherever it lives) first, then queues for the stage.
-template <class M>
-Task<at::Tensor> forward_from_ref(RRef<StageHost<M>> host, RRef<at::Tensor> input) {
-  at::Tensor x = co_await input.to_here();
-  auto slot = corpc::detail::RRefContext::get()->slot(host.state()->id);
-  co_return co_await corpc::detail::invoke_member<&StageHost<M>::forward>(slot, std::make_tuple(std::move(x)));
-}
+std::uint64_t next_pipeline_id();
 
 }  // namespace detail
 
-// A stage of a pipeline, independent of its module type.
-struct Stage {
-  int owner = -1;
-  std::function<RRef<at::Tensor>(const at::Tensor&)> keep_from_tensor;          // result stays on the stage
-  std::function<RRef<at::Tensor>(const RRef<at::Tensor>&)> keep_from_ref;
-  std::function<Future<at::Tensor>(const at::Tensor&)> fetch_from_tensor;       // result comes back
-  std::function<Future<at::Tensor>(const RRef<at::Tensor>&)> fetch_from_ref;
-  std::function<std::vector<RRef<at::Tensor>>()> parameters;
-  std::function<Future<void>(bool)> train;
-};
-
-// Builds `Factory(args...)` (a module holder) on the worker of `remote_device` ("worker1/cpu", "worker2/cuda:0").
-template <auto Factory, class... A>
-Stage remote_stage(const std::string& remote_device, A&&... args) {
-  auto [worker, device] = corpc::detail::split_remote_device(remote_device);
-  auto host = remote<&detail::build_host<Factory, std::decay_t<A>...>>(worker, device, std::forward<A>(args)...);
-  using H = typename decltype(host)::value_type;
-  using M = std::decay_t<decltype(std::declval<H&>().module())>;
-  Stage s;
-  s.owner = host.owner().rank;
-  s.keep_from_tensor = [host](const at::Tensor& x) { return host.template remote<&H::forward>(x); };
-  s.keep_from_ref = [host](const RRef<at::Tensor>& x) {
-    return remote<&detail::forward_from_ref<M>>(host.owner().rank, host, x);
-  };
-  s.fetch_from_tensor = [host](const at::Tensor& x) { return host.template rpc_async<&H::forward>(x); };
-  s.fetch_from_ref = [host](const RRef<at::Tensor>& x) {
-    return rpc_async<&detail::forward_from_ref<M>>(host.owner().rank, host, x);
-  };
-  s.parameters = [host] { return host.template rpc_sync<&H::parameters>(); };
-  s.train = [host](bool on) { return host.template rpc_async<&H::train>(on); };
-  return s;
-}
-
 class Pipeline {
  public:
-  Pipeline(std::vector<Stage> stages, int micro_batches, Schedule schedule = Schedule::GPipe)
-      : stages_(std::move(stages)), micro_batches_(micro_batches), schedule_(schedule) {
-    if (stages_.empty()) throw UsageError("a pipeline needs at least one stage");
-    if (micro_batches_ < 1) throw UsageError("a pipeline needs at least one micro-batch");
+  // Builds Model(args...) on every worker named in `options` (seed it: every worker must get the same weights) and
+  // keeps there the stages placed on it. Loss(output, target) runs on the last stage's worker; MakeOptimizer(params)
+  // makes each stage's optimizer on its worker.
+  template <auto Model, auto Loss, auto MakeOptimizer, class... A>
+  static Pipeline create(const PipelineOptions& options, A&&... args) {
+    Pipeline p(options);
+    std::vector<Future<void>> made;
+    for (int rank : p.state_->worker_ranks)
+      made.push_back(rpc_async<&detail::create_stages<Model, Loss, MakeOptimizer, std::decay_t<A>...>>(
+          rank, p.state_->placement, args...));
+    wait_all(std::move(made)).wait();
+    return p;
   }
 
-  int micro_batches() const noexcept { return micro_batches_; }
-  Schedule schedule() const noexcept { return schedule_; }
-
-  // Streams the micro-batches of `batch` through the stages; one future per micro-batch output, in order.
-  std::vector<Future<at::Tensor>> forward_micro_batches(const at::Tensor& batch) const {
-    std::vector<Future<at::Tensor>> outs;
-    for (auto& x : batch.chunk(micro_batches_)) {
-      if (stages_.size() == 1) {
-        outs.push_back(stages_[0].fetch_from_tensor(x));
-        continue;
-      }
-      RRef<at::Tensor> y = stages_[0].keep_from_tensor(x);
-      for (std::size_t k = 1; k + 1 < stages_.size(); ++k) y = stages_[k].keep_from_ref(y);
-      outs.push_back(stages_.back().fetch_from_ref(y));
-    }
-    return outs;
-  }
-
-  // The whole batch's output, concatenated on the caller.
-  Future<at::Tensor> forward(const at::Tensor& batch) const {
-    return wait_all(forward_micro_batches(batch)).then([](const std::vector<at::Tensor>& parts) { return at::cat(parts); });
-  }
-
-  std::vector<RRef<at::Tensor>> parameter_rrefs() const {
-    std::vector<RRef<at::Tensor>> all;
-    for (auto& s : stages_) {
-      auto ps = s.parameters();
-      all.insert(all.end(), ps.begin(), ps.end());
-    }
-    return all;
-  }
+  // One training iteration: forward and backward of every micro-batch by the schedule, then each stage's optimizer
+  // step. Fails with PipelineError if a stage fails (the other workers abort their part of the step).
+  Task<StepResult> train_step(at::Tensor inputs, at::Tensor targets);
 
   // Training or eval mode on every stage (BatchNorm, Dropout).
-  void train(bool on) const {
-    std::vector<Future<void>> all;
-    for (auto& s : stages_) all.push_back(s.train(on));
-    wait_all(std::move(all)).wait();
-  }
+  void train(bool on) const;
+  // Copies of every parameter, in the unsplit model's order.
+  std::vector<at::Tensor> parameters() const;
 
-  using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
-  using StepFn = std::function<Future<void>(std::int64_t context_id)>;
-
-  // One iteration in a fresh distributed-autograd context: forward, loss, backward, optimizer step. Returns the loss.
-  Task<at::Tensor> train_step(at::Tensor inputs, at::Tensor targets, LossFn loss, StepFn step) const {
-    dist_autograd::Context ctx;
-    at::Tensor total;
-    if (schedule_ == Schedule::GPipe) {
-      at::Tensor out = co_await forward(inputs);
-      total = loss(out, targets);
-      std::vector<at::Tensor> roots{total};  // a named local: GCC 12 rejects braced lists inside co_await
-      co_await ctx.backward(std::move(roots));
-    } else {
-      auto outs = forward_micro_batches(inputs);
-      auto target_parts = targets.chunk(micro_batches_);
-      std::vector<Future<at::Tensor>> losses;
-      for (std::size_t i = 0; i < outs.size(); ++i) {
-        const double share = static_cast<double>(target_parts[i].size(0)) / static_cast<double>(targets.size(0));
-        losses.push_back(spawn(backward_one(ctx.id(), outs[i], target_parts[i], share, loss)));
-      }
-      auto parts = co_await wait_all(std::move(losses));
-      total = at::stack(parts).sum();
-    }
-    co_await step(ctx.id());
-    co_return total.detach();
-  }
-
-  template <class Opt>
-  Task<at::Tensor> train_step(at::Tensor inputs, at::Tensor targets, LossFn loss, const DistributedOptimizer<Opt>& opt) const {
-    return train_step(std::move(inputs), std::move(targets), std::move(loss),
-                      [&opt](std::int64_t ctx) { return opt.step(ctx); });
+  Schedule schedule() const noexcept { return options_.schedule; }
+  int micro_batches() const noexcept { return options_.micro_batches; }
+  int num_stages() const noexcept { return static_cast<int>(options_.balance.size()); }
+  int num_workers() const noexcept { return static_cast<int>(state_->worker_ranks.size()); }
+  int stages_per_worker() const noexcept { return num_stages() / num_workers(); }
+  // This pipeline's action lists for M micro-batches (plan[i] for the i-th worker of `options.workers`).
+  std::vector<std::vector<Action>> plan(int micro_batches) const {
+    return make_schedule(options_.schedule, num_workers(), stages_per_worker(), micro_batches);
   }
 
  private:
-  static Task<at::Tensor> backward_one(std::int64_t ctx, Future<at::Tensor> out, at::Tensor target, double share,
-                                       LossFn loss) {
-    at::Tensor y = co_await out;
-    at::Tensor l = loss(y, target) * share;
-    std::vector<at::Tensor> roots{l};
-    co_await dist_autograd::backward(ctx, std::move(roots));
-    co_return l.detach();
-  }
+  struct State {
+    StagePlacement placement;
+    std::vector<int> worker_ranks;  // one per worker, in the order of options.workers
+    std::int64_t steps = 0;
+    ~State();
+  };
+  explicit Pipeline(const PipelineOptions& options);
 
-  std::vector<Stage> stages_;
-  int micro_batches_;
-  Schedule schedule_;
+  PipelineOptions options_;
+  std::shared_ptr<State> state_;
 };
 
 }  // namespace corpc::pipeline
+
+CORPC_IO_THREAD_FUNCTION(&corpc::pipeline::detail::deliver);
+CORPC_IO_THREAD_FUNCTION(&corpc::pipeline::detail::abort_step);

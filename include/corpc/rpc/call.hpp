@@ -27,6 +27,7 @@
 #include "corpc/rpc/runtime.hpp"
 #include "corpc/wire/codec.hpp"
 #include "corpc/wire/tensor_codec.hpp"
+#include "corpc/wire/torch_codec.hpp"
 
 namespace corpc {
 

@@ -2,7 +2,13 @@
 //
 //   corpc::RemoteModule<torch::nn::Linear> lin("worker1/cpu", 4, 2);    // constructed on worker1, on its CPU
 //   at::Tensor y = lin.forward(x);                                       // or co_await lin.forward_async(x)
+//   auto z = co_await lin.forward_async(corpc::with_timeout(100ms), x);  // TimeoutError if no answer in 100 ms
 //   std::vector<corpc::RRef<at::Tensor>> ps = lin.remote_parameters();  // for DistributedOptimizer
+//   auto same = co_await lin.remote_parameters_async();                 // the awaitable form
+//   corpc::rpc_async<&train>("trainer1", lin);                           // share it: the trainer uses the same module
+//
+// Passing a RemoteModule to another worker (as an argument or a result) shares the module, not a copy: the receiver
+// gets a reference to the same object on the same owner, counted like any RRef (corpc/rref/context.hpp).
 //
 // M is a module holder (torch::nn::Linear, or your TORCH_MODULE). Inputs are moved to the module's device on the
 // owner; results come back on the CPU. Forward calls run concurrently (modules are stateless in forward, apart from
@@ -73,12 +79,19 @@ class RemoteModule {
     module_ = remote<&detail::build_module<M, std::decay_t<A>...>>(worker, device, std::forward<A>(args)...);
   }
 
-  // Wraps a module already created on its owner (e.g. by remote<&make_my_module>(worker, seed)).
-  explicit RemoteModule(RRef<M> module) : module_(std::move(module)) {}
+  // Wraps a module already created on its owner (e.g. by remote<&make_my_module>(worker, seed)); `device` is only
+  // reported by device().
+  explicit RemoteModule(RRef<M> module, std::string device = {}) : module_(std::move(module)), device_(std::move(device)) {}
 
+  // forward([options,] args...) on the owner; options as for rpc_async (with_timeout(ms)).
   template <class... A>
+    requires(!detail::first_is_options<A...>)
   auto forward_async(A&&... args) const {
-    return rpc_async<&detail::module_forward<M, std::decay_t<A>...>>(module_.state()->owner, module_,
+    return forward_async(CallOptions{}, std::forward<A>(args)...);
+  }
+  template <class... A>
+  auto forward_async(const CallOptions& options, A&&... args) const {
+    return rpc_async<&detail::module_forward<M, std::decay_t<A>...>>(module_.state()->owner, options, module_,
                                                                       std::forward<A>(args)...);
   }
   template <class... A>
@@ -86,8 +99,12 @@ class RemoteModule {
     return forward_async(std::forward<A>(args)...).wait();
   }
 
-  std::vector<RRef<at::Tensor>> remote_parameters() const {
-    return rpc_sync<&detail::module_parameters<M>>(module_.state()->owner, module_);
+  // References to the module's parameters, owned where the module is (what DistributedOptimizer takes).
+  Future<std::vector<RRef<at::Tensor>>> remote_parameters_async(const CallOptions& options = {}) const {
+    return rpc_async<&detail::module_parameters<M>>(module_.state()->owner, options, module_);
+  }
+  std::vector<RRef<at::Tensor>> remote_parameters(const CallOptions& options = {}) const {
+    return remote_parameters_async(options).wait();
   }
   const RRef<M>& module_rref() const noexcept { return module_; }
   const std::string& device() const noexcept { return device_; }
@@ -95,6 +112,19 @@ class RemoteModule {
  private:
   RRef<M> module_;
   std::string device_;
+};
+
+// Shares the module: the receiver's RemoteModule refers to the same object (a fork of the same RRef).
+template <class M>
+struct Codec<RemoteModule<M>> {
+  static void write(Writer& w, const RemoteModule<M>& m) {
+    w.put(m.module_rref());
+    w.put(m.device());
+  }
+  static RemoteModule<M> read(Reader& r) {
+    auto module = r.get<RRef<M>>();
+    return RemoteModule<M>(std::move(module), r.get<std::string>());
+  }
 };
 
 }  // namespace corpc

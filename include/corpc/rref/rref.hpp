@@ -5,6 +5,11 @@
 //   auto counter = corpc::remote<Counter>("worker2", 10);                     // constructs a Counter on worker2
 //   int v = co_await counter.rpc_async<&Counter::add>(5);                     // runs counter->add(5) on worker2
 //   corpc::RRef<int> w = counter.remote<&Counter::add>(1);                    // result stays on worker2
+//   int t = co_await counter.rpc_async<&Counter::add>(corpc::with_timeout(100ms), 1);   // TimeoutError after 100 ms
+//
+// Every call here takes a CallOptions first, as rpc_async does (`with_timeout(ms)`; unset: RpcOptions::rpc_timeout).
+// For remote() the timeout bounds the owner's acknowledgement of the creation; a creation that timed out fails the
+// reference's next use with TimeoutError.
 //
 // An RRef can be passed to any worker as an argument or a result; the owner keeps the value exactly as long as some
 // reference to it exists anywhere (protocol and guarantees: corpc/rref/context.hpp). `remote()` and proxy calls do
@@ -38,6 +43,16 @@ template <class T>
 inline constexpr bool serialized_calls_v = requires { requires T::corpc_serialized_calls; };
 
 namespace detail {
+
+// The tuple of A's and B's element types, without constructing either: parameter types need no default constructor.
+template <class A, class B>
+struct TupleCat;
+template <class... A, class... B>
+struct TupleCat<std::tuple<A...>, std::tuple<B...>> {
+  using type = std::tuple<A..., B...>;
+};
+template <class A, class B>
+using tuple_cat_t = typename TupleCat<A, B>::type;
 
 template <class T>
 constexpr std::uint64_t type_hash_of() {
@@ -183,7 +198,7 @@ Future<Message> create_in_slot(int creator, const RRefId& id, const ForkId& fork
 template <auto F>
 struct CreateCall {
   using Args = typename FnTraits<decltype(F)>::Args;
-  using Wire = decltype(std::tuple_cat(std::tuple<RRefId, ForkId>{}, Args{}));
+  using Wire = tuple_cat_t<std::tuple<RRefId, ForkId>, Args>;
   static std::string name() { return "corpc::remote<" + std::string(function_name<F>()) + ">"; }
   static HandlerEntry entry() {
     return creation_entry<Wire>([](int src, Wire all) {
@@ -226,7 +241,7 @@ struct CreateObject {
 template <auto M>
 struct InvokeMember {
   using Args = typename FnTraits<decltype(M)>::Args;
-  using Wire = decltype(std::tuple_cat(std::tuple<RRefId>{}, Args{}));
+  using Wire = tuple_cat_t<std::tuple<RRefId>, Args>;
   static std::string name() { return "corpc::rref_call<" + std::string(function_name<M>()) + ">"; }
   static HandlerEntry entry() {
     return entry_for<Wire>([](int src, Wire all) {
@@ -241,7 +256,7 @@ struct InvokeMember {
 template <auto M>
 struct CreateFromMember {
   using Args = typename FnTraits<decltype(M)>::Args;
-  using Wire = decltype(std::tuple_cat(std::tuple<RRefId, ForkId, RRefId>{}, Args{}));  // new id, fork, target
+  using Wire = tuple_cat_t<std::tuple<RRefId, ForkId, RRefId>, Args>;  // new id, fork, target
   static std::string name() { return "corpc::rref_remote<" + std::string(function_name<M>()) + ">"; }
   static HandlerEntry entry() {
     return creation_entry<Wire>([](int src, Wire all) {
@@ -256,14 +271,14 @@ struct CreateFromMember {
 
 // Sends a creation request and returns the user reference it makes; confirmed when the owner acknowledges.
 template <class R, class Tag, class... A>
-RRef<R> create_remote(const WorkerRef& to, A&&... args) {
+RRef<R> create_remote(const WorkerRef& to, const CallOptions& options, A&&... args) {
   (void)AutoEntry<Tag>::value;
   static const std::string name = Tag::name();
   auto ctx = RRefContext::get();
   const int dst = Runtime::get().worker(to).rank;
   const RRefId id = ctx->new_id();
   auto state = ctx->new_user(id, id, dst, type_hash_of<R>());
-  auto ack = call_remote<void, typename Tag::Wire>(dst, name, signature_of<typename Tag::Wire>(), CallOptions{}, id, id,
+  auto ack = call_remote<void, typename Tag::Wire>(dst, name, signature_of<typename Tag::Wire>(), options, id, id,
                                                    std::forward<A>(args)...);
   on_ready_inline(ack, [ack, confirm = state->confirm_promise] {
     if (auto e = ack.error()) confirm->set_exception(e);
@@ -323,16 +338,21 @@ class RRef {
     }
   }
 
-  // Runs member M of the remote object on its owner: rref.rpc_async<&T::method>(args...).
+  // Runs member M of the remote object on its owner: rref.rpc_async<&T::method>([options,] args...).
   template <auto M, class... A>
+    requires(!detail::first_is_options<A...>)
   Future<detail::ResultOf<M>> rpc_async(A&&... args) const {
+    return rpc_async<M>(CallOptions{}, std::forward<A>(args)...);
+  }
+  template <auto M, class... A>
+  Future<detail::ResultOf<M>> rpc_async(const CallOptions& options, A&&... args) const {
     using Tag = detail::InvokeMember<M>;
     static_assert(std::is_base_of_v<typename detail::FnTraits<decltype(M)>::Class, T>, "M is not a member of T");
     (void)detail::AutoEntry<Tag>::value;
     static const std::string name = Tag::name();
     if (state_->confirmed.has_error()) return make_exceptional_future<detail::ResultOf<M>>(state_->confirmed.error());
     return detail::call_remote<detail::ResultOf<M>, typename Tag::Wire>(
-        state_->owner, name, detail::signature_of<typename Tag::Wire>(), CallOptions{}, state_->id, std::forward<A>(args)...);
+        state_->owner, name, detail::signature_of<typename Tag::Wire>(), options, state_->id, std::forward<A>(args)...);
   }
   template <auto M, class... A>
   decltype(auto) rpc_sync(A&&... args) const {
@@ -345,9 +365,14 @@ class RRef {
   }
   // Runs member M on the owner and keeps the result there: returns at once with a reference to it.
   template <auto M, class... A>
+    requires(!detail::first_is_options<A...>)
   RRef<detail::ResultOf<M>> remote(A&&... args) const {
+    return remote<M>(CallOptions{}, std::forward<A>(args)...);
+  }
+  template <auto M, class... A>
+  RRef<detail::ResultOf<M>> remote(const CallOptions& options, A&&... args) const {
     if (state_->confirmed.has_error()) std::rethrow_exception(state_->confirmed.error());
-    return detail::create_remote<detail::ResultOf<M>, detail::CreateFromMember<M>>(state_->owner, state_->id,
+    return detail::create_remote<detail::ResultOf<M>, detail::CreateFromMember<M>>(state_->owner, options, state_->id,
                                                                                    std::forward<A>(args)...);
   }
 
@@ -362,14 +387,24 @@ class RRef {
 
 // Creates F(args...) on worker `to` and returns a reference to the result at once.
 template <auto F, class... A>
+  requires(!detail::first_is_options<A...>)
 RRef<detail::ResultOf<F>> remote(const WorkerRef& to, A&&... args) {
-  return detail::create_remote<detail::ResultOf<F>, detail::CreateCall<F>>(to, std::forward<A>(args)...);
+  return detail::create_remote<detail::ResultOf<F>, detail::CreateCall<F>>(to, CallOptions{}, std::forward<A>(args)...);
+}
+template <auto F, class... A>
+RRef<detail::ResultOf<F>> remote(const WorkerRef& to, const CallOptions& options, A&&... args) {
+  return detail::create_remote<detail::ResultOf<F>, detail::CreateCall<F>>(to, options, std::forward<A>(args)...);
 }
 
 // Constructs a T(args...) on worker `to` and returns a reference to it at once.
 template <class T, class... A>
+  requires(!detail::first_is_options<A...>)
 RRef<T> remote(const WorkerRef& to, A&&... args) {
-  return detail::create_remote<T, detail::CreateObject<T, std::decay_t<A>...>>(to, std::forward<A>(args)...);
+  return detail::create_remote<T, detail::CreateObject<T, std::decay_t<A>...>>(to, CallOptions{}, std::forward<A>(args)...);
+}
+template <class T, class... A>
+RRef<T> remote(const WorkerRef& to, const CallOptions& options, A&&... args) {
+  return detail::create_remote<T, detail::CreateObject<T, std::decay_t<A>...>>(to, options, std::forward<A>(args)...);
 }
 
 // On the wire: ids, owner, fork and sender; sharing follows the protocol in corpc/rref/context.hpp.

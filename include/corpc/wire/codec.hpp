@@ -8,7 +8,10 @@
 // malformed or hostile payload ends in ProtocolError, never in a huge allocation or an out-of-bounds read.
 //
 // Supported out of the box: arithmetic types, enums, bool, std::string, std::vector, std::array, std::optional,
-// std::pair, std::tuple, std::map, std::unordered_map, std::set, std::monostate, torch tensors (tensor_codec.hpp).
+// std::pair, std::tuple, std::variant, std::map, std::unordered_map, std::set, std::monostate, torch tensors
+// (tensor_codec.hpp), and c10::Scalar, c10::Device, at::ScalarType, c10::optional, c10::variant and torch's option
+// tags such as torch::kSum (torch_codec.hpp). Enums travel as their underlying value, unchecked: an enum whose
+// receiver must reject values outside its enumerators needs its own Codec (as at::ScalarType has).
 // Your own types, either way:
 //   struct Point { double x, y; CORPC_FIELDS(x, y) };            // encodes each field in order
 //   template <> struct corpc::Codec<Mine> { static void write(Writer&, const Mine&); static Mine read(Reader&); };
@@ -184,9 +187,9 @@ struct Codec<std::array<T, N>> {
     for (const auto& x : a) w.put(x);
   }
   static std::array<T, N> read(Reader& r) {
-    std::array<T, N> a;
-    for (auto& x : a) x = r.get<T>();
-    return a;
+    return [&]<std::size_t... I>(std::index_sequence<I...>) {
+      return std::array<T, N>{(static_cast<void>(I), r.get<T>())...};  // braced: left to right; T needs no default
+    }(std::make_index_sequence<N>{});
   }
 };
 
@@ -226,6 +229,36 @@ struct Codec<std::tuple<T...>> {
 };
 
 namespace detail {
+// A variant as a u32 index, then that alternative. Shared by std::variant and c10::variant: `Ops` supplies
+// `get<I>(v)` and `make<I>(reader)` for the variant type at hand.
+template <class V, class Ops, std::size_t N>
+struct VariantCodec {
+  static void write(Writer& w, const V& v) {
+    const std::size_t index = v.index();
+    if (index >= N) throw UsageError("cannot send a variant that is valueless by exception");
+    w.put(static_cast<std::uint32_t>(index));
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      ((index == I ? (w.put(Ops::template get<I>(v)), 0) : 0), ...);
+    }(std::make_index_sequence<N>{});
+  }
+  static V read(Reader& r) {
+    const auto index = r.get<std::uint32_t>();
+    if (index >= N) throw ProtocolError("variant index " + std::to_string(index) + " out of range");
+    return [&]<std::size_t... I>(std::index_sequence<I...>) {
+      static constexpr V (*alternatives[])(Reader&) = {&Ops::template make<I>...};
+      return alternatives[index](r);
+    }(std::make_index_sequence<N>{});
+  }
+};
+
+template <class V>
+struct StdVariantOps {
+  template <std::size_t I>
+  static const auto& get(const V& v) { return std::get<I>(v); }
+  template <std::size_t I>
+  static V make(Reader& r) { return V(std::in_place_index<I>, r.get<std::variant_alternative_t<I, V>>()); }
+};
+
 template <class M>
 struct MapCodec {
   using K = typename M::key_type;
@@ -253,6 +286,10 @@ template <class K, class V, class C, class A>
 struct Codec<std::map<K, V, C, A>> : detail::MapCodec<std::map<K, V, C, A>> {};
 template <class K, class V, class H, class E, class A>
 struct Codec<std::unordered_map<K, V, H, E, A>> : detail::MapCodec<std::unordered_map<K, V, H, E, A>> {};
+
+template <class... T>
+struct Codec<std::variant<T...>>
+    : detail::VariantCodec<std::variant<T...>, detail::StdVariantOps<std::variant<T...>>, sizeof...(T)> {};
 
 template <class K, class C, class A>
 struct Codec<std::set<K, C, A>> {

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Steps/s of the tutorials' training systems: corpc's examples beside PyTorch's versions of the same programs
+# (bench/pytorch_systems.py: tutorial code, same model, batch and one intra-op thread), interleaved round by round so
+# that machine noise hits both alike. Prints the median rates, the median of the per-round ratios and the number of
+# rounds in which both ran (a failed run is left out; PyTorch's stderr goes to $LOG, /dev/null by default).
+#   bench/compare_systems.sh [rounds] [ps steps per trainer] [hybrid steps]
+# (from the repository root, after ninja -C build examples/param_server examples/ddp_rpc_hybrid)
+set -euo pipefail
+python=${PYTHON:-/usr/bin/python3}  # Debian's python3-torch; a pyenv python3 first on PATH has no torch
+rounds=${1:-3}
+steps=${2:-200}
+hybrid_steps=${3:-100}
+tmp=$(mktemp)
+trap 'rm -f "$tmp"' EXIT
+echo "# load before: $(uptime)"
+for ((r = 0; r < rounds; r++)); do
+  for c in "async 1" "async 2" "batch 2"; do
+    set -- $c
+    ./build/examples/param_server --mode "$1" --trainers "$2" --steps "$steps" |
+      sed -n "s/.* \([0-9.]*\) steps\/s.*/corpc ps-$1 $2 \1 $r/p" >>"$tmp"
+    "$python" bench/pytorch_systems.py "ps-$1" "$2" "$steps" 2>>"${LOG:-/dev/null}" | sed "s/\$/ $r/" >>"$tmp"
+  done
+  ./build/examples/ddp_rpc_hybrid --steps "$hybrid_steps" |
+    sed -n "s/.* \([0-9.]*\) steps\/s.*/corpc hybrid 2 \1 $r/p" >>"$tmp"
+  "$python" bench/pytorch_systems.py hybrid 2 "$hybrid_steps" 2>>"${LOG:-/dev/null}" | sed "s/\$/ $r/" >>"$tmp"
+done
+echo "# load after: $(uptime)"
+python3 - "$tmp" <<'PY'
+import statistics, sys
+rates = {}
+for line in open(sys.argv[1]):
+    who, case, trainers, rate, rnd = line.split()
+    rates.setdefault((case, trainers), {}).setdefault(who, {})[rnd] = float(rate)
+print("| program | trainers | corpc steps/s | PyTorch steps/s | corpc / PyTorch | rounds |")
+print("|---|---:|---:|---:|---:|---:|")
+for (case, trainers), r in rates.items():
+    both = sorted(set(r.get("corpc", {})) & set(r.get("pytorch", {})))
+    ratio = statistics.median(r["corpc"][k] / r["pytorch"][k] for k in both) if both else float("nan")
+    med = {who: statistics.median(v.values()) for who, v in r.items()}
+    print(f"| {case} | {trainers} | {med.get('corpc', float('nan')):.1f} | {med.get('pytorch', float('nan')):.1f} | {ratio:.2f} | {len(both)} |")
+PY

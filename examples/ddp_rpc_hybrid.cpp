@@ -1,0 +1,51 @@
+// DDP + RPC (PyTorch's "Combining Distributed DataParallel with Distributed RPC Framework"): 4 processes. Ranks 0 and
+// 1 are trainers, each with a DDP-wrapped Linear; rank 2, the master, creates an EmbeddingBag on rank 3, the
+// parameter server, and starts both trainers' loops by RPC, handing them the remote module. Each step: embedding
+// lookup on the server, the Linear locally, distributed autograd backward (the dense gradients averaged across the
+// trainers, the embedding's sent to the server), one DistributedOptimizer step over all parameters.
+//
+//   ./build/examples/ddp_rpc_hybrid --steps 100                # 4 local processes
+//   torchrun --no_python --standalone --nproc_per_node 4 --redirects 1 --tee 1 ./build/examples/ddp_rpc_hybrid
+//
+// Prints steps/s (synchronised steps of both trainers) and checks that both trainers end with the same dense layer.
+#include <cstdio>
+#include <string>
+
+#include <torch/torch.h>
+
+#include "systems/common.hpp"
+#include "systems/hybrid.hpp"
+
+using namespace systems::hybrid;
+
+int main(int argc, char** argv) {
+  corpc::bench::Flags flags(argc, argv);
+  Config config;
+  config.steps = flags.get_int("steps", 100);
+  config.seed = static_cast<std::uint64_t>(flags.get_int("seed", 0));
+  config.lockstep = flags.has("lockstep");
+  const long warmup = flags.get_int("warmup", 5);
+  return systems::run_program("ddp_rpc_hybrid", 4, [&](int rank) {
+    const std::string name = rank < 2 ? "trainer" + std::to_string(rank) : rank == 2 ? "master" : "ps";
+    corpc::init_rpc(name, rank, 4, systems::single_threaded());
+    if (rank == 2) {
+      auto table = corpc::remote<&make_embedding_table>("ps", config.seed);
+      auto run = [&](Config c) {
+        std::vector<corpc::Future<TrainerResult>> loops;
+        for (int t = 0; t < kTrainers; ++t) loops.push_back(corpc::rpc_async<&run_trainer>(t, table, t, c));
+        return corpc::wait_all(std::move(loops)).wait();
+      };
+      Config first = config;
+      first.steps = warmup;  // also joins the trainers' process group
+      run(first);
+      auto results = run(config);
+      bool same = true;
+      for (std::size_t i = 0; i < results[0].dense.size(); ++i) same = same && at::equal(results[0].dense[i], results[1].dense[i]);
+      std::printf("ddp_rpc_hybrid: %ld steps: %.1f steps/s; trainers' dense parameters %s\n", static_cast<long>(config.steps),
+                  static_cast<double>(config.steps) / std::max(results[0].seconds, results[1].seconds),
+                  same ? "identical" : "DIFFER");
+      if (!same) throw std::runtime_error("the trainers' dense parameters differ");
+    }
+    corpc::shutdown();
+  });
+}

@@ -1,0 +1,161 @@
+#include "hybrid.hpp"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <mutex>
+#include <optional>
+
+#include <corpc/autograd/dist_autograd.hpp>
+#include <corpc/autograd/optimizer.hpp>
+#include <corpc/ddp/ddp.hpp>
+#include <corpc/rref/remote_module.hpp>
+
+namespace systems::hybrid {
+
+namespace {
+
+namespace F = torch::nn::functional;
+
+at::Generator generator(std::uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
+
+std::int64_t randint(std::int64_t low, std::int64_t high, at::Generator& gen) {
+  return at::randint(low, high, {1}, gen).item<std::int64_t>();
+}
+
+// Sets environment variables for the lifetime of the object, restoring them afterwards.
+class EnvOverride {
+ public:
+  EnvOverride(std::vector<std::pair<std::string, std::string>> vars) {
+    for (auto& [k, v] : vars) {
+      const char* old = std::getenv(k.c_str());
+      saved_.emplace_back(k, old ? std::optional<std::string>(old) : std::nullopt);
+      ::setenv(k.c_str(), v.c_str(), 1);
+    }
+  }
+  ~EnvOverride() {
+    for (auto& [k, v] : saved_) v ? ::setenv(k.c_str(), v->c_str(), 1) : ::unsetenv(k.c_str());
+  }
+
+ private:
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
+};
+
+// The two trainers' process group. corpc::ddp::init_process_group makes a group of the whole launch (RANK,
+// WORLD_SIZE) and has no subgroups yet, so the trainers (global ranks 0 and 1, as in the tutorial) present
+// themselves as a world of two while it runs.
+c10::intrusive_ptr<c10d::ProcessGroup> trainer_group(int trainer, const std::string& prefix) {
+  static std::once_flag once;
+  static c10::intrusive_ptr<c10d::ProcessGroup> group;
+  std::call_once(once, [&] {
+    EnvOverride env({{"RANK", std::to_string(trainer)}, {"WORLD_SIZE", std::to_string(kTrainers)}});
+    corpc::ddp::ProcessGroupOptions options;
+    options.store_prefix = prefix;
+    group = corpc::ddp::init_process_group(options);
+  });
+  return group;
+}
+
+// What DDP's gradient hooks do in a plain backward: average the dense gradients over the trainers. Distributed
+// autograd hands gradients to its context instead of running the parameters' AccumulateGrad functions, so DDP's
+// hooks do not fire there; the context's gradients are averaged in place, before the optimizer reads them.
+void average_dense_gradients(std::int64_t context, const std::vector<at::Tensor>& params, c10d::ProcessGroup& group) {
+  auto grads = corpc::dist_autograd::get_gradients(context);
+  for (auto& p : params) {
+    std::vector<at::Tensor> g{grads.at(p)};
+    group.allreduce(g)->wait();
+    g[0].div_(group.getSize());
+  }
+}
+
+at::Tensor weight_of(corpc::RRef<torch::nn::EmbeddingBag> table) { return table.local_value()->weight.detach().clone(); }
+
+}  // namespace
+
+torch::nn::EmbeddingBag make_embedding_table(std::uint64_t seed) {
+  torch::nn::EmbeddingBag table(torch::nn::EmbeddingBagOptions(kEmbeddings, kEmbeddingDim).mode(torch::kSum));
+  auto gen = generator(seed * 31 + 1);
+  torch::NoGradGuard no_grad;
+  table->weight.copy_(at::randn({kEmbeddings, kEmbeddingDim}, gen));
+  return table;
+}
+
+std::vector<at::Tensor> initial_dense(std::uint64_t seed) {
+  auto gen = generator(seed * 31 + 2);
+  const double bound = 1.0 / std::sqrt(static_cast<double>(kEmbeddingDim));
+  return {at::empty({kClasses, kEmbeddingDim}).uniform_(-bound, bound, gen), at::empty({kClasses}).uniform_(-bound, bound, gen)};
+}
+
+Batch make_batch(std::uint64_t seed, int trainer, std::int64_t step) {
+  auto gen = generator(seed * 1'000'003 + static_cast<std::uint64_t>(trainer) * 1'000'000 + static_cast<std::uint64_t>(step));
+  const std::int64_t n = randint(20, 51, gen);
+  auto indices = at::randint(0, kEmbeddings, {n}, gen);
+  std::vector<std::int64_t> offsets;
+  for (std::int64_t start = 0; start < n; start += randint(1, 11, gen)) offsets.push_back(start);
+  auto target = at::randint(0, kClasses, {static_cast<std::int64_t>(offsets.size())}, gen);
+  return {indices, at::tensor(offsets), target};
+}
+
+TrainerResult run_trainer(corpc::RRef<torch::nn::EmbeddingBag> table, int trainer, Config config) {
+  auto group = trainer_group(trainer, config.group_prefix);
+  corpc::RemoteModule<torch::nn::EmbeddingBag> embedding(std::move(table));
+  torch::nn::Linear fc(kEmbeddingDim, kClasses);
+  {
+    auto init = initial_dense(config.seed);
+    torch::NoGradGuard no_grad;
+    fc->weight.copy_(init[0]);
+    fc->bias.copy_(init[1]);
+  }
+  corpc::ddp::DistributedDataParallel dense(fc, group);
+
+  // Every parameter as an RRef for the DistributedOptimizer: the embedding's on the server, the Linear's here.
+  auto params = embedding.remote_parameters();
+  for (auto& p : dense->parameters()) params.emplace_back(p);
+  corpc::DistributedOptimizer<torch::optim::SGD> optimizer(params, torch::optim::SGDOptions(config.lr));
+
+  const auto t0 = std::chrono::steady_clock::now();
+  for (std::int64_t step = 0; step < config.steps; ++step) {
+    auto batch = make_batch(config.seed, trainer, step);
+    corpc::dist_autograd::Context ctx;
+    auto out = dense.forward(embedding.forward(batch.indices, batch.offsets));
+    auto loss = F::cross_entropy(out, batch.target);
+    ctx.backward({loss}).wait();
+    average_dense_gradients(ctx.id(), dense->parameters(), *group);
+    optimizer.step(ctx).wait();
+    if (config.lockstep) group->barrier()->wait();
+  }
+  TrainerResult result;
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (auto& p : dense->parameters()) result.dense.push_back(p.detach().clone());
+  return result;
+}
+
+at::Tensor table_weight(corpc::RRef<torch::nn::EmbeddingBag> table) {
+  return corpc::rpc_sync<&weight_of>(table.owner().rank, table);
+}
+
+std::vector<at::Tensor> reference(const Config& config) {
+  auto embedding = make_embedding_table(config.seed)->weight.detach().clone();
+  auto dense = initial_dense(config.seed);
+  torch::NoGradGuard outside;  // SGD steps; gradients are computed under an explicit AutoGradMode below
+  for (std::int64_t step = 0; step < config.steps; ++step) {
+    std::vector<std::vector<at::Tensor>> grads;  // per trainer: embedding, weight, bias
+    for (int t = 0; t < kTrainers; ++t) {
+      torch::AutoGradMode enable(true);
+      auto batch = make_batch(config.seed, t, step);
+      std::vector<at::Tensor> leaves{embedding.detach().requires_grad_(true), dense[0].detach().requires_grad_(true),
+                                     dense[1].detach().requires_grad_(true)};
+      auto e = F::embedding_bag(batch.indices, leaves[0], F::EmbeddingBagFuncOptions().offsets(batch.offsets).mode(torch::kSum));
+      auto loss = F::cross_entropy(F::linear(e, leaves[1], leaves[2]), batch.target);
+      grads.push_back(torch::autograd::grad({loss}, leaves));
+    }
+    for (int t = 0; t < kTrainers; ++t) embedding.add_(grads[t][0], -config.lr);
+    for (int i = 1; i <= 2; ++i) dense[i - 1].add_((grads[0][i] + grads[1][i]).div_(kTrainers), -config.lr);
+  }
+  return {embedding, dense[0], dense[1]};
+}
+
+}  // namespace systems::hybrid

@@ -1,0 +1,64 @@
+// DDP + RPC (PyTorch's "Combining Distributed DataParallel with Distributed RPC Framework"), on corpc: a master, a
+// parameter server holding an EmbeddingBag as a RemoteModule, and two trainers, each running the embedding lookup
+// remotely and a DDP-wrapped Linear locally, backward with distributed autograd and a DistributedOptimizer over the
+// embedding's remote parameters and the Linear's local ones.
+//
+//   ranks: 0, 1 trainers ("trainer0", "trainer1"), 2 master ("master"), 3 parameter server ("ps"), as in the tutorial.
+//   auto table = corpc::remote<&make_embedding_table>("ps", seed);                  // on the master
+//   corpc::rpc_async<&run_trainer>("trainer0", table, config);                       // starts a trainer's loop
+#pragma once
+
+#include <torch/nn/modules/embedding.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <corpc/corpc.hpp>
+#include <corpc/rref/rref.hpp>
+
+namespace systems::hybrid {
+
+inline constexpr std::int64_t kEmbeddings = 100, kEmbeddingDim = 16, kClasses = 8;
+inline constexpr int kTrainers = 2;
+
+struct Config {
+  std::uint64_t seed = 0;
+  std::int64_t steps = 100;
+  double lr = 0.05;
+  // After each step, the trainers wait for each other (a barrier on their process group), so that every forward
+  // sees both trainers' previous embedding updates: the run is then reproducible (tests). The tutorial does not.
+  bool lockstep = false;
+  std::string group_prefix = "corpc/hybrid/";  // the trainers' keys in the rendezvous store
+  CORPC_FIELDS(seed, steps, lr, lockstep, group_prefix)
+};
+
+// EmbeddingBag(100, 16, mode sum) on the parameter server, its weight from `seed`.
+torch::nn::EmbeddingBag make_embedding_table(std::uint64_t seed);
+// The dense part's initial [weight, bias] of Linear(16, 8).
+std::vector<at::Tensor> initial_dense(std::uint64_t seed);
+
+// The tutorial's random batch: 20–50 indices in bags of 1–10, a class per bag; step `step` of `trainer`.
+struct Batch {
+  at::Tensor indices, offsets, target;
+};
+Batch make_batch(std::uint64_t seed, int trainer, std::int64_t step);
+
+struct TrainerResult {
+  std::vector<at::Tensor> dense;  // the trainer's Linear [weight, bias] after training
+  double seconds = 0;             // the training loop alone
+  CORPC_FIELDS(dense, seconds)
+};
+
+// A trainer's loop (started by the master over RPC). Joins the trainers' DDP process group on first use.
+TrainerResult run_trainer(corpc::RRef<torch::nn::EmbeddingBag> table, int trainer, Config config);
+
+// The parameters of the table (for checks): its weight.
+at::Tensor table_weight(corpc::RRef<torch::nn::EmbeddingBag> table);
+
+// The same training in one process: every step, each trainer's batch through the same parameters; the dense part
+// steps with the mean of the two trainers' gradients (what DDP computes), the embedding with each trainer's gradient
+// in turn (what two DistributedOptimizers do on the parameter server). Returns [embedding weight, dense weight, bias].
+std::vector<at::Tensor> reference(const Config& config);
+
+}  // namespace systems::hybrid

@@ -1,0 +1,89 @@
+// corpc/pipeline/balance.hpp — cutting a torch::nn::Sequential into pipeline stages.
+//
+//   std::vector<int> balance = corpc::pipeline::balance_by_time(model, sample_batch, /*stages=*/4);
+//   // balance[s] = number of consecutive layers of stage s; every layer is on exactly one stage
+//
+// balance_by_time profiles each layer's forward and backward on the sample (as torchgpipe's balance_by_time does),
+// then cuts the layers into consecutive groups that minimize the slowest stage's time: the pipeline's pace.
+#pragma once
+
+#include <torch/autograd.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+#include <vector>
+
+#include "corpc/core/errors.hpp"
+
+namespace corpc::pipeline {
+
+// Consecutive groups of `costs` into `parts` parts (each at least one item), minimizing the largest group's sum.
+// Returns the size of each group. Exact (dynamic programming over cut points; layers number in the tens).
+inline std::vector<int> partition_by_cost(const std::vector<double>& costs, int parts) {
+  const int n = static_cast<int>(costs.size());
+  if (parts < 1 || parts > n)
+    throw UsageError("cannot cut " + std::to_string(n) + " layers into " + std::to_string(parts) + " stages");
+  std::vector<double> prefix(n + 1, 0);
+  for (int i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + costs[i];
+  const double inf = std::numeric_limits<double>::infinity();
+  // best[k][i]: the smallest possible maximum when the first i items form k groups; cut[k][i]: where the last begins.
+  std::vector<std::vector<double>> best(parts + 1, std::vector<double>(n + 1, inf));
+  std::vector<std::vector<int>> cut(parts + 1, std::vector<int>(n + 1, 0));
+  best[0][0] = 0;
+  for (int k = 1; k <= parts; ++k)
+    for (int i = k; i <= n; ++i)
+      for (int j = k - 1; j < i; ++j) {
+        const double worst = std::max(best[k - 1][j], prefix[i] - prefix[j]);
+        if (worst < best[k][i]) best[k][i] = worst, cut[k][i] = j;
+      }
+  std::vector<int> sizes(parts);
+  for (int k = parts, i = n; k >= 1; --k) {
+    sizes[k - 1] = i - cut[k][i];
+    i = cut[k][i];
+  }
+  return sizes;
+}
+
+// Each layer's forward plus backward time on `sample` (seconds; the median of `repeats` runs after one warm-up),
+// layer by layer, the input of each layer being the previous layer's output.
+inline std::vector<double> profile_layers(torch::nn::Sequential model, const at::Tensor& sample, int repeats = 3) {
+  using Clock = std::chrono::steady_clock;
+  std::vector<double> times;
+  at::Tensor x = sample;
+  for (auto& layer : *model) {
+    std::vector<double> runs;
+    at::Tensor y;
+    for (int i = 0; i <= repeats; ++i) {
+      at::Tensor in = x.detach().requires_grad_(x.is_floating_point());
+      const auto t0 = Clock::now();
+      y = layer.forward(in);
+      if (y.requires_grad()) torch::autograd::backward({y}, {at::ones_like(y)});
+      if (i > 0) runs.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    std::nth_element(runs.begin(), runs.begin() + static_cast<long>(runs.size() / 2), runs.end());
+    times.push_back(runs[runs.size() / 2]);
+    x = y.detach();
+  }
+  for (auto& p : model->parameters()) p.mutable_grad().reset();  // profiling leaves no gradients behind
+  return times;
+}
+
+// torchgpipe's balance-by-time: profile, then partition_by_cost. The model must be in the mode it will train in.
+inline std::vector<int> balance_by_time(torch::nn::Sequential model, const at::Tensor& sample, int stages,
+                                        int repeats = 3) {
+  return partition_by_cost(profile_layers(model, sample, repeats), stages);
+}
+
+// Layers [begin, end) of `model` as a Sequential of their own, sharing the layers (and parameters) with `model`;
+// each keeps its name, so parameter names match the unsplit model's.
+inline torch::nn::Sequential slice_layers(torch::nn::Sequential model, std::size_t begin, std::size_t end) {
+  torch::nn::Sequential part;
+  const auto names = model->named_children();
+  if (end > model->size() || begin > end) throw UsageError("layer range out of the model");
+  for (std::size_t i = begin; i < end; ++i) part->push_back(names[i].key(), *(model->begin() + static_cast<long>(i)));
+  return part;
+}
+
+}  // namespace corpc::pipeline

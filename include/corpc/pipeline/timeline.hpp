@@ -1,0 +1,93 @@
+// corpc/pipeline/timeline.hpp — what each worker of a pipeline did in a step, and when (no torch here).
+//
+// Every worker stamps each action with the machine's monotonic clock (CLOCK_MONOTONIC is one clock for all the
+// processes of a host, so records from different workers line up; across hosts they would need an offset). From the
+// records: the measured bubble (idle share of the step's span), a Chrome trace (chrome://tracing, Perfetto) with one
+// track per worker, and the rows of a Gantt chart.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "corpc/pipeline/schedule.hpp"
+#include "corpc/wire/codec.hpp"
+
+namespace corpc::pipeline {
+
+struct ActionRecord {
+  Action action;
+  std::int32_t rank = -1;        // the worker that ran it
+  std::int64_t start_ns = 0;     // steady_clock, from the action's inputs being there to its outputs being sent
+  std::int64_t end_ns = 0;
+  CORPC_FIELDS(action, rank, start_ns, end_ns)
+};
+
+// One worker's account of one step.
+struct WorkerReport {
+  std::int32_t rank = -1;
+  std::vector<std::int32_t> stages;     // the stages it hosts
+  std::vector<ActionRecord> records;    // in the order they ran
+  // Peak over the step of the bytes the CPU allocator had handed out beyond what was live when the step began
+  // (parameters, gradients, optimizer state): the activations a schedule keeps, plus the step's transient buffers.
+  std::int64_t peak_activation_bytes = 0;
+  std::int32_t peak_micro_batches_held = 0;  // most micro-batches whose activations it held at once (all its stages)
+  std::vector<double> losses;               // last stage only: each micro-batch's loss, scaled by its batch share
+  CORPC_FIELDS(rank, stages, records, peak_activation_bytes, peak_micro_batches_held, losses)
+};
+
+// Idle share of the step on each worker, averaged: 1 - busy / span, the span running from the first action's start
+// to the last action's end over all workers. The schedule tables' bubble fraction measures the same thing.
+inline double measured_bubble(const std::vector<WorkerReport>& workers) {
+  std::int64_t first = INT64_MAX, last = INT64_MIN;
+  for (auto& w : workers)
+    for (auto& r : w.records) first = std::min(first, r.start_ns), last = std::max(last, r.end_ns);
+  if (workers.empty() || last <= first) return 0;
+  double idle = 0;
+  for (auto& w : workers) {
+    std::int64_t busy = 0;
+    for (auto& r : w.records) busy += r.end_ns - r.start_ns;
+    idle += 1.0 - static_cast<double>(busy) / static_cast<double>(last - first);
+  }
+  return idle / static_cast<double>(workers.size());
+}
+
+// Appends one step's actions to a Chrome trace ("traceEvents" of complete events): pid = `process` (e.g. one per
+// schedule), tid = worker rank, times in microseconds from `origin_ns`. `name` labels the process.
+class ChromeTrace {
+ public:
+  void add_step(int process, const std::string& name, const std::vector<WorkerReport>& workers, std::int64_t origin_ns) {
+    events_.push_back(R"({"ph":"M","name":"process_name","pid":)" + std::to_string(process) + R"(,"args":{"name":")" +
+                      name + "\"}}");
+    for (auto& w : workers) {
+      std::string stages;
+      for (auto s : w.stages) stages += (stages.empty() ? "" : ",") + std::to_string(s);
+      events_.push_back(R"({"ph":"M","name":"thread_name","pid":)" + std::to_string(process) + ",\"tid\":" +
+                        std::to_string(w.rank) + R"(,"args":{"name":"worker)" + std::to_string(w.rank) + " (stage " +
+                        stages + ")\"}}");
+      for (auto& r : w.records) {
+        const char letter = action_letter(r.action.kind);
+        events_.push_back(std::string(R"({"ph":"X","name":")") + letter + std::to_string(r.action.micro) + "/s" +
+                          std::to_string(r.action.stage) + R"(","cat":")" + letter + R"(","pid":)" +
+                          std::to_string(process) + ",\"tid\":" + std::to_string(w.rank) +
+                          ",\"ts\":" + std::to_string((r.start_ns - origin_ns) / 1000.0) +
+                          ",\"dur\":" + std::to_string((r.end_ns - r.start_ns) / 1000.0) + "}");
+      }
+    }
+  }
+  bool write(const std::string& path) const {
+    std::ofstream out(path);
+    out << "{\"traceEvents\":[\n";
+    for (std::size_t i = 0; i < events_.size(); ++i) out << events_[i] << (i + 1 < events_.size() ? ",\n" : "\n");
+    out << "]}\n";
+    return static_cast<bool>(out);
+  }
+
+ private:
+  std::vector<std::string> events_;
+};
+
+}  // namespace corpc::pipeline
