@@ -60,6 +60,26 @@ std::int64_t small_value() { return 42; }
 corpc::Task<void> relay_noop() { co_await corpc::rpc_async<&noop>(2); }
 }  // namespace
 // All short and never blocking: they run on the I/O thread that reads the request (no hand-off to the pool).
+// The cancel case: rank 1 parks a coroutine function until its call is cancelled, and notes when it saw the stop.
+std::atomic<bool> g_parked{false};
+std::atomic<std::int64_t> g_stop_seen_ns{0};
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+corpc::Task<void> park_until_cancelled() {
+  static corpc::Promise<void> never;
+  g_parked = true;
+  try {
+    co_await never.get_future();
+  } catch (const corpc::CancelledError&) {
+    g_stop_seen_ns = now_ns();
+    throw;
+  }
+}
+bool parked() { return g_parked.exchange(false); }
+std::int64_t stop_seen_ns() { return g_stop_seen_ns.exchange(0); }
+CORPC_IO_THREAD_FUNCTION(&parked);
+CORPC_IO_THREAD_FUNCTION(&stop_seen_ns);
 CORPC_IO_THREAD_FUNCTION(&noop);
 CORPC_IO_THREAD_FUNCTION(&echo);
 CORPC_IO_THREAD_FUNCTION(&small_value);
@@ -99,19 +119,22 @@ struct Options {
   bool raw_alloc = false;  // raw receivers allocate a fresh at::empty buffer per message, as corpc must
   std::vector<CaseSpec> cases = kAllCases;
   std::string json_path;
+  int cancel_samples = 200;  // cancel -> callee-sees-it samples after the cases; 0: skip
 };
 
 [[noreturn]] void usage(int code) {
   std::fprintf(code ? stderr : stdout,
                "usage: rpc_bench [--seconds-per-case S] [--cases noop,4KiB,1MiB,16MiB,64MiB,async64,remote,chain]\n"
                "                 [--block-ms MS] [--min-iters N] [--worker-threads N] [--spin-us US] [--raw-alloc]\n"
-               "                 [--json PATH]\n"
+               "                 [--json PATH] [--cancel-samples N]\n"
                "Each case alternates blocks of raw Asio TCP and corpc (~MS ms each, >= N calls) for ~S seconds\n"
                "and reports the median of the per-block ratios corpc/raw.\n"
                "--raw-alloc: the raw floor receives each message into a freshly allocated at::empty buffer (both\n"
                "ends), as corpc does, instead of reusing one buffer: separates allocation cost from corpc's own.\n"
                "--spin-us: how long corpc's blocked waits spin before sleeping (RpcOptions::spin_before_block; the raw\n"
-               "floor always sleeps in read()); 0 compares both sleeping.\n");
+               "floor always sleeps in read()); 0 compares both sleeping.\n"
+               "--cancel-samples: after the cases, times N cancellations of a parked coroutine function on rank 1,\n"
+               "from Future::cancel() on rank 0 to the callee's await throwing CancelledError (one steady clock).\n");
   std::exit(code);
 }
 
@@ -143,6 +166,8 @@ Options parse(int argc, char** argv) {
         o.raw_alloc = true;
       } else if (key == "--json") {
         o.json_path = value();
+      } else if (key == "--cancel-samples") {
+        o.cancel_samples = std::stoi(value());
       } else if (key == "--cases") {
         o.cases.clear();
         std::stringstream ss(value());
@@ -585,6 +610,24 @@ void client_rank(const Options& o, int world) {
   for (auto& c : o.cases) {
     results.push_back(run_case(o, c, raw, relay));
     print_row(results.back());
+  }
+  if (o.cancel_samples > 0) {
+    // Time from cancel() here to the callee's coroutine resuming with CancelledError there: a cancel frame, the
+    // callee's I/O thread stopping the call's token, and the coroutine's resumption on its pool.
+    std::vector<double> us;
+    for (int i = 0; i < o.cancel_samples; ++i) {
+      auto f = corpc::rpc_async<&park_until_cancelled>(1);
+      while (!corpc::rpc_sync<&parked>(1)) {
+      }
+      const std::int64_t t0 = now_ns();
+      f.cancel();
+      std::int64_t seen = 0;
+      while ((seen = corpc::rpc_sync<&stop_seen_ns>(1)) == 0) {
+      }
+      us.push_back(static_cast<double>(seen - t0) / 1e3);
+    }
+    fmt::print("cancel -> callee sees it: median {:.1f} us, p99 {:.1f} us over {} cancels\n", median(us), p99(us),
+               us.size());
   }
   fmt::print("{}\n", std::string(118, '-'));
   fmt::print(

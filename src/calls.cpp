@@ -1,4 +1,6 @@
 // Outgoing calls: framing, checks, registration with a deadline, counting, sending; replies and timeouts.
+#include <algorithm>
+
 #include "corpc/rpc/outbound.hpp"
 #include "runtime_impl.hpp"
 
@@ -32,6 +34,27 @@ void Runtime::Impl::attach_autograd(const FrameHeader& h, int src, std::vector<a
     tensor_hooks.on_recv(h.context_id, h.message_id, src, tensors);
 }
 
+namespace {
+// Cancelling the future of a call (see CancelHook): the call is looked up by its connection and request id.
+void cancel_call_hook(const detail::CancelHook& h) noexcept {
+  if (Runtime* rt = Runtime::try_get())
+    runtime_impl(*rt).cancel_call(static_cast<detail::Connection*>(h.p), static_cast<int>(h.a), h.b);
+}
+}  // namespace
+
+// The timeout of a call issued now: the caller's, cut to what is left of the deadline of the call being handled.
+std::chrono::milliseconds Runtime::Impl::effective_timeout(std::optional<std::chrono::milliseconds> asked) const {
+  auto timeout = asked.value_or(options.rpc_timeout);
+  const auto inherited = current_call_context().deadline;
+  if (inherited != detail::Clock::time_point::max()) {
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(inherited - detail::Clock::now());
+    if (left <= std::chrono::milliseconds(0))
+      throw TimeoutError("the deadline of the call being handled has passed");
+    timeout = std::min(timeout, left);
+  }
+  return timeout;
+}
+
 // Every step that can fail comes before the call is registered and counted: a failure then concerns this call alone.
 void Runtime::Impl::start_call(detail::OutboundCall&& call) {
   const int dst = call.dst;
@@ -41,8 +64,8 @@ void Runtime::Impl::start_call(detail::OutboundCall&& call) {
   m.head.flags = call.control ? kFlagControl : 0;
   m.head.function = call.function_id;
   m.head.signature = call.signature;
-  const auto timeout = call.timeout.value_or(options.rpc_timeout);
-  m.head.deadline_ms = static_cast<std::uint32_t>(std::min<std::int64_t>(timeout.count(), 0xffffffffLL));
+  const auto timeout = effective_timeout(call.timeout);
+  m.head.deadline_ms = static_cast<std::uint32_t>(std::clamp<std::int64_t>(timeout.count(), 1, 0xffffffffLL));
   auto conn = connection_to(dst);  // throws for a dead peer or a closing runtime
   stamp_autograd(m, dst);
   OutFrame frame = prepare(std::move(m));
@@ -93,6 +116,41 @@ void Runtime::Impl::send_request(const std::shared_ptr<detail::Connection>& conn
     // Registered already: closing the connection fails the call (and nothing else may complete it twice).
     conn->close(std::string("send failed: ") + e.what());
   }
+  if (call.cancel) {
+    detail::CancelHook hook;
+    hook.fn = &cancel_call_hook;
+    hook.p = conn.get();
+    hook.a = static_cast<std::uint64_t>(dst);
+    hook.b = id;
+    call.cancel->arm_cancel(std::move(hook));
+  }
+}
+
+void Runtime::Impl::cancel_call(detail::Connection* where, int dst, std::uint64_t id) {
+  std::shared_ptr<detail::Connection> conn;
+  {
+    std::lock_guard lock(conn_mutex);
+    if (dst >= 0 && dst < world_size && outgoing[dst].get() == where) conn = outgoing[dst];
+  }
+  if (!conn) return;  // the connection is gone, and every call on it failed with it
+  detail::PendingCall p;
+  if (conn->pending.take(id, p) != detail::PendingCalls::Lookup::Found) return;  // completed already
+  if (p.counted) calls_in_flight.fetch_sub(1, std::memory_order_relaxed);
+  p.finish(nullptr, detail::cancelled_error());
+  send_cancel(*conn, id);
+}
+
+// A cancel frame: a control request with no body, naming the request to stop. Best effort: the caller has its
+// outcome already, and a callee that never gets it only works for nothing.
+void Runtime::Impl::send_cancel(detail::Connection& conn, std::uint64_t id) noexcept {
+  try {
+    Message m;
+    m.head.kind = FrameKind::Request;
+    m.head.flags = kFlagControl | kFlagCancel;
+    m.head.id = id;
+    conn.send(prepare(std::move(m)));
+  } catch (...) {
+  }
 }
 
 void Runtime::Impl::arm_deadline_timer(const std::shared_ptr<detail::Connection>& conn) {
@@ -110,6 +168,7 @@ void Runtime::Impl::arm_deadline_timer(const std::shared_ptr<detail::Connection>
     for (auto& f : ready) send_request(c, std::move(f), true);
     for (auto& p : expired) {
       if (p.counted) calls_in_flight.fetch_sub(1, std::memory_order_relaxed);
+      send_cancel(*c, p.id);  // expiry stops the work on the callee too
       p.finish(nullptr, std::make_exception_ptr(TimeoutError(
                             "call to '" + std::string(p.function.empty() ? p.owned_name : p.function) + "' on worker '" +
                             name_of(p.dst) + "' timed out after " + std::to_string(p.timeout.count()) + " ms")));

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "corpc/wire/message.hpp"
+#include "inbound_calls.hpp"
 #include "pending_calls.hpp"
 #include "receive_budget.hpp"
 
@@ -117,6 +118,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   PendingCalls pending;
   asio::steady_timer deadline_timer;                                 // I/O thread
   std::atomic<Clock::time_point> timer_armed_for{Clock::time_point::max()};  // written on the I/O thread
+  // The peer's requests running here that a cancel frame can still stop.
+  InboundCalls inbound;
 
  protected:
   ReceiveCredit* delivering_ = nullptr;  // I/O thread

@@ -1,5 +1,8 @@
 // Incoming frames: requests are looked up by id and run where their function says (on this I/O thread, or on the
 // worker pool); every request ends in exactly one reply or error frame, and in exactly one count for shutdown.
+// Cancellation: a handler that may outlive the frame's dispatch (on the pool, or a coroutine) runs with a stop token
+// registered in the connection's InboundCalls, which a cancel frame (or the connection's loss) stops; a request
+// stopped before it started is answered with CancelledError without running.
 #include "corpc/core/type_name.hpp"
 #include "runtime_impl.hpp"
 
@@ -12,12 +15,18 @@ namespace {
 class RequestScope {
  public:
   RequestScope(Runtime::Impl& rt, std::shared_ptr<detail::Connection> conn, const FrameHeader& h,
-               const HandlerEntry& entry)
+               const HandlerEntry& entry, std::stop_token stop)
       : rt_(rt), conn_(std::move(conn)), id_(h.id), src_(conn_->peer_rank), ctx_(h.context_id),
-        counted_(!(h.flags & kFlagControl)), entry_(&entry) {}
+        counted_(!(h.flags & kFlagControl)), entry_(&entry), stop_(std::move(stop)),
+        deadline_(h.deadline_ms ? detail::Clock::now() + std::chrono::milliseconds(h.deadline_ms)
+                                : detail::Clock::time_point::max()) {}
   RequestScope(RequestScope&& o) noexcept
       : rt_(o.rt_), conn_(std::move(o.conn_)), id_(o.id_), src_(o.src_), ctx_(o.ctx_), counted_(o.counted_),
-        entry_(o.entry_), credit_(std::move(o.credit_)), done_(std::exchange(o.done_, true)) {}
+        entry_(o.entry_), credit_(std::move(o.credit_)), stop_(std::move(o.stop_)), deadline_(o.deadline_), done_(std::exchange(o.done_, true)) {}
+
+  // What the handler runs with: the caller's autograd context, this request's stop token and deadline.
+  CallContext handler_context() const noexcept { return rt_.handler_context(ctx_, stop_, deadline_); }
+  bool stop_requested() const noexcept { return stop_.stop_requested(); }
   ~RequestScope() {
     if (!done_) fail(std::make_exception_ptr(RpcError("the handler finished without a reply")));
   }
@@ -56,6 +65,7 @@ class RequestScope {
   void finish() noexcept {
     done_ = true;
     credit_.release();
+    if (stop_.stop_possible()) conn_->inbound.remove(id_);
     if (!counted_) return;
     rt_.count_handled(src_);
     rt_.handlers_running.fetch_sub(1, std::memory_order_relaxed);
@@ -69,13 +79,16 @@ class RequestScope {
   bool counted_;
   const HandlerEntry* entry_;
   detail::ReceiveCredit credit_;  // after conn_: released while the connection is still referenced
+  std::stop_token stop_;  // empty for handlers that run to completion on the I/O thread: no cancel can reach them
+  detail::Clock::time_point deadline_;
   bool done_ = false;
 };
 
 // Runs `entry` on `msg` on the calling thread; the reply leaves from here, or when the handler's future completes.
 void run_request(Runtime::Impl& rt, RequestScope scope, const HandlerEntry& entry, Message& msg, int src) {
+  if (scope.stop_requested()) return scope.fail(detail::cancelled_error());  // cancelled before it started: dropped
   try {
-    CallContextScope ctx_scope(rt.handler_context(msg.head.context_id));
+    CallContextScope ctx_scope(scope.handler_context());
     rt.attach_autograd(msg.head, src, msg.tensors);
     Inbound in{src, entry.name, Reader(msg.body.data(), msg.body.size()), &msg};
     in.args.tensors = &msg.tensors;
@@ -125,6 +138,13 @@ CallContext Runtime::Impl::handler_context(std::int64_t context_id) const noexce
   if (tensor_hooks.context_slot >= 0) c.set(tensor_hooks.context_slot, context_id);
   return c;
 }
+CallContext Runtime::Impl::handler_context(std::int64_t context_id, std::stop_token stop,
+                                           detail::Clock::time_point deadline) const noexcept {
+  CallContext c = handler_context(context_id);
+  c.stop = std::move(stop);
+  c.deadline = deadline;
+  return c;
+}
 
 void Runtime::Impl::on_frame(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
   if (conn->delivering_refused()) return refuse_too_large(conn, msg.head);
@@ -155,6 +175,8 @@ void Runtime::Impl::on_frame(const std::shared_ptr<detail::Connection>& conn, Me
 void Runtime::Impl::on_request(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
   if (conn->peer_rank < 0) return conn->close("protocol error: a request before hello");
   if (!world_known) return early_requests.emplace_back(conn, std::move(msg)), void();
+  // A cancel frame: stops request `id` if its handler is still running (or queued); no reply, no count.
+  if (msg.head.flags & kFlagCancel) return conn->inbound.cancel(msg.head.id);
   const HandlerEntry* entry = global_registry().find(msg.head.function);
   // A refused request still counts as handled: the caller counted it as sent, and graceful shutdown balances the two.
   auto refuse = [&](std::exception_ptr error, std::string_view function) {
@@ -173,7 +195,10 @@ void Runtime::Impl::on_request(const std::shared_ptr<detail::Connection>& conn, 
                   entry->name);
   }
   if (!(msg.head.flags & kFlagControl)) handlers_running.fetch_add(1, std::memory_order_relaxed);
-  RequestScope scope(*this, conn, msg.head, *entry);
+  // A plain function on the I/O thread runs to completion before this thread could read a cancel: it needs no token.
+  const bool runs_to_completion_here = entry->execution == Execution::io_thread && entry->run_sync;
+  RequestScope scope(*this, conn, msg.head, *entry,
+                     runs_to_completion_here ? std::stop_token() : conn->inbound.add(msg.head.id));
   scope.hold(conn->take_receive_credit());
   const int src = conn->peer_rank;
   if (entry->execution == Execution::io_thread) {

@@ -99,6 +99,7 @@ void Runtime::Impl::on_close(const std::shared_ptr<detail::Connection>& conn, co
                            : std::make_exception_ptr(ConnectionError(
                                  "worker '" + name_of(rank) + "' (rank " + std::to_string(rank) + ") is gone: " + reason));
   fail_calls(*conn, error);
+  conn->inbound.cancel_all();  // the peer's requests running here: nobody waits for their replies any more
   if (!world_known) {
     if (self.rank == 0) {
       // A worker that registered and left before the world was complete: forget it, it may come back.

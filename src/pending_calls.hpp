@@ -34,6 +34,7 @@ struct PendingCall {
   std::chrono::milliseconds timeout{0};
   int dst = -1;
   bool counted = true;
+  std::uint64_t id = 0;  // its request id, set by add (a timeout sends a cancel frame for it)
   void finish(Message* reply, std::exception_ptr error) noexcept { complete(target, dst, reply, std::move(error)); }
 };
 
@@ -74,9 +75,10 @@ class PendingCalls {
     ++s.generation;
     s.busy = true;
     s.call = std::move(call);
+    s.call.id = (std::uint64_t{s.generation} << 32) | idx;
     heap_push(idx);
     *earliest_changed = heap_[0] == idx;
-    const std::uint64_t id = (std::uint64_t{s.generation} << 32) | idx;
+    const std::uint64_t id = s.call.id;
     frame.head.id = id;
     *send_now = !limited || has_room();
     if (!*send_now) {

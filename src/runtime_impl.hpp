@@ -99,6 +99,8 @@ struct Runtime::Impl {
   // Why a peer that said goodbye is gone (as opposed to one that died): compared against by shutdown().
   static constexpr const char* kShutDownReason = "it shut down";
   CallContext handler_context(std::int64_t context_id) const noexcept;
+  // The same, for a request's handler: with its stop token and its deadline (issue 10).
+  CallContext handler_context(std::int64_t context_id, std::stop_token stop, detail::Clock::time_point deadline) const noexcept;
   // Counts a user request from `src` as handled (replied to or refused), for graceful shutdown's balance.
   void count_handled(int src) noexcept {
     requests_handled.fetch_add(1, std::memory_order_relaxed);
@@ -114,6 +116,11 @@ struct Runtime::Impl {
   void deliver_reply(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
   void arm_deadline_timer(const std::shared_ptr<detail::Connection>& conn);  // conn's I/O thread
   void fail_calls(detail::Connection& conn, std::exception_ptr error);
+  // ---- calls.cpp: cancellation and deadlines (issue 10) ----
+  std::chrono::milliseconds effective_timeout(std::optional<std::chrono::milliseconds> asked) const;
+  // Completes call `id` on `where` (if still pending there) as cancelled and tells its callee. Any thread.
+  void cancel_call(detail::Connection* where, int dst, std::uint64_t id);
+  void send_cancel(detail::Connection& conn, std::uint64_t id) noexcept;
   // Lets distributed autograd record a send function for an outbound message; fills its header's autograd ids.
   void stamp_autograd(Message& m, int dst) const;
   void attach_autograd(const FrameHeader& h, int src, std::vector<at::Tensor>& tensors) const;

@@ -7,8 +7,10 @@
 #include <numeric>
 #include <thread>
 
+#include "corpc/core/scope.hpp"
 #include "corpc/core/sync_wait.hpp"
 #include "corpc/core/task.hpp"
+#include "corpc/core/this_call.hpp"
 #include "corpc/core/type_name.hpp"
 #include "corpc/core/when_all.hpp"
 #include "corpc/wire/codec.hpp"
@@ -327,4 +329,46 @@ TEST_CASE("a BoundedExecutor never runs more than its width at once, and starts 
       CHECK(order == expected);
     }
   }
+}
+
+namespace {
+// Parks on a future nobody completes; only a stop ends it. Counts how it ended.
+corpc::Task<void> park_in_scope(corpc::Future<void> never, std::atomic<int>* stopped) {
+  try {
+    co_await never;
+  } catch (const corpc::CancelledError&) {
+    if (corpc::this_call::stop_requested()) ++*stopped;
+    throw;
+  }
+}
+}  // namespace
+
+TEST_CASE("a TaskScope stops its tasks at their next await and joins them; cancel() completes a future as cancelled") {
+  corpc::Promise<void> never;
+  std::atomic<int> stopped{0};
+  corpc::TaskScope scope;
+  std::vector<corpc::Future<void>> tasks;
+  for (int i = 0; i < 3; ++i) tasks.push_back(scope.spawn(park_in_scope(never.get_future(), &stopped)));
+  CHECK(scope.active() == 3);
+  CHECK(!corpc::this_call::stop_token().stop_possible());  // the starter's own context is untouched
+  auto joined = scope.stop_and_join();
+  joined.wait();
+  CHECK(stopped == 3);
+  CHECK(scope.active() == 0);
+  for (auto& t : tasks) CHECK(t.cancelled());
+  CHECK_THROWS_AS((void)scope.spawn(park_in_scope(never.get_future(), &stopped)), corpc::UsageError);
+
+  CHECK(!never.get_future().done());  // a stopped await leaves the shared future it awaited alone
+
+  // cancel() completes a future as cancelled; the producer's later value loses. A cancelled wait_all asks its
+  // inputs' producers to stop, but does not complete inputs that others may share.
+  corpc::Promise<int> a, b;
+  auto fa = a.get_future();
+  fa.cancel();
+  CHECK(fa.cancelled());
+  CHECK(!a.set_value(1));
+  auto all = corpc::wait_all(std::vector<corpc::Future<int>>{b.get_future()});
+  all.cancel();
+  CHECK(all.cancelled());
+  CHECK(b.set_value(2));
 }

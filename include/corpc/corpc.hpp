@@ -10,8 +10,10 @@
 
 #include "corpc/core/errors.hpp"
 #include "corpc/core/future.hpp"
+#include "corpc/core/scope.hpp"
 #include "corpc/core/sync_wait.hpp"
 #include "corpc/core/task.hpp"
+#include "corpc/core/this_call.hpp"
 #include "corpc/core/when_all.hpp"
 #include "corpc/rpc/call.hpp"
 #include "corpc/rpc/runtime.hpp"

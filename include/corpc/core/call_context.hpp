@@ -8,10 +8,16 @@
 //
 // The core knows nothing of what the slots mean: layers allocate a slot once (`CallContext::new_slot()`) and keep
 // their own value in it (distributed autograd keeps its context id).
+//
+// Two fields are the core's own, because awaiting depends on them: the stop token of the work the coroutine belongs
+// to (the RPC it is handling, a TaskScope), and that work's deadline. Users read them through corpc::this_call
+// (corpc/core/this_call.hpp). An empty token (the common case) costs a pointer copy per suspension.
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <cstdint>
+#include <stop_token>
 
 namespace corpc {
 
@@ -19,6 +25,8 @@ struct CallContext {
   static constexpr int kSlots = 4;
   static constexpr std::int64_t kUnset = -1;
   std::array<std::int64_t, kSlots> slots{kUnset, kUnset, kUnset, kUnset};
+  std::stop_token stop;  // asked to stop: awaits of corpc futures complete as cancelled
+  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();  // max: none
 
   // A process-wide slot index for one layer's value; throws UsageError when all are taken.
   static int new_slot();

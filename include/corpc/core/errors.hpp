@@ -1,6 +1,9 @@
 // corpc/core/errors.hpp — the typed errors every corpc future can carry.
 //
 // Every failure surfaces as one of these on the future of the call it concerns; catch `RpcError` for all of them.
+// A stop is not a failure: work that was cancelled completes with CancelledError, which is deliberately *not* an
+// RpcError (as "stopped" is a third outcome beside value and error in libunifex/stdexec), so that `catch (RpcError&)`
+// error handling does not swallow a stop that should unwind the caller.
 #pragma once
 
 #include <stdexcept>
@@ -71,6 +74,15 @@ class ProtocolError : public RpcError {
 class MessageTooLargeError : public RpcError {
  public:
   using RpcError::RpcError;
+};
+
+// The work was stopped on request: its future was cancelled (`Future::cancel()`, a stop token given in CallOptions,
+// `wait_all` stopping the rest after a failure), or, on the callee, the caller cancelled the call or its deadline
+// passed. Not an RpcError: see above. Test for it with `Future::cancelled()` or `catch (const CancelledError&)`.
+class CancelledError : public std::runtime_error {
+ public:
+  CancelledError() : std::runtime_error("cancelled") {}
+  using std::runtime_error::runtime_error;
 };
 
 // The runtime is not initialised, or has shut down.

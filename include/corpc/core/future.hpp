@@ -7,6 +7,14 @@
 //     called (the runtime's worker pool on a plain thread).
 // Errors travel as exceptions: awaiting or waiting on a failed future rethrows its error.
 //
+// Cancellation: `fut.cancel()` asks the work behind the future to stop (an RPC sends a cancel to its callee; a
+// wait_all cancels its inputs) and completes the future — every copy — with CancelledError unless it completed
+// already; `cancelled()` tells that outcome from value and error. A coroutine running cancellable work (an RPC
+// handler, a TaskScope; see corpc/core/this_call.hpp) is stopped at its next await of a Future: once its stop token
+// is stopped, the await completes with CancelledError at once and the awaited future's producer is asked to stop (an
+// RPC is cancelled on its callee); the future itself is not completed, so other holders of it are unaffected. A
+// blocking `wait()` in such work returns the same way.
+//
 // Results are handed out by value: `co_await std::move(fut)` (or awaiting the prvalue `rpc_async(...)`) moves the
 // result out when no other copy of the future exists, and copies it otherwise. A move-only result can be taken once.
 //
@@ -21,7 +29,9 @@
 #include <cstdint>
 #include <exception>
 #include <new>
+#include <memory>
 #include <optional>
+#include <stop_token>
 #include <type_traits>
 #include <utility>
 #include <variant>
@@ -172,8 +182,39 @@ inline void dispatch(Executor* ex, WorkItem* item) noexcept {
   }
 }
 
+// How a future asks its producer to stop. The producer arms a hook once; the first cancel request runs it (at once, or
+// when the hook is armed if the request came first). The hook must be short and must not block; `keep` holds what
+// it needs alive for as long as the state lives (it must not reference the state itself).
+struct CancelHook {
+  void (*fn)(const CancelHook&) noexcept = nullptr;
+  std::shared_ptr<void> keep;
+  void* p = nullptr;
+  std::uint64_t a = 0, b = 0;
+};
+class CancelSlot {
+ public:
+  void arm_cancel(CancelHook h) noexcept {
+    hook_ = std::move(h);
+    std::uint8_t s = kIdle;
+    if (!cancel_state_.compare_exchange_strong(s, kArmed, std::memory_order_acq_rel)) hook_.fn(hook_);  // requested
+  }
+  // True for the first request only.
+  bool request_cancel() noexcept {
+    const std::uint8_t old = cancel_state_.exchange(kRequested, std::memory_order_acq_rel);
+    if (old == kArmed) hook_.fn(hook_);
+    return old != kRequested;
+  }
+
+ private:
+  static constexpr std::uint8_t kIdle = 0, kArmed = 1, kRequested = 2;
+  std::atomic<std::uint8_t> cancel_state_{kIdle};
+  CancelHook hook_;
+};
+
+inline std::exception_ptr cancelled_error() { return std::make_exception_ptr(CancelledError()); }
+
 template <class T>
-class FutureState {
+class FutureState : public CancelSlot {
  public:
   static FutureState* make() { return new (BlockCache<sizeof(FutureState)>::allocate()) FutureState; }
 
@@ -197,6 +238,15 @@ class FutureState {
   bool sole_handle() const noexcept { return handles_.load(std::memory_order_acquire) == 1; }
 
   bool ready() const noexcept { return head_.load(std::memory_order_acquire) == kReady; }
+
+  // Asks the producer to stop, then completes as cancelled unless the producer (or anything else) completed first.
+  void cancel() noexcept {
+    if (ready()) return;
+    add_ref();  // the hook may complete this state, dropping the producer's reference
+    request_cancel();
+    if (!ready()) set_exception(cancelled_error());
+    release();
+  }
 
   // First completion wins; returns false if the state was already completed (or being completed).
   template <class... A>
@@ -323,6 +373,48 @@ struct CallbackNode : Waiter, WorkItem {
   }
 };
 
+// An await in stoppable work. The waiter node lives on the heap, shared by the state and the awaiter, so that a stop
+// can resume the coroutine before the state completes (the node stays in the state's list until then). The stop
+// asks the awaited future's producer to stop (an RPC is cancelled on its callee) but never completes the state
+// itself: other holders of a shared future (an RRef's readiness) are unaffected.
+struct StoppableWait : Waiter {
+  static constexpr int kSetup = 0, kWaiting = 1, kCompleted = 2, kStopped = 3;
+  std::atomic<int> st{kSetup};
+  std::atomic<int> refs{2};  // the state's list, the awaiter
+  WorkItem* resume = nullptr;
+  Executor* ex = nullptr;
+  CancelSlot* producer = nullptr;
+  StoppableWait() {
+    notify = [](Waiter* w) noexcept {
+      auto* self = static_cast<StoppableWait*>(w);
+      int expected = kWaiting;
+      if (self->st.compare_exchange_strong(expected, kCompleted, std::memory_order_acq_rel)) {
+        dispatch(self->ex, self->resume);
+      } else if (expected == kSetup) {
+        self->st.compare_exchange_strong(expected, kCompleted, std::memory_order_acq_rel);  // await_suspend sees it
+      }
+      self->release();
+    };
+  }
+  void release() noexcept {
+    if (refs.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+  }
+  // The stop callback.
+  void operator()() noexcept {
+    int expected = kWaiting;
+    if (st.compare_exchange_strong(expected, kStopped, std::memory_order_acq_rel)) {
+      producer->request_cancel();
+      dispatch(ex, resume);
+    } else if (expected == kSetup) {
+      st.compare_exchange_strong(expected, kStopped, std::memory_order_acq_rel);
+    }
+  }
+};
+struct StopWaitCallback {
+  StoppableWait* w;
+  void operator()() const noexcept { (*w)(); }
+};
+
 template <class F, class T>
 struct ThenResult {
   using type = std::invoke_result_t<F, Stored<T>>;
@@ -370,6 +462,24 @@ class [[nodiscard]] Future {
   bool done() const noexcept { return s_->ready(); }
   bool has_error() const noexcept { return done() && s_->error() != nullptr; }
   std::exception_ptr error() const noexcept { return done() ? s_->error() : nullptr; }
+  // True if it completed with CancelledError (a stop, as opposed to a value or a failure).
+  bool cancelled() const noexcept {
+    if (!has_error()) return false;
+    try {
+      std::rethrow_exception(s_->error());
+    } catch (const CancelledError&) {
+      return true;
+    } catch (...) {
+      return false;
+    }
+  }
+
+  // Asks the work behind this future to stop and completes it — every copy — with CancelledError, unless it has
+  // completed already (then nothing happens). An RPC is cancelled on its callee (see corpc/core/this_call.hpp) and
+  // its reply, if one comes, is dropped. Idempotent; any thread.
+  void cancel() const noexcept {
+    if (s_) s_->cancel();
+  }
 
   // The value of a completed future (rethrows its error). Throws UsageError if it is not complete yet.
   T value() const& { return result(false); }
@@ -444,6 +554,8 @@ class [[nodiscard]] Future {
     Awaiter(detail::FutureState<T>* s, bool owns) noexcept : s_(s), owns_(owns) {}
     Awaiter(const Awaiter&) = delete;
     ~Awaiter() {
+      stop_.reset();
+      if (node_) node_->release();
       if (owns_) s_->release_handle();
     }
     bool await_ready() const noexcept { return s_->ready(); }
@@ -451,6 +563,12 @@ class [[nodiscard]] Future {
       h_ = h;
       ex_ = resumption_executor();
       ctx_ = current_call_context();
+      run = [](WorkItem* w) noexcept {
+        auto* self = static_cast<Awaiter*>(w);
+        CallContextScope scope(self->ctx_);  // the coroutine's context while it runs; the resumer's afterwards
+        self->h_.resume();
+      };
+      if (ctx_.stop.stop_possible()) return suspend_stoppable();
       notify = [](detail::Waiter* w) noexcept {
         auto* self = static_cast<Awaiter*>(w);
         detail::dispatch(self->ex_, static_cast<WorkItem*>(self));
@@ -463,6 +581,12 @@ class [[nodiscard]] Future {
       return s_->add_waiter(this);
     }
     T await_resume() {
+      if (node_) {
+        stop_.reset();  // waits for a stop callback running elsewhere
+        const bool stopped = node_->st.load(std::memory_order_acquire) == detail::StoppableWait::kStopped;
+        std::exchange(node_, nullptr)->release();
+        if (stopped) throw CancelledError();
+      }
       if constexpr (std::is_void_v<T>) {
         s_->get();
       } else {
@@ -476,6 +600,26 @@ class [[nodiscard]] Future {
     std::coroutine_handle<> h_;
     Executor* ex_ = nullptr;
     CallContext ctx_;
+    detail::StoppableWait* node_ = nullptr;
+    std::optional<std::stop_callback<detail::StopWaitCallback>> stop_;
+
+    // In stoppable work: resumes on completion or on a stop, whichever comes first (see StoppableWait).
+    bool suspend_stoppable() noexcept {
+      using W = detail::StoppableWait;
+      node_ = new W;
+      node_->resume = static_cast<WorkItem*>(this);
+      node_->ex = ex_;
+      node_->producer = s_;
+      stop_.emplace(ctx_.stop, detail::StopWaitCallback{node_});  // a stop requested already claims the node now
+      if (!s_->add_waiter(node_)) {
+        node_->release();  // the list's reference: never added
+        int expected = W::kSetup;
+        node_->st.compare_exchange_strong(expected, W::kCompleted, std::memory_order_acq_rel);
+        return false;
+      }
+      int expected = W::kSetup;
+      return node_->st.compare_exchange_strong(expected, W::kWaiting, std::memory_order_acq_rel);
+    }
   };
   Awaiter operator co_await() const& noexcept { return Awaiter{s_, false}; }
   Awaiter operator co_await() && noexcept { return Awaiter{std::exchange(s_, nullptr), true}; }
@@ -491,6 +635,26 @@ class [[nodiscard]] Future {
   void block() const {
     if (s_->ready()) return;
     check_may_block("Future::wait");
+    if (auto& token = current_call_context().stop; token.stop_possible()) {
+      // In stoppable work: a stop asks the producer to stop and wakes this thread, which then throws.
+      auto* w = new detail::TimedWaiter;
+      if (!s_->add_waiter(w)) {
+        w->release();
+        w->release();
+        return;
+      }
+      {
+        auto wake = [w, s = s_]() noexcept {
+          s->request_cancel();
+          w->event.set();
+        };
+        std::stop_callback<decltype(wake)> on_stop(token, wake);
+        w->event.wait();
+      }
+      w->release();
+      if (!s_->ready()) throw CancelledError();
+      return;
+    }
     detail::BlockingWaiter w;
     if (s_->add_waiter(&w)) w.event.wait();
   }

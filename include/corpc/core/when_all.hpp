@@ -1,12 +1,17 @@
 // corpc/core/when_all.hpp — joining many futures.
 //
 //   wait_all(futs)    -> Future<std::vector<T>>: all values in order; fails with the first error to occur, at once.
+//   wait_all(futs, WaitAll::stop_rest_on_failure): the same, and asks the producers of the inputs still running to
+//                        stop when one fails (RPCs are cancelled on their callees), so a failed batch stops working.
 //   collect_all(futs) -> Future<std::vector<Future<T>>>: completes when every input has, never fails; inspect each.
 //
-// Both are eager Futures, so they can be awaited (`co_await wait_all(std::move(futs))`) or waited on.
+// Both are eager Futures, so they can be awaited (`co_await wait_all(std::move(futs))`) or waited on. Cancelling the
+// future wait_all returns asks the producers of its inputs to stop (the inputs themselves, which may be shared, are
+// completed only by their producers: an RPC completes as cancelled).
 #pragma once
 
 #include <atomic>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -15,27 +20,52 @@
 
 namespace corpc {
 
+enum class WaitAll : std::uint8_t {
+  keep_rest_running,     // default: a failure completes the join; the other inputs run on
+  stop_rest_on_failure,  // a failure also cancels every input still running
+};
+
+namespace detail {
+// Cancelling a join cancels its inputs (kept alive by the join's state, which they never reference).
 template <class T>
-Future<std::conditional_t<std::is_void_v<T>, void, std::vector<T>>> wait_all(std::vector<Future<T>> futures) {
+void arm_cancel_inputs(CancelSlot& out, std::shared_ptr<std::vector<Future<T>>> inputs) {
+  CancelHook h;
+  h.fn = [](const CancelHook& self) noexcept {
+    for (auto& in : *static_cast<std::vector<Future<T>>*>(self.keep.get())) state_of(in)->request_cancel();
+  };
+  h.keep = std::move(inputs);
+  out.arm_cancel(std::move(h));
+}
+}  // namespace detail
+
+template <class T>
+Future<std::conditional_t<std::is_void_v<T>, void, std::vector<T>>> wait_all(std::vector<Future<T>> futures,
+                                                                              WaitAll mode = WaitAll::keep_rest_running) {
   using Out = std::conditional_t<std::is_void_v<T>, void, std::vector<T>>;
   struct Join {
-    std::vector<Future<T>> inputs;
+    std::shared_ptr<std::vector<Future<T>>> inputs;
     std::atomic<std::size_t> remaining;
     Promise<Out> promise;
+    WaitAll mode;
   };
   auto join = std::make_shared<Join>();
   join->remaining = futures.size();
-  join->inputs = std::move(futures);
+  join->inputs = std::make_shared<std::vector<Future<T>>>(std::move(futures));
+  join->mode = mode;
   Future<Out> out = join->promise.get_future();
-  if (join->inputs.empty()) {
+  if (join->inputs->empty()) {
     if constexpr (std::is_void_v<T>) join->promise.set_value();
     else join->promise.set_value(Out{});
     return out;
   }
-  for (auto& f : join->inputs) {
+  detail::arm_cancel_inputs(*detail::state_of(out), join->inputs);
+  for (auto& f : *join->inputs) {
     detail::on_ready_inline(f, [join, f] {
       if (auto e = f.error()) {
-        join->promise.set_exception(e);  // first error wins; later completions are ignored
+        // First error wins; later completions are ignored.
+        if (join->promise.set_exception(e) && join->mode == WaitAll::stop_rest_on_failure) {
+          for (auto& in : *join->inputs) detail::state_of(in)->request_cancel();
+        }
         return;
       }
       if (join->remaining.fetch_sub(1) != 1) return;
@@ -43,8 +73,8 @@ Future<std::conditional_t<std::is_void_v<T>, void, std::vector<T>>> wait_all(std
         join->promise.set_value();
       } else {
         std::vector<T> values;
-        values.reserve(join->inputs.size());
-        for (auto& in : join->inputs) values.push_back(in.value());
+        values.reserve(join->inputs->size());
+        for (auto& in : *join->inputs) values.push_back(in.value());
         join->promise.set_value(std::move(values));
       }
     });

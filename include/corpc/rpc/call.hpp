@@ -10,7 +10,9 @@
 // The function may be a plain function, or return Task<T> / Future<T>: the callee then holds no thread while it waits
 // (what PyTorch calls @async_execution), and the caller receives T.
 // Errors arrive on the future: RemoteError (the function threw), TimeoutError, ConnectionError, UnknownWorkerError,
-// UnknownFunctionError, ArgumentTypeError.
+// UnknownFunctionError, ArgumentTypeError. A cancelled call (`f.cancel()`, or a stop token in CallOptions:
+// `rpc_async<&f>("worker1", corpc::with_stop_token(source.get_token()), ...)`) completes with CancelledError, and
+// the callee's function sees its stop requested (corpc/core/this_call.hpp).
 #pragma once
 
 #include <memory>
@@ -207,6 +209,22 @@ void complete_call(void* target, int src, Message* reply, std::exception_ptr err
   state->release();
 }
 
+// Cancels `fut` when `token` is stopped, until `fut` completes (the link is released then).
+template <class R>
+void cancel_on_stop(const Future<R>& fut, const std::stop_token& token) {
+  struct Cancel {
+    FutureState<R>* s;
+    void operator()() const noexcept { s->cancel(); }
+  };
+  struct Link {
+    Future<R> fut;  // keeps the state alive for the callback
+    std::stop_callback<Cancel> on_stop;
+    Link(const Future<R>& f, const std::stop_token& t) : fut(f), on_stop(t, Cancel{state_of(f)}) {}
+  };
+  auto* link = new Link(fut, token);
+  on_ready_inline(fut, [link] { delete link; });
+}
+
 // Issues the call and returns the future of its decoded result. Never throws: every failure lands on the future,
 // and one that happens before the request is sent (encoding, an unknown worker, a message over the receiver's
 // limits) touches nothing else.
@@ -226,11 +244,13 @@ Future<R> call_remote(const WorkerRef& to, std::string_view function, bool funct
     encode_args<ArgsTuple>(call.message, call.dst, std::forward<A>(a)...);
     call.complete = &complete_call<R>;
     call.target = state;
+    call.cancel = state;
     start_call(std::move(call));
   } catch (...) {
     state->set_exception(std::current_exception());
     state->release();
   }
+  if (options.stop_token.stop_possible() && !fut.done()) cancel_on_stop(fut, options.stop_token);
   return fut;
 }
 

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <functional>
 #include <optional>
+#include <stop_token>
 #include <string>
 
 #include "corpc/wire/frame.hpp"
@@ -66,8 +67,22 @@ struct RpcOptions {
 
 struct CallOptions {
   std::optional<std::chrono::milliseconds> timeout;  // unset: RpcOptions::rpc_timeout
+  // ---- cancellation and deadlines (corpc/core/this_call.hpp) ----
+  // A stop request cancels the call, as Future::cancel does: the future completes with CancelledError and the
+  // callee's handler sees its own stop token stopped. Inside a call being handled, the timeout is further cut to what
+  // is left of that call's deadline.
+  std::stop_token stop_token;
 };
 
-inline CallOptions with_timeout(std::chrono::milliseconds t) { return CallOptions{t}; }
+inline CallOptions with_timeout(std::chrono::milliseconds t) {
+  CallOptions o;
+  o.timeout = t;
+  return o;
+}
+inline CallOptions with_stop_token(std::stop_token token) {
+  CallOptions o;
+  o.stop_token = std::move(token);
+  return o;
+}
 
 }  // namespace corpc

@@ -3,7 +3,9 @@
 // The call templates (rpc_async, RRef proxies, the RRef protocol) encode their arguments into an OutboundCall and hand
 // it to start_call, which frames it, checks it against the receiver's limits, registers it on the connection to its
 // destination (with its deadline), counts it for graceful shutdown, and sends it — in that order, so that a failure at
-// any step fails only this call and leaves every count balanced.
+// any step fails only this call and leaves every count balanced. The call's timeout is cut to what is left of the
+// deadline of the call being handled (CallContext), so deadlines shrink along a chain of calls; when it passes, or the
+// caller's future is cancelled, the callee is sent a cancel frame for it.
 #pragma once
 
 #include <chrono>
@@ -12,6 +14,7 @@
 #include <optional>
 #include <string_view>
 
+#include "corpc/core/future.hpp"
 #include "corpc/wire/message.hpp"
 
 namespace corpc::detail {
@@ -31,6 +34,7 @@ struct OutboundCall {
   Message message;       // body and tensors; the runtime fills in the header
   CompleteFn complete = nullptr;
   void* target = nullptr;
+  CancelSlot* cancel = nullptr;  // the caller's future: armed so that cancelling it cancels the call on its callee
 };
 
 // Sends `call`. Never throws: every failure reaches `complete`.

@@ -18,7 +18,7 @@
 namespace corpc {
 
 inline constexpr std::uint32_t kFrameMagic = 0x43505243;  // "CRPC"
-inline constexpr std::uint8_t kProtocolVersion = 2;
+inline constexpr std::uint8_t kProtocolVersion = 3;  // 3: cancel frames, heartbeats (Ping/Pong), the receive budget in the Hello
 
 enum class FrameKind : std::uint8_t {
   Hello = 1,     // first frame from a dialer: who I am, my limits (also the rendezvous registration)
@@ -33,7 +33,7 @@ enum class FrameKind : std::uint8_t {
 
 // Header flags.
 inline constexpr std::uint16_t kFlagControl = 1;  // corpc's own bookkeeping: graceful shutdown does not count it
-inline constexpr std::uint16_t kFlagCancel = 2;   // reserved: cancels request `id` (cancellation issue)
+inline constexpr std::uint16_t kFlagCancel = 2;   // with Request: stop request `id` of this connection (no reply)
 
 struct FrameHeader {
   std::uint32_t magic = kFrameMagic;
@@ -43,7 +43,7 @@ struct FrameHeader {
   std::uint32_t meta_len = 0;      // tensor metadata bytes
   std::uint32_t body_len = 0;      // codec bytes
   std::uint32_t num_tensors = 0;
-  std::uint32_t deadline_ms = 0;   // Request: the caller's remaining budget, relative (0: none)
+  std::uint32_t deadline_ms = 0;   // Request: the caller's remaining budget in ms, relative (clocks need not agree)
   std::uint64_t id = 0;            // request id, chosen by the caller, echoed by Response/Error
   std::uint64_t function = 0;      // Request: function id (fnv1a of its registered name)
   std::uint64_t signature = 0;     // Request: hash of the argument types; 0 accepts anything

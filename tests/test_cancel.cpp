@@ -1,0 +1,189 @@
+// Cancellation and deadlines over real sockets: a cancelled call stops its callee (before it starts, mid-run, during
+// a large transfer), a deadline stops the work on every worker of a chain, and nothing stays counted afterwards.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <thread>
+
+#include "corpc/autograd/dist_autograd.hpp"
+#include "corpc/rref/rref.hpp"
+#include "support.hpp"
+
+using namespace corpc;
+using namespace corpc::test;
+using namespace std::chrono_literals;
+
+namespace {
+
+// ---- callee side: what ran, and whether it saw a stop --------------------------------------------------------------
+std::atomic<int> g_started{0};
+std::atomic<int> g_stopped{0};  // functions that ended because their call was stopped
+std::int64_t g_budget_ms = -1;  // what was left of the deadline when the last chain hop started
+Promise<void>* g_never = nullptr;  // a future that nothing completes: only a stop ends an await of it
+
+int started() { return g_started.load(); }
+int stopped() { return g_stopped.load(); }
+std::int64_t budget_ms() { return g_budget_ms; }
+
+void hold(int ms) { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); }
+void count_start() { ++g_started; }
+
+// Parks until its call is stopped, then says so.
+Task<void> park() {
+  ++g_started;
+  static Promise<void> never;
+  try {
+    co_await never.get_future();
+  } catch (const CancelledError&) {
+    ++g_stopped;
+    throw;
+  }
+}
+
+// Works on its input for up to 5 s, polling its stop token as a long computation would.
+std::int64_t consume(at::Tensor t) {
+  ++g_started;
+  for (int i = 0; i < 5000; ++i) {
+    if (this_call::stop_requested()) {
+      ++g_stopped;
+      break;
+    }
+    std::this_thread::sleep_for(1ms);
+  }
+  return t.numel();
+}
+
+// A chain: worker k calls worker k+1 with what is left of the deadline; the last one parks.
+Task<void> hop(int next) {
+  if (auto d = this_call::deadline()) {
+    g_budget_ms = std::chrono::duration_cast<std::chrono::milliseconds>(*d - std::chrono::steady_clock::now()).count();
+  }
+  ++g_started;
+  try {
+    if (next < Runtime::get().world_size()) {
+      co_await rpc_async<&hop>(next, next + 1);
+    } else {
+      static Promise<void> never;
+      co_await never.get_future();
+    }
+  } catch (const CancelledError&) {
+    ++g_stopped;  // the stop reached this worker
+    throw;
+  } catch (const TimeoutError&) {
+    ++g_stopped;  // the deadline, inherited, expired here first
+    throw;
+  }
+}
+
+at::Tensor big(std::int64_t n) { return at::ones({n}); }
+
+// Polls `probe` on `worker` until it returns `want` (bounded: the test fails rather than hangs).
+template <auto Probe, class T>
+void eventually(int worker, T want) {
+  for (int i = 0; i < 1000; ++i) {
+    if (rpc_sync<Probe>(worker) == want) return;
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_EQ(rpc_sync<Probe>(worker), want);
+}
+
+std::uint64_t in_flight() { return Runtime::get().stats().calls_in_flight; }
+std::uint64_t handlers() { return Runtime::get().stats().handlers_running - 1; }  // other than this probe
+
+RpcOptions one_pool_thread() {
+  auto o = quick_options();
+  o.num_worker_threads = 1;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("a call cancelled before it starts is dropped on the callee; its future says cancelled") {
+  run_world(2, [](int rank) {
+    if (rank != 0) return;
+    auto busy = rpc_async<&hold>(1, 300);          // takes worker1's only pool thread
+    auto queued = rpc_async<&count_start>(1);      // waits in worker1's queue behind it
+    queued.cancel();
+    EXPECT(queued.done() && queued.cancelled());
+    EXPECT_THROWS_AS(queued.wait(), CancelledError);
+    busy.wait();
+    EXPECT_EQ(rpc_sync<&started>(1), 0);  // dropped, never run
+    queued.cancel();                      // idempotent
+    EXPECT_EQ(in_flight(), 0u);
+    eventually<&handlers>(1, std::uint64_t{0});
+  }, one_pool_thread());
+}
+
+TEST_CASE("a stop token stops a coroutine function at its next await, on the callee") {
+  run_world(2, [](int rank) {
+    if (rank != 0) return;
+    std::stop_source source;
+    auto f = rpc_async<&park>(1, with_stop_token(source.get_token()));
+    eventually<&started>(1, 1);
+    EXPECT(!f.done());
+    source.request_stop();
+    EXPECT(f.cancelled());
+    eventually<&stopped>(1, 1);
+    eventually<&handlers>(1, std::uint64_t{0});
+    EXPECT_EQ(in_flight(), 0u);
+    // The same through the future, and through wait_all stopping the rest after a failure.
+    std::vector<Future<void>> batch;
+    batch.push_back(rpc_async<&park>(1));
+    eventually<&started>(1, 2);  // running, not merely queued (a queued call would be dropped, not stopped)
+    batch.push_back(make_exceptional_future<void>(std::make_exception_ptr(std::runtime_error("one failed"))));
+    auto all = wait_all(std::move(batch), WaitAll::stop_rest_on_failure);
+    EXPECT_THROWS_AS(all.wait(), std::runtime_error);
+    eventually<&stopped>(1, 2);
+    eventually<&handlers>(1, std::uint64_t{0});
+  });
+}
+
+TEST_CASE("cancelling during a large tensor transfer: the callee never runs the work, nothing leaks") {
+  run_world(2, [](int rank) {
+    if (rank != 0) return;
+    const std::int64_t n = 32 << 20;  // 128 MiB of floats: the cancel leaves while the request is still in transit
+    {
+      dist_autograd::Context ctx;  // the cancelled request carries grad-requiring tensors: the context is recorded
+      auto t = at::ones({n}).requires_grad_();
+      auto f = rpc_async<&consume>(1, t);
+      f.cancel();
+      EXPECT(f.cancelled());
+      // And a large reply being fetched: the RRef's owner keeps exact counts.
+      auto ref = remote<&big>(1, n);
+      auto fetch = ref.to_here();
+      fetch.cancel();
+      EXPECT(fetch.cancelled());
+    }
+    // Either the request was dropped before it ran, or it ran and saw its stop: it never ran unstopped.
+    eventually<&handlers>(1, std::uint64_t{0});
+    EXPECT_EQ(rpc_sync<&started>(1), rpc_sync<&stopped>(1));
+    EXPECT_EQ(in_flight(), 0u);
+    auto rrefs_live = [] {
+      auto s = rref_stats(1).wait();
+      return s.owned_values + s.user_references + s.pending_forks;
+    };
+    for (int i = 0; i < 1000 && rrefs_live() != 0; ++i) std::this_thread::sleep_for(10ms);
+    EXPECT_EQ(rrefs_live(), 0u);
+    for (int i = 0; i < 1000 && dist_autograd::live_contexts(1).wait() != 0; ++i) std::this_thread::sleep_for(10ms);
+    EXPECT_EQ(dist_autograd::live_contexts(1).wait(), 0u);
+    EXPECT_EQ(dist_autograd::live_contexts(), 0u);
+  });
+}
+
+TEST_CASE("a deadline travels down a chain of three workers and stops the work on all three") {
+  run_world(4, [](int rank) {
+    if (rank != 0) return;
+    auto f = rpc_async<&hop>(1, with_timeout(400ms), 2);
+    EXPECT_THROWS_AS(f.wait(), TimeoutError);
+    for (int w = 1; w <= 3; ++w) {
+      eventually<&stopped>(w, 1);
+      const auto left = rpc_sync<&budget_ms>(w);
+      EXPECT(left >= 0 && left <= 400);  // inherited, not a fresh default
+      eventually<&handlers>(w, std::uint64_t{0});
+    }
+    EXPECT_EQ(in_flight(), 0u);
+  });
+}
