@@ -102,6 +102,14 @@ void Runtime::Impl::start_call(detail::OutboundCall&& call) {
     asio::post(conn->io(), [this, conn] { arm_deadline_timer(conn); });
   }
   if (send_now) send_request(conn, std::move(frame), !call.control);
+  if (call.cancel) {
+    detail::CancelHook hook;
+    hook.fn = &cancel_call_hook;
+    hook.p = conn.get();
+    hook.a = static_cast<std::uint64_t>(dst);
+    hook.b = id;
+    call.cancel->arm_cancel(std::move(hook));
+  }
 }
 
 // Counted for graceful shutdown when it leaves: a call that waited for room and timed out was never sent.
@@ -116,14 +124,6 @@ void Runtime::Impl::send_request(const std::shared_ptr<detail::Connection>& conn
     // Registered already: closing the connection fails the call (and nothing else may complete it twice).
     conn->close(std::string("send failed: ") + e.what());
   }
-  if (call.cancel) {
-    detail::CancelHook hook;
-    hook.fn = &cancel_call_hook;
-    hook.p = conn.get();
-    hook.a = static_cast<std::uint64_t>(dst);
-    hook.b = id;
-    call.cancel->arm_cancel(std::move(hook));
-  }
 }
 
 void Runtime::Impl::cancel_call(detail::Connection* where, int dst, std::uint64_t id) {
@@ -134,7 +134,9 @@ void Runtime::Impl::cancel_call(detail::Connection* where, int dst, std::uint64_
   }
   if (!conn) return;  // the connection is gone, and every call on it failed with it
   detail::PendingCall p;
-  if (conn->pending.take(id, p) != detail::PendingCalls::Lookup::Found) return;  // completed already
+  std::vector<OutFrame> ready;  // calls that waited for room, which the cancelled one frees
+  if (conn->pending.take(id, p, ready) != detail::PendingCalls::Lookup::Found) return;  // completed already
+  for (auto& f : ready) send_request(conn, std::move(f), true);
   if (p.counted) calls_in_flight.fetch_sub(1, std::memory_order_relaxed);
   p.finish(nullptr, detail::cancelled_error());
   send_cancel(*conn, id);
