@@ -337,6 +337,7 @@ TEST_CASE("ddp: RPC and DDP in one program share one rendezvous (the process gro
     expect_close(snapshot(*ddp.module()), snapshot(*reference), 1e-5);
     // And RPC keeps working beside it: each rank asks the other for its first parameter.
     g_trained = &ddp.module();
+    group->barrier()->wait();  // both ranks have published their module before either asks for the other's
     const auto theirs = corpc::rpc_sync<&first_parameter_sum>(1 - rank);
     EXPECT_EQ(theirs, ddp->parameters()[0].sum().item<double>());
     group->barrier()->wait();  // the other rank's RPC to us is answered before we shut down
