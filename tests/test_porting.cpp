@@ -116,6 +116,21 @@ void expect_rejected(const V&... v) {
   DOCTEST_CHECK_THROWS_AS(r.get<T>(), ProtocolError);  // DOCTEST_: glog (through torch) defines CHECK
 }
 
+// The RL tutorial's shape: an agent hands observers a reference to itself, and they report back through it.
+struct Agent;
+Task<int> observe(RRef<Agent> agent, int reward);
+struct Agent : EnableRRefFromThis<Agent> {
+  std::atomic<int> total{0};
+  int report(int reward) { return total += reward; }
+  Task<int> run(int episodes) {
+    std::vector<Future<int>> steps;
+    for (int i = 1; i <= episodes; ++i) steps.push_back(rpc_async<&observe>(i % 2 ? "worker2" : "worker1", rref_from_this(), i));
+    co_await wait_all(std::move(steps));
+    co_return total.load();
+  }
+};
+Task<int> observe(RRef<Agent> agent, int reward) { co_return co_await agent.rpc_async<&Agent::report>(reward); }
+
 using Bag = RemoteModule<torch::nn::EmbeddingBag>;
 
 // A trainer's use of a module it was handed: forward, and its parameters through the awaitable form.
@@ -295,5 +310,19 @@ TEST_CASE("by-name calls take string literals and torch's value types") {
                              .wait(10s);
     EXPECT(at::equal(t, at::full({2, 3}, 7, at::kInt)));
     EXPECT(rpc_sync<&full_on>("worker1", std::vector<std::int64_t>{1}, 2.5, at::kDouble, c10::kCPU).item<double>() == 2.5);
+  });
+}
+
+TEST_CASE("an object hands out references to itself, and is freed when the last reference elsewhere goes") {
+  run_world(3, [](int rank) {
+    if (rank != 0) return;
+    {
+      RRef<Agent> agent = remote<Agent>("worker1");
+      EXPECT_EQ(agent.rpc_sync<&Agent::run>(4), 1 + 2 + 3 + 4);  // observers on its owner and on another worker
+      EXPECT_EQ(agent.rpc_sync<&Agent::run>(2), 10 + 1 + 2);
+      Agent unowned;
+      EXPECT_THROWS_AS(unowned.rref_from_this(), UsageError);
+    }
+    expect_no_references(3);  // the agent is gone: it never held a reference to itself
   });
 }

@@ -39,10 +39,47 @@ namespace corpc {
 template <class T>
 class RRef;
 
+// Gives an object held by an RRef a reference to itself, as Python's `RRef(self)`: derive from
+// EnableRRefFromThis<T> and call rref_from_this() (on the owner, e.g. inside a method called through a proxy) to hand
+// other workers a reference to this object:
+//   struct Agent : corpc::EnableRRefFromThis<Agent> {
+//     corpc::Task<int> run() { co_return co_await corpc::rpc_async<&observe>("observer1", rref_from_this()); }
+//   };
+// The object keeps no reference to itself (only a weak link to its owner slot), so it is freed when the last
+// reference held elsewhere goes; do not store the result of rref_from_this() in the object itself, which would keep
+// it alive for ever. Works for objects created by remote<T>(...), remote<&f>(...) and RRef<T>(value).
+namespace detail {
+struct SelfBinder;
+}
+
+template <class T>
+class EnableRRefFromThis {
+ public:
+  RRef<T> rref_from_this() const;
+
+ protected:
+  EnableRRefFromThis() = default;
+  EnableRRefFromThis(const EnableRRefFromThis&) noexcept {}  // a copy is another object: not held by that RRef
+  EnableRRefFromThis& operator=(const EnableRRefFromThis&) noexcept { return *this; }
+  ~EnableRRefFromThis() = default;
+
+ private:
+  friend struct detail::SelfBinder;
+  std::weak_ptr<detail::OwnerSlot> self_slot_;
+};
+
 template <class T>
 inline constexpr bool serialized_calls_v = requires { requires T::corpc_serialized_calls; };
 
 namespace detail {
+
+// Links an object that derives from EnableRRefFromThis to the owner slot that holds it.
+struct SelfBinder {
+  template <class T>
+  static void bind(T& object, const std::shared_ptr<OwnerSlot>& slot) {
+    if constexpr (std::is_base_of_v<EnableRRefFromThis<T>, T>) object.EnableRRefFromThis<T>::self_slot_ = slot;
+  }
+};
 
 // The tuple of A's and B's element types, without constructing either: parameter types need no default constructor.
 template <class A, class B>
@@ -81,7 +118,9 @@ Task<void> fill_slot(std::shared_ptr<RRefContext> ctx, std::shared_ptr<OwnerSlot
       ctx->fulfil(slot, std::make_shared<std::monostate>(), type_hash_of<std::monostate>());
     } else {
       R value = co_await as_task(std::move(fn));
-      ctx->fulfil(slot, std::make_shared<R>(std::move(value)), type_hash_of<R>());
+      auto stored = std::make_shared<R>(std::move(value));
+      SelfBinder::bind(*stored, slot);
+      ctx->fulfil(slot, std::move(stored), type_hash_of<R>());
     }
   } catch (...) {
     ctx->fail(slot, std::current_exception());
@@ -228,6 +267,7 @@ struct CreateObject {
       ctx->claim(slot);
       try {
         auto obj = std::apply([](auto&&, auto&&, auto&&... a) { return std::make_shared<T>(std::move(a)...); }, std::move(all));
+        SelfBinder::bind(*obj, slot);
         ctx->fulfil(slot, std::move(obj), type_hash_of<T>());
       } catch (...) {
         ctx->fail(slot, std::current_exception());
@@ -302,7 +342,9 @@ class RRef {
     auto slot = ctx->slot(id);
     state_ = ctx->owner_handle(id, detail::type_hash_of<T>());
     ctx->claim(slot);
-    ctx->fulfil(slot, std::make_shared<T>(std::move(value)), detail::type_hash_of<T>());
+    auto stored = std::make_shared<T>(std::move(value));
+    detail::SelfBinder::bind(*stored, slot);
+    ctx->fulfil(slot, std::move(stored), detail::type_hash_of<T>());
   }
   explicit RRef(std::shared_ptr<detail::RRefState> state) : state_(std::move(state)) {}
 
@@ -384,6 +426,16 @@ class RRef {
   }
   std::shared_ptr<detail::RRefState> state_;
 };
+
+template <class T>
+RRef<T> EnableRRefFromThis<T>::rref_from_this() const {
+  auto slot = self_slot_.lock();
+  if (!slot)
+    throw UsageError("rref_from_this(): this " + std::string(type_name<T>()) +
+                     " is not held by an RRef (create it with remote<T>, remote<&f> or RRef<T>(value))");
+  // A new owner handle of the same value: counted while it lives, like any local reference.
+  return RRef<T>(detail::RRefContext::get()->owner_handle(slot->id, detail::type_hash_of<T>()));
+}
 
 // Creates F(args...) on worker `to` and returns a reference to the result at once.
 template <auto F, class... A>
