@@ -285,13 +285,34 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
     in_backward = false;
   }
 
+  // One broadcast per dtype and device, of the tensors flattened together (as PyTorch's coalesced broadcast):
+  // ResNet-18's 60 BatchNorm buffers cost two round trips before each forward instead of sixty.
   void broadcast(std::vector<at::Tensor>& tensors, int64_t root = 0) {
     torch::NoGradGuard no_grad;
     c10d::BroadcastOptions o;
     o.rootRank = root;
-    for (auto& t : tensors) {
-      std::vector<at::Tensor> one{t.detach()};
-      group->broadcast(one, o)->wait();
+    std::vector<bool> done(tensors.size(), false);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (done[i]) continue;
+      std::vector<size_t> same;
+      std::vector<at::Tensor> flat_parts;
+      for (size_t j = i; j < tensors.size(); ++j) {
+        if (done[j] || tensors[j].scalar_type() != tensors[i].scalar_type() ||
+            tensors[j].device() != tensors[i].device()) {
+          continue;
+        }
+        done[j] = true;
+        same.push_back(j);
+        flat_parts.push_back(tensors[j].detach().reshape(-1));
+      }
+      std::vector<at::Tensor> flat{at::cat(flat_parts)};
+      group->broadcast(flat, o)->wait();
+      int64_t offset = 0;
+      for (size_t j : same) {
+        auto& t = tensors[j];
+        t.detach().copy_(flat[0].narrow(0, offset, t.numel()).view(t.sizes()));
+        offset += t.numel();
+      }
     }
   }
 
