@@ -9,8 +9,8 @@
 // running an io_context with a C++20-coroutine echo loop, like corpc's network thread), rank 0 talks to it with
 // blocking asio::write / asio::read on its calling thread, TCP_NODELAY on both ends, over 127.0.0.1. A raw message is
 // an 8-byte length followed by the payload; the server reads the whole message, then writes it back. The raw client
-// reuses one receive buffer, while corpc allocates a fresh tensor for each reply (that is part of corpc's cost). raw
-// async64 keeps 64 header-only messages in flight on the one connection.
+// reuses one receive buffer; corpc receives each reply into a fresh tensor, whose memory comes from its receive pool
+// from 1 MiB on (--receive-cache-mib 0: from the default allocator, fresh pages each time). raw async64 keeps 64 header-only messages in flight on the one connection.
 //
 // This VM's vCPUs move between fast and slow placements (../shared/DESIGN.md §4), so each case alternates short blocks
 // of raw and corpc (ABBA order) and reports the ratio per block pair; the headline ratio is the median of those.
@@ -116,6 +116,7 @@ struct Options {
   int min_iters = 3;  // per block, for the slow cases
   int worker_threads = 0;
   int spin_us = -1;  // corpc's spin before a blocked wait sleeps; -1: RpcOptions' default
+  long receive_cache_mib = -1;  // RpcOptions::receive_cache_bytes in MiB; -1: its default, 0: no receive pool
   bool raw_alloc = false;  // raw receivers allocate a fresh at::empty buffer per message, as corpc must
   std::vector<CaseSpec> cases = kAllCases;
   std::string json_path;
@@ -126,7 +127,7 @@ struct Options {
   std::fprintf(code ? stderr : stdout,
                "usage: rpc_bench [--seconds-per-case S] [--cases noop,4KiB,1MiB,16MiB,64MiB,async64,remote,chain]\n"
                "                 [--block-ms MS] [--min-iters N] [--worker-threads N] [--spin-us US] [--raw-alloc]\n"
-               "                 [--json PATH] [--cancel-samples N]\n"
+               "                 [--json PATH] [--cancel-samples N] [--receive-cache-mib N]\n"
                "Each case alternates blocks of raw Asio TCP and corpc (~MS ms each, >= N calls) for ~S seconds\n"
                "and reports the median of the per-block ratios corpc/raw.\n"
                "--raw-alloc: the raw floor receives each message into a freshly allocated at::empty buffer (both\n"
@@ -162,6 +163,8 @@ Options parse(int argc, char** argv) {
         o.worker_threads = std::stoi(value());
       } else if (key == "--spin-us") {
         o.spin_us = std::stoi(value());
+      } else if (key == "--receive-cache-mib") {
+        o.receive_cache_mib = std::stol(value());
       } else if (key == "--raw-alloc") {
         o.raw_alloc = true;
       } else if (key == "--json") {
@@ -564,6 +567,7 @@ corpc::RpcOptions rpc_options(const Options& o) {
   r.shutdown_timeout = std::chrono::seconds(30);
   r.num_worker_threads = o.worker_threads;
   if (o.spin_us >= 0) r.spin_before_block = std::chrono::microseconds(o.spin_us);
+  if (o.receive_cache_mib >= 0) r.receive_cache_bytes = static_cast<std::uint64_t>(o.receive_cache_mib) << 20;
   return r;
 }
 
