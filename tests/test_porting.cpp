@@ -253,7 +253,7 @@ TEST_CASE("proxy calls and RemoteModule::forward take a timeout, and time out wi
       EXPECT_EQ(sleeper.rpc_async<&Sleeper::nap>(with_timeout(10s), 1).wait(20s), 1);  // the same call, in time
       EXPECT_EQ(sleeper.remote<&Sleeper::nap>(with_timeout(10s), 2).to_here().wait(20s), 2);
 
-      RemoteModule<SlowIdentity> slow("worker1/cpu");
+      RemoteModule<SlowIdentity> slow("worker1/cpu", with_timeout(10s));  // the creation takes options too
       const auto x = at::ones({2});
       EXPECT_THROWS_AS(slow.forward_async(with_timeout(50ms), x, std::int64_t{1000}).wait(20s), TimeoutError);
       EXPECT_THROWS_AS(slow.forward(with_timeout(50ms), x, std::int64_t{1000}), TimeoutError);

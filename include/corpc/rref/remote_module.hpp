@@ -73,10 +73,15 @@ class RemoteModule {
  public:
   // `remote_device`: "worker/device", e.g. "worker1/cpu" or "worker1/cuda:0"; `args` go to M's constructor.
   template <class... A>
-  explicit RemoteModule(const std::string& remote_device, A&&... args) {
+    requires(!detail::first_is_options<A...>)
+  explicit RemoteModule(const std::string& remote_device, A&&... args)
+      : RemoteModule(remote_device, CallOptions{}, std::forward<A>(args)...) {}
+  // The same with options for the creation (with_timeout(ms)): a creation that times out fails every later call.
+  template <class... A>
+  RemoteModule(const std::string& remote_device, const CallOptions& options, A&&... args) {
     auto [worker, device] = detail::split_remote_device(remote_device);
     device_ = device;
-    module_ = remote<&detail::build_module<M, std::decay_t<A>...>>(worker, device, std::forward<A>(args)...);
+    module_ = remote<&detail::build_module<M, std::decay_t<A>...>>(worker, options, device, std::forward<A>(args)...);
   }
 
   // Wraps a module already created on its owner (e.g. by remote<&make_my_module>(worker, seed)); `device` is only
