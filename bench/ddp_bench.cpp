@@ -1,56 +1,99 @@
 // DDP training steps/s on 2 local ranks (1 intra-op thread each), one configuration per run:
 //
-//   ddp_bench <linear|cnn> <overlap|after> [steps]
+//   ddp_bench <linear|cnn|resnet18> <overlap|after> [steps] [--phases]
 //
 // overlap: corpc::ddp::DistributedDataParallel (bucketed allreduce during backward).
 // after:   the same model, one coalesced allreduce of all gradients after backward (no overlap).
-// Prints one line "corpc-<mode> <model> <steps/s>"; bench/compare_ddp.sh interleaves it with PyTorch's DDP.
+// Prints "# params <model> <count>" and "corpc-<mode> <model> <steps/s>"; bench/compare_ddp.sh interleaves it with
+// PyTorch's DDP. --phases: each rank also prints its mean milliseconds per step in forward, backward (for overlap:
+// including the end-of-backward wait for the last buckets), allreduce (after) and optimizer step.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include <corpc/ddp/ddp.hpp>
 #include <corpc/rpc/launch.hpp>
 
+#include "bench_util.hpp"
 #include "ddp_models.hpp"
 
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
+// Per-rank batch sizes: the same in bench/pytorch_ddp_bench.py.
 std::pair<torch::Tensor, torch::Tensor> data(const std::string& model, int rank) {
   torch::manual_seed(rank);
   if (model == "linear") return {torch::randn({32, 1024}), torch::randn({32, 1024})};
+  if (model == "resnet18") return {torch::randn({16, 3, 32, 32}), torch::randint(0, 1000, {16})};
   return {torch::randn({16, 3, 32, 32}), torch::randint(0, 10, {16})};
+}
+
+torch::nn::Sequential make_model(const std::string& model) {
+  if (model == "linear") return corpc::bench::big_linear();
+  if (model == "resnet18") return corpc::bench::resnet18();
+  if (model == "cnn") return corpc::bench::small_cnn();
+  throw std::invalid_argument("unknown model " + model);
 }
 
 torch::Tensor loss_of(const std::string& model, const torch::Tensor& out, const torch::Tensor& y) {
   return model == "linear" ? torch::mse_loss(out, y) : torch::cross_entropy_loss(out, y);
 }
 
-void run(const std::string& model, const std::string& mode, int steps, int rank) {
+// Milliseconds spent in each phase over the timed steps.
+struct Phases {
+  double forward = 0, backward = 0, allreduce = 0, step = 0;
+  Clock::time_point t = Clock::now();
+  bool on = false;
+  void mark(double& into) {
+    const auto now = Clock::now();
+    if (on) into += std::chrono::duration<double, std::milli>(now - t).count();
+    t = now;
+  }
+};
+
+void run(const std::string& model, const std::string& mode, int steps, bool print_phases, int rank) {
   at::set_num_threads(1);
+  corpc::bench::set_blas_threads(1);
   auto group = corpc::ddp::init_process_group();
-  auto net = model == "linear" ? corpc::bench::big_linear() : corpc::bench::small_cnn();
+  auto net = make_model(model);
   auto [x, y] = data(model, rank);
   const int warmup = 3;
-  std::chrono::steady_clock::time_point start;
+  Clock::time_point start;
+  Phases ph;
+  auto begin_step = [&](int i) {
+    if (i == warmup) {
+      start = Clock::now();
+      ph.on = true;
+    }
+    ph.mark(ph.step);  // not counted: the loop's bookkeeping is negligible
+  };
 
   if (mode == "overlap") {
     corpc::ddp::DistributedDataParallel ddp(net, group);
     torch::optim::SGD opt(ddp->parameters(), 0.01);
     for (int i = 0; i < warmup + steps; ++i) {
-      if (i == warmup) start = std::chrono::steady_clock::now();
+      begin_step(i);
       opt.zero_grad();
-      loss_of(model, ddp.forward(x), y).backward();
+      auto loss = loss_of(model, ddp.forward(x), y);
+      ph.mark(ph.forward);
+      loss.backward();
+      ph.mark(ph.backward);
       opt.step();
+      ph.mark(ph.step);
     }
   } else {
     torch::optim::SGD opt(net->parameters(), 0.01);
     auto params = net->parameters();
     for (int i = 0; i < warmup + steps; ++i) {
-      if (i == warmup) start = std::chrono::steady_clock::now();
+      begin_step(i);
       opt.zero_grad();
-      loss_of(model, net->forward(x), y).backward();
+      auto loss = loss_of(model, net->forward(x), y);
+      ph.mark(ph.forward);
+      loss.backward();
+      ph.mark(ph.backward);
       std::vector<at::Tensor> grads;
       for (auto& p : params) grads.push_back(p.grad().view(-1));
       std::vector<at::Tensor> flat{torch::cat(grads)};
@@ -61,26 +104,38 @@ void run(const std::string& model, const std::string& mode, int steps, int rank)
         p.mutable_grad().copy_(flat[0].narrow(0, off, p.numel()).view(p.sizes()));
         off += p.numel();
       }
+      ph.mark(ph.allreduce);
       opt.step();
+      ph.mark(ph.step);
     }
   }
   std::vector<at::Tensor> done{torch::zeros({1})};
   group->allreduce(done)->wait();  // both ranks finished
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  if (rank == 0) std::printf("corpc-%s %s %.3f\n", mode.c_str(), model.c_str(), steps / secs);
+  const double secs = std::chrono::duration<double>(Clock::now() - start).count();
+  if (rank == 0) {
+    std::printf("# params %s %lld\n", model.c_str(), static_cast<long long>(corpc::bench::parameter_count(*net)));
+    std::printf("corpc-%s %s %.3f\n", mode.c_str(), model.c_str(), steps / secs);
+    std::fflush(stdout);
+  }
+  if (print_phases) {
+    std::fprintf(stderr, "# rank %d corpc-%s %s ms/step: forward %.1f backward %.1f allreduce %.1f step %.1f\n", rank,
+                 mode.c_str(), model.c_str(), ph.forward / steps, ph.backward / steps, ph.allreduce / steps,
+                 ph.step / steps);
+  }
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    std::fprintf(stderr, "usage: ddp_bench <linear|cnn> <overlap|after> [steps]\n");
+    std::fprintf(stderr, "usage: ddp_bench <linear|cnn|resnet18> <overlap|after> [steps] [--phases]\n");
     return 2;
   }
   const std::string model = argv[1], mode = argv[2];
-  const int steps = argc > 3 ? std::atoi(argv[3]) : 20;
+  const int steps = argc > 3 && argv[3][0] != '-' ? std::atoi(argv[3]) : 20;
+  const bool phases = corpc::bench::Flags(argc, argv).has("phases");
   try {
-    corpc::launch_processes(2, [&](int rank) { run(model, mode, steps, rank); });
+    corpc::launch_processes(2, [&](int rank) { run(model, mode, steps, phases, rank); });
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ddp_bench: %s\n", e.what());
     return 1;
