@@ -106,6 +106,9 @@ TaskScope& Runtime::background() noexcept { return impl_->background; }
 bool Runtime::spawn_background(Task<void> task) noexcept {
   // Outside whatever the caller was doing: no deadline, no distributed-autograd context, the scope's stop token.
   CallContextScope fresh{CallContext{}};
+  // Nor on the caller's executor: the task would resume there after its first await, and a short-lived one (the
+  // loop of a sync_wait that has returned) would never run it again. Without one it resumes on the worker pool.
+  ExecutorScope none(nullptr);
   try {
     (void)impl_->background.spawn(std::move(task));
     return true;
