@@ -9,8 +9,8 @@
 // running an io_context with a C++20-coroutine echo loop, like corpc's network thread), rank 0 talks to it with
 // blocking asio::write / asio::read on its calling thread, TCP_NODELAY on both ends, over 127.0.0.1. A raw message is
 // an 8-byte length followed by the payload; the server reads the whole message, then writes it back. The raw client
-// reuses one receive buffer, while corpc allocates a fresh tensor for each reply (that is part of corpc's cost). raw
-// async64 keeps 64 header-only messages in flight on the one connection.
+// reuses one receive buffer; corpc receives each reply into a fresh tensor, whose memory comes from its receive pool
+// from 1 MiB on (--receive-cache-mib 0: from the default allocator, fresh pages each time). raw async64 keeps 64 header-only messages in flight on the one connection.
 //
 // This VM's vCPUs move between fast and slow placements (../shared/DESIGN.md §4), so each case alternates short blocks
 // of raw and corpc (ABBA order) and reports the ratio per block pair; the headline ratio is the median of those.
@@ -27,6 +27,7 @@
 #include <asio.hpp>
 #include <atomic>
 #include <chrono>
+#include <limits>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -116,17 +117,19 @@ struct Options {
   int min_iters = 3;  // per block, for the slow cases
   int worker_threads = 0;
   int spin_us = -1;  // corpc's spin before a blocked wait sleeps; -1: RpcOptions' default
+  long receive_cache_mib = -1;  // RpcOptions::receive_cache_bytes in MiB; -1: its default, 0: no receive pool
   bool raw_alloc = false;  // raw receivers allocate a fresh at::empty buffer per message, as corpc must
   std::vector<CaseSpec> cases = kAllCases;
   std::string json_path;
   int cancel_samples = 200;  // cancel -> callee-sees-it samples after the cases; 0: skip
+  bool flow_control = true;  // false: flow control's limits so high that they never bind (bench/flow_cost.sh)
 };
 
 [[noreturn]] void usage(int code) {
   std::fprintf(code ? stderr : stdout,
                "usage: rpc_bench [--seconds-per-case S] [--cases noop,4KiB,1MiB,16MiB,64MiB,async64,remote,chain]\n"
                "                 [--block-ms MS] [--min-iters N] [--worker-threads N] [--spin-us US] [--raw-alloc]\n"
-               "                 [--json PATH] [--cancel-samples N]\n"
+               "                 [--json PATH] [--cancel-samples N] [--receive-cache-mib N] [--flow-control on|off]\n"
                "Each case alternates blocks of raw Asio TCP and corpc (~MS ms each, >= N calls) for ~S seconds\n"
                "and reports the median of the per-block ratios corpc/raw.\n"
                "--raw-alloc: the raw floor receives each message into a freshly allocated at::empty buffer (both\n"
@@ -134,7 +137,9 @@ struct Options {
                "--spin-us: how long corpc's blocked waits spin before sleeping (RpcOptions::spin_before_block; the raw\n"
                "floor always sleeps in read()); 0 compares both sleeping.\n"
                "--cancel-samples: after the cases, times N cancellations of a parked coroutine function on rank 1,\n"
-               "from Future::cancel() on rank 0 to the callee's await throwing CancelledError (one steady clock).\n");
+               "from Future::cancel() on rank 0 to the callee's await throwing CancelledError (one steady clock).\n"
+               "--flow-control off: per-peer call limit, receive budgets, held requests and write backlog so high that\n"
+               "they never bind (the checks still run): bench/flow_cost.sh compares on and off.\n");
   std::exit(code);
 }
 
@@ -162,12 +167,18 @@ Options parse(int argc, char** argv) {
         o.worker_threads = std::stoi(value());
       } else if (key == "--spin-us") {
         o.spin_us = std::stoi(value());
+      } else if (key == "--receive-cache-mib") {
+        o.receive_cache_mib = std::stol(value());
       } else if (key == "--raw-alloc") {
         o.raw_alloc = true;
       } else if (key == "--json") {
         o.json_path = value();
       } else if (key == "--cancel-samples") {
         o.cancel_samples = std::stoi(value());
+      } else if (key == "--flow-control") {
+        const std::string v = value();
+        if (v != "on" && v != "off") usage(2);
+        o.flow_control = v == "on";
       } else if (key == "--cases") {
         o.cases.clear();
         std::stringstream ss(value());
@@ -499,11 +510,12 @@ void print_header(const Options& o) {
              affinity_cores(), cpu_model());
   fmt::print("blas: {}\n", blas_info());
   fmt::print("per case ~{} s of alternating raw/corpc blocks of ~{} ms (>= {} calls); corpc worker threads: {}; "
-             "corpc spin before sleeping: {}; raw receive buffers: {}\n\n",
+             "corpc spin before sleeping: {}; raw receive buffers: {}; flow control limits: {}\n\n",
              o.seconds_per_case, o.block_ms, o.min_iters,
              o.worker_threads > 0 ? std::to_string(o.worker_threads) : std::string("default"),
              o.spin_us >= 0 ? fmt::format("{} us", o.spin_us) : std::string("default (50 us)"),
-             o.raw_alloc ? "fresh at::empty per message (--raw-alloc)" : "reused");
+             o.raw_alloc ? "fresh at::empty per message (--raw-alloc)" : "reused",
+             o.flow_control ? "defaults" : "off (never bind)");
   fmt::print("{:>8} {:>7} {:>7} | {:>10} {:>10} | {:>10} {:>10} | {:>9} {:>13} | {:>10}\n", "case", "blocks", "calls",
              "corpc med", "corpc p99", "raw med", "raw p99", "corpc/raw", "blocks min-max", "corpc MB/s");
   fmt::print("{:>8} {:>7} {:>7} | {:>10} {:>10} | {:>10} {:>10} | {:>9} {:>13} | {:>10}\n", "", "", "", "us", "us",
@@ -564,6 +576,13 @@ corpc::RpcOptions rpc_options(const Options& o) {
   r.shutdown_timeout = std::chrono::seconds(30);
   r.num_worker_threads = o.worker_threads;
   if (o.spin_us >= 0) r.spin_before_block = std::chrono::microseconds(o.spin_us);
+  if (o.receive_cache_mib >= 0) r.receive_cache_bytes = static_cast<std::uint64_t>(o.receive_cache_mib) << 20;
+  if (!o.flow_control) {
+    r.max_calls_in_flight_per_peer = std::numeric_limits<std::uint32_t>::max();
+    r.max_requests_held = std::numeric_limits<std::uint32_t>::max();
+    r.receive_budget_per_connection = r.receive_budget_per_process = std::uint64_t{1} << 62;
+    r.max_write_backlog_bytes = std::uint64_t{1} << 62;
+  }
   return r;
 }
 

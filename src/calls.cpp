@@ -137,7 +137,7 @@ void Runtime::Impl::cancel_call(detail::Connection* where, int dst, std::uint64_
   std::vector<OutFrame> ready;  // calls that waited for room, which the cancelled one frees
   if (conn->pending.take(id, p, ready) != detail::PendingCalls::Lookup::Found) return;  // completed already
   for (auto& f : ready) send_request(conn, std::move(f), true);
-  if (p.counted) calls_in_flight.fetch_sub(1, std::memory_order_relaxed);
+  if (p.counted) call_done();
   p.finish(nullptr, detail::cancelled_error());
   send_cancel(*conn, id);
 }
@@ -169,7 +169,7 @@ void Runtime::Impl::arm_deadline_timer(const std::shared_ptr<detail::Connection>
     c->pending.take_expired(detail::Clock::now(), expired, ready);
     for (auto& f : ready) send_request(c, std::move(f), true);
     for (auto& p : expired) {
-      if (p.counted) calls_in_flight.fetch_sub(1, std::memory_order_relaxed);
+      if (p.counted) call_done();
       send_cancel(*c, p.id);  // expiry stops the work on the callee too
       p.finish(nullptr, std::make_exception_ptr(TimeoutError(
                             "call to '" + std::string(p.function.empty() ? p.owned_name : p.function) + "' on worker '" +
@@ -190,7 +190,7 @@ void Runtime::Impl::deliver_reply(const std::shared_ptr<detail::Connection>& con
     case detail::PendingCalls::Lookup::Found: break;
   }
   for (auto& f : ready) send_request(conn, std::move(f), true);
-  if (p.counted) calls_in_flight.fetch_sub(1, std::memory_order_relaxed);
+  if (p.counted) call_done();
   const std::string_view function = p.function.empty() ? std::string_view(p.owned_name) : p.function;
   if (msg.head.kind == FrameKind::Error) return p.finish(nullptr, decode_error(msg, name_of(p.dst), function));
   try {
@@ -205,7 +205,7 @@ void Runtime::Impl::fail_calls(detail::Connection& conn, std::exception_ptr erro
   std::vector<detail::PendingCall> failed;
   conn.pending.close_and_take_all(failed);
   for (auto& p : failed) {
-    if (p.counted) calls_in_flight.fetch_sub(1, std::memory_order_relaxed);
+    if (p.counted) call_done();
     p.finish(nullptr, error);
   }
 }

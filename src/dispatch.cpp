@@ -68,7 +68,7 @@ class RequestScope {
     if (stop_.stop_possible()) conn_->inbound.remove(id_);
     if (!counted_) return;
     rt_.count_handled(src_);
-    rt_.handlers_running.fetch_sub(1, std::memory_order_relaxed);
+    rt_.handler_done();
   }
 
   Runtime::Impl& rt_;

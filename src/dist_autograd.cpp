@@ -299,7 +299,7 @@ void release_context(std::int64_t ctx_id) {
   }
   CallContextScope no_ctx(detail::with_context(-1));
   for (int p : peers)
-    if (p != Runtime::get().rank() && Runtime::get().is_alive(p)) (void)rpc_async<&release_context>(p, ctx_id);
+    if (p != Runtime::get().rank() && Runtime::get().is_alive(p)) corpc::detail::send_control<&release_context>(p, ctx_id);
 }
 
 std::uint64_t live_contexts_here() { return container()->size(); }

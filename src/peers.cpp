@@ -2,6 +2,7 @@
 #include <algorithm>
 
 #include "log.hpp"
+#include "receive_pool.hpp"
 #include "runtime_impl.hpp"
 
 namespace corpc {
@@ -18,6 +19,7 @@ void Runtime::Impl::init_flow_control() {
   // Announced in our Hello: senders refuse what we could never hold, instead of it waiting here for ever.
   options.limits.max_request_bytes = std::min({options.limits.max_request_bytes, options.receive_budget_per_connection,
                                                options.receive_budget_per_process});
+  detail::ReceivePool::instance().set_cache_limit(static_cast<std::size_t>(options.receive_cache_bytes));
 }
 
 detail::ConnectionSettings Runtime::Impl::connection_settings() const {
@@ -171,6 +173,9 @@ void Runtime::Impl::close_everything(bool say_goodbye) {
   }
   // Before any connection closes, so that calls in flight fail as shut down, not as lost peers.
   fail_all_calls(std::make_exception_ptr(ShutdownError("corpc runtime shut down")));
+  // While the threads still run (a stopped task resumes on them) and after its blocked calls have failed: after a
+  // graceful shutdown the scope is empty already; otherwise its tasks unwind at their next await.
+  join_background();
   for (auto& c : conns) {
     if (say_goodbye) {
       Message bye;

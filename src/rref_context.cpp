@@ -6,7 +6,8 @@
 namespace corpc {
 
 namespace detail {
-// ---- control messages (ordinary RPCs, so graceful shutdown waits for them) ----
+// ---- control messages (ordinary RPCs sent from the runtime's background scope, so graceful shutdown waits for them
+// and a stop requested on the work that dropped a reference does not cancel its delete) ----
 void rref_fork_request(RRefId id, ForkId fork, int holder, int parent);
 void rref_child_accept(ForkId fork);
 void rref_delete(RRefId id, ForkId fork);
@@ -22,11 +23,32 @@ void rref_fork_request(RRefId id, ForkId fork, int holder, int parent) {
   auto ctx = RRefContext::get();
   ctx->add_fork(id, fork, holder);
   // The parent may now let go of its own reference (G2). A parent that is the holder itself learns it from our reply.
-  if (parent != ctx->self() && parent != holder) (void)rpc_async<&rref_child_accept>(parent, fork);
+  if (parent != ctx->self() && parent != holder) send_control<&rref_child_accept>(parent, fork);
 }
 void rref_child_accept(ForkId fork) { RRefContext::get()->accept_child(fork); }
 void rref_delete(RRefId id, ForkId fork) { RRefContext::get()->remove_fork(id, fork); }
 RRefStats rref_stats_here() { return RRefContext::get()->stats(); }
+
+namespace {
+
+// Tells the owner that a user reference is gone (G1). Not confirmed yet: the owner may not know this fork, so the
+// delete waits for the confirmation. One that timed out may still have been recorded: delete then too (deletes are
+// idempotent). One that failed because the owner is gone or refused needs nothing.
+Task<void> delete_fork(Future<void> confirmed, RRefId id, ForkId fork, int owner) {
+  try {
+    co_await confirmed;
+  } catch (const TimeoutError&) {
+  } catch (...) {
+    co_return;
+  }
+  try {
+    co_await rpc_async<&rref_delete>(owner, id, fork);
+  } catch (...) {
+    // The owner died or this worker is shutting down: its bookkeeping goes with it.
+  }
+}
+
+}  // namespace
 
 RRefState::~RRefState() {
   if (auto ctx = context.lock()) ctx->release(*this);
@@ -34,7 +56,6 @@ RRefState::~RRefState() {
 
 RRefContext::RRefContext(Runtime& rt) : runtime_(rt), self_(rt.rank()) {
   rt.add_peer_failure_listener([this](int rank, const std::string&) { on_peer_failure(rank); });
-  rt.set_quiescence_probe([this] { return idle(); });
 }
 
 RRefId RRefContext::new_id() { return RRefId{self_, next_id_.fetch_add(1)}; }
@@ -138,7 +159,7 @@ std::shared_ptr<RRefState> RRefContext::receive(const RRefId& id, const ForkId& 
     if (sender == self_) {
       remove_fork(id, fork);
     } else {
-      (void)rpc_async<&rref_child_accept>(sender, fork);
+      send_control<&rref_child_accept>(sender, fork);
     }
     return handle;
   }
@@ -176,33 +197,9 @@ void RRefContext::release(RRefState& state) {
     return;
   }
   user_refs_--;
-  if (!Runtime::try_get()) return;
-  auto send_delete = [id = state.id, fork = state.fork, owner = state.owner] {
-    if (Runtime::try_get()) (void)rpc_async<&rref_delete>(owner, id, fork);
-  };
-  // A confirmation that timed out may still have been recorded by the owner: delete then too (deletes are
-  // idempotent). One that failed because the owner is gone or refused needs nothing.
-  auto owner_may_know = [](const Future<void>& confirmed) {
-    try {
-      confirmed.value();
-      return true;
-    } catch (const TimeoutError&) {
-      return true;
-    } catch (...) {
-      return false;
-    }
-  };
-  if (state.confirmed.done()) {
-    if (owner_may_know(state.confirmed)) send_delete();
-    return;
-  }
-  // Not confirmed yet: the owner may not know this fork, so the delete waits for the confirmation.
-  deferred_deletes_++;
-  auto confirmed = state.confirmed;
-  detail::on_ready_inline(confirmed, [confirmed, send_delete, owner_may_know, self = weak_from_this()] {
-    if (owner_may_know(confirmed)) send_delete();
-    if (auto ctx = self.lock()) ctx->deferred_deletes_--;
-  });
+  auto* rt = Runtime::try_get();
+  if (!rt) return;
+  (void)rt->spawn_background(delete_fork(state.confirmed, state.id, state.fork, state.owner));
 }
 
 Future<void> RRefContext::run_serialized(const std::shared_ptr<OwnerSlot>& s, std::function<Future<void>()> job) {
@@ -252,8 +249,6 @@ RRefStats RRefContext::stats() const {
   return RRefStats{owned_.size(), static_cast<std::uint64_t>(user_refs_.load()),
                    pending_children_.size() + static_cast<std::uint64_t>(unconfirmed_.load())};
 }
-
-bool RRefContext::idle() const { return deferred_deletes_.load() == 0; }
 
 void RRefContext::claim(const std::shared_ptr<OwnerSlot>& s) {
   std::lock_guard lock(mutex_);

@@ -102,9 +102,19 @@ void Runtime::add_peer_failure_listener(std::function<void(int, const std::strin
   impl_->failure_listeners.push_back(std::move(listener));
 }
 void Runtime::set_tensor_hooks(TensorHooks hooks) { impl_->tensor_hooks = std::move(hooks); }
-void Runtime::set_quiescence_probe(std::function<bool()> idle) {
-  std::lock_guard lock(impl_->hooks_mutex);
-  impl_->quiescence_probe = std::move(idle);
+TaskScope& Runtime::background() noexcept { return impl_->background; }
+bool Runtime::spawn_background(Task<void> task) noexcept {
+  // Outside whatever the caller was doing: no deadline, no distributed-autograd context, the scope's stop token.
+  CallContextScope fresh{CallContext{}};
+  // Nor on the caller's executor: the task would resume there after its first await, and a short-lived one (the
+  // loop of a sync_wait that has returned) would never run it again. Without one it resumes on the worker pool.
+  ExecutorScope none(nullptr);
+  try {
+    (void)impl_->background.spawn(std::move(task));
+    return true;
+  } catch (...) {
+    return false;  // the scope is closed: shutdown has joined it
+  }
 }
 
 // ---- threads -------------------------------------------------------------------------------------------------------

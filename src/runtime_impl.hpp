@@ -12,6 +12,7 @@
 #include <asio.hpp>
 
 #include <atomic>
+#include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -71,9 +72,30 @@ struct Runtime::Impl {
   std::map<std::type_index, std::shared_ptr<void>> extensions;
 
   TensorHooks tensor_hooks;  // set by runtime initializers, read-only afterwards
-  std::mutex hooks_mutex;    // guards the two below
+  std::mutex hooks_mutex;    // guards the one below
   std::vector<std::function<void(int, const std::string&)>> failure_listeners;
-  std::function<bool()> quiescence_probe;
+
+  // Local idleness, for graceful shutdown (shutdown.cpp): no user call in flight, no handler running, nothing in the
+  // background scope. Whoever brings one of them to zero wakes a waiting shutdown; nobody polls.
+  std::mutex idle_mutex;
+  std::condition_variable idle_cv;
+  std::atomic<bool> idle_waited{false};  // a shutdown waits on idle_cv (seq_cst with the counters: no lost wake-up)
+  void wake_idle_waiter() noexcept {
+    if (!idle_waited.load()) return;
+    std::lock_guard lock(idle_mutex);
+    idle_cv.notify_all();
+  }
+  void call_done() noexcept {
+    if (calls_in_flight.fetch_sub(1) == 1) wake_idle_waiter();
+  }
+  void handler_done() noexcept {
+    if (handlers_running.fetch_sub(1) == 1) wake_idle_waiter();
+  }
+  bool locally_idle() const noexcept {
+    return calls_in_flight.load() == 0 && handlers_running.load() == 0 && background.active() == 0;
+  }
+  // Declared after what its tasks' wake-ups touch; joined by shutdown() before the Impl goes.
+  TaskScope background;
 
   // Rendezvous (main I/O thread). On rank 0: registrations so far. Elsewhere: the answer.
   std::map<int, std::pair<WorkerInfo, std::shared_ptr<detail::Connection>>> registrations;  // conn_mutex
@@ -152,6 +174,11 @@ struct Runtime::Impl {
   // ---- shutdown.cpp ----
   void check_rounds();
   void graceful_shutdown();
+  // Waits until locally_idle() or `deadline`; true if idle.
+  bool wait_locally_idle(std::chrono::steady_clock::time_point deadline);
+  // Joins the background scope with a stop requested (its tasks unwind at their next await); after this, library
+  // work that would start in it is dropped.
+  void join_background() noexcept;
 
   // ---- rendezvous.cpp ----
   void rendezvous(const std::string& master_host, std::uint16_t master_port, int listen_fd);

@@ -1,7 +1,9 @@
 // Graceful shutdown's termination detection, run on rank 0: each rank reports, per peer, the user requests it sent
 // and the ones it finished handling; the world is quiet when every live pair balances and everyone is idle, twice in
 // a row. Counting per pair lets requests to a dead rank drop out instead of unbalancing the sums for ever. The
-// rounds themselves travel as control calls (kFlagControl), which are not counted.
+// rounds themselves travel as control calls (kFlagControl), which are not counted. "Idle" includes the runtime's
+// background scope (library work nobody awaits: RRef control messages, values being created), so a worker whose
+// background work may still talk to a peer keeps that peer up; shutdown() joins the scope afterwards.
 #include "corpc/rpc/call.hpp"
 #include "runtime_impl.hpp"
 
@@ -87,26 +89,42 @@ void Runtime::Impl::graceful_shutdown() {
     detail::start_call(std::move(call));
     return std::move(fut).wait();
   };
-  auto locally_idle = [&] {
-    std::function<bool()> probe;
-    {
-      std::lock_guard hl(hooks_mutex);
-      probe = quiescence_probe;
-    }
-    return calls_in_flight.load() == 0 && handlers_running.load() == 0 && (!probe || probe());
-  };
   try {
     ask(-1, true);  // everyone has reached shutdown
     std::optional<RoundResult> previous;
     for (std::int64_t round = 0; std::chrono::steady_clock::now() < deadline; ++round) {
-      while (!locally_idle() && std::chrono::steady_clock::now() < deadline)
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      wait_locally_idle(deadline);
       auto result = ask(round, locally_idle());
       if (result.second && previous == result) break;  // quiet, and nothing moved since the last round
       previous = result;
     }
   } catch (const RpcError&) {
     // Rank 0 is gone or the deadline passed: close anyway rather than hang.
+  }
+}
+
+bool Runtime::Impl::wait_locally_idle(std::chrono::steady_clock::time_point deadline) {
+  idle_waited.store(true);
+  bool idle = false;
+  for (;;) {
+    // The background scope says when it empties; the counters wake idle_cv themselves (call_done, handler_done).
+    detail::on_ready_inline(background.when_empty(), [this] { wake_idle_waiter(); });
+    std::unique_lock lock(idle_mutex);
+    if ((idle = locally_idle())) break;
+    if (idle_cv.wait_until(lock, deadline) == std::cv_status::timeout) {
+      idle = locally_idle();
+      break;
+    }
+  }
+  idle_waited.store(false);
+  return idle;
+}
+
+void Runtime::Impl::join_background() noexcept {
+  try {
+    background.stop_and_join().wait();
+  } catch (...) {
+    // Joined twice, or from an I/O thread (a usage error reported elsewhere): nothing more to wait for here.
   }
 }
 

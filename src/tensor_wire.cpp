@@ -1,10 +1,12 @@
 // Tensor metadata on the wire: dtype, shape, strides and requires_grad per tensor; the bytes travel separately.
 #include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
 
 #include <limits>
 
 #include "corpc/wire/codec.hpp"
 #include "corpc/wire/message.hpp"
+#include "receive_pool.hpp"
 #include "tensor_meta.hpp"
 
 namespace corpc {
@@ -18,6 +20,22 @@ std::size_t item_size(std::uint8_t raw) {
     return 0;
   return c10::elementSize(static_cast<at::ScalarType>(raw));
 }
+void give_back_block(void* block) { detail::ReceivePool::instance().release(static_cast<detail::ReceivePool::Block*>(block)); }
+
+// A tensor to receive `m` into: large ones in a block of the receive pool (given back when the storage is freed; a
+// resize moves the tensor to the default allocator), the rest from the default allocator.
+at::Tensor receive_tensor(const detail::TensorMeta& m) {
+  const auto options = at::TensorOptions().dtype(static_cast<at::ScalarType>(m.dtype));
+  auto* block = detail::ReceivePool::instance().acquire(static_cast<std::size_t>(m.nbytes));
+  if (!block) return at::empty_strided(m.sizes, m.strides, options);
+  c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<std::size_t>(m.nbytes),
+                       c10::DataPtr(block->data, block, &give_back_block, at::Device(at::kCPU)), c10::GetCPUAllocator(),
+                       /*resizable=*/true);
+  at::Tensor t = at::empty({0}, options);
+  t.set_(std::move(storage), 0, m.sizes, m.strides);
+  return t;
+}
+
 bool differentiable(std::uint8_t raw) {
   const auto dtype = static_cast<at::ScalarType>(raw);
   return at::isFloatingType(dtype) || at::isComplexType(dtype);
@@ -55,7 +73,7 @@ std::vector<at::Tensor> decode_tensor_meta(const char* meta, std::size_t meta_le
   std::vector<at::Tensor> out;
   out.reserve(table.size());
   for (auto& m : table) {
-    at::Tensor t = at::empty_strided(m.sizes, m.strides, at::TensorOptions().dtype(static_cast<at::ScalarType>(m.dtype)));
+    at::Tensor t = receive_tensor(m);
     if (m.requires_grad) t.set_requires_grad(true);
     out.push_back(std::move(t));
   }

@@ -22,7 +22,6 @@ namespace {
 std::atomic<int> g_started{0};
 std::atomic<int> g_stopped{0};  // functions that ended because their call was stopped
 std::int64_t g_budget_ms = -1;  // what was left of the deadline when the last chain hop started
-Promise<void>* g_never = nullptr;  // a future that nothing completes: only a stop ends an await of it
 
 int started() { return g_started.load(); }
 int stopped() { return g_stopped.load(); }
@@ -89,6 +88,31 @@ void eventually(int worker, T want) {
   }
   EXPECT_EQ(rpc_sync<Probe>(worker), want);
 }
+
+// ---- the runtime's background work (values being created on their owner) ------------------------------------------
+std::atomic<int> g_values_live{0};  // Value objects alive in this process
+std::atomic<int> g_created{0};      // creations that ran to the end
+struct Value {
+  Value() { ++g_values_live; }
+  Value(const Value&) { ++g_values_live; }
+  ~Value() { --g_values_live; }
+  int get() const { return 7; }
+};
+int answer() { return 42; }
+// A creation that outlives its acknowledgement and then needs the creator: shutdown must not close under it.
+Task<Value> late_value() {
+  hold(300);
+  EXPECT_EQ(co_await rpc_async<&answer>(0), 42);
+  ++g_created;
+  co_return Value{};
+}
+// A creation that only a stop ends.
+Task<Value> parked_value() {
+  co_await park();
+  co_return Value{};
+}
+int value_of(RRef<Value> r) { return r.rpc_sync<&Value::get>(); }
+RRef<Value> g_kept;  // outlives the runtime: a reference still held when shutdown starts
 
 std::uint64_t in_flight() { return Runtime::get().stats().calls_in_flight; }
 std::uint64_t handlers() { return Runtime::get().stats().handlers_running - 1; }  // other than this probe
@@ -186,4 +210,65 @@ TEST_CASE("a deadline travels down a chain of three workers and stops the work o
     }
     EXPECT_EQ(in_flight(), 0u);
   });
+}
+
+TEST_CASE("graceful shutdown waits for the runtime's background work, then joins it: nothing is left running") {
+  LaunchOptions lo;
+  lo.timeout = 60s;
+  launch_processes(2, [](int rank) {
+    init_rpc(worker_name(rank), rank, 2, quick_options());
+    // Acknowledged at once; the value is still being computed (and will call rank 0) when both ranks shut down.
+    if (rank == 0) g_kept = remote<&late_value>(1);
+    shutdown(true);
+    g_kept = {};
+    if (rank == 1) {
+      EXPECT_EQ(g_created.load(), 1);       // rank 0 stayed until the creation had finished with it
+      EXPECT_EQ(g_values_live.load(), 0);   // and the value went with the runtime
+    }
+  }, lo);
+}
+
+TEST_CASE("a shutdown that does not wait stops the background work and joins it") {
+  LaunchOptions lo;
+  lo.timeout = 60s;
+  launch_processes(2, [](int rank) {
+    init_rpc(worker_name(rank), rank, 2, quick_options());
+    if (rank == 0) {
+      g_kept = remote<&parked_value>(1);
+      shutdown(true);  // rank 1 leaves without waiting: that ends this one's wait too
+      g_kept = {};
+      return;
+    }
+    for (int i = 0; i < 1000 && started() == 0; ++i) std::this_thread::sleep_for(10ms);
+    EXPECT_EQ(started(), 1);
+    shutdown(false);
+    EXPECT_EQ(stopped(), 1);  // the parked creation saw the stop and unwound before shutdown returned
+    EXPECT_EQ(g_values_live.load(), 0);
+  }, lo);
+}
+
+TEST_CASE("a remote() whose creation timed out fails every later use, and the creation never runs") {
+  run_world(2, [](int rank) {
+    if (rank != 0) return;
+    auto busy = rpc_async<&hold>(1, 400);  // holds worker1's only pool thread: the creation waits in its queue
+    auto ref = remote<&parked_value>(1, with_timeout(50ms));
+    EXPECT_THROWS_AS(ref.state()->confirmed.wait(), TimeoutError);  // the owner did not acknowledge it in time
+    EXPECT_THROWS_AS(ref.to_here().wait(), TimeoutError);
+    EXPECT_THROWS_AS(ref.rpc_sync<&Value::get>(), TimeoutError);                  // a proxy call
+    EXPECT_THROWS_AS(rpc_sync<&value_of>(1, ref), TimeoutError);                 // passed as an argument
+    EXPECT_THROWS_AS((void)ref.remote<&Value::get>(), TimeoutError);           // a creation from it
+    EXPECT(!ref.confirmed_by_owner());
+    busy.wait();
+    EXPECT_EQ(rpc_sync<&started>(1), 0);  // cancelled on the callee before it ran
+    ref = {};
+    eventually<&handlers>(1, std::uint64_t{0});
+    EXPECT_EQ(in_flight(), 0u);
+    auto rrefs_live = [](int w) {
+      auto s = rref_stats(w).wait();
+      return s.owned_values + s.user_references + s.pending_forks;
+    };
+    for (int i = 0; i < 1000 && rrefs_live(1) != 0; ++i) std::this_thread::sleep_for(10ms);
+    EXPECT_EQ(rrefs_live(1), 0u);
+    EXPECT_EQ(rrefs_live(0), 0u);
+  }, one_pool_thread());
 }

@@ -12,13 +12,16 @@
 // their awaits of corpc futures complete with CancelledError (an RPC in flight is cancelled on its callee), so they
 // unwind at their next suspension point. `join()` closes the scope — later `spawn`s throw UsageError — and completes
 // when the last task has finished. Each `spawn` also returns the task's own Future, which may be ignored.
-// A scope must be joined before it is destroyed; the destructor of a scope with work still running requests a stop
+// `when_empty()` waits for the scope to have nothing running without closing it (a runtime draining its background
+// work before it decides to stop). A scope must be joined before it is destroyed; the destructor of a scope with work still running requests a stop
 // and blocks until it is joined (which throws UsageError on an I/O thread: join with co_await there).
 #pragma once
 
 #include <atomic>
 #include <cstddef>
+#include <mutex>
 #include <stop_token>
+#include <vector>
 
 #include "corpc/core/task.hpp"
 
@@ -70,6 +73,13 @@ class TaskScope {
     request_stop();
     return join();
   }
+  // Completes at the first moment no task is running (at once if none is now); the scope stays open, so a task may
+  // have started again by the time the future's continuation runs.
+  Future<void> when_empty() {
+    std::lock_guard lock(empty_mutex_);
+    if (active() == 0) return make_ready_future();
+    return empty_waiters_.emplace_back().get_future();
+  }
 
  private:
   bool closed() const noexcept { return closing_.load(std::memory_order_acquire); }
@@ -82,7 +92,18 @@ class TaskScope {
     }
   }
   void leave() noexcept {
-    if (count_.fetch_sub(1, std::memory_order_acq_rel) == 1) joined_.set_value();
+    const std::size_t before = count_.fetch_sub(1, std::memory_order_acq_rel);
+    if (before == 1) joined_.set_value();
+    if (before == 1 || (before == 2 && !closed())) notify_empty();
+  }
+  // Waiters registered before the count reached zero are woken; one that registers later saw zero itself.
+  void notify_empty() noexcept {
+    std::vector<Promise<void>> waiters;
+    {
+      std::lock_guard lock(empty_mutex_);
+      waiters.swap(empty_waiters_);
+    }
+    for (auto& w : waiters) w.set_value();
   }
   CallContext scoped_context() const {
     CallContext c = current_call_context();
@@ -103,6 +124,8 @@ class TaskScope {
   std::atomic<std::size_t> count_{1};  // tasks running, plus one while the scope is open
   std::atomic<bool> closing_{false};
   Promise<void> joined_;
+  std::mutex empty_mutex_;
+  std::vector<Promise<void>> empty_waiters_;
 };
 
 }  // namespace corpc

@@ -300,6 +300,23 @@ detail::ResultOf<F> rpc_sync(const WorkerRef& to, A&&... args) {
   return rpc_async<F>(to, std::forward<A>(args)...).wait();
 }
 
+namespace detail {
+// Sends control message F and forgets it, in the runtime's background scope (graceful shutdown waits for it; a stop
+// requested on the sender's own work does not cancel it). Dropped once shutdown has joined the scope.
+template <auto F, class... A>
+void send_control(int to, A... args) {
+  auto* rt = Runtime::try_get();
+  if (!rt) return;
+  (void)rt->spawn_background([](int to, A... args) -> Task<void> {
+    try {
+      co_await rpc_async<F>(to, std::move(args)...);
+    } catch (...) {
+      // The peer died or this worker is shutting down: the protocol's bookkeeping goes with it.
+    }
+  }(to, std::move(args)...));
+}
+}  // namespace detail
+
 // By name, for functions registered with register_function in another binary. R: the expected result type;
 // the arguments' own (decayed) types must match the callee's parameter types, except that string literals and
 // char pointers are sent as std::string:

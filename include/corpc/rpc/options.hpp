@@ -63,6 +63,12 @@ struct RpcOptions {
   // graceful shutdown stops waiting for it. Catches a stopped process or a partition without a reset, which TCP
   // alone does not notice. Detected within 1.25x this. 0: never.
   std::chrono::milliseconds liveness_timeout{15'000};
+
+  // ---- Tensor transfer ----
+  // Received tensors of 1 MiB and more are written into blocks kept for reuse, so that a steady stream of
+  // same-sized tensors maps no new pages; this bounds the free blocks kept (least recently used go first; blocks idle
+  // for 10 s are unmapped). Process-wide. 0: every receive gets fresh memory from the default allocator.
+  std::uint64_t receive_cache_bytes = std::uint64_t{256} << 20;
 };
 
 struct CallOptions {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "corpc/core/executor.hpp"
+#include "corpc/core/scope.hpp"
 #include "corpc/rpc/options.hpp"
 #include "corpc/rpc/worker_info.hpp"
 
@@ -66,8 +67,14 @@ class Runtime {
   void add_peer_failure_listener(std::function<void(int rank, const std::string& why)> listener);
   // Call from a runtime initializer (add_runtime_initializer), before any message is exchanged.
   void set_tensor_hooks(TensorHooks hooks);
-  // Called by the RRef layer to hold graceful shutdown while it still has bookkeeping to exchange.
-  void set_quiescence_probe(std::function<bool()> idle);
+  // The runtime's own task scope, for library work that nobody awaits: an RRef's value being computed on its owner,
+  // RRef control messages, context releases. Graceful shutdown counts its tasks as work in flight (no worker exits
+  // while one of them may still talk to it), then joins it with a stop requested; a non-graceful shutdown, or one
+  // past shutdown_timeout, stops it first. After the join `spawn` throws UsageError: use spawn_background.
+  TaskScope& background() noexcept;
+  // Runs `task` in background(), on this thread until its first suspension, with a fresh CallContext (no deadline or
+  // autograd context of the caller's); false, and the task is dropped unstarted, once shutdown has closed the scope.
+  bool spawn_background(Task<void> task) noexcept;
 
   // State of an upper layer (RRefs, distributed autograd) that lives exactly as long as this runtime: created on first
   // use with `Ext(Runtime&)`, destroyed after every connection has closed. Keeps those layers out of this one.

@@ -117,7 +117,6 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
   Future<void> run_serialized(const std::shared_ptr<OwnerSlot>& slot, std::function<Future<void>()> job);
 
   RRefStats stats() const;
-  bool idle() const;  // no deletes waiting on a confirmation (graceful shutdown waits for this)
 
   // Called from ~RRefState.
   void release(RRefState& state);
@@ -135,7 +134,6 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
   std::map<ForkId, std::pair<std::shared_ptr<RRefState>, int>> pending_children_;  // fork -> (parent, destination)
   std::atomic<std::int64_t> user_refs_{0};
   std::atomic<std::int64_t> unconfirmed_{0};
-  std::atomic<std::int64_t> deferred_deletes_{0};
 };
 
 }  // namespace detail

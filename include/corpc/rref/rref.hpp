@@ -229,7 +229,10 @@ Future<Message> create_in_slot(int creator, const RRefId& id, const ForkId& fork
   auto slot = ctx->slot(id);
   ctx->add_fork(id, fork, creator);
   ctx->claim(slot);
-  (void)spawn(Runtime::get().executor(), fill_slot<R>(ctx, slot, std::move(fn)));
+  // In the runtime's background scope: graceful shutdown waits for the value (its computation may call peers), and a
+  // shutdown that gives up stops it. Its context is the request's (deadline, autograd context), with the scope's stop.
+  auto& rt = Runtime::get();
+  (void)rt.background().spawn(rt.executor(), fill_slot<R>(ctx, slot, std::move(fn)));
   return make_ready_future(Message{});
 }
 
@@ -464,6 +467,8 @@ template <class T>
 struct Codec<RRef<T>> {
   static void write(Writer& w, const RRef<T>& r) {
     if (!r.valid()) throw UsageError("cannot send an empty RRef");
+    // A reference whose creation failed (timed out, refused) is passed on as that failure, not as a dangling fork.
+    if (r.state()->confirmed.has_error()) std::rethrow_exception(r.state()->confirmed.error());
     auto ctx = detail::RRefContext::get();
     ForkId fork = ctx->fork_for(r.state(), w.peer);
     w.put(r.state()->id);
