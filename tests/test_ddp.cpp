@@ -167,6 +167,14 @@ TEST_CASE("ddp: no_sync accumulates exactly like the whole batch") {
   ddp_matches_reference(o, 2, 3, 1e-5);
 }
 
+TEST_CASE("ddp: allreduce_hook() as an explicit hook (divides after the sum) equals one process too") {
+  corpc::ddp::DdpOptions o;
+  o.comm_hook = corpc::ddp::allreduce_hook();
+  o.bucket_cap_mb = 16.0 / (1024 * 1024);
+  o.find_unused_parameters = true;
+  ddp_matches_reference(o, 2, 1, 1e-5, 4);
+}
+
 TEST_CASE("ddp: fp16 compression hook stays within its tolerance") {
   corpc::ddp::DdpOptions o;
   o.comm_hook = corpc::ddp::fp16_compress_hook();
@@ -283,6 +291,89 @@ TEST_CASE("ddp: gradient_as_bucket_view gives the same parameters, with gradient
       results.push_back(snapshot(*ddp.module()));
     }
     for (size_t i = 0; i < results[0].size(); ++i) EXPECT(torch::equal(results[0][i], results[1][i]));
+  });
+}
+
+// A model with buffers of two dtypes: BatchNorm's running_mean/var (float) and num_batches_tracked (int64).
+struct BnNetImpl : torch::nn::Module {
+  BnNetImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(5, 6));
+    bn = register_module("bn", torch::nn::BatchNorm1d(6));
+    fc2 = register_module("fc2", torch::nn::Linear(6, 3));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return fc2->forward(torch::tanh(bn->forward(fc1->forward(x)))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+};
+TORCH_MODULE(BnNet);
+
+// Every rank's buffers differ from the start; num_batches_tracked is above 2^24, where a float32 cannot hold it
+// exactly, so a broadcast that coalesced it with the float buffers (one flat float tensor) would change it.
+BnNet bn_rank_model(int rank) {
+  torch::manual_seed(rank + 1);
+  BnNet net;
+  torch::NoGradGuard no_grad;
+  net->bn->running_mean.fill_(0.5 + rank);
+  net->bn->running_var.fill_(2.0 + rank);
+  net->bn->num_batches_tracked.fill_((int64_t{1} << 40) + 1 + 7 * rank);
+  return net;
+}
+
+std::vector<torch::Tensor> buffer_snapshot(torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (auto& b : m.buffers()) out.push_back(b.detach().clone());
+  return out;
+}
+
+// PyTorch's broadcast_buffers semantics: before each forward every rank takes rank 0's buffers; in training mode
+// each rank's forward then updates them from its own rows (BatchNorm normalises by the local batch). The reference
+// is one process doing what rank 0 does to the buffers, with the gradient of the mean of the two half-batch losses.
+TEST_CASE("ddp: buffers (BatchNorm, two dtypes) are rank 0's after construction and before each forward") {
+  launch([](int rank) {
+    auto group = corpc::ddp::init_process_group();
+    DistributedDataParallel ddp(bn_rank_model(rank), group);
+    auto start = buffer_snapshot(*ddp.module());
+    REQUIRE(start.size() == 3);
+    expect_same_on_all_ranks(*group, start);
+    const auto rank0 = buffer_snapshot(*bn_rank_model(0));
+    for (size_t i = 0; i < start.size(); ++i) EXPECT(torch::equal(start[i], rank0[i]));
+    EXPECT_EQ(start[2].scalar_type(), torch::kLong);
+
+    torch::optim::SGD opt(ddp->parameters(), 0.1);
+    BnNet reference = bn_rank_model(0);
+    torch::optim::SGD ref_opt(reference->parameters(), 0.1);
+    for (int step = 0; step < 3; ++step) {
+      opt.zero_grad();
+      ref_opt.zero_grad();
+      auto d = batch(step);
+      torch::mse_loss(ddp.forward(rows(d.x, rank)), rows(d.y, rank)).backward();
+      opt.step();
+      // The reference's buffers end as rank 0's forward leaves them: rank 1's half runs first, then they are
+      // restored (after its backward: BatchNorm's backward checks that its saved statistics were not modified).
+      auto before = buffer_snapshot(*reference);
+      (0.5 * torch::mse_loss(reference->forward(rows(d.x, 1)), rows(d.y, 1))).backward();
+      {
+        torch::NoGradGuard no_grad;
+        auto buffers = reference->buffers();
+        for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(before[i]);
+      }
+      (0.5 * torch::mse_loss(reference->forward(rows(d.x, 0)), rows(d.y, 0))).backward();
+      ref_opt.step();
+    }
+    expect_close(snapshot(*ddp.module()), snapshot(*reference), 1e-5);
+    if (rank == 0) expect_close(buffer_snapshot(*ddp.module()), buffer_snapshot(*reference), 1e-5);
+
+    // An evaluation forward (no buffer update) takes rank 0's buffers: then every rank holds the reference's.
+    ddp->eval();
+    {
+      torch::NoGradGuard no_grad;
+      ddp.forward(rows(batch(9).x, rank));
+    }
+    auto after = buffer_snapshot(*ddp.module());
+    expect_same_on_all_ranks(*group, after);
+    expect_close(after, buffer_snapshot(*reference), 1e-5);
+    EXPECT(torch::equal(after[2], reference->bn->num_batches_tracked));
+    EXPECT_EQ(after[2].item<int64_t>(), (int64_t{1} << 40) + 1 + 3);
   });
 }
 
