@@ -137,7 +137,12 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
   void launch_ready_locked() {
     while (next_launch < buckets.size() && buckets[next_launch].pending == 0) {
       auto& b = buckets[next_launch];
-      b.result = options.comm_hook(*group, GradBucket{b.flat, next_launch, divisor});
+      if (builtin_allreduce()) {
+        std::vector<at::Tensor> tensors{b.flat};
+        b.result = group->allreduce(tensors)->getFuture();
+      } else {
+        b.result = options.comm_hook(*group, GradBucket{b.flat, next_launch, divisor});
+      }
       ++next_launch;
     }
   }
@@ -175,17 +180,28 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
     return pass_context >= 0 ? dist_autograd::leaf_hooks::gradient(pass_context, params[i]) : params[i].grad();
   }
 
+  // The default hook (none given): the gradients are divided on their way into the bucket, and the bucket's
+  // allreduce is the whole hook. One pass over the gradients less than dividing the sum afterwards (PyTorch does
+  // the same); for N ranks the sum of g_i / N rounds differently from (sum g_i) / N only when N is not a power of 2.
+  bool builtin_allreduce() const { return !options.comm_hook; }
+
   // Puts parameter k of bucket b's gradient (zero if it has none) into its bucket.
   void fill_slot_locked(Bucket& b, size_t k) {
     auto& p = params[b.params[k]];
     const auto grad = current_grad(b.params[k]);
     torch::NoGradGuard no_grad;
-    if (views_in_use() && is_bucket_view(grad, b, k)) return;  // backward accumulated in place
+    const double scale = 1.0 / static_cast<double>(divisor);
+    if (views_in_use() && is_bucket_view(grad, b, k)) {  // backward accumulated in place
+      if (builtin_allreduce()) view_of(b, k).mul_(scale);
+      return;
+    }
     auto view = view_of(b, k);
-    if (grad.defined()) {
-      view.copy_(grad);
-    } else {
+    if (!grad.defined()) {
       view.zero_();
+    } else if (builtin_allreduce()) {
+      at::mul_out(view, grad, at::scalar_tensor(scale, at::TensorOptions().dtype(at::kDouble)));
+    } else {
+      view.copy_(grad);
     }
     // From now on backward accumulates into the bucket (AccumulateGrad adds in place to a defined .grad).
     if (views_in_use()) p.mutable_grad() = view;
@@ -382,7 +398,6 @@ GradientSync::GradientSync(torch::nn::Module& module, c10::intrusive_ptr<c10d::P
   s.group = std::move(group);
   s.options = std::move(options);
   s.divisor = s.group->getSize();
-  if (!s.options.comm_hook) s.options.comm_hook = allreduce_hook();
   for (auto& p : module.parameters()) {
     if (p.requires_grad()) s.params.push_back(p);
   }

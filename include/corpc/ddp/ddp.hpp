@@ -18,7 +18,8 @@
 //   forward, as in PyTorch) lets their buckets start early instead of at the end of backward;
 // - `no_sync()` returns a guard under which backward only accumulates locally; the next synchronised backward
 //   averages the accumulated sum, exactly as in PyTorch;
-// - the communication hook is replaceable: `allreduce_hook()` (default) or `fp16_compress_hook()`.
+// - the communication hook is replaceable: `fp16_compress_hook()`, `allreduce_hook()` (what the built-in default does,
+//   as a hook) or your own.
 //
 // Every rank must run the same number of synchronised backward passes, unless the training loop runs under `Join`
 // (uneven inputs: a rank that ran out of batches shadows the others' collectives until all have run out).
@@ -84,7 +85,9 @@ struct DdpOptions {
   // land in `.grad` with no copy either way (saves one gradient-sized copy each way and the memory of one copy).
   // `.grad` is then a slice of a shared buffer: replace it (`grad = ...`) rather than resize it in place.
   bool gradient_as_bucket_view = false;
-  CommHook comm_hook;             // empty: allreduce_hook()
+  // Empty: the built-in allreduce, which divides the gradients on their way into the bucket (one pass over them
+  // less than allreduce_hook(), which divides the sum), as PyTorch's DDP does when no hook is registered.
+  CommHook comm_hook;
 };
 
 struct JoinOptions {
