@@ -32,6 +32,13 @@ inline bool set_blas_threads(int n) {
   return false;
 }
 
+// OpenBLAS's pool size, or -1 if the BLAS in use is not OpenBLAS.
+inline int blas_threads() {
+  using Fn = int (*)();
+  if (auto fn = reinterpret_cast<Fn>(::dlsym(RTLD_DEFAULT, "openblas_get_num_threads"))) return fn();
+  return -1;
+}
+
 inline void print_machine() {
   std::printf("# cores: %u   BLAS: %s\n", std::thread::hardware_concurrency(), blas_in_use().c_str());
 }

@@ -22,6 +22,7 @@ for model in $models; do
   done
 done
 uptime | sed 's/^/# load at end:/' >&2
+grep '^# threads' "$tmp" | sort -u >&2 || true
 python3 - "$tmp" <<'PY'
 import statistics, sys
 runs, params, rounds, cur = {}, {}, {}, {}

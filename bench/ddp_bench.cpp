@@ -114,6 +114,7 @@ void run(const std::string& model, const std::string& mode, int steps, bool prin
   const double secs = std::chrono::duration<double>(Clock::now() - start).count();
   if (rank == 0) {
     std::printf("# params %s %lld\n", model.c_str(), static_cast<long long>(corpc::bench::parameter_count(*net)));
+    std::printf("# threads corpc: intra-op %d, OpenBLAS %d\n", at::get_num_threads(), corpc::bench::blas_threads());
     std::printf("corpc-%s %s %.3f\n", mode.c_str(), model.c_str(), steps / secs);
     std::fflush(stdout);
   }

@@ -3,15 +3,21 @@
     /usr/bin/python3 bench/pytorch_ddp_bench.py <linear|cnn|resnet18> [steps] [--phases]
     # prints "# params <model> <count>" and "pytorch <model> <steps/s>"; --phases: per-rank ms/step on stderr
 """
+import ctypes
 import os
 import socket
 import sys
 import time
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn as nn
+# "1 intra-op thread" as on the C++ side (bench_util.hpp's set_blas_threads): torch.set_num_threads does not reach
+# Debian's OpenBLAS, whose own pool would otherwise run the matmuls (and convolutions lowered to them) on every core.
+# Read when OpenBLAS loads, so before torch is imported; set OPENBLAS_NUM_THREADS yourself to measure otherwise.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn as nn  # noqa: E402
 
 
 def big_linear():
@@ -71,6 +77,13 @@ def make(model):
     return small_cnn(), torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,)), nn.functional.cross_entropy
 
 
+def blas_threads():
+    try:
+        return ctypes.CDLL("libopenblas.so.0").openblas_get_num_threads()
+    except (OSError, AttributeError):
+        return -1
+
+
 def run(rank, model, steps, phases, port):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -98,6 +111,7 @@ def run(rank, model, steps, phases, port):
     secs = time.perf_counter() - start
     if rank == 0:
         print(f"# params {model} {sum(p.numel() for p in net.parameters())}", flush=True)
+        print(f"# threads pytorch: intra-op {torch.get_num_threads()}, OpenBLAS {blas_threads()}")
         print(f"pytorch {model} {steps / secs:.3f}", flush=True)
     if phases:
         ms = 1000 / steps
