@@ -3,10 +3,14 @@
 //   ddp_bench <linear|cnn|resnet18> <overlap|after> [steps] [--phases]
 //
 // overlap: corpc::ddp::DistributedDataParallel (bucketed allreduce during backward).
-// after:   the same model, one coalesced allreduce of all gradients after backward (no overlap).
+// after:   the same model, one coalesced allreduce of all gradients after backward (no overlap), with the same
+//          memory traffic as DDP's buckets: one flat buffer made once, gradients divided on their way in, copied back.
 // Prints "# params <model> <count>" and "corpc-<mode> <model> <steps/s>"; bench/compare_ddp.sh interleaves it with
 // PyTorch's DDP. --phases: each rank also prints its mean milliseconds per step in forward, backward (for overlap:
-// including the end-of-backward wait for the last buckets), allreduce (after) and optimizer step.
+// including the end-of-backward wait for the last buckets), allreduce (after) and optimizer step, and the CPU time
+// the whole process (every thread: Gloo's too) spent per step, which the machine's load changes far less than wall time.
+#include <sys/resource.h>
+
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -42,9 +46,15 @@ torch::Tensor loss_of(const std::string& model, const torch::Tensor& out, const 
   return model == "linear" ? torch::mse_loss(out, y) : torch::cross_entropy_loss(out, y);
 }
 
+double process_cpu_ms() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return (u.ru_utime.tv_sec + u.ru_stime.tv_sec) * 1e3 + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e3;
+}
+
 // Milliseconds spent in each phase over the timed steps.
 struct Phases {
-  double forward = 0, backward = 0, allreduce = 0, step = 0;
+  double forward = 0, backward = 0, allreduce = 0, step = 0, cpu = 0;
   Clock::time_point t = Clock::now();
   bool on = false;
   void mark(double& into) {
@@ -67,6 +77,7 @@ void run(const std::string& model, const std::string& mode, int steps, bool prin
     if (i == warmup) {
       start = Clock::now();
       ph.on = true;
+      ph.cpu = -process_cpu_ms();
     }
     ph.mark(ph.step);  // not counted: the loop's bookkeeping is negligible
   };
@@ -87,6 +98,10 @@ void run(const std::string& model, const std::string& mode, int steps, bool prin
   } else {
     torch::optim::SGD opt(net->parameters(), 0.01);
     auto params = net->parameters();
+    // Made once, as DDP's buckets are: a buffer allocated per step (45 MiB for ResNet-18, above glibc's mmap
+    // threshold) would cost page faults every step and make this baseline slower than it need be.
+    std::vector<at::Tensor> flat{torch::empty({corpc::bench::parameter_count(*net)})};
+    const auto scale = torch::scalar_tensor(1.0 / group->getSize(), torch::kDouble);
     for (int i = 0; i < warmup + steps; ++i) {
       begin_step(i);
       opt.zero_grad();
@@ -94,12 +109,15 @@ void run(const std::string& model, const std::string& mode, int steps, bool prin
       ph.mark(ph.forward);
       loss.backward();
       ph.mark(ph.backward);
-      std::vector<at::Tensor> grads;
-      for (auto& p : params) grads.push_back(p.grad().view(-1));
-      std::vector<at::Tensor> flat{torch::cat(grads)};
-      group->allreduce(flat)->wait();
-      flat[0].div_(group->getSize());
+      torch::NoGradGuard no_grad;
       int64_t off = 0;
+      for (auto& p : params) {
+        auto part = flat[0].narrow(0, off, p.numel());
+        torch::mul_out(part, p.grad().view(-1), scale);
+        off += p.numel();
+      }
+      group->allreduce(flat)->wait();
+      off = 0;
       for (auto& p : params) {
         p.mutable_grad().copy_(flat[0].narrow(0, off, p.numel()).view(p.sizes()));
         off += p.numel();
@@ -112,6 +130,7 @@ void run(const std::string& model, const std::string& mode, int steps, bool prin
   std::vector<at::Tensor> done{torch::zeros({1})};
   group->allreduce(done)->wait();  // both ranks finished
   const double secs = std::chrono::duration<double>(Clock::now() - start).count();
+  ph.cpu += process_cpu_ms();
   if (rank == 0) {
     std::printf("# params %s %lld\n", model.c_str(), static_cast<long long>(corpc::bench::parameter_count(*net)));
     std::printf("# threads corpc: intra-op %d, OpenBLAS %d\n", at::get_num_threads(), corpc::bench::blas_threads());
@@ -119,9 +138,10 @@ void run(const std::string& model, const std::string& mode, int steps, bool prin
     std::fflush(stdout);
   }
   if (print_phases) {
-    std::fprintf(stderr, "# rank %d corpc-%s %s ms/step: forward %.1f backward %.1f allreduce %.1f step %.1f\n", rank,
+    std::fprintf(stderr,
+                 "# rank %d corpc-%s %s ms/step: forward %.1f backward %.1f allreduce %.1f step %.1f cpu %.1f\n", rank,
                  mode.c_str(), model.c_str(), ph.forward / steps, ph.backward / steps, ph.allreduce / steps,
-                 ph.step / steps);
+                 ph.step / steps, ph.cpu / steps);
   }
 }
 

@@ -97,6 +97,7 @@ def run(rank, model, steps, phases, port):
     for i in range(warmup + steps):
         if i == warmup:
             start = time.perf_counter()
+            cpu = time.process_time()  # every thread of this process: Gloo's too
             fwd = bwd = stp = 0.0
         t0 = time.perf_counter()
         opt.zero_grad()
@@ -109,6 +110,7 @@ def run(rank, model, steps, phases, port):
         fwd, bwd, stp = fwd + t1 - t0, bwd + t2 - t1, stp + t3 - t2
     dist.all_reduce(torch.zeros(1))
     secs = time.perf_counter() - start
+    cpu = time.process_time() - cpu
     if rank == 0:
         print(f"# params {model} {sum(p.numel() for p in net.parameters())}", flush=True)
         print(f"# threads pytorch: intra-op {torch.get_num_threads()}, OpenBLAS {blas_threads()}")
@@ -116,7 +118,7 @@ def run(rank, model, steps, phases, port):
     if phases:
         ms = 1000 / steps
         print(f"# rank {rank} pytorch {model} ms/step: forward {fwd * ms:.1f} backward {bwd * ms:.1f} "
-              f"step {stp * ms:.1f}", file=sys.stderr, flush=True)
+              f"step {stp * ms:.1f} cpu {cpu * ms:.1f}", file=sys.stderr, flush=True)
     dist.destroy_process_group()
 
 
