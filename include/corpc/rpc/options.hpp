@@ -69,6 +69,12 @@ struct RpcOptions {
   // same-sized tensors maps no new pages; this bounds the free blocks kept (least recently used go first; blocks idle
   // for 10 s are unmapped). Process-wide. 0: every receive gets fresh memory from the default allocator.
   std::uint64_t receive_cache_bytes = std::uint64_t{256} << 20;
+
+  // ---- Traces (corpc/rpc/trace.hpp) ----
+  // Where the job's Chrome trace goes (calls, executions, replies, large transfers, backward passes of every worker,
+  // merged by rank 0 at graceful shutdown); empty: the CORPC_TRACE environment variable; neither: no trace, and no
+  // cost beyond one branch per place that could record.
+  std::string trace_path;
 };
 
 struct CallOptions {
