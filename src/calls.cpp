@@ -101,7 +101,10 @@ void Runtime::Impl::start_call(detail::OutboundCall&& call) {
                        std::to_string(options.max_calls_in_flight_per_peer) + " calls in flight to it)");
   }
   if (!call.control) calls_in_flight.fetch_add(1, std::memory_order_relaxed);
-  const std::uint64_t bytes = frame.wire_bytes();
+  if (trace_t0) [[unlikely]] {  // before it leaves: its reply must not find this worker idle without the record
+    trace::detail::record({.kind = trace::detail::Kind::call, .peer = dst, .t0 = trace_t0, .t1 = trace::now_ns(),
+                           .request = id, .bytes = frame.wire_bytes(), .name = std::string(call.function)});
+  }
   if (earliest && conn->pending.earliest() < conn->timer_armed_for.load(std::memory_order_acquire)) {
     asio::post(conn->io(), [this, conn] { arm_deadline_timer(conn); });
   }
@@ -113,10 +116,6 @@ void Runtime::Impl::start_call(detail::OutboundCall&& call) {
     hook.a = static_cast<std::uint64_t>(dst);
     hook.b = id;
     call.cancel->arm_cancel(std::move(hook));
-  }
-  if (trace_t0) [[unlikely]] {
-    trace::detail::record({.kind = trace::detail::Kind::call, .peer = dst, .t0 = trace_t0, .t1 = trace::now_ns(),
-                           .request = id, .bytes = bytes, .name = std::string(call.function)});
   }
 }
 

@@ -101,7 +101,10 @@ void run_request(Runtime::Impl& rt, RequestScope scope, const HandlerEntry& entr
                                      .bytes = trace::detail::frame_bytes(msg.head), .name = entry.name};
       },
       !(msg.head.flags & kFlagControl));
-  if (scope.stop_requested()) return scope.fail(detail::cancelled_error());  // cancelled before it started: dropped
+  if (scope.stop_requested()) {  // cancelled before it started: dropped
+    slice.finish();
+    return scope.fail(detail::cancelled_error());
+  }
   try {
     CallContextScope ctx_scope(scope.handler_context());
     rt.attach_autograd(msg.head, src, msg.tensors);
@@ -111,10 +114,12 @@ void run_request(Runtime::Impl& rt, RequestScope scope, const HandlerEntry& entr
     if (entry.run_sync) {
       Message out;
       entry.run_sync(in, out);
+      slice.finish();  // before the reply: see ScopedRecord::finish
       scope.reply(std::move(out));
       return;
     }
     Future<Message> result = entry.run_async(in);
+    slice.finish();
     if (result.done()) {
       if (auto e = result.error()) scope.fail(e);
       else scope.reply(std::move(result).value());
@@ -125,6 +130,7 @@ void run_request(Runtime::Impl& rt, RequestScope scope, const HandlerEntry& entr
       else scope.reply(std::move(result).value());
     });
   } catch (...) {
+    slice.finish();
     scope.fail(std::current_exception());
   }
 }

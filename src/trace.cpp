@@ -224,13 +224,14 @@ void format(const Record& r, int rank, std::int64_t tid, const std::vector<std::
   const std::int64_t pid = rank + 1;
   const std::string peer =
       r.peer >= 0 && r.peer < static_cast<int>(names.size()) ? names[r.peer] : "rank " + std::to_string(r.peer);
-  const double t0 = us(r.t0), dur = std::max(us(r.t1) - t0, 0.002), mid = t0 + dur / 2;
+  const double t0 = us(r.t0), dur = std::max(us(r.t1) - t0, 0.002), inset = std::min(dur / 2, 0.001);
   auto slice = [&](std::string name, std::string_view cat, std::int64_t on_tid = 0) {
     return std::move(ChromeEvent('X', pid, on_tid ? on_tid : tid).name(name).cat(cat).ts(t0).dur(dur));
   };
+  // A flow leaves at the end of its slice and arrives at the start of the other (1 ns inside each, so that it binds).
   auto flow = [&](char phase, std::string_view what, std::uint64_t id) {
     ChromeEvent e(phase, pid, tid);
-    e.name(what).cat("flow").ts(mid).id(id);
+    e.name(what).cat("flow").ts(phase == 's' ? t0 + dur - inset : t0 + inset).id(id);
     if (phase == 'f') e.bind_enclosing();
     out.push_back(e.str());
   };

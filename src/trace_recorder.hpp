@@ -46,7 +46,10 @@ class ScopedRecord {
  public:
   // `wanted`: a condition of the site's own (tested after enabled(), so it costs nothing when off).
   explicit ScopedRecord(Fill fill, bool wanted = true) noexcept : t0_(enabled() && wanted ? now_ns() : 0), fill_(fill) {}
-  ~ScopedRecord() {
+  ~ScopedRecord() { finish(); }
+  // Ends the slice now (once). A site ends it before the work stops counting for graceful shutdown, so that a worker
+  // never looks idle, and writes its part of the trace, with a record still to come.
+  void finish() noexcept {
     if (t0_) [[unlikely]] {
       try {
         Record r = fill_();
@@ -55,6 +58,7 @@ class ScopedRecord {
         record(std::move(r));
       } catch (...) {  // out of memory while tracing: the slice is lost, not the call
       }
+      t0_ = 0;
     }
   }
   ScopedRecord(const ScopedRecord&) = delete;

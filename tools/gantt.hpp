@@ -65,7 +65,7 @@ inline bool draw(const std::string& png, const Chart& c) {
   {
     std::ofstream g(script);
     g << "set terminal pngcairo size " << c.width_px << "," << 120 + 28 * c.row_count << " font 'sans,10'\n"
-      << "set output '" << png << "'\nset xlabel '" << c.xlabel << "'\nset yrange [-1:" << c.row_count << "] reverse\n"
+      << "set output '" << png << "'\nset xlabel '" << c.xlabel << "'\nset yrange [" << c.row_count << ":-1]\n"
       << "set ytics (" << ytics << ")\nset palette defined (" << palette << ")\nset cbrange [0:"
       << (c.palette.empty() ? 1 : c.palette.size() - 1) << "]\nunset colorbox\nset title '" << c.title
       << "'\nset grid xtics\n"

@@ -9,7 +9,7 @@
 // named after the worker: Perfetto keeps pid 0 for the kernel's idle task), its threads are tracks (the thread that
 // called init_rpc, the I/O threads, the worker pool), and a track per connection shows large tensors arriving. Slices:
 //
-//   "f → worker2"        caller's thread: framing and sending call f to worker2 (args: bytes, request id)
+//   "f → worker2"        caller's thread: framing and registering call f to worker2 (args: bytes, request id)
 //   "f → worker2"        caller's async track: the call in flight, from its start to its reply or failure
 //   "f ← master"         callee's thread: f running for master (for a coroutine, up to its first suspension)
 //   "reply f → master"   callee: the reply (or error) leaving, whenever the handler finishes
