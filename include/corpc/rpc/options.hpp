@@ -64,11 +64,23 @@ struct RpcOptions {
   // alone does not notice. Detected within 1.25x this. 0: never.
   std::chrono::milliseconds liveness_timeout{15'000};
 
-  // ---- Tensor transfer ----
-  // Received tensors of 1 MiB and more are written into blocks kept for reuse, so that a steady stream of
-  // same-sized tensors maps no new pages; this bounds the free blocks kept (least recently used go first; blocks idle
-  // for 10 s are unmapped). Process-wide. 0: every receive gets fresh memory from the default allocator.
-  std::uint64_t receive_cache_bytes = std::uint64_t{256} << 20;
+  // ---- CPU memory ----
+  // Large CPU tensors (1 MiB and more) live in mapped blocks that are kept for reuse when freed, so that a steady
+  // workload maps no new pages: a fresh buffer is faulted in page by page, and on a VM a fault costs microseconds
+  // (ResNet50's training step on CPU spent most of its time there). This bounds the free blocks kept; the least
+  // recently used go first, blocks idle for 10 s are unmapped, and all of them when memory runs out. Process-wide.
+  // Unset: a quarter of physical memory. 0: off (fresh memory from libtorch's allocator every time).
+  std::optional<std::uint64_t> host_cache_bytes;
+  // Which large tensors: received ones always (while the cache is on); with this, also every CPU tensor the process
+  // allocates, through an allocator installed in front of libtorch's at init_rpc (c10::SetCPUAllocator; it stays
+  // for the life of the process, and follows host_cache_bytes of the latest init_rpc). false: only received ones.
+  bool cache_cpu_allocations = true;
+
+  // ---- Traces (corpc/rpc/trace.hpp) ----
+  // Where the job's Chrome trace goes (calls, executions, replies, large transfers, backward passes of every worker,
+  // merged by rank 0 at graceful shutdown); empty: the CORPC_TRACE environment variable; neither: no trace, and no
+  // cost beyond one branch per place that could record.
+  std::string trace_path;
 };
 
 struct CallOptions {
