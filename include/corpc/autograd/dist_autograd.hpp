@@ -1,25 +1,28 @@
-// corpc/autograd/dist_autograd.hpp — distributed autograd: backward passes that cross workers.
-//
-//   {
-//     corpc::dist_autograd::Context ctx;            // one per iteration; current until it is destroyed
-//     auto out = co_await model.forward(x);          // RPCs inside carry the context
-//     std::vector<at::Tensor> roots{loss_fn(out)};   // named first: GCC 12.2 miscompiles a braced list in co_await
-//     co_await ctx.backward(roots);                  // runs on every worker the forward touched
-//     co_await optimizer.step(ctx);                  // corpc::DistributedOptimizer
-//   }                                                // released on every worker it touched
-//
-// Inside a context, every RPC (arguments, results, to_here, RRef proxies) whose tensors require grad records a *send*
-// function on the sender and a *recv* function (the received tensors' grad_fn) on the receiver, paired by a message id
-// unique across workers. `backward` (FAST mode) runs the local engine from the roots; each recv function's gradient is
-// shipped to its sender, which continues from the matching send function, and so on. It completes when every worker
-// involved has finished, and fails (on the caller) if any of them fails.
-//
-// Gradients accumulate per context and per worker (several backward passes in one context add up); `.grad` is never
-// touched. Each worker keeps its part of the graph until the context is released, so repeated backward passes within
-// one context always work (`retain_graph` is accepted for parity with PyTorch and has no further effect).
-//
-// The context follows its coroutine across threads (corpc/core/call_context.hpp). Code that is not a coroutine and
-// hands work to other threads passes `ctx.id()` and opens a `ContextScope` there.
+/// @file
+/// Distributed autograd: backward passes that cross workers.
+///
+/// ```cpp
+///   {
+///     corpc::dist_autograd::Context ctx;            // one per iteration; current until it is destroyed
+///     auto out = co_await model.forward(x);          // RPCs inside carry the context
+///     std::vector<at::Tensor> roots{loss_fn(out)};   // named first: GCC 12.2 miscompiles a braced list in co_await
+///     co_await ctx.backward(roots);                  // runs on every worker the forward touched
+///     co_await optimizer.step(ctx);                  // corpc::DistributedOptimizer
+///   }                                                // released on every worker it touched
+/// ```
+///
+/// Inside a context, every RPC (arguments, results, to_here, RRef proxies) whose tensors require grad records a *send*
+/// function on the sender and a *recv* function (the received tensors' grad_fn) on the receiver, paired by a message id
+/// unique across workers. `backward` (FAST mode) runs the local engine from the roots; each recv function's gradient is
+/// shipped to its sender, which continues from the matching send function, and so on. It completes when every worker
+/// involved has finished, and fails (on the caller) if any of them fails.
+///
+/// Gradients accumulate per context and per worker (several backward passes in one context add up); `.grad` is never
+/// touched. Each worker keeps its part of the graph until the context is released, so repeated backward passes within
+/// one context always work (`retain_graph` is accepted for parity with PyTorch and has no further effect).
+///
+/// The context follows its coroutine across threads (corpc/core/call_context.hpp). Code that is not a coroutine and
+/// hands work to other threads passes `ctx.id()` and opens a `ContextScope` there.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -41,7 +44,7 @@ struct TensorIdentityHash {
 struct TensorIdentityEqual {
   bool operator()(const at::Tensor& a, const at::Tensor& b) const noexcept { return a.is_same(b); }
 };
-// Leaf tensor -> its gradient in one context.
+/// Leaf tensor -> its gradient in one context.
 using GradientMap = std::unordered_map<at::Tensor, at::Tensor, TensorIdentityHash, TensorIdentityEqual>;
 
 namespace detail {
@@ -51,7 +54,7 @@ int context_slot();
 CallContext with_context(std::int64_t id);
 }  // namespace detail
 
-// The distributed autograd context current in the calling coroutine, or -1.
+/// The distributed autograd context current in the calling coroutine, or -1.
 std::int64_t current_context_id();
 
 class Context {
@@ -70,7 +73,7 @@ class Context {
   CallContextScope scope_;
 };
 
-// Makes context `id` current (for code that received the id explicitly).
+/// Makes context `id` current (for code that received the id explicitly).
 class ContextScope {
  public:
   explicit ContextScope(std::int64_t id) : scope_(detail::with_context(id)) {}
@@ -80,24 +83,24 @@ class ContextScope {
 };
 
 Future<void> backward(std::int64_t context_id, std::vector<at::Tensor> roots, bool retain_graph = false);
-GradientMap get_gradients(std::int64_t context_id);  // this worker's gradients in that context (empty if none)
+GradientMap get_gradients(std::int64_t context_id);  ///< this worker's gradients in that context (empty if none)
 
-// For layers that hook a leaf's gradient accumulator (DistributedDataParallel does). A distributed backward pass does
-// not run the leaves' AccumulateGrad nodes (their gradients go to the context, not to .grad); as PyTorch's
-// distributed engine does, it runs their post hooks instead, right after adding each leaf's gradient to the context,
-// with these available inside the hook:
+/// For layers that hook a leaf's gradient accumulator (DistributedDataParallel does). A distributed backward pass does
+/// not run the leaves' AccumulateGrad nodes (their gradients go to the context, not to .grad); as PyTorch's
+/// distributed engine does, it runs their post hooks instead, right after adding each leaf's gradient to the context,
+/// with these available inside the hook:
 namespace leaf_hooks {
-// The context whose pass runs the calling hook on this thread; -1 inside an ordinary (local) backward.
+/// The context whose pass runs the calling hook on this thread; -1 inside an ordinary (local) backward.
 std::int64_t pass_context_id();
-// Runs `fn` when this worker's current local pass has run the hooks of all its leaves (the distributed counterpart of
-// autograd's Engine::queue_callback). An exception from `fn` fails the backward pass.
+/// Runs `fn` when this worker's current local pass has run the hooks of all its leaves (the distributed counterpart of
+/// autograd's Engine::queue_callback). An exception from `fn` fails the backward pass.
 void at_end_of_pass(std::function<void()> fn);
-// Leaf's gradient in context `context_id` (undefined if none), and replacing it.
+/// Leaf's gradient in context `context_id` (undefined if none), and replacing it.
 at::Tensor gradient(std::int64_t context_id, const at::Tensor& leaf);
 void set_gradient(std::int64_t context_id, const at::Tensor& leaf, at::Tensor grad);
 }  // namespace leaf_hooks
 
-// Live contexts on this worker / on another one (tests check that none outlive their iteration).
+/// Live contexts on this worker / on another one (tests check that none outlive their iteration).
 std::size_t live_contexts();
 Future<std::uint64_t> live_contexts(const WorkerRef& worker);
 

@@ -1,12 +1,15 @@
-// corpc/autograd/optimizer.hpp — DistributedOptimizer: one libtorch optimizer per owner of the parameters.
-//
-//   corpc::DistributedOptimizer<torch::optim::SGD> opt(model.parameter_rrefs(), torch::optim::SGDOptions(0.05));
-//   ... inside a dist_autograd::Context, after backward:
-//   co_await opt.step(ctx);      // every owner applies that context's gradients, concurrently
-//
-// The optimizer's options travel to the owners, so they need a corpc::Codec; SGD, Adam, AdamW, Adagrad and RMSprop
-// options have one below. Steps on one owner are serialized (the optimizer object opts into serialized calls);
-// gradients come from the context, so `.grad` is set only for the duration of the step and cleared after it.
+/// @file
+/// DistributedOptimizer: one libtorch optimizer per owner of the parameters.
+///
+/// ```cpp
+///   corpc::DistributedOptimizer<torch::optim::SGD> opt(model.parameter_rrefs(), torch::optim::SGDOptions(0.05));
+///   ... inside a dist_autograd::Context, after backward:
+///   co_await opt.step(ctx);      // every owner applies that context's gradients, concurrently
+/// ```
+///
+/// The optimizer's options travel to the owners, so they need a corpc::Codec; SGD, Adam, AdamW, Adagrad and RMSprop
+/// options have one below. Steps on one owner are serialized (the optimizer object opts into serialized calls);
+/// gradients come from the context, so `.grad` is set only for the duration of the step and cleared after it.
 #pragma once
 
 #include <torch/optim/adagrad.h>
@@ -126,7 +129,7 @@ class DistributedOptimizer {
     }
   }
 
-  // Applies the gradients of `context_id` on every owner, concurrently; completes when all have stepped.
+  /// Applies the gradients of `context_id` on every owner, concurrently; completes when all have stepped.
   Future<void> step(std::int64_t context_id) const {
     std::vector<Future<void>> all;
     for (auto& s : steps_) all.push_back(s(context_id));

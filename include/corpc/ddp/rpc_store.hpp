@@ -1,15 +1,18 @@
-// corpc/ddp/rpc_store.hpp — a c10d::Store whose key-value map lives on one RPC worker, reached by corpc RPCs.
-//
-// With it a program that called init_rpc gets its process group from the same rendezvous (one MASTER_PORT, one
-// set of connections): init_process_group() uses it, under a per-group prefix, whenever RPC is running.
-//
-//   corpc::init_rpc("trainer0", rank, world);
-//   auto pg = corpc::ddp::init_process_group();   // keys on rank 0, behind c10d::PrefixStore("corpc/ddp/0/")
-//
-// The map is on `server_rank` (0 by default). Every operation is one RPC to it, run on its I/O thread (they are
-// short and never block). wait() and get() on a missing key are answered when the key appears: the server holds a
-// promise, not a thread. A wait that outlives the store's timeout fails with corpc::TimeoutError on the caller.
-// Values written by add() are decimal strings, as in c10d's TCPStore.
+/// @file
+/// A c10d::Store whose key-value map lives on one RPC worker, reached by corpc RPCs.
+///
+/// With it a program that called init_rpc gets its process group from the same rendezvous (one MASTER_PORT, one
+/// set of connections): init_process_group() uses it, under a per-group prefix, whenever RPC is running.
+///
+/// ```cpp
+///   corpc::init_rpc("trainer0", rank, world);
+///   auto pg = corpc::ddp::init_process_group();   // keys on rank 0, behind c10d::PrefixStore("corpc/ddp/0/")
+/// ```
+///
+/// The map is on `server_rank` (0 by default). Every operation is one RPC to it, run on its I/O thread (they are
+/// short and never block). wait() and get() on a missing key are answered when the key appears: the server holds a
+/// promise, not a thread. A wait that outlives the store's timeout fails with corpc::TimeoutError on the caller.
+/// Values written by add() are decimal strings, as in c10d's TCPStore.
 #pragma once
 
 #include <chrono>

@@ -1,34 +1,39 @@
-// corpc/pipeline/pipeline.hpp — pipeline parallelism: a torch::nn::Sequential cut into stages on other workers, each
-// worker running its schedule's list of actions (corpc/pipeline/schedule.hpp).
-//
-//   torch::nn::Sequential make_model(std::int64_t width, std::uint64_t seed);       // same weights wherever it is built
-//   at::Tensor mse(const at::Tensor& out, const at::Tensor& target);                 // runs on the last stage's worker
-//   std::unique_ptr<torch::optim::Optimizer> make_sgd(std::vector<at::Tensor> params);  // one per stage, on its worker
-//
-//   corpc::pipeline::PipelineOptions o;
-//   o.workers = {"worker1", "worker2"};                       // stage s runs on workers[s % workers.size()]
-//   o.balance = corpc::pipeline::balance_by_time(make_model(64, 0), sample, 2);  // layers per stage
-//   o.schedule = corpc::pipeline::Schedule::OneFOneB;
-//   o.micro_batches = 8;
-//   auto pipe = corpc::pipeline::Pipeline::create<&make_model, &mse, &make_sgd>(o, std::int64_t{64}, std::uint64_t{0});
-//   corpc::pipeline::StepResult r = co_await pipe.train_step(images, labels);   // r.loss, r.workers (timeline, memory)
-//
-// How a step runs. The caller cuts the batch into micro-batches and sends each worker its action list for the step
-// (the first stage's worker also gets the inputs, the last stage's the targets). A forward receives its activation
-// from the stage before (stage k's worker calls stage k+1's directly, never through the caller), runs the stage's
-// layers, keeps (input, output) for that micro-batch and sends the output on; the last stage computes the loss,
-// scaled by the micro-batch's share of the batch so that the gradients equal the whole batch's. A backward receives
-// the output's gradient, runs libtorch's autograd engine on the stage's own graph (torch::autograd::backward), sends
-// the input's gradient back, and drops the micro-batch: its activations are freed when its backward ends, which is
-// what lets 1F1B hold K-r micro-batches where GPipe holds M. Zero bubble splits the backward into I (gradients of the
-// input and of each layer's output, graph kept) and W (each layer's weight gradients from its output's gradient).
-// When every action is done, each stage's optimizer steps on its worker. No distributed autograd is involved.
-//
-// Losses must be means over the batch (MSE, cross-entropy with the default reduction). BatchNorm in training mode
-// normalizes each micro-batch by itself, so results equal the unsplit model's only in eval mode (`train(false)`).
-//
-// Failure: if a stage's worker dies or a stage throws, the caller tells every other worker to abort the step (their
-// pending receives fail at once), and train_step fails with PipelineError naming the stage and worker.
+/// @file
+/// Pipeline parallelism: a torch::nn::Sequential cut into stages on other workers, each
+/// worker running its schedule's list of actions (corpc/pipeline/schedule.hpp).
+///
+/// ```cpp
+///   torch::nn::Sequential make_model(std::int64_t width, std::uint64_t seed);       // same weights wherever it is built
+///   at::Tensor mse(const at::Tensor& out, const at::Tensor& target);                 // runs on the last stage's worker
+///   std::unique_ptr<torch::optim::Optimizer> make_sgd(std::vector<at::Tensor> params);  // one per stage, on its worker
+/// ```
+///
+/// ```cpp
+///   corpc::pipeline::PipelineOptions o;
+///   o.workers = {"worker1", "worker2"};                       // stage s runs on workers[s % workers.size()]
+///   o.balance = corpc::pipeline::balance_by_time(make_model(64, 0), sample, 2);  // layers per stage
+///   o.schedule = corpc::pipeline::Schedule::OneFOneB;
+///   o.micro_batches = 8;
+///   auto pipe = corpc::pipeline::Pipeline::create<&make_model, &mse, &make_sgd>(o, std::int64_t{64}, std::uint64_t{0});
+///   corpc::pipeline::StepResult r = co_await pipe.train_step(images, labels);   // r.loss, r.workers (timeline, memory)
+/// ```
+///
+/// How a step runs. The caller cuts the batch into micro-batches and sends each worker its action list for the step
+/// (the first stage's worker also gets the inputs, the last stage's the targets). A forward receives its activation
+/// from the stage before (stage k's worker calls stage k+1's directly, never through the caller), runs the stage's
+/// layers, keeps (input, output) for that micro-batch and sends the output on; the last stage computes the loss,
+/// scaled by the micro-batch's share of the batch so that the gradients equal the whole batch's. A backward receives
+/// the output's gradient, runs libtorch's autograd engine on the stage's own graph (torch::autograd::backward), sends
+/// the input's gradient back, and drops the micro-batch: its activations are freed when its backward ends, which is
+/// what lets 1F1B hold K-r micro-batches where GPipe holds M. Zero bubble splits the backward into I (gradients of the
+/// input and of each layer's output, graph kept) and W (each layer's weight gradients from its output's gradient).
+/// When every action is done, each stage's optimizer steps on its worker. No distributed autograd is involved.
+///
+/// Losses must be means over the batch (MSE, cross-entropy with the default reduction). BatchNorm in training mode
+/// normalizes each micro-batch by itself, so results equal the unsplit model's only in eval mode (`train(false)`).
+///
+/// Failure: if a stage's worker dies or a stage throws, the caller tells every other worker to abort the step (their
+/// pending receives fail at once), and train_step fails with PipelineError naming the stage and worker.
 #pragma once
 
 #include <torch/nn/modules/container/sequential.h>
@@ -53,25 +58,25 @@ using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tens
 using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor> params)>;
 
 struct PipelineOptions {
-  // "worker1" or "worker1/cpu" (the stage's device); stage s runs on workers[s % workers.size()]. With more stages
-  // than workers, each worker hosts several (Interleaved1F1B needs that; the other schedules need one per worker).
+  /// "worker1" or "worker1/cpu" (the stage's device); stage s runs on workers[s % workers.size()]. With more stages
+  /// than workers, each worker hosts several (Interleaved1F1B needs that; the other schedules need one per worker).
   std::vector<std::string> workers;
-  std::vector<int> balance;  // consecutive layers per stage; its size is the number of stages
+  std::vector<int> balance;  ///< consecutive layers per stage; its size is the number of stages
   Schedule schedule = Schedule::OneFOneB;
   int micro_batches = 4;
 };
 
 struct StepResult {
-  at::Tensor loss;                     // the batch's loss (sum of the micro-batches' scaled losses)
-  std::vector<WorkerReport> workers;   // one per worker, in stage order of their first stage
+  at::Tensor loss;                     ///< the batch's loss (sum of the micro-batches' scaled losses)
+  std::vector<WorkerReport> workers;   ///< one per worker, in stage order of their first stage
 };
 
-// Where the stages of one pipeline are (sent to each worker that hosts some).
+/// Where the stages of one pipeline are (sent to each worker that hosts some).
 struct StagePlacement {
   std::uint64_t pipeline_id = 0;
-  std::vector<std::int32_t> stage_ranks;   // per stage
-  std::vector<std::int32_t> balance;       // per stage
-  std::vector<std::string> stage_devices;  // per stage
+  std::vector<std::int32_t> stage_ranks;   ///< per stage
+  std::vector<std::int32_t> balance;       ///< per stage
+  std::vector<std::string> stage_devices;  ///< per stage
   CORPC_FIELDS(pipeline_id, stage_ranks, balance, stage_devices)
 };
 
@@ -98,9 +103,9 @@ std::uint64_t next_pipeline_id();
 
 class Pipeline {
  public:
-  // Builds Model(args...) on every worker named in `options` (seed it: every worker must get the same weights) and
-  // keeps there the stages placed on it. Loss(output, target) runs on the last stage's worker; MakeOptimizer(params)
-  // makes each stage's optimizer on its worker.
+  /// Builds Model(args...) on every worker named in `options` (seed it: every worker must get the same weights) and
+  /// keeps there the stages placed on it. Loss(output, target) runs on the last stage's worker; MakeOptimizer(params)
+  /// makes each stage's optimizer on its worker.
   template <auto Model, auto Loss, auto MakeOptimizer, class... A>
   static Pipeline create(const PipelineOptions& options, A&&... args) {
     Pipeline p(options);
@@ -112,13 +117,13 @@ class Pipeline {
     return p;
   }
 
-  // One training iteration: forward and backward of every micro-batch by the schedule, then each stage's optimizer
-  // step. Fails with PipelineError if a stage fails (the other workers abort their part of the step).
+  /// One training iteration: forward and backward of every micro-batch by the schedule, then each stage's optimizer
+  /// step. Fails with PipelineError if a stage fails (the other workers abort their part of the step).
   Task<StepResult> train_step(at::Tensor inputs, at::Tensor targets);
 
-  // Training or eval mode on every stage (BatchNorm, Dropout).
+  /// Training or eval mode on every stage (BatchNorm, Dropout).
   void train(bool on) const;
-  // Copies of every parameter, in the unsplit model's order.
+  /// Copies of every parameter, in the unsplit model's order.
   std::vector<at::Tensor> parameters() const;
 
   Schedule schedule() const noexcept { return options_.schedule; }
@@ -126,7 +131,7 @@ class Pipeline {
   int num_stages() const noexcept { return static_cast<int>(options_.balance.size()); }
   int num_workers() const noexcept { return static_cast<int>(state_->worker_ranks.size()); }
   int stages_per_worker() const noexcept { return num_stages() / num_workers(); }
-  // This pipeline's action lists for M micro-batches (plan[i] for the i-th worker of `options.workers`).
+  /// This pipeline's action lists for M micro-batches (plan[i] for the i-th worker of `options.workers`).
   std::vector<std::vector<Action>> plan(int micro_batches) const {
     return make_schedule(options_.schedule, num_workers(), stages_per_worker(), micro_batches);
   }

@@ -1,18 +1,21 @@
-// corpc/rpc/call.hpp — rpc_async, rpc_sync: calling a function on another worker.
-//
-//   int add(int a, int b);
-//   corpc::Future<int> f = corpc::rpc_async<&add>("worker1", 1, 2);   // eager: the request is on its way
-//   int three = co_await f;                                             // or f.wait() outside a coroutine
-//   int same = corpc::rpc_sync<&add>(1, 1, 2);                          // by rank, blocking
-//   auto g = corpc::rpc_async<&add>("worker1", corpc::with_timeout(100ms), 1, 2);
-//
-// Arguments are converted to the function's parameter types at the call site, so a mismatch is a compile error.
-// The function may be a plain function, or return Task<T> / Future<T>: the callee then holds no thread while it waits
-// (what PyTorch calls @async_execution), and the caller receives T.
-// Errors arrive on the future: RemoteError (the function threw), TimeoutError, ConnectionError, UnknownWorkerError,
-// UnknownFunctionError, ArgumentTypeError. A cancelled call (`f.cancel()`, or a stop token in CallOptions:
-// `rpc_async<&f>("worker1", corpc::with_stop_token(source.get_token()), ...)`) completes with CancelledError, and
-// the callee's function sees its stop requested (corpc/core/this_call.hpp).
+/// @file
+/// Rpc_async, rpc_sync: calling a function on another worker.
+///
+/// ```cpp
+///   int add(int a, int b);
+///   corpc::Future<int> f = corpc::rpc_async<&add>("worker1", 1, 2);   // eager: the request is on its way
+///   int three = co_await f;                                             // or f.wait() outside a coroutine
+///   int same = corpc::rpc_sync<&add>(1, 1, 2);                          // by rank, blocking
+///   auto g = corpc::rpc_async<&add>("worker1", corpc::with_timeout(100ms), 1, 2);
+/// ```
+///
+/// Arguments are converted to the function's parameter types at the call site, so a mismatch is a compile error.
+/// The function may be a plain function, or return Task<T> / Future<T>: the callee then holds no thread while it waits
+/// (what PyTorch calls `@async_execution`), and the caller receives T.
+/// Errors arrive on the future: RemoteError (the function threw), TimeoutError, ConnectionError, UnknownWorkerError,
+/// UnknownFunctionError, ArgumentTypeError. A cancelled call (`f.cancel()`, or a stop token in CallOptions:
+/// `rpc_async<&f>("worker1", corpc::with_stop_token(source.get_token()), ...)`) completes with CancelledError, and
+/// the callee's function sees its stop requested (corpc/core/this_call.hpp).
 #pragma once
 
 #include <memory>
@@ -274,7 +277,7 @@ inline constexpr bool first_is_options<A0, A...> = std::is_same_v<std::decay_t<A
 
 }  // namespace detail
 
-// Registers F under an explicit name, for callers built from other sources (they call by name).
+/// Registers F under an explicit name, for callers built from other sources (they call by name).
 template <auto F>
 void register_function(std::string name, Execution execution = execution_of<F>) {
   global_registry().add(detail::make_entry<F>(std::move(name), execution));
@@ -317,10 +320,12 @@ void send_control(int to, A... args) {
 }
 }  // namespace detail
 
-// By name, for functions registered with register_function in another binary. R: the expected result type;
-// the arguments' own (decayed) types must match the callee's parameter types, except that string literals and
-// char pointers are sent as std::string:
-//   corpc::rpc_async<std::string>("worker1", "greet", "hello", 3);   // greet(std::string, int)
+/// By name, for functions registered with register_function in another binary. R: the expected result type;
+/// the arguments' own (decayed) types must match the callee's parameter types, except that string literals and
+/// char pointers are sent as std::string:
+/// ```cpp
+///   corpc::rpc_async<std::string>("worker1", "greet", "hello", 3);   // greet(std::string, int)
+/// ```
 template <class R, class... A>
   requires(!detail::first_is_options<A...>)
 Future<R> rpc_async(const WorkerRef& to, std::string_view function, A&&... args) {

@@ -1,4 +1,5 @@
-// corpc/rpc/options.hpp — how a runtime starts, and per-call options.
+/// @file
+/// How a runtime starts, and per-call options.
 #pragma once
 
 #include <chrono>
@@ -12,17 +13,17 @@
 namespace corpc {
 
 struct RpcOptions {
-  // "env://" reads MASTER_ADDR, MASTER_PORT (and RANK/WORLD_SIZE when init_rpc is given -1), as torchrun, Slurm
-  // (SLURM_PROCID, SLURM_NTASKS) and Open MPI (OMPI_COMM_WORLD_RANK/SIZE) set them; "tcp://host:port" names rank 0's
-  // address directly.
+  /// "env://" reads MASTER_ADDR, MASTER_PORT (and RANK/WORLD_SIZE when init_rpc is given -1), as torchrun, Slurm
+  /// (SLURM_PROCID, SLURM_NTASKS) and Open MPI (OMPI_COMM_WORLD_RANK/SIZE) set them; "tcp://host:port" names rank 0's
+  /// address directly.
   std::string init_method = "env://";
-  // Threads that run user functions. Coroutine functions hold no thread while suspended. 0: max(4, 2 x cores).
+  /// Threads that run user functions. Coroutine functions hold no thread while suspended. 0: max(4, 2 x cores).
   int num_worker_threads = 0;
-  // I/O threads, each owning a share of the connections (and running the functions marked Execution::io_thread).
+  /// I/O threads, each owning a share of the connections (and running the functions marked Execution::io_thread).
   int num_io_threads = 1;
-  // How long a blocked wait()/rpc_sync spins before it sleeps (see corpc/core/executor.hpp); 0: never spin.
+  /// How long a blocked wait()/rpc_sync spins before it sleeps (see corpc/core/executor.hpp); 0: never spin.
   std::chrono::microseconds spin_before_block{50};
-  // Runs first on each worker thread: per-thread settings, e.g. at::set_num_threads (OpenMP's count is per thread).
+  /// Runs first on each worker thread: per-thread settings, e.g. at::set_num_threads (OpenMP's count is per thread).
   std::function<void()> worker_thread_init;
   std::chrono::milliseconds rpc_timeout{60'000};       // default per-call timeout
   std::chrono::milliseconds init_timeout{60'000};      // how long ranks may take to find each other

@@ -1,20 +1,25 @@
-// corpc/rpc/registry.hpp — the table of callable functions, keyed by a 64-bit id computed from the function's name.
-//
-// Calls name functions by pointer (`rpc_async<&f>(...)`); the id is the hash of the function's own name
-// (corpc/core/type_name.hpp), computed at compile time, and the entry is added by a static initialiser the first time
-// the program mentions the call, so ranks that run the same binary need no registration. Processes built from
-// different sources register explicitly:
-//   corpc::register_function<&f>("f");           // callee
-//   corpc::rpc_async<int>("worker1", "f", 1, 2);  // caller, by name
-// Lookups take no lock: the table is an immutable snapshot, replaced whole (copy on write) by a registration, which
-// may come before or after init_rpc. The table is process-wide and part of the one documented runtime state.
-//
-// Where a function runs: on the worker pool by default, since a user function may compute for long or block, and on
-// an I/O thread it would hold up every message behind it. A short function that never blocks can run on the I/O
-// thread that read its request, which answers with no thread hand-off at all (the fastest call corpc makes):
-//   CORPC_IO_THREAD_FUNCTION(&f);   // at global scope, after f and before any call to it (calls by pointer)
-//   corpc::register_function<&f>("f", corpc::Execution::io_thread);  // or at registration
-// Such a function may be a coroutine: it then resumes on that I/O thread, and a blocking wait inside it throws.
+/// @file
+/// The table of callable functions, keyed by a 64-bit id computed from the function's name.
+///
+/// Calls name functions by pointer (`rpc_async<&f>(...)`); the id is the hash of the function's own name
+/// (corpc/core/type_name.hpp), computed at compile time, and the entry is added by a static initialiser the first time
+/// the program mentions the call, so ranks that run the same binary need no registration. Processes built from
+/// different sources register explicitly:
+/// ```cpp
+///   corpc::register_function<&f>("f");           // callee
+///   corpc::rpc_async<int>("worker1", "f", 1, 2);  // caller, by name
+/// ```
+/// Lookups take no lock: the table is an immutable snapshot, replaced whole (copy on write) by a registration, which
+/// may come before or after init_rpc. The table is process-wide and part of the one documented runtime state.
+///
+/// Where a function runs: on the worker pool by default, since a user function may compute for long or block, and on
+/// an I/O thread it would hold up every message behind it. A short function that never blocks can run on the I/O
+/// thread that read its request, which answers with no thread hand-off at all (the fastest call corpc makes):
+/// ```cpp
+///   CORPC_IO_THREAD_FUNCTION(&f);   // at global scope, after f and before any call to it (calls by pointer)
+///   corpc::register_function<&f>("f", corpc::Execution::io_thread);  // or at registration
+/// ```
+/// Such a function may be a coroutine: it then resumes on that I/O thread, and a blocking wait inside it throws.
 #pragma once
 
 #include <atomic>
@@ -34,11 +39,11 @@
 namespace corpc {
 
 enum class Execution : std::uint8_t {
-  worker_pool,  // default: any function, including ones that block or compute for long
-  io_thread,    // short and non-blocking: runs where its request was read, no hand-off
+  worker_pool,  ///< default: any function, including ones that block or compute for long
+  io_thread,    ///< short and non-blocking: runs where its request was read, no hand-off
 };
 
-// The execution of function F when called by pointer; specialise it with CORPC_IO_THREAD_FUNCTION(&f).
+/// The execution of function F when called by pointer; specialise it with CORPC_IO_THREAD_FUNCTION(&f).
 template <auto F>
 inline constexpr Execution execution_of = Execution::worker_pool;
 
@@ -46,35 +51,35 @@ inline constexpr Execution execution_of = Execution::worker_pool;
   template <>                        \
   inline constexpr ::corpc::Execution corpc::execution_of<fn> = ::corpc::Execution::io_thread
 
-// The wire id of a function registered as `name`.
+/// The wire id of a function registered as `name`.
 constexpr std::uint64_t function_id(std::string_view name) { return fnv1a(name); }
 
-// What a handler sees of an incoming call.
+/// What a handler sees of an incoming call.
 struct Inbound {
-  int src = -1;               // caller's rank
-  std::string_view function;  // the name it is registered under
-  Reader args;                // positioned at the arguments; reads tensors from `message`
+  int src = -1;               ///< caller's rank
+  std::string_view function;  ///< the name it is registered under
+  Reader args;                ///< positioned at the arguments; reads tensors from `message`
   Message* message = nullptr;
 };
 
 struct HandlerEntry {
   std::string name;
   std::uint64_t id = 0;
-  std::uint64_t signature = 0;  // hash of the decayed parameter types; 0 accepts anything
-  std::string signature_text;   // for error messages
+  std::uint64_t signature = 0;  ///< hash of the decayed parameter types; 0 accepts anything
+  std::string signature_text;   ///< for error messages
   Execution execution = Execution::worker_pool;
-  // Plain functions: decodes the arguments, runs the function and encodes its result into `reply`. Throws on failure.
+  /// Plain functions: decodes the arguments, runs the function and encodes its result into `reply`. Throws on failure.
   void (*run_sync)(Inbound& in, Message& reply) = nullptr;
-  // Everything else (coroutine functions, Futures, the RRef layer's entries): the future of the encoded reply. The
-  // handler decodes what it needs before returning: `in` does not outlive the call.
+  /// Everything else (coroutine functions, Futures, the RRef layer's entries): the future of the encoded reply. The
+  /// handler decodes what it needs before returning: `in` does not outlive the call.
   std::function<Future<Message>(Inbound&)> run_async;
 };
 
 class Registry {
  public:
-  // Adds or replaces the entry for `entry.name`; throws UsageError if another name has the same id.
+  /// Adds or replaces the entry for `entry.name`; throws UsageError if another name has the same id.
   void add(HandlerEntry entry);
-  // Lock-free; nullptr if absent.
+  /// Lock-free; nullptr if absent.
   const HandlerEntry* find(std::uint64_t id) const noexcept;
 
  private:

@@ -1,4 +1,5 @@
-// corpc/rpc/worker_info.hpp — the identity of a worker, and the ways to name one in a call.
+/// @file
+/// The identity of a worker, and the ways to name one in a call.
 #pragma once
 
 #include <cstdint>
@@ -12,13 +13,13 @@ namespace corpc {
 struct WorkerInfo {
   std::string name;
   int rank = -1;
-  std::string host;        // address its listener is reachable at
-  std::uint16_t port = 0;  // its listener's port
+  std::string host;        ///< address its listener is reachable at
+  std::uint16_t port = 0;  ///< its listener's port
   bool operator==(const WorkerInfo&) const = default;
   CORPC_FIELDS(name, rank, host, port)
 };
 
-// Names a destination by rank, by name, or by WorkerInfo; resolved (and checked) when the call is made.
+/// Names a destination by rank, by name, or by WorkerInfo; resolved (and checked) when the call is made.
 class WorkerRef {
  public:
   WorkerRef(int rank) : rank_(rank) {}                                    // NOLINT: implicit by design

@@ -1,28 +1,33 @@
-// corpc/rref/rref.hpp — RRef<T>: a reference to a value that lives on one worker (its owner), usable from any worker.
-//
-//   corpc::RRef<at::Tensor> y = corpc::remote<&make_tensor>("worker1", 3);   // returns at once; worker1 computes
-//   at::Tensor here = co_await y.to_here();                                   // or y.to_here().wait()
-//   auto counter = corpc::remote<Counter>("worker2", 10);                     // constructs a Counter on worker2
-//   int v = co_await counter.rpc_async<&Counter::add>(5);                     // runs counter->add(5) on worker2
-//   corpc::RRef<int> w = counter.remote<&Counter::add>(1);                    // result stays on worker2
-//   int t = co_await counter.rpc_async<&Counter::add>(corpc::with_timeout(100ms), 1);   // TimeoutError after 100 ms
-//
-// Every call here takes a CallOptions first, as rpc_async does (`with_timeout(ms)`; unset: RpcOptions::rpc_timeout).
-// For remote() the timeout bounds the owner's acknowledgement of the creation; a creation that timed out fails the
-// reference's next use with TimeoutError.
-//
-// An RRef can be passed to any worker as an argument or a result; the owner keeps the value exactly as long as some
-// reference to it exists anywhere (protocol and guarantees: corpc/rref/context.hpp). `remote()` and proxy calls do
-// not wait for their inputs: a call on a value that is still being computed waits for it on the owner, so
-// `p2.rpc_async<&S2::forward>(p1.remote<&S1::forward>(x))` never routes through the caller.
-//
-// A failed creation surfaces on the next use (to_here, proxy call) as the error the creator raised.
-//
-// Concurrency on a remote object: proxy calls run concurrently by default, as in PyTorch (the object guards its own
-// state), because most remote objects are read-mostly (modules in inference, parameter servers with their own lock)
-// and serializing them would cost parallelism silently. An object that declares
-//   static constexpr bool corpc_serialized_calls = true;
-// gets one call at a time, in the order the owner dispatches them, without blocking a worker thread while it waits.
+/// @file
+/// RRef<T>: a reference to a value that lives on one worker (its owner), usable from any worker.
+///
+/// ```cpp
+///   corpc::RRef<at::Tensor> y = corpc::remote<&make_tensor>("worker1", 3);   // returns at once; worker1 computes
+///   at::Tensor here = co_await y.to_here();                                   // or y.to_here().wait()
+///   auto counter = corpc::remote<Counter>("worker2", 10);                     // constructs a Counter on worker2
+///   int v = co_await counter.rpc_async<&Counter::add>(5);                     // runs counter->add(5) on worker2
+///   corpc::RRef<int> w = counter.remote<&Counter::add>(1);                    // result stays on worker2
+///   int t = co_await counter.rpc_async<&Counter::add>(corpc::with_timeout(100ms), 1);   // TimeoutError after 100 ms
+/// ```
+///
+/// Every call here takes a CallOptions first, as rpc_async does (`with_timeout(ms)`; unset: RpcOptions::rpc_timeout).
+/// For remote() the timeout bounds the owner's acknowledgement of the creation; a creation that timed out fails the
+/// reference's next use with TimeoutError.
+///
+/// An RRef can be passed to any worker as an argument or a result; the owner keeps the value exactly as long as some
+/// reference to it exists anywhere (protocol and guarantees: corpc/rref/context.hpp). `remote()` and proxy calls do
+/// not wait for their inputs: a call on a value that is still being computed waits for it on the owner, so
+/// `p2.rpc_async<&S2::forward>(p1.remote<&S1::forward>(x))` never routes through the caller.
+///
+/// A failed creation surfaces on the next use (to_here, proxy call) as the error the creator raised.
+///
+/// Concurrency on a remote object: proxy calls run concurrently by default, as in PyTorch (the object guards its own
+/// state), because most remote objects are read-mostly (modules in inference, parameter servers with their own lock)
+/// and serializing them would cost parallelism silently. An object that declares
+/// ```cpp
+///   static constexpr bool corpc_serialized_calls = true;
+/// ```
+/// gets one call at a time, in the order the owner dispatches them, without blocking a worker thread while it waits.
 #pragma once
 
 #include <memory>
@@ -59,7 +64,7 @@ class EnableRRefFromThis {
 
  protected:
   EnableRRefFromThis() = default;
-  EnableRRefFromThis(const EnableRRefFromThis&) noexcept {}  // a copy is another object: not held by that RRef
+  EnableRRefFromThis(const EnableRRefFromThis&) noexcept {}  ///< a copy is another object: not held by that RRef
   EnableRRefFromThis& operator=(const EnableRRefFromThis&) noexcept { return *this; }
   ~EnableRRefFromThis() = default;
 
@@ -338,7 +343,7 @@ class RRef {
   using value_type = T;
 
   RRef() = default;
-  // An owner reference to a value on this worker (share it by passing it to other workers).
+  /// An owner reference to a value on this worker (share it by passing it to other workers).
   explicit RRef(T value) {
     auto ctx = detail::RRefContext::get();
     auto id = ctx->new_id();
@@ -355,10 +360,10 @@ class RRef {
   WorkerInfo owner() const { return Runtime::get().worker(state_->owner); }
   std::string owner_name() const { return owner().name; }
   bool is_owner() const { return state_->owner == Runtime::get().rank(); }
-  // True once the owner has recorded this reference (always true on the owner).
+  /// True once the owner has recorded this reference (always true on the owner).
   bool confirmed_by_owner() const { return is_owner() || (state_->confirmed.done() && !state_->confirmed.has_error()); }
 
-  // The value itself, on the owner. UsageError elsewhere or while the value is still being computed.
+  /// The value itself, on the owner. UsageError elsewhere or while the value is still being computed.
   T& local_value() const {
     if (!is_owner()) throw UsageError("local_value() on a user reference: the value lives on '" + owner_name() + "'");
     auto slot = owner_slot();
@@ -366,7 +371,7 @@ class RRef {
     return *detail::slot_value<T>(*slot);
   }
 
-  // A copy of the value, fetched from the owner (no copy on the owner itself). Awaitable; `.wait()` blocks.
+  /// A copy of the value, fetched from the owner (no copy on the owner itself). Awaitable; `.wait()` blocks.
   Future<T> to_here(CallOptions options = {}) const {
     if (is_owner()) {
       auto slot = owner_slot();
@@ -383,7 +388,7 @@ class RRef {
     }
   }
 
-  // Runs member M of the remote object on its owner: rref.rpc_async<&T::method>([options,] args...).
+  /// Runs member M of the remote object on its owner: rref.rpc_async<&T::method>([options,] args...).
   template <auto M, class... A>
     requires(!detail::first_is_options<A...>)
   Future<detail::ResultOf<M>> rpc_async(A&&... args) const {
@@ -408,7 +413,7 @@ class RRef {
       return detail::ResultOf<M>(f.wait());
     }
   }
-  // Runs member M on the owner and keeps the result there: returns at once with a reference to it.
+  /// Runs member M on the owner and keeps the result there: returns at once with a reference to it.
   template <auto M, class... A>
     requires(!detail::first_is_options<A...>)
   RRef<detail::ResultOf<M>> remote(A&&... args) const {
@@ -440,7 +445,7 @@ RRef<T> EnableRRefFromThis<T>::rref_from_this() const {
   return RRef<T>(detail::RRefContext::get()->owner_handle(slot->id, detail::type_hash_of<T>()));
 }
 
-// Creates F(args...) on worker `to` and returns a reference to the result at once.
+/// Creates F(args...) on worker `to` and returns a reference to the result at once.
 template <auto F, class... A>
   requires(!detail::first_is_options<A...>)
 RRef<detail::ResultOf<F>> remote(const WorkerRef& to, A&&... args) {
@@ -451,7 +456,7 @@ RRef<detail::ResultOf<F>> remote(const WorkerRef& to, const CallOptions& options
   return detail::create_remote<detail::ResultOf<F>, detail::CreateCall<F>>(to, options, std::forward<A>(args)...);
 }
 
-// Constructs a T(args...) on worker `to` and returns a reference to it at once.
+/// Constructs a T(args...) on worker `to` and returns a reference to it at once.
 template <class T, class... A>
   requires(!detail::first_is_options<A...>)
 RRef<T> remote(const WorkerRef& to, A&&... args) {
@@ -462,7 +467,7 @@ RRef<T> remote(const WorkerRef& to, const CallOptions& options, A&&... args) {
   return detail::create_remote<T, detail::CreateObject<T, std::decay_t<A>...>>(to, options, std::forward<A>(args)...);
 }
 
-// On the wire: ids, owner, fork and sender; sharing follows the protocol in corpc/rref/context.hpp.
+/// On the wire: ids, owner, fork and sender; sharing follows the protocol in corpc/rref/context.hpp.
 template <class T>
 struct Codec<RRef<T>> {
   static void write(Writer& w, const RRef<T>& r) {

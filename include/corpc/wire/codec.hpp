@@ -1,20 +1,23 @@
-// corpc/wire/codec.hpp — the binary encoding of arguments and results (everything but tensor data).
-//
-// Layout: little-endian fixed-width integers and floats; strings and containers as a u32 count then elements.
-// Tensors are not inlined: the writer puts them in a side table and encodes their index, and the transport sends
-// their bytes out of band, straight from storage (corpc/wire/tensor_codec.hpp).
-//
-// Reading is defensive: every length is checked against the bytes that remain before anything is allocated, so a
-// malformed or hostile payload ends in ProtocolError, never in a huge allocation or an out-of-bounds read.
-//
-// Supported out of the box: arithmetic types, enums, bool, std::string, std::vector, std::array, std::optional,
-// std::pair, std::tuple, std::variant, std::map, std::unordered_map, std::set, std::monostate, torch tensors
-// (tensor_codec.hpp), and c10::Scalar, c10::Device, at::ScalarType, c10::optional, c10::variant and torch's option
-// tags such as torch::kSum (torch_codec.hpp). Enums travel as their underlying value, unchecked: an enum whose
-// receiver must reject values outside its enumerators needs its own Codec (as at::ScalarType has).
-// Your own types, either way:
-//   struct Point { double x, y; CORPC_FIELDS(x, y) };            // encodes each field in order
-//   template <> struct corpc::Codec<Mine> { static void write(Writer&, const Mine&); static Mine read(Reader&); };
+/// @file
+/// The binary encoding of arguments and results (everything but tensor data).
+///
+/// Layout: little-endian fixed-width integers and floats; strings and containers as a u32 count then elements.
+/// Tensors are not inlined: the writer puts them in a side table and encodes their index, and the transport sends
+/// their bytes out of band, straight from storage (corpc/wire/tensor_codec.hpp).
+///
+/// Reading is defensive: every length is checked against the bytes that remain before anything is allocated, so a
+/// malformed or hostile payload ends in ProtocolError, never in a huge allocation or an out-of-bounds read.
+///
+/// Supported out of the box: arithmetic types, enums, bool, std::string, std::vector, std::array, std::optional,
+/// std::pair, std::tuple, std::variant, std::map, std::unordered_map, std::set, std::monostate, torch tensors
+/// (tensor_codec.hpp), and c10::Scalar, c10::Device, at::ScalarType, c10::optional, c10::variant and torch's option
+/// tags such as torch::kSum (torch_codec.hpp). Enums travel as their underlying value, unchecked: an enum whose
+/// receiver must reject values outside its enumerators needs its own Codec (as at::ScalarType has).
+/// Your own types, either way:
+/// ```cpp
+///   struct Point { double x, y; CORPC_FIELDS(x, y) };            // encodes each field in order
+///   template <> struct corpc::Codec<Mine> { static void write(Writer&, const Mine&); static Mine read(Reader&); };
+/// ```
 #pragma once
 
 #include <array>
@@ -43,7 +46,7 @@ namespace corpc {
 static_assert(std::endian::native == std::endian::little, "corpc's wire format assumes a little-endian host");
 
 template <class T, class Enable = void>
-struct Codec;  // specialise for your type, or use CORPC_FIELDS
+struct Codec;  ///< specialise for your type, or use CORPC_FIELDS
 
 class Writer {
  public:
@@ -55,10 +58,10 @@ class Writer {
   }
   std::string& bytes() noexcept { return out_; }
 
-  // Side tables owned by the message being built (set by the RPC layer).
+  /// Side tables owned by the message being built (set by the RPC layer).
   std::vector<at::Tensor>* tensors = nullptr;
-  void* session = nullptr;  // the RPC layer's per-message hooks (RRef forks); opaque here
-  int peer = -1;            // destination rank
+  void* session = nullptr;  ///< the RPC layer's per-message hooks (RRef forks); opaque here
+  int peer = -1;            ///< destination rank
 
  private:
   std::string& out_;
@@ -87,15 +90,15 @@ class Reader {
   T get() {
     return Codec<T>::read(*this);
   }
-  // A count of elements that each take at least `min_bytes`: rejected if the rest of the payload cannot hold them.
+  /// A count of elements that each take at least `min_bytes`: rejected if the rest of the payload cannot hold them.
   std::uint32_t count(std::size_t min_bytes = 1) {
     auto n = get<std::uint32_t>();
     if (min_bytes && n > remaining() / min_bytes) throw ProtocolError("element count " + std::to_string(n) + " exceeds payload");
     return n;
   }
 
-  // Elements that encode to no bytes at all (std::monostate, empty tuples) are not paid for by the payload: each
-  // one read is charged to a budget per payload instead, so that a 4-byte count cannot make us build billions.
+  /// Elements that encode to no bytes at all (std::monostate, empty tuples) are not paid for by the payload: each
+  /// one read is charged to a budget per payload instead, so that a 4-byte count cannot make us build billions.
   static constexpr std::size_t kMaxEmptyElements = std::size_t{1} << 20;
   std::size_t empty_budget() const noexcept { return empty_budget_; }
   void charge_empty_element() {
@@ -106,7 +109,7 @@ class Reader {
 
   const std::vector<at::Tensor>* tensors = nullptr;
   void* session = nullptr;
-  int peer = -1;  // source rank
+  int peer = -1;  ///< source rank
 
  private:
   const unsigned char* p_;
@@ -339,6 +342,6 @@ struct Codec<T, std::enable_if_t<HasCorpcFields<T>>> {
 
 }  // namespace corpc
 
-// Inside a struct: lists the members that make up its wire encoding, in order. The struct must be default-constructible.
+/// Inside a struct: lists the members that make up its wire encoding, in order. The struct must be default-constructible.
 #define CORPC_FIELDS(...) \
   auto corpc_fields() { return std::tie(__VA_ARGS__); }

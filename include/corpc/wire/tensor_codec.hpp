@@ -1,5 +1,6 @@
-// corpc/wire/tensor_codec.hpp — tensors inside arguments and results: encoded as an index into the message's tensor
-// table; their bytes travel out of band (see corpc/wire/message.hpp). An undefined tensor round-trips as undefined.
+/// @file
+/// Tensors inside arguments and results: encoded as an index into the message's tensor
+/// table; their bytes travel out of band (see corpc/wire/message.hpp). An undefined tensor round-trips as undefined.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,11 +1,14 @@
-// corpc/wire/torch_codec.hpp — the small torch value types that functions and module options take: c10::Scalar,
-// c10::Device, at::ScalarType, c10::optional, c10::variant, and the option tags (torch::kSum, torch::kMean, ...).
-//
-// libtorch 1.13 has its own optional and variant (not std's), and options hold them:
-//   torch::nn::EmbeddingBagOptions(10, 3).mode(torch::kSum).max_norm(1.0)   // a c10::variant and a c10::optional
-// so with these a Codec for an options struct is a list of its fields (see tests/test_porting.cpp for one).
-//
-// Decoding checks every tag against what it may be: an unknown scalar kind, device type or dtype is a ProtocolError.
+/// @file
+/// The small torch value types that functions and module options take: c10::Scalar,
+/// c10::Device, at::ScalarType, c10::optional, c10::variant, and the option tags (torch::kSum, torch::kMean, ...).
+///
+/// libtorch 1.13 has its own optional and variant (not std's), and options hold them:
+/// ```cpp
+///   torch::nn::EmbeddingBagOptions(10, 3).mode(torch::kSum).max_norm(1.0)   // a c10::variant and a c10::optional
+/// ```
+/// so with these a Codec for an options struct is a list of its fields (see tests/test_porting.cpp for one).
+///
+/// Decoding checks every tag against what it may be: an unknown scalar kind, device type or dtype is a ProtocolError.
 #pragma once
 
 #include <c10/core/Device.h>
@@ -52,7 +55,7 @@ struct Codec<c10::Device> {
   }
 };
 
-// A number as one of its four kinds; symbolic scalars (tracing) cannot be sent.
+/// A number as one of its four kinds; symbolic scalars (tracing) cannot be sent.
 template <>
 struct Codec<c10::Scalar> {
   enum Kind : std::uint8_t { kDouble, kLong, kComplex, kBool };
