@@ -23,6 +23,7 @@ namespace corpc {
 inline constexpr std::uint32_t kFrameMagic = 0x43505243;  ///< "CRPC"
 inline constexpr std::uint8_t kProtocolVersion = 3;  ///< 3: cancel frames, heartbeats (Ping/Pong), the receive budget in the Hello
 
+/// What a frame is (FrameHeader::kind).
 enum class FrameKind : std::uint8_t {
   Hello = 1,     ///< first frame from a dialer: who I am, my limits (also the rendezvous registration)
   World = 2,     ///< rendezvous answer from rank 0: every worker's address
@@ -31,21 +32,22 @@ enum class FrameKind : std::uint8_t {
   Error = 5,     ///< a failure for request `id` (id 0: the connection itself was refused)
   Goodbye = 6,   ///< orderly close: the peer is leaving on purpose
   Ping = 7,      ///< heartbeat of a quiet connection: answer with Pong (no payload; handled by the transport)
-  Pong = 8,
+  Pong = 8,      ///< the answer to a Ping
 };
 
-/// Header flags.
+// Header flags (FrameHeader::flags).
 inline constexpr std::uint16_t kFlagControl = 1;  ///< corpc's own bookkeeping: graceful shutdown does not count it
 inline constexpr std::uint16_t kFlagCancel = 2;   ///< with Request: stop request `id` of this connection (no reply)
 
+/// The fixed 72-byte header that starts every frame (layout at the top of this header), sent as these bytes.
 struct FrameHeader {
-  std::uint32_t magic = kFrameMagic;
-  std::uint8_t version = kProtocolVersion;
-  FrameKind kind = FrameKind::Request;
-  std::uint16_t flags = 0;
+  std::uint32_t magic = kFrameMagic;        ///< kFrameMagic, or the connection is not a corpc peer
+  std::uint8_t version = kProtocolVersion;  ///< must equal kProtocolVersion
+  FrameKind kind = FrameKind::Request;      ///< what the frame is
+  std::uint16_t flags = 0;                  ///< kFlagControl, kFlagCancel
   std::uint32_t meta_len = 0;      ///< tensor metadata bytes
   std::uint32_t body_len = 0;      ///< codec bytes
-  std::uint32_t num_tensors = 0;
+  std::uint32_t num_tensors = 0;   ///< entries in the tensor metadata
   std::uint32_t deadline_ms = 0;   ///< Request: the caller's remaining budget in ms, relative (clocks need not agree)
   std::uint64_t id = 0;            ///< request id, chosen by the caller, echoed by Response/Error
   std::uint64_t function = 0;      ///< Request: function id (fnv1a of its registered name)
@@ -70,6 +72,8 @@ struct WireLimits {
   std::uint64_t max_request_bytes = ~std::uint64_t{0};
 };
 
+/// Throws ProtocolError if `h` is not a corpc header of this version or announces more than `lim` allows; checked on
+/// every received header before anything it announces is allocated.
 inline void validate_header(const FrameHeader& h, const WireLimits& lim) {
   if (h.magic != kFrameMagic) throw ProtocolError("bad frame magic (not a corpc peer?)");
   if (h.version != kProtocolVersion)

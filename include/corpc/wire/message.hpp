@@ -11,6 +11,7 @@
 
 namespace corpc {
 
+/// A message as the RPC layer builds and receives it: header fields, codec bytes and the tensors they refer to.
 struct Message {
   FrameHeader head;                 ///< kind, ids, flags; the lengths are filled in when the message is prepared
   std::string body;                 ///< codec bytes; tensors appear in it as indices into `tensors`
@@ -21,12 +22,15 @@ struct Message {
 /// Preparing is the step that can fail (a sparse tensor, a failed copy off a device): it happens before a call is
 /// counted or registered anywhere, so such a failure touches nothing but that call.
 struct OutFrame {
-  FrameHeader head;
-  std::string meta;
-  std::string body;
-  std::vector<at::Tensor> tensors;
+  FrameHeader head;                 ///< complete, lengths included
+  std::string meta;                 ///< the encoded tensor table
+  std::string body;                 ///< codec bytes
+  std::vector<at::Tensor> tensors;  ///< dense CPU tensors whose storage is sent as it is
+  /// Bytes this frame occupies on the wire.
   std::uint64_t wire_bytes() const noexcept { return sizeof head + meta.size() + body.size() + head.tensor_bytes; }
 };
+/// Encodes `msg`'s tensor table and fills in the header's lengths. Throws UsageError for a sparse or quantized
+/// tensor, MessageTooLargeError for a body or table over 4 GiB, torch's error if a copy off a device fails.
 OutFrame prepare(Message&& msg);
 /// Throws MessageTooLargeError if the receiver (whose limits are `limits`) would refuse `f`.
 void check_limits(const OutFrame& f, const WireLimits& limits, const std::string& receiver);

@@ -9,6 +9,8 @@
 
 namespace corpc {
 
+/// @cond INTERNAL
+// Tensors: their index in the message's tensor table (kUndefined for an undefined tensor).
 template <>
 struct Codec<at::Tensor> {
   static constexpr std::uint32_t kUndefined = 0xffffffffu;
@@ -25,5 +27,6 @@ struct Codec<at::Tensor> {
     return (*r.tensors)[i];
   }
 };
+/// @endcond
 
 }  // namespace corpc

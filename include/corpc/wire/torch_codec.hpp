@@ -25,6 +25,9 @@
 
 namespace corpc {
 
+/// @cond INTERNAL
+// The codecs themselves: their members are the Codec contract (corpc/wire/codec.hpp), nothing more.
+
 template <>
 struct Codec<c10::ScalarType> {
   static void write(Writer& w, c10::ScalarType t) { w.put(static_cast<std::int8_t>(t)); }
@@ -55,7 +58,7 @@ struct Codec<c10::Device> {
   }
 };
 
-/// A number as one of its four kinds; symbolic scalars (tracing) cannot be sent.
+// A number as one of its four kinds; symbolic scalars (tracing) cannot be sent.
 template <>
 struct Codec<c10::Scalar> {
   enum Kind : std::uint8_t { kDouble, kLong, kComplex, kBool };
@@ -130,5 +133,6 @@ struct Codec<T, std::enable_if_t<detail::is_torch_enum_tag<T>()>> {
   static void write(Writer&, const T&) {}
   static T read(Reader&) { return T{}; }
 };
+/// @endcond
 
 }  // namespace corpc
