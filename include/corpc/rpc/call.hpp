@@ -283,12 +283,23 @@ void register_function(std::string name, Execution execution = execution_of<F>) 
   global_registry().add(detail::make_entry<F>(std::move(name), execution));
 }
 
+/// Calls `F(args...)` on worker `to` and returns the Future of its result at once: the request is on its way, or
+/// waits behind RpcOptions::max_calls_in_flight_per_peer (only a caller on a thread without a corpc executor blocks
+/// here then). F is a function pointer constant (`&f`); if it returns
+/// Task<T> or Future<T>, the result is T. `args` are converted to F's parameter types here (a mismatch does not
+/// compile) and encoded with their Codecs before this returns, so they may be destroyed at once.
+///
+/// Never throws: every failure completes the future, with RemoteError (F threw), TimeoutError, ConnectionError,
+/// UnknownWorkerError, UnknownFunctionError, ArgumentTypeError, MessageTooLargeError, ShutdownError (no runtime),
+/// or CancelledError after `cancel()`. On the callee F runs on the worker pool, or on the I/O thread for
+/// Execution::io_thread functions. Any thread may call it; see the top of this header for examples.
 template <auto F, class... A>
   requires(!detail::first_is_options<A...>)
 Future<detail::ResultOf<F>> rpc_async(const WorkerRef& to, A&&... args) {
   return rpc_async<F>(to, CallOptions{}, std::forward<A>(args)...);
 }
 
+/// As rpc_async(to, args...), with per-call options: a timeout (with_timeout) or a stop token (with_stop_token).
 template <auto F, class... A>
 Future<detail::ResultOf<F>> rpc_async(const WorkerRef& to, const CallOptions& options, A&&... args) {
   (void)detail::AutoRegistered<F>::value;
@@ -298,6 +309,9 @@ Future<detail::ResultOf<F>> rpc_async(const WorkerRef& to, const CallOptions& op
       to, function_name<F>(), true, id, detail::signature_of<typename Tr::Args>(), options, std::forward<A>(args)...);
 }
 
+/// `rpc_async<F>(to, args...).wait()`: blocks the calling thread until the result arrives and returns it, or throws
+/// the call's error (see rpc_async). `args` may start with CallOptions. Throws UsageError on a corpc I/O thread;
+/// in a coroutine, `co_await rpc_async<F>(...)` instead.
 template <auto F, class... A>
 detail::ResultOf<F> rpc_sync(const WorkerRef& to, A&&... args) {
   return rpc_async<F>(to, std::forward<A>(args)...).wait();
@@ -331,6 +345,7 @@ template <class R, class... A>
 Future<R> rpc_async(const WorkerRef& to, std::string_view function, A&&... args) {
   return rpc_async<R>(to, function, CallOptions{}, std::forward<A>(args)...);
 }
+/// As the by-name rpc_async above, with per-call options.
 template <class R, class... A>
 Future<R> rpc_async(const WorkerRef& to, std::string_view function, const CallOptions& options, A&&... args) {
   using Args = std::tuple<detail::by_name_arg_t<A>...>;

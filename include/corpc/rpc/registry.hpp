@@ -38,6 +38,7 @@
 
 namespace corpc {
 
+/// Where a registered function runs on the callee (see the top of this header).
 enum class Execution : std::uint8_t {
   worker_pool,  ///< default: any function, including ones that block or compute for long
   io_thread,    ///< short and non-blocking: runs where its request was read, no hand-off
@@ -47,6 +48,9 @@ enum class Execution : std::uint8_t {
 template <auto F>
 inline constexpr Execution execution_of = Execution::worker_pool;
 
+/// Marks function `fn` (`&f`) to run on the I/O thread that reads its requests (Execution::io_thread) when it is
+/// called by pointer. Use it at global scope, after f's declaration and before any call to it; f must be short and
+/// must never block (a blocking wait inside it throws UsageError).
 #define CORPC_IO_THREAD_FUNCTION(fn) \
   template <>                        \
   inline constexpr ::corpc::Execution corpc::execution_of<fn> = ::corpc::Execution::io_thread
@@ -59,15 +63,17 @@ struct Inbound {
   int src = -1;               ///< caller's rank
   std::string_view function;  ///< the name it is registered under
   Reader args;                ///< positioned at the arguments; reads tensors from `message`
-  Message* message = nullptr;
+  Message* message = nullptr;  ///< the whole request (header, body, tensors)
 };
 
+/// A registered function as the runtime dispatches it. Built by register_function and the call templates; layers
+/// that need another encoding (the RRef protocol) build their own and add it to global_registry().
 struct HandlerEntry {
-  std::string name;
-  std::uint64_t id = 0;
+  std::string name;      ///< the name callers use; its hash is `id`
+  std::uint64_t id = 0;  ///< function_id(name), set by Registry::add
   std::uint64_t signature = 0;  ///< hash of the decayed parameter types; 0 accepts anything
   std::string signature_text;   ///< for error messages
-  Execution execution = Execution::worker_pool;
+  Execution execution = Execution::worker_pool;  ///< where the runtime runs it
   /// Plain functions: decodes the arguments, runs the function and encodes its result into `reply`. Throws on failure.
   void (*run_sync)(Inbound& in, Message& reply) = nullptr;
   /// Everything else (coroutine functions, Futures, the RRef layer's entries): the future of the encoded reply. The
@@ -75,6 +81,8 @@ struct HandlerEntry {
   std::function<Future<Message>(Inbound&)> run_async;
 };
 
+/// The process-wide table of callable functions (global_registry()), keyed by id. Registrations may come from any
+/// thread, before or after init_rpc; lookups take no lock.
 class Registry {
  public:
   /// Adds or replaces the entry for `entry.name`; throws UsageError if another name has the same id.
@@ -91,6 +99,7 @@ class Registry {
   std::vector<std::unique_ptr<const Table>> tables_;  // every snapshot ever published: readers never see one freed
 };
 
+/// The table every runtime of this process dispatches from.
 Registry& global_registry();
 
 }  // namespace corpc

@@ -48,23 +48,37 @@ struct TensorHooks {
   std::function<void(std::int64_t ctx, std::int64_t msg_id, int src, std::vector<at::Tensor>& tensors)> on_recv;
 };
 
+/// The one RPC runtime of a process, alive from init_rpc to shutdown (see the top of this header). Most programs
+/// never touch it: the free functions (rpc_async, get_worker_info, ...) reach it. Upper layers use the second group
+/// of members to attach to it. All members are thread-safe.
 class Runtime {
  public:
   /// The running runtime; throws ShutdownError if init_rpc has not run or shutdown has.
   static Runtime& get();
+  /// The running runtime, or nullptr (never throws).
   static Runtime* try_get() noexcept;
 
+  /// This worker.
   const WorkerInfo& self() const noexcept;
+  /// This worker's rank.
   int rank() const noexcept { return self().rank; }
+  /// The number of workers in the job.
   int world_size() const noexcept;
   const WorkerInfo& worker(const WorkerRef& ref) const;  ///< throws UnknownWorkerError
+  /// Every worker, by rank.
   std::vector<WorkerInfo> workers() const;
+  /// False once worker `rank` is known to be dead (its connection failed or went silent past liveness_timeout), or
+  /// if there is no such rank.
   bool is_alive(int rank) const;
+  /// The options this runtime was started with.
   const RpcOptions& options() const noexcept;
   Executor& executor() noexcept;  ///< the worker pool
+  /// A snapshot of this worker's counters.
   RuntimeStats stats() const;
 
   // ---- for the upper layers ----------------------------------------------------------------------------------------
+  /// Calls `listener(rank, why)` once for each worker found dead, after its pending calls have been failed, on the
+  /// thread that found out (often an I/O thread: keep it short, never block). Listeners live as long as the runtime.
   void add_peer_failure_listener(std::function<void(int rank, const std::string& why)> listener);
   /// Call from a runtime initializer (add_runtime_initializer), before any message is exchanged.
   void set_tensor_hooks(TensorHooks hooks);
@@ -85,8 +99,10 @@ class Runtime {
         extension_slot(typeid(Ext), [this] { return std::static_pointer_cast<void>(std::make_shared<Ext>(*this)); }));
   }
 
-  struct Impl;  ///< src/runtime_impl.hpp
+  /// @cond INTERNAL
+  struct Impl;  // src/runtime_impl.hpp
   explicit Runtime(std::unique_ptr<Impl> impl);
+  /// @endcond
   ~Runtime();
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
@@ -99,7 +115,9 @@ class Runtime {
 
 /// Starts this process's runtime and waits until all `world_size` workers have found each other (RpcOptions::init_timeout).
 /// rank / world_size -1: from the environment (RANK, WORLD_SIZE, or SLURM_PROCID / SLURM_NTASKS, or Open MPI's).
-/// Names: 1–128 characters of [A-Za-z0-9_-:.], unique.
+/// Names: 1–128 characters of [A-Za-z0-9_-:.], unique. Blocks the calling thread. Throws UsageError for a bad name,
+/// rank, init_method or a second runtime in the process, TimeoutError if the workers do not all arrive in time, and
+/// ConnectionError if it cannot listen or a peer fails authentication (RpcOptions::secret).
 void init_rpc(std::string name, int rank = -1, int world_size = -1, RpcOptions options = {});
 
 /// graceful: waits until every worker has called shutdown and no worker has work in flight, then closes every
@@ -107,6 +125,8 @@ void init_rpc(std::string name, int rank = -1, int world_size = -1, RpcOptions o
 /// On a worker whose rank 0 died (rather than shut down), it closes everything and then throws ConnectionError, so
 /// that the process does not exit as a success.
 /// non-graceful: fails everything in flight with ShutdownError and closes at once.
+/// Does nothing if no runtime is running; afterwards init_rpc may start a new one. Call it from a plain thread (not
+/// from an RPC handler).
 void shutdown(bool graceful = true);
 
 /// Runs `init` on every runtime this process starts, before it exchanges any message. For layers that must be active
@@ -115,6 +135,6 @@ void add_runtime_initializer(std::function<void(Runtime&)> init);
 
 WorkerInfo get_worker_info();                        ///< this worker
 WorkerInfo get_worker_info(const WorkerRef& worker);  ///< throws UnknownWorkerError
-std::vector<WorkerInfo> get_worker_infos();
+std::vector<WorkerInfo> get_worker_infos();  ///< every worker, by rank
 
 }  // namespace corpc
