@@ -29,14 +29,15 @@
 
 namespace corpc {
 
+/// An id unique across the job: the rank that made it and a counter of that worker's.
 struct GloballyUniqueId {
   std::int32_t rank = -1;     ///< the worker that made it
-  std::int64_t local_id = -1;
-  auto operator<=>(const GloballyUniqueId&) const = default;
+  std::int64_t local_id = -1;  ///< unique among the ids that worker made
+  auto operator<=>(const GloballyUniqueId&) const = default;  ///< by rank, then local_id
   CORPC_FIELDS(rank, local_id)
 };
-using RRefId = GloballyUniqueId;
-using ForkId = GloballyUniqueId;
+using RRefId = GloballyUniqueId;  ///< Identifies a value held through RRefs (the same on every worker).
+using ForkId = GloballyUniqueId;  ///< Identifies one user reference (fork) of such a value.
 
 /// Counts for tests and users.
 struct RRefStats {
@@ -141,6 +142,7 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
 
 /// This worker's RRef counts; `rref_stats(worker)` asks another worker.
 RRefStats rref_stats();
+/// Worker `worker`'s RRef counts, by RPC (errors as for rpc_async, on the future).
 Future<RRefStats> rref_stats(const WorkerRef& worker);
 
 }  // namespace corpc

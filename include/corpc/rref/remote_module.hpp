@@ -71,6 +71,10 @@ Task<std::vector<RRef<at::Tensor>>> module_parameters(RRef<M> ref) {
 
 }  // namespace detail
 
+/// A torch::nn module `M` (a module holder such as torch::nn::Linear) built and run on another worker; see the top of
+/// this header. Copies, and RemoteModules passed to other workers, refer to the same module. Calls return at once
+/// (the `_async` forms) or block (the others, which throw UsageError on a corpc I/O thread); errors are those of
+/// rpc_async, plus the module constructor's error for every call after a failed creation.
 template <class M>
 class RemoteModule {
  public:
@@ -97,11 +101,13 @@ class RemoteModule {
   auto forward_async(A&&... args) const {
     return forward_async(CallOptions{}, std::forward<A>(args)...);
   }
+  /// As forward_async(args...), with per-call options. Returns a Future of what M's forward returns.
   template <class... A>
   auto forward_async(const CallOptions& options, A&&... args) const {
     return rpc_async<&detail::module_forward<M, std::decay_t<A>...>>(module_.state()->owner, options, module_,
                                                                       std::forward<A>(args)...);
   }
+  /// `forward_async(args...).wait()`: blocks until the output arrives (on the CPU) and returns it.
   template <class... A>
   auto forward(A&&... args) const {
     return forward_async(std::forward<A>(args)...).wait();
@@ -111,10 +117,13 @@ class RemoteModule {
   Future<std::vector<RRef<at::Tensor>>> remote_parameters_async(const CallOptions& options = {}) const {
     return rpc_async<&detail::module_parameters<M>>(module_.state()->owner, options, module_);
   }
+  /// `remote_parameters_async(options).wait()`.
   std::vector<RRef<at::Tensor>> remote_parameters(const CallOptions& options = {}) const {
     return remote_parameters_async(options).wait();
   }
+  /// The reference to the module itself (for proxy calls of your own: `module_rref().rpc_async<&f>(...)`).
   const RRef<M>& module_rref() const noexcept { return module_; }
+  /// The device part of the `remote_device` given ("cpu", "cuda:0").
   const std::string& device() const noexcept { return device_; }
 
  private:
@@ -122,7 +131,8 @@ class RemoteModule {
   std::string device_;
 };
 
-/// Shares the module: the receiver's RemoteModule refers to the same object (a fork of the same RRef).
+/// @cond INTERNAL
+// Shares the module: the receiver's RemoteModule refers to the same object (a fork of the same RRef).
 template <class M>
 struct Codec<RemoteModule<M>> {
   static void write(Writer& w, const RemoteModule<M>& m) {
@@ -134,5 +144,6 @@ struct Codec<RemoteModule<M>> {
     return RemoteModule<M>(std::move(module), r.get<std::string>());
   }
 };
+/// @endcond
 
 }  // namespace corpc
