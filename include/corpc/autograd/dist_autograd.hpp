@@ -38,10 +38,14 @@
 
 namespace corpc::dist_autograd {
 
+/// Hashes a tensor by identity (its TensorImpl), not by value: GradientMap's key hash.
 struct TensorIdentityHash {
+  /// The hash of `t`'s TensorImpl pointer.
   std::size_t operator()(const at::Tensor& t) const noexcept { return std::hash<const void*>()(t.unsafeGetTensorImpl()); }
 };
+/// Compares tensors by identity (`is_same`): GradientMap's key equality.
 struct TensorIdentityEqual {
+  /// True if `a` and `b` are the same tensor.
   bool operator()(const at::Tensor& a, const at::Tensor& b) const noexcept { return a.is_same(b); }
 };
 /// Leaf tensor -> its gradient in one context.
@@ -57,15 +61,24 @@ CallContext with_context(std::int64_t id);
 /// The distributed autograd context current in the calling coroutine, or -1.
 std::int64_t current_context_id();
 
+/// One distributed autograd context (one training iteration), as `with dist_autograd.context()` in PyTorch. It is
+/// current in the creating coroutine from construction to destruction: RPCs issued meanwhile (after any number of
+/// co_awaits, on whatever thread) carry it. Not copyable or movable: create it on the stack of the coroutine or
+/// function that runs the iteration. Needs a running runtime (ShutdownError otherwise).
 class Context {
  public:
+  /// Opens a new context with an id unique across the job and makes it current.
   Context();
+  /// Restores the previous context and releases this one here and, in the background, on every worker it touched.
   ~Context();
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
 
+  /// The id, unique across workers; pass it to code that runs outside this coroutine (ContextScope).
   std::int64_t id() const noexcept { return id_; }
+  /// dist_autograd::backward(id(), roots, retain_graph).
   Future<void> backward(std::vector<at::Tensor> roots, bool retain_graph = false) const;
+  /// This worker's gradients in this context (get_gradients(id())).
   GradientMap gradients() const;
 
  private:
@@ -76,12 +89,19 @@ class Context {
 /// Makes context `id` current (for code that received the id explicitly).
 class ContextScope {
  public:
+  /// Makes context `id` current on the calling thread (the running coroutine) until the scope is destroyed.
   explicit ContextScope(std::int64_t id) : scope_(detail::with_context(id)) {}
 
  private:
   CallContextScope scope_;
 };
 
+/// Runs a backward pass from `roots` (each seeded with ones: pass the scalar losses) through context `context_id`'s
+/// graph on every worker its RPCs touched (FAST mode, see the top of this header); gradients accumulate in the
+/// context on each worker, never in `.grad`. Completes when every worker involved has finished. Fails, on the
+/// future, with UsageError if the context is not alive here or a root does not require grad, or with the first
+/// error of any worker's part (ConnectionError if one died). `retain_graph` is accepted for parity; graphs are kept
+/// until the context is released anyway.
 Future<void> backward(std::int64_t context_id, std::vector<at::Tensor> roots, bool retain_graph = false);
 GradientMap get_gradients(std::int64_t context_id);  ///< this worker's gradients in that context (empty if none)
 
@@ -93,15 +113,18 @@ namespace leaf_hooks {
 /// The context whose pass runs the calling hook on this thread; -1 inside an ordinary (local) backward.
 std::int64_t pass_context_id();
 /// Runs `fn` when this worker's current local pass has run the hooks of all its leaves (the distributed counterpart of
-/// autograd's Engine::queue_callback). An exception from `fn` fails the backward pass.
+/// autograd's Engine::queue_callback). An exception from `fn` fails the backward pass. Throws UsageError outside a
+/// leaf hook of a distributed pass.
 void at_end_of_pass(std::function<void()> fn);
-/// Leaf's gradient in context `context_id` (undefined if none), and replacing it.
+/// Leaf's gradient in context `context_id` (undefined if none, or if the context is not alive here).
 at::Tensor gradient(std::int64_t context_id, const at::Tensor& leaf);
+/// Replaces leaf's gradient in context `context_id`; UsageError if the context is not alive here.
 void set_gradient(std::int64_t context_id, const at::Tensor& leaf, at::Tensor grad);
 }  // namespace leaf_hooks
 
 /// Live contexts on this worker / on another one (tests check that none outlive their iteration).
 std::size_t live_contexts();
+/// The number of live contexts on `worker`, by RPC (errors as for rpc_async, on the future).
 Future<std::uint64_t> live_contexts(const WorkerRef& worker);
 
 }  // namespace corpc::dist_autograd
