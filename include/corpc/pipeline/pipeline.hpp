@@ -54,24 +54,29 @@
 
 namespace corpc::pipeline {
 
+/// The loss as the last stage's worker computes it from the model's output and the targets: a mean over the batch.
 using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
+/// Makes one stage's optimizer, on its worker, over that stage's parameters.
 using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor> params)>;
 
+/// Where the stages go and how a step is scheduled; checked by Pipeline::create.
 struct PipelineOptions {
   /// "worker1" or "worker1/cpu" (the stage's device); stage s runs on workers[s % workers.size()]. With more stages
   /// than workers, each worker hosts several (Interleaved1F1B needs that; the other schedules need one per worker).
   std::vector<std::string> workers;
   std::vector<int> balance;  ///< consecutive layers per stage; its size is the number of stages
-  Schedule schedule = Schedule::OneFOneB;
-  int micro_batches = 4;
+  Schedule schedule = Schedule::OneFOneB;  ///< the order of each worker's actions (corpc/pipeline/schedule.hpp)
+  int micro_batches = 4;  ///< M: the batch is cut into this many micro-batches (fewer if the batch is smaller)
 };
 
+/// What Pipeline::train_step returns.
 struct StepResult {
   at::Tensor loss;                     ///< the batch's loss (sum of the micro-batches' scaled losses)
   std::vector<WorkerReport> workers;   ///< one per worker, in stage order of their first stage
 };
 
-/// Where the stages of one pipeline are (sent to each worker that hosts some).
+/// @cond INTERNAL
+// Where the stages of one pipeline are (sent to each worker that hosts some).
 struct StagePlacement {
   std::uint64_t pipeline_id = 0;
   std::vector<std::int32_t> stage_ranks;   ///< per stage
@@ -79,6 +84,7 @@ struct StagePlacement {
   std::vector<std::string> stage_devices;  ///< per stage
   CORPC_FIELDS(pipeline_id, stage_ranks, balance, stage_devices)
 };
+/// @endcond
 
 namespace detail {
 
@@ -101,11 +107,18 @@ std::uint64_t next_pipeline_id();
 
 }  // namespace detail
 
+/// A model cut into stages hosted on other workers, trained one step at a time by a schedule (see the top of this
+/// header). Made by create(); copies share the same stages, which the workers drop when the last copy is destroyed
+/// (the destructor waits for their answers). The caller holds no parameters: they live, and are updated, on the
+/// stages' workers.
 class Pipeline {
  public:
   /// Builds Model(args...) on every worker named in `options` (seed it: every worker must get the same weights) and
   /// keeps there the stages placed on it. Loss(output, target) runs on the last stage's worker; MakeOptimizer(params)
-  /// makes each stage's optimizer on its worker.
+  /// makes each stage's optimizer on its worker. Model, Loss and MakeOptimizer are function pointer constants
+  /// (`&make_model`), as for rpc_async. Blocks until every worker has built its stages. Throws UsageError for options
+  /// that do not fit (no workers, a stage count that is not a multiple of the workers', a schedule that does not fit
+  /// the layout, an empty stage, a worker named twice), UnknownWorkerError, and the errors of rpc_async.
   template <auto Model, auto Loss, auto MakeOptimizer, class... A>
   static Pipeline create(const PipelineOptions& options, A&&... args) {
     Pipeline p(options);
@@ -119,18 +132,20 @@ class Pipeline {
 
   /// One training iteration: forward and backward of every micro-batch by the schedule, then each stage's optimizer
   /// step. Fails with PipelineError if a stage fails (the other workers abort their part of the step).
+  /// `inputs` and `targets` are the whole batch (dimension 0); UsageError if they differ in batch size. A lazy Task:
+  /// await it (or sync_wait it); run one step at a time per pipeline.
   Task<StepResult> train_step(at::Tensor inputs, at::Tensor targets);
 
-  /// Training or eval mode on every stage (BatchNorm, Dropout).
+  /// Training or eval mode on every stage (BatchNorm, Dropout). Blocks until every worker has switched.
   void train(bool on) const;
-  /// Copies of every parameter, in the unsplit model's order.
+  /// Copies of every parameter, in the unsplit model's order. Blocks (one RPC per worker).
   std::vector<at::Tensor> parameters() const;
 
-  Schedule schedule() const noexcept { return options_.schedule; }
-  int micro_batches() const noexcept { return options_.micro_batches; }
-  int num_stages() const noexcept { return static_cast<int>(options_.balance.size()); }
-  int num_workers() const noexcept { return static_cast<int>(state_->worker_ranks.size()); }
-  int stages_per_worker() const noexcept { return num_stages() / num_workers(); }
+  Schedule schedule() const noexcept { return options_.schedule; }  ///< PipelineOptions::schedule
+  int micro_batches() const noexcept { return options_.micro_batches; }  ///< PipelineOptions::micro_batches
+  int num_stages() const noexcept { return static_cast<int>(options_.balance.size()); }  ///< stages in all
+  int num_workers() const noexcept { return static_cast<int>(state_->worker_ranks.size()); }  ///< workers hosting them
+  int stages_per_worker() const noexcept { return num_stages() / num_workers(); }  ///< v: stages on each worker
   /// This pipeline's action lists for M micro-batches (plan[i] for the i-th worker of `options.workers`).
   std::vector<std::vector<Action>> plan(int micro_batches) const {
     return make_schedule(options_.schedule, num_workers(), stages_per_worker(), micro_batches);

@@ -46,8 +46,11 @@ class PipelineError : public RpcError {
   using RpcError::RpcError;
 };
 
+/// The pipeline schedules of the table at the top of this header: GPipe, 1F1B, interleaved 1F1B (Megatron-LM's,
+/// v >= 2 stages per worker) and zero bubble (ZB-H1).
 enum class Schedule : std::uint8_t { GPipe, OneFOneB, Interleaved1F1B, ZeroBubbleH1 };
 
+/// The schedule's name as tables print it ("GPipe", "1F1B", "Interleaved1F1B", "ZB-H1").
 inline const char* to_string(Schedule s) {
   switch (s) {
     case Schedule::GPipe: return "GPipe";
@@ -70,6 +73,7 @@ inline Schedule schedule_from_string(const std::string& name) {
 /// Forward; Backward (input and weights together); BackwardInput and BackwardWeight (zero bubble).
 enum class ActionKind : std::uint8_t { Forward, Backward, BackwardInput, BackwardWeight };
 
+/// 'F', 'B', 'I' or 'W', as timelines label actions.
 inline char action_letter(ActionKind k) {
   switch (k) {
     case ActionKind::Forward: return 'F';
@@ -80,11 +84,12 @@ inline char action_letter(ActionKind k) {
   return '?';
 }
 
+/// One step of a worker's action list: compute `kind` for micro-batch `micro` on stage `stage`.
 struct Action {
-  ActionKind kind = ActionKind::Forward;
+  ActionKind kind = ActionKind::Forward;  ///< what to compute
   std::int32_t stage = 0;  ///< global stage index
   std::int32_t micro = 0;  ///< micro-batch index
-  bool operator==(const Action&) const = default;
+  bool operator==(const Action&) const = default;  ///< field by field
   CORPC_FIELDS(kind, stage, micro)
 };
 

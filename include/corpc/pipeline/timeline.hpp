@@ -19,17 +19,18 @@
 
 namespace corpc::pipeline {
 
+/// When one action ran, on which worker.
 struct ActionRecord {
-  Action action;
+  Action action;                 ///< what ran
   std::int32_t rank = -1;        ///< the worker that ran it
   std::int64_t start_ns = 0;     ///< steady_clock, from the action's inputs being there to its outputs being sent
-  std::int64_t end_ns = 0;
+  std::int64_t end_ns = 0;       ///< steady_clock, when its outputs were sent
   CORPC_FIELDS(action, rank, start_ns, end_ns)
 };
 
 /// One worker's account of one step.
 struct WorkerReport {
-  std::int32_t rank = -1;
+  std::int32_t rank = -1;               ///< the worker
   std::vector<std::int32_t> stages;     ///< the stages it hosts
   std::vector<ActionRecord> records;    ///< in the order they ran
   /// Peak over the step of the bytes the CPU allocator had handed out beyond what was live when the step began
@@ -60,6 +61,7 @@ inline double measured_bubble(const std::vector<WorkerReport>& workers) {
 /// schedule), tid = worker rank, times in microseconds from `origin_ns`. `name` labels the process.
 class ChromeTrace {
  public:
+  /// Adds the records of `workers` (one step, e.g. StepResult::workers) as a process named `name`.
   void add_step(int process, const std::string& name, const std::vector<WorkerReport>& workers, std::int64_t origin_ns) {
     events_.push_back(R"({"ph":"M","name":"process_name","pid":)" + std::to_string(process) + R"(,"args":{"name":")" +
                       name + "\"}}");
@@ -79,6 +81,7 @@ class ChromeTrace {
       }
     }
   }
+  /// Writes the trace (every step added so far) to `path` as JSON; false if the file could not be written.
   bool write(const std::string& path) const {
     std::ofstream out(path);
     out << "{\"traceEvents\":[\n";
