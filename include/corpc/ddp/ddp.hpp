@@ -46,6 +46,7 @@
 
 namespace corpc::ddp {
 
+/// How init_process_group makes its group.
 struct ProcessGroupOptions {
   /// Collective timeout: a rank that waits longer than this on a peer fails instead of hanging.
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
@@ -56,7 +57,7 @@ struct ProcessGroupOptions {
   /// SLURM_NTASKS; Open MPI's), else RPC's (if init_rpc ran). A group of the first N RPC workers (trainers beside
   /// parameter servers) sets both.
   int rank = -1;
-  int world_size = -1;
+  int world_size = -1;  ///< see rank
 };
 
 /// A Gloo process group, from the same rendezvous as RPC when possible. The store:
@@ -64,6 +65,10 @@ struct ProcessGroupOptions {
 /// - under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) the agent's TCPStore at MASTER_ADDR:MASTER_PORT;
 /// - under corpc::launch_processes (whose rank 0 keeps MASTER_PORT for RPC) a FileStore in /tmp unique to the launch;
 /// - otherwise a TCPStore served by rank 0 on MASTER_PORT.
+///
+/// Collective: every rank of the group calls it, and it returns once all have joined. Throws std::runtime_error if
+/// the rendezvous variables it needs are not set, std::invalid_argument if the rank is not below the group size, and
+/// c10d's or corpc's (TimeoutError) error if the rendezvous fails.
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const ProcessGroupOptions& options = {});
 
 /// What a communication hook gets: one bucket of this rank's gradients, flattened.
@@ -82,8 +87,9 @@ CommHook allreduce_hook();
 /// Divide, cast to float16, allreduce, cast back: half the bytes on the wire, ~1e-3 relative error per gradient.
 CommHook fp16_compress_hook();
 
+/// How DistributedDataParallel synchronises gradients (PyTorch's DDP arguments of the same names).
 struct DdpOptions {
-  double bucket_cap_mb = 25.0;
+  double bucket_cap_mb = 25.0;  ///< target bucket size in MiB (the first bucket is at most 1 MiB)
   /// Walk the autograd graph after each forward to find parameters that will get no gradient, so that the buckets
   /// holding them can start before backward ends. Without it such parameters still count as zero (nothing hangs),
   /// but their buckets, and every bucket after them, wait for the end of backward.
@@ -96,6 +102,7 @@ struct DdpOptions {
   CommHook comm_hook;             ///< empty: allreduce_hook()
 };
 
+/// How a Join divides gradients while some ranks have run out of batches.
 struct JoinOptions {
   /// PyTorch's default: the sum of gradients is divided by the world size even when some ranks have joined (they
   /// contribute zeros), so a step taken by fewer ranks is smaller. false: divided by the number of ranks that still
@@ -104,8 +111,13 @@ struct JoinOptions {
 };
 
 /// The gradient machinery, independent of the module's forward signature.
+/// Used through DistributedDataParallel; a wrapper of your own (another forward signature) can drive it directly:
+/// before_forward(), the module's forward, after_forward(output), then backward as usual. Not thread-safe: one
+/// training loop drives it, on one thread at a time.
 class GradientSync {
  public:
+  /// Broadcasts `module`'s parameters and buffers from rank 0 (collective: every rank constructs one), builds the
+  /// buckets and hooks every parameter's gradient accumulator. `module` must outlive it.
   GradientSync(torch::nn::Module& module, c10::intrusive_ptr<c10d::ProcessGroup> group, DdpOptions options);
   ~GradientSync();
   GradientSync(const GradientSync&) = delete;
@@ -114,28 +126,38 @@ class GradientSync {
   void before_forward();                          ///< broadcasts buffers if asked
   void after_forward(const at::Tensor& output);   ///< find_unused_parameters' graph walk
   void set_sync(bool enabled);         ///< false: backward accumulates locally only
-  void join_begin(JoinOptions options);  ///< see Join
-  void join_finish();
-  void join_abandon();
-  bool sync_enabled() const;
-  size_t bucket_count() const;
+  void join_begin(JoinOptions options);  ///< see Join; std::logic_error if a join is open already
+  void join_finish();                    ///< Join::finish()
+  void join_abandon();                   ///< closes a join without shadowing the others (Join's destructor)
+  bool sync_enabled() const;             ///< false under no_sync()
+  size_t bucket_count() const;           ///< the number of gradient buckets
   /// Buckets whose allreduce started from a gradient hook, i.e. while the last synchronised backward still ran
   /// (the rest started in the end-of-backward callback). The overlap, observable without a clock.
   size_t buckets_launched_during_last_backward() const;
 
+  /// @cond INTERNAL
   struct State;
+  /// @endcond
 
  private:
   std::shared_ptr<State> state_;
 };
 
 /// Wraps a module holder (torch::nn::Linear, a TORCH_MODULE type) or a std::shared_ptr to a module.
+/// Data parallelism as PyTorch's DDP (see the top of this header): every rank wraps the same model, feeds it its
+/// own share of the batch, and after each backward holds gradients averaged over the group. Collective: every rank
+/// must construct it, run the same number of synchronised backward passes (unless under join()) and use the same
+/// options. Errors of a collective (a rank died, the group's timeout) are thrown from backward as c10d's errors or as
+/// std::runtime_error naming the bucket and rank.
 template <typename ModuleT>
 class DistributedDataParallel {
  public:
+  /// Wraps `module` and broadcasts its parameters and buffers from rank 0 over `group` (collective).
   DistributedDataParallel(ModuleT module, c10::intrusive_ptr<c10d::ProcessGroup> group, DdpOptions options = {})
       : module_(std::move(module)), sync_(std::make_unique<GradientSync>(*module_, std::move(group), std::move(options))) {}
 
+  /// The module's forward, with DDP's part around it: the Join vote and buffer broadcast before, the unused-
+  /// parameter search after (when asked for). Returns what the module's forward returns.
   template <typename... Args>
   auto forward(Args&&... args) {
     sync_->before_forward();
@@ -144,13 +166,14 @@ class DistributedDataParallel {
     return output;
   }
 
-  ModuleT& module() { return module_; }
-  decltype(auto) operator->() { return module_.operator->(); }
-  GradientSync& gradient_sync() { return *sync_; }
+  ModuleT& module() { return module_; }  ///< the wrapped module (checkpoint it through this)
+  decltype(auto) operator->() { return module_.operator->(); }  ///< the module's members: `ddp->parameters()`
+  GradientSync& gradient_sync() { return *sync_; }  ///< the gradient machinery (bucket counts, overlap)
 
   /// Gradient accumulation: backward passes made while the guard lives only accumulate locally.
   class NoSyncGuard {
    public:
+    /// Turns synchronisation off until destroyed (then restores what it was).
     explicit NoSyncGuard(GradientSync& s) : s_(s), prev_(s.sync_enabled()) { s_.set_sync(false); }
     ~NoSyncGuard() { s_.set_sync(prev_); }
     NoSyncGuard(const NoSyncGuard&) = delete;
@@ -160,10 +183,14 @@ class DistributedDataParallel {
     GradientSync& s_;
     bool prev_;
   };
+  /// PyTorch's `with ddp.no_sync():`: backward passes while the guard lives accumulate locally; the next
+  /// synchronised backward averages the sum.
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*sync_); }
 
   /// Uneven inputs, as PyTorch's `with Join([ddp]):` — see Join below.
   class Join;
+  /// Opens a Join (below) for a training loop whose ranks may run different numbers of batches; std::logic_error if
+  /// one is open already.
   [[nodiscard]] Join join(JoinOptions options = {});
 
  private:
@@ -190,10 +217,13 @@ class DistributedDataParallel {
 template <typename ModuleT>
 class DistributedDataParallel<ModuleT>::Join {
  public:
+  /// Opens the join on `sync` (use DistributedDataParallel::join()).
   Join(GradientSync& sync, JoinOptions options) : sync_(&sync) { sync_->join_begin(options); }
+  /// Without finish(): stops taking part in the per-forward vote (see above).
   ~Join() {
     if (sync_ != nullptr) sync_->join_abandon();
   }
+  /// Takes over `other`'s open join.
   Join(Join&& other) noexcept : sync_(std::exchange(other.sync_, nullptr)) {}
   Join& operator=(Join&&) = delete;
 

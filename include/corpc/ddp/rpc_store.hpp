@@ -23,19 +23,33 @@
 
 namespace corpc::ddp {
 
+/// A c10d::Store over corpc RPC (see the top of this header). Every operation blocks the calling thread for one RPC
+/// to `server_rank` (so UsageError on a corpc I/O thread) and throws that call's corpc errors: TimeoutError past
+/// the store's timeout, ConnectionError if the server died, ShutdownError without a running runtime.
 class RpcStore : public c10d::Store {
  public:
+  /// A client of the map on `server_rank`; `timeout` bounds every operation and is the default for wait().
   explicit RpcStore(int server_rank = 0, std::chrono::milliseconds timeout = kDefaultTimeout);
 
+  /// Sets `key` to `value`.
   void set(const std::string& key, const std::vector<uint8_t>& value) override;
+  /// Sets `key` to `desired` if it holds `expected` (or is missing and `expected` is empty); returns the value it
+  /// holds afterwards, or `expected` if it is missing (as c10d's TCPStore does).
   std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& expected,
                                   const std::vector<uint8_t>& desired) override;
+  /// The value of `key`, waiting (up to the timeout) until it is set.
   std::vector<uint8_t> get(const std::string& key) override;
+  /// Adds `value` to the decimal counter at `key` (0 if missing); returns the new count.
   int64_t add(const std::string& key, int64_t value) override;
+  /// Removes `key`; false if it was missing.
   bool deleteKey(const std::string& key) override;
+  /// True if every key is set (does not wait).
   bool check(const std::vector<std::string>& keys) override;
+  /// The number of keys in the map.
   int64_t getNumKeys() override;
+  /// Waits until every key is set, up to the store's timeout.
   void wait(const std::vector<std::string>& keys) override;
+  /// Waits until every key is set; TimeoutError after `timeout`.
   void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override;
 
  private:
