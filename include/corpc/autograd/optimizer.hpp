@@ -124,7 +124,7 @@ template <class Opt>
 class DistributedOptimizer {
  public:
   /// Creates, on each owner of `params`, an `Opt` over the parameters it owns, with `options` (its Options type,
-  /// e.g. torch::optim::SGDOptions, which needs a corpc::Codec). Returns without waiting for the owners; a creation
+  /// such as torch::optim::SGDOptions, which needs a corpc::Codec). Returns without waiting for the owners; a creation
   /// that fails (an owner died, a parameter is still being computed) fails every later step with that error.
   /// Throws ShutdownError without a running runtime.
   template <class Options>

@@ -21,7 +21,8 @@ class RpcError : public std::runtime_error {
 /// The user function threw on the remote worker. Carries where and what.
 class RemoteError : public RpcError {
  public:
-  /// Built by the caller's runtime from the error reply; what() reads "remote error on worker 'W' in 'F': type: message".
+  /// Built by the caller's runtime from the error reply; what() reads "remote error on worker 'W' in 'F': type:
+  /// message".
   RemoteError(std::string worker, std::string function, std::string type, std::string message)
       : RpcError("remote error on worker '" + worker + "' in '" + function + "': " + type + ": " + message),
         worker_(std::move(worker)), function_(std::move(function)), type_(std::move(type)),

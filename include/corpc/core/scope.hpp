@@ -16,8 +16,9 @@
 /// unwind at their next suspension point. `join()` closes the scope — later `spawn`s throw UsageError — and completes
 /// when the last task has finished. Each `spawn` also returns the task's own Future, which may be ignored.
 /// `when_empty()` waits for the scope to have nothing running without closing it (a runtime draining its background
-/// work before it decides to stop). A scope must be joined before it is destroyed; the destructor of a scope with work still running requests a stop
-/// and blocks until it is joined (which throws UsageError on an I/O thread: join with co_await there).
+/// work before it decides to stop). A scope must be joined before it is destroyed; the destructor of a scope with work
+/// still running requests a stop and blocks until it is joined (which throws UsageError on an I/O thread: join with
+/// co_await there).
 #pragma once
 
 #include <atomic>

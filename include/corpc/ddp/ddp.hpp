@@ -94,7 +94,7 @@ struct DdpOptions {
   /// holding them can start before backward ends. Without it such parameters still count as zero (nothing hangs),
   /// but their buckets, and every bucket after them, wait for the end of backward.
   bool find_unused_parameters = false;
-  bool broadcast_buffers = true;  ///< rank 0's buffers (e.g. BatchNorm statistics) to all ranks before each forward
+  bool broadcast_buffers = true;  ///< rank 0's buffers (BatchNorm statistics, say) to all ranks before each forward
   /// Gradients are views into the bucket buffers: backward accumulates straight into the buckets and the averages
   /// land in `.grad` with no copy either way (saves one gradient-sized copy each way and the memory of one copy).
   /// `.grad` is then a slice of a shared buffer: replace it (`grad = ...`) rather than resize it in place.
@@ -131,7 +131,7 @@ class GradientSync {
   void join_abandon();                   ///< closes a join without shadowing the others (Join's destructor)
   bool sync_enabled() const;             ///< false under no_sync()
   size_t bucket_count() const;           ///< the number of gradient buckets
-  /// Buckets whose allreduce started from a gradient hook, i.e. while the last synchronised backward still ran
+  /// Buckets whose allreduce started from a gradient hook, that is, while the last synchronised backward still ran
   /// (the rest started in the end-of-backward callback). The overlap, observable without a clock.
   size_t buckets_launched_during_last_backward() const;
 
@@ -143,9 +143,9 @@ class GradientSync {
   std::shared_ptr<State> state_;
 };
 
-/// Wraps a module holder (torch::nn::Linear, a TORCH_MODULE type) or a std::shared_ptr to a module.
 /// Data parallelism as PyTorch's DDP (see the top of this header): every rank wraps the same model, feeds it its
-/// own share of the batch, and after each backward holds gradients averaged over the group. Collective: every rank
+/// own share of the batch, and after each backward holds gradients averaged over the group. `ModuleT` is a module
+/// holder (torch::nn::Linear, a TORCH_MODULE type) or a std::shared_ptr to a module. Collective: every rank
 /// must construct it, run the same number of synchronised backward passes (unless under join()) and use the same
 /// options. Errors of a collective (a rank died, the group's timeout) are thrown from backward as c10d's errors or as
 /// std::runtime_error naming the bucket and rank.
@@ -227,7 +227,8 @@ class DistributedDataParallel<ModuleT>::Join {
   Join(Join&& other) noexcept : sync_(std::exchange(other.sync_, nullptr)) {}
   Join& operator=(Join&&) = delete;
 
-  /// Shadows the other ranks until all have finished, then synchronises the final model. Collective: every rank calls it.
+  /// Shadows the other ranks until all have finished, then synchronises the final model. Collective: every rank calls
+  /// it.
   void finish() {
     auto* s = std::exchange(sync_, nullptr);
     if (s != nullptr) s->join_finish();

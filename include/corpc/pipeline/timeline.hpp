@@ -57,7 +57,7 @@ inline double measured_bubble(const std::vector<WorkerReport>& workers) {
   return idle / static_cast<double>(workers.size());
 }
 
-/// Appends one step's actions to a Chrome trace ("traceEvents" of complete events): pid = `process` (e.g. one per
+/// Appends one step's actions to a Chrome trace ("traceEvents" of complete events): pid = `process` (one per
 /// schedule), tid = worker rank, times in microseconds from `origin_ns`. `name` labels the process.
 class ChromeTrace {
  public:

@@ -1,5 +1,5 @@
 /// @file
-/// Rpc_async, rpc_sync: calling a function on another worker.
+/// `rpc_async`, `rpc_sync`: calling a function on another worker.
 ///
 /// ```cpp
 ///   int add(int a, int b);

@@ -113,11 +113,11 @@ class Runtime {
   std::unique_ptr<Impl> impl_;
 };
 
-/// Starts this process's runtime and waits until all `world_size` workers have found each other (RpcOptions::init_timeout).
-/// rank / world_size -1: from the environment (RANK, WORLD_SIZE, or SLURM_PROCID / SLURM_NTASKS, or Open MPI's).
-/// Names: 1–128 characters of [A-Za-z0-9_-:.], unique. Blocks the calling thread. Throws UsageError for a bad name,
-/// rank, init_method or a second runtime in the process, TimeoutError if the workers do not all arrive in time, and
-/// ConnectionError if it cannot listen or a peer fails authentication (RpcOptions::secret).
+/// Starts this process's runtime and waits until all `world_size` workers have found each other
+/// (RpcOptions::init_timeout). rank / world_size -1: from the environment (RANK, WORLD_SIZE, or SLURM_PROCID /
+/// SLURM_NTASKS, or Open MPI's). Names: 1–128 characters of [A-Za-z0-9_-:.], unique. Blocks the calling thread. Throws
+/// UsageError for a bad name, rank, init_method or a second runtime in the process, TimeoutError if the workers do not
+/// all arrive in time, and ConnectionError if it cannot listen or a peer fails authentication (RpcOptions::secret).
 void init_rpc(std::string name, int rank = -1, int world_size = -1, RpcOptions options = {});
 
 /// graceful: waits until every worker has called shutdown and no worker has work in flight, then closes every

@@ -91,8 +91,8 @@ class RemoteModule {
     module_ = remote<&detail::build_module<M, std::decay_t<A>...>>(worker, options, device, std::forward<A>(args)...);
   }
 
-  /// Wraps a module already created on its owner (e.g. by remote<&make_my_module>(worker, seed)); `device` is only
-  /// reported by device().
+  /// Wraps a module already created on its owner (for example by remote<&make_my_module>(worker, seed)); `device` is
+  /// only reported by device().
   explicit RemoteModule(RRef<M> module, std::string device = {}) : module_(std::move(module)), device_(std::move(device)) {}
 
   /// forward([options,] args...) on the owner; options as for rpc_async (with_timeout(ms)).

@@ -49,8 +49,8 @@ struct SelfBinder;
 }
 
 /// Gives an object held by an RRef a reference to itself, as Python's `RRef(self)`: derive from
-/// EnableRRefFromThis<T> and call rref_from_this() (on the owner, e.g. inside a method called through a proxy) to hand
-/// other workers a reference to this object:
+/// EnableRRefFromThis<T> and call rref_from_this() (on the owner, for example inside a method called through a
+/// proxy) to hand other workers a reference to this object:
 /// ```cpp
 ///   struct Agent : corpc::EnableRRefFromThis<Agent> {
 ///     corpc::Task<int> run() { co_return co_await corpc::rpc_async<&observe>("observer1", rref_from_this()); }

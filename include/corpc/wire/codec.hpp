@@ -376,7 +376,8 @@ struct Codec<T, std::enable_if_t<HasCorpcFields<T>>> {
 
 }  // namespace corpc
 
-/// Inside a struct: lists the members that make up its wire encoding, in order. The struct must be default-constructible.
+/// Inside a struct: lists the members that make up its wire encoding, in order. The struct must be
+/// default-constructible.
 /// ```cpp
 ///   struct Point {
 ///     double x = 0, y = 0;
