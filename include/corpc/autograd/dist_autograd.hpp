@@ -97,11 +97,11 @@ class ContextScope {
 };
 
 /// Runs a backward pass from `roots` (each seeded with ones: pass the scalar losses) through context `context_id`'s
-/// graph on every worker its RPCs touched (FAST mode, see the top of this header); gradients accumulate in the
-/// context on each worker, never in `.grad`. Completes when every worker involved has finished. Fails, on the
-/// future, with UsageError if the context is not alive here or a root does not require grad, or with the first
-/// error of any worker's part (ConnectionError if one died). `retain_graph` is accepted for parity; graphs are kept
-/// until the context is released anyway.
+/// graph on every worker its RPCs touched (FAST mode, see corpc/autograd/dist_autograd.hpp); gradients accumulate in
+/// the context on each worker, never in `.grad`. Completes when every worker involved has finished. Fails, on the
+/// future, with UsageError if the context is not alive here or a root does not require grad, or with the first error of
+/// any worker's part (ConnectionError if one died). `retain_graph` is accepted for parity; graphs are kept until the
+/// context is released anyway.
 Future<void> backward(std::int64_t context_id, std::vector<at::Tensor> roots, bool retain_graph = false);
 GradientMap get_gradients(std::int64_t context_id);  ///< this worker's gradients in that context (empty if none)
 

@@ -118,7 +118,7 @@ class LocalOptimizer {
 }  // namespace detail
 
 /// One `Opt` (a torch::optim optimizer type) on each worker that owns some of the parameters, stepped together with
-/// the gradients of a distributed autograd context (see the top of this header). Copies step the same remote
+/// the gradients of a distributed autograd context (see corpc/autograd/optimizer.hpp). Copies step the same remote
 /// optimizers; `step` may be called from any thread or coroutine.
 template <class Opt>
 class DistributedOptimizer {

@@ -22,7 +22,7 @@
 
 namespace corpc {
 
-/// The ambient state of one coroutine (see the top of this header): a few integer slots that upper layers own, and
+/// The ambient state of one coroutine (see corpc/core/call_context.hpp): a few integer slots that upper layers own, and
 /// the stop token and deadline of the work the coroutine belongs to. A plain value; copying it is cheap.
 struct CallContext {
   static constexpr int kSlots = 4;  ///< Slots available to layers in one process (new_slot() hands them out).

@@ -98,8 +98,8 @@ void set_spin_before_block(std::chrono::nanoseconds d) noexcept;
 /// The spin set by set_spin_before_block.
 std::chrono::nanoseconds spin_before_block() noexcept;
 
-/// A one-shot event that one thread waits on: spins (see above), then sleeps on a futex. No mutex, no condition
-/// variable; `set` makes a system call only when the waiter is asleep.
+/// A one-shot event that one thread waits on: spins (set_spin_before_block()), then sleeps on a futex. No mutex, no
+/// condition variable; `set` makes a system call only when the waiter is asleep.
 class Event {
  public:
   /// Sets the event and wakes the waiter; any thread, once per reset().

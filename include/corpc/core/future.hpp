@@ -441,7 +441,7 @@ void on_ready_inline(const Future<T>& f, Fn fn) {
 
 }  // namespace detail
 
-/// An eager result: the value, error or cancellation of work already under way (see the top of this header).
+/// An eager result: the value, error or cancellation of work already under way (see corpc/core/future.hpp).
 /// Copies share one result and may be used from any thread. Await it in a coroutine, `wait()` for it outside one, or
 /// chain with `then()`. Every RPC returns one; Promise makes your own. `T` may be void.
 template <class T>

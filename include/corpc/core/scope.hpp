@@ -31,7 +31,7 @@
 
 namespace corpc {
 
-/// Owns tasks that were started and not awaited, so that they can be stopped and joined (see the top of this header).
+/// Owns tasks that were started and not awaited, so that they can be stopped and joined (see corpc/core/scope.hpp).
 /// Thread-safe: spawn, request_stop, active and when_empty may be called from any thread; join once.
 class TaskScope {
  public:

@@ -62,7 +62,7 @@ struct TaskPromise<void> : TaskPromiseBase {
 
 }  // namespace detail
 
-/// A lazy coroutine returning `T` (see the top of this header): write `corpc::Task<int> f() { co_return 1; }`.
+/// A lazy coroutine returning `T` (see corpc/core/task.hpp): write `corpc::Task<int> f() { co_return 1; }`.
 /// It starts when awaited (`co_await f()`, which runs it on the awaiting thread until its first suspension and gives
 /// its value or rethrows its exception) or when handed to spawn(), TaskScope::spawn() or sync_wait(). Move-only;
 /// destroying a task that never started destroys its frame without running it.

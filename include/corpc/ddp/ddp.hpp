@@ -143,7 +143,7 @@ class GradientSync {
   std::shared_ptr<State> state_;
 };
 
-/// Data parallelism as PyTorch's DDP (see the top of this header): every rank wraps the same model, feeds it its
+/// Data parallelism as PyTorch's DDP (see corpc/ddp/ddp.hpp): every rank wraps the same model, feeds it its
 /// own share of the batch, and after each backward holds gradients averaged over the group. `ModuleT` is a module
 /// holder (torch::nn::Linear, a TORCH_MODULE type) or a std::shared_ptr to a module. Collective: every rank
 /// must construct it, run the same number of synchronised backward passes (unless under join()) and use the same

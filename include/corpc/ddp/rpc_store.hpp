@@ -23,7 +23,7 @@
 
 namespace corpc::ddp {
 
-/// A c10d::Store over corpc RPC (see the top of this header). Every operation blocks the calling thread for one RPC
+/// A c10d::Store over corpc RPC (see corpc/ddp/rpc_store.hpp). Every operation blocks the calling thread for one RPC
 /// to `server_rank` (so UsageError on a corpc I/O thread) and throws that call's corpc errors: TimeoutError past
 /// the store's timeout, ConnectionError if the server died, ShutdownError without a running runtime.
 class RpcStore : public c10d::Store {

@@ -46,7 +46,7 @@ class PipelineError : public RpcError {
   using RpcError::RpcError;
 };
 
-/// The pipeline schedules of the table at the top of this header: GPipe, 1F1B, interleaved 1F1B (Megatron-LM's,
+/// The pipeline schedules of the table in corpc/pipeline/schedule.hpp: GPipe, 1F1B, interleaved 1F1B (Megatron-LM's,
 /// v >= 2 stages per worker) and zero bubble (ZB-H1).
 enum class Schedule : std::uint8_t { GPipe, OneFOneB, Interleaved1F1B, ZeroBubbleH1 };
 

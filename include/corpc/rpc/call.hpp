@@ -292,7 +292,7 @@ void register_function(std::string name, Execution execution = execution_of<F>) 
 /// Never throws: every failure completes the future, with RemoteError (F threw), TimeoutError, ConnectionError,
 /// UnknownWorkerError, UnknownFunctionError, ArgumentTypeError, MessageTooLargeError, ShutdownError (no runtime),
 /// or CancelledError after `cancel()`. On the callee F runs on the worker pool, or on the I/O thread for
-/// Execution::io_thread functions. Any thread may call it; see the top of this header for examples.
+/// Execution::io_thread functions. Any thread may call it; examples in corpc/rpc/call.hpp.
 template <auto F, class... A>
   requires(!detail::first_is_options<A...>)
 Future<detail::ResultOf<F>> rpc_async(const WorkerRef& to, A&&... args) {

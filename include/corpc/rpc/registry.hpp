@@ -38,7 +38,7 @@
 
 namespace corpc {
 
-/// Where a registered function runs on the callee (see the top of this header).
+/// Where a registered function runs on the callee (see corpc/rpc/registry.hpp).
 enum class Execution : std::uint8_t {
   worker_pool,  ///< default: any function, including ones that block or compute for long
   io_thread,    ///< short and non-blocking: runs where its request was read, no hand-off

@@ -48,7 +48,7 @@ struct TensorHooks {
   std::function<void(std::int64_t ctx, std::int64_t msg_id, int src, std::vector<at::Tensor>& tensors)> on_recv;
 };
 
-/// The one RPC runtime of a process, alive from init_rpc to shutdown (see the top of this header). Most programs
+/// The one RPC runtime of a process, alive from init_rpc to shutdown (see corpc/rpc/runtime.hpp). Most programs
 /// never touch it: the free functions (rpc_async, get_worker_info, ...) reach it. Upper layers use the second group
 /// of members to attach to it. All members are thread-safe.
 class Runtime {

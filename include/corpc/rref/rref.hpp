@@ -79,7 +79,7 @@ class EnableRRefFromThis {
 };
 
 /// True for a type that declares `static constexpr bool corpc_serialized_calls = true;`: proxy calls on an object of
-/// it run one at a time on its owner, in dispatch order (see the top of this header).
+/// it run one at a time on its owner, in dispatch order (see corpc/rref/rref.hpp).
 template <class T>
 inline constexpr bool serialized_calls_v = requires { requires T::corpc_serialized_calls; };
 
@@ -344,7 +344,7 @@ RRef<R> create_remote(const WorkerRef& to, const CallOptions& options, A&&... ar
 
 }  // namespace detail
 
-/// A reference to a `T` that lives on one worker, its owner, usable from any worker (see the top of this header).
+/// A reference to a `T` that lives on one worker, its owner, usable from any worker (see corpc/rref/rref.hpp).
 /// Copies share one reference; passing an RRef to another worker (as an argument or result) shares the value, which
 /// the owner keeps while any reference to it exists anywhere. Members may be called from any thread while the
 /// runtime runs; those that reach the runtime throw ShutdownError once it has stopped. The calls on the remote

@@ -54,7 +54,7 @@ static_assert(std::endian::native == std::endian::little, "corpc's wire format a
 /// `read` must treat its input as hostile: check what it decodes and throw ProtocolError (the call then fails with
 /// it) rather than trust a length or a tag. Both run on the caller's thread (write) or on an I/O or worker thread
 /// (read) of the process at hand, never concurrently on one Writer or Reader. The types supported out of the box are
-/// listed at the top of this header; RRef, RemoteModule and the optimizers' options have codecs in their headers.
+/// listed in corpc/wire/codec.hpp; RRef, RemoteModule and the optimizers' options have codecs in their headers.
 template <class T, class Enable = void>
 struct Codec;
 

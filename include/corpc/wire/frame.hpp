@@ -39,7 +39,7 @@ enum class FrameKind : std::uint8_t {
 inline constexpr std::uint16_t kFlagControl = 1;  ///< corpc's own bookkeeping: graceful shutdown does not count it
 inline constexpr std::uint16_t kFlagCancel = 2;   ///< with Request: stop request `id` of this connection (no reply)
 
-/// The fixed 72-byte header that starts every frame (layout at the top of this header), sent as these bytes.
+/// The fixed 72-byte header that starts every frame (layout in corpc/wire/frame.hpp), sent as these bytes.
 struct FrameHeader {
   std::uint32_t magic = kFrameMagic;        ///< kFrameMagic, or the connection is not a corpc peer
   std::uint8_t version = kProtocolVersion;  ///< must equal kProtocolVersion
