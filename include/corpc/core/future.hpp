@@ -6,6 +6,7 @@
 ///   - `co_await fut` in a coroutine (resumes per the rule in corpc/core/executor.hpp), or `fut.wait()` outside one;
 ///   - `fut.then(f)`, which returns the Future of `f`'s result; `f` runs on the executor current where `then` was
 ///     called (the runtime's worker pool on a plain thread).
+///
 /// Errors travel as exceptions: awaiting or waiting on a failed future rethrows its error.
 ///
 /// Cancellation: `fut.cancel()` asks the work behind the future to stop (an RPC sends a cancel to its callee; a

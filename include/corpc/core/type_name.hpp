@@ -46,7 +46,8 @@ constexpr std::string_view type_name() {
   return detail::between_eq_and_bracket(detail::raw_type_name<T>());
 }
 
-/// "add", "Shard1::forward", "ns::f" — for a function pointer or member function pointer constant.
+/// The name of F, a function pointer or member function pointer constant, as the compiler spells it ("add",
+/// "Shard1::forward", "ns::f"), at compile time: what rpc_async puts on the wire for `rpc_async<&f>`.
 template <auto F>
 constexpr std::string_view function_name() {
   std::string_view s = detail::between_eq_and_bracket(detail::raw_value_name<F>());

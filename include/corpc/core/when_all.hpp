@@ -1,7 +1,7 @@
 /// @file
 /// Joining many futures.
 ///
-/// ```cpp
+/// ```
 ///   wait_all(futs)    -> Future<std::vector<T>>: all values in order; fails with the first error to occur, at once.
 ///   wait_all(futs, WaitAll::stop_rest_on_failure): the same, and asks the producers of the inputs still running to
 ///                        stop when one fails (RPCs are cancelled on their callees), so a failed batch stops working.

@@ -12,21 +12,16 @@
 ///
 /// What it does, as PyTorch's DDP does:
 /// - at construction, parameters and buffers are broadcast from rank 0, so every rank starts from the same model;
-/// - gradients are grouped into buckets of about `bucket_cap_mb` (the first one at most 1 MiB), in reverse registration order (roughly the order
-/// ```cpp
-///   backward produces them); a hook on each parameter's gradient accumulator copies the gradient into its bucket,
+/// - gradients are grouped into buckets of about `bucket_cap_mb` (the first one at most 1 MiB), in reverse
+///   registration order (roughly the order backward produces them); a hook on each parameter's gradient accumulator
+///   copies the gradient into its bucket,
 ///   and a full bucket's allreduce starts at once, in bucket order on every rank (collectives must match up);
-/// ```
 /// - at the end of backward (an autograd engine callback) it waits for every bucket, and writes the averaged
-/// ```cpp
 ///   gradients back into `param.grad()`. Parameters that got no gradient in this backward count as zero, so every
 ///   rank takes part in every bucket's allreduce and nothing hangs; `find_unused_parameters` (a graph walk after
 ///   forward, as in PyTorch) lets their buckets start early instead of at the end of backward;
-/// ```
 /// - `no_sync()` returns a guard under which backward only accumulates locally; the next synchronised backward
-/// ```cpp
 ///   averages the accumulated sum, exactly as in PyTorch;
-/// ```
 /// - the communication hook is replaceable: `allreduce_hook()` (default) or `fp16_compress_hook()`.
 ///
 /// Every rank must run the same number of synchronised backward passes, unless the training loop runs under `Join`

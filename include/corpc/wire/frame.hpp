@@ -1,7 +1,7 @@
 /// @file
 /// The framing of every message on a corpc connection.
 ///
-/// ```cpp
+/// ```
 ///   FrameHeader (72 bytes) | tensor metadata (meta_len) | body (body_len) | tensor data (tensor_bytes, one blob each)
 /// ```
 ///
