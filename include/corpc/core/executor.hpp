@@ -32,8 +32,8 @@ struct WorkItem {
 };
 
 /// Something that runs WorkItems: the runtime's worker pool and I/O threads, a ThreadPool, a BoundedExecutor (strand),
-/// the ManualExecutor of sync_wait. Coroutines resume on the executor current where they suspended (see the top of
-/// this header). Implement enqueue() (and running_here(), to allow inline resumption) to plug in your own.
+/// the ManualExecutor of sync_wait. Coroutines resume on the executor current where they suspended (see
+/// corpc/core/executor.hpp). Implement enqueue() (and running_here(), to allow inline resumption) to plug in your own.
 class Executor {
  public:
   virtual ~Executor() = default;
@@ -147,7 +147,7 @@ class ThreadPool final : public Executor {
   void stop();
   /// The number of threads kept runnable (the `threads` of the constructor).
   std::size_t size() const noexcept { return base_; }
-  std::size_t threads_started() const noexcept;  ///< replacements included, for tests
+  std::size_t threads_started() const noexcept;  ///< threads ever started, replacements included (for tests)
 
  private:
   friend class BlockingRegion;

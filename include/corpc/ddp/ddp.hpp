@@ -184,7 +184,7 @@ class DistributedDataParallel {
 
   /// Uneven inputs, as PyTorch's `with Join([ddp]):` — see Join below.
   class Join;
-  /// Opens a Join (below) for a training loop whose ranks may run different numbers of batches; std::logic_error if
+  /// Opens a Join (see Join) for a training loop whose ranks may run different numbers of batches; std::logic_error if
   /// one is open already.
   [[nodiscard]] Join join(JoinOptions options = {});
 

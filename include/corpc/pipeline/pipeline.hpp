@@ -107,10 +107,10 @@ std::uint64_t next_pipeline_id();
 
 }  // namespace detail
 
-/// A model cut into stages hosted on other workers, trained one step at a time by a schedule (see the top of this
-/// header). Made by create(); copies share the same stages, which the workers drop when the last copy is destroyed
-/// (the destructor waits for their answers). The caller holds no parameters: they live, and are updated, on the
-/// stages' workers.
+/// A model cut into stages hosted on other workers, trained one step at a time by a schedule (see
+/// corpc/pipeline/pipeline.hpp). Made by create(); copies share the same stages, which the workers drop when the last
+/// copy is destroyed (the destructor waits for their answers). The caller holds no parameters: they live, and are
+/// updated, on the stages' workers.
 class Pipeline {
  public:
   /// Builds Model(args...) on every worker named in `options` (seed it: every worker must get the same weights) and

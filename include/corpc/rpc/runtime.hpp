@@ -64,7 +64,7 @@ class Runtime {
   int rank() const noexcept { return self().rank; }
   /// The number of workers in the job.
   int world_size() const noexcept;
-  const WorkerInfo& worker(const WorkerRef& ref) const;  ///< throws UnknownWorkerError
+  const WorkerInfo& worker(const WorkerRef& ref) const;  ///< the worker `ref` names; UnknownWorkerError if none
   /// Every worker, by rank.
   std::vector<WorkerInfo> workers() const;
   /// False once worker `rank` is known to be dead (its connection failed or went silent past liveness_timeout), or
@@ -120,6 +120,7 @@ class Runtime {
 /// all arrive in time, and ConnectionError if it cannot listen or a peer fails authentication (RpcOptions::secret).
 void init_rpc(std::string name, int rank = -1, int world_size = -1, RpcOptions options = {});
 
+/// Stops this process's runtime.
 /// graceful: waits until every worker has called shutdown and no worker has work in flight, then closes every
 /// connection. Never waits for a dead peer; gives up on live ones after RpcOptions::shutdown_timeout (if set).
 /// On a worker whose rank 0 died (rather than shut down), it closes everything and then throws ConnectionError, so

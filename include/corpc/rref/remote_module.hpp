@@ -71,10 +71,10 @@ Task<std::vector<RRef<at::Tensor>>> module_parameters(RRef<M> ref) {
 
 }  // namespace detail
 
-/// A torch::nn module `M` (a module holder such as torch::nn::Linear) built and run on another worker; see the top of
-/// this header. Copies, and RemoteModules passed to other workers, refer to the same module. Calls return at once
-/// (the `_async` forms) or block (the others, which throw UsageError on a corpc I/O thread); errors are those of
-/// rpc_async, plus the module constructor's error for every call after a failed creation.
+/// A torch::nn module `M` (a module holder such as torch::nn::Linear) built and run on another worker (see
+/// corpc/rref/remote_module.hpp). Copies, and RemoteModules passed to other workers, refer to the same module. Calls
+/// return at once (the `_async` forms) or block (the others, which throw UsageError on a corpc I/O thread); errors are
+/// those of rpc_async, plus the module constructor's error for every call after a failed creation.
 template <class M>
 class RemoteModule {
  public:
