@@ -19,7 +19,9 @@
 
 namespace corpc::ddp {
 
-/// Returns the number of restarts it took.
+/// Runs `fn(rank, restart)` on `world_size` local ranks as launch_processes does, and relaunches the whole group
+/// after a failed attempt, up to `max_restarts` times (see corpc/ddp/elastic.hpp). Returns the number of restarts it
+/// took; rethrows the last attempt's LaunchError when none is left.
 int launch_with_restarts(int world_size, const std::function<void(int rank, int restart)>& fn, int max_restarts,
                          LaunchOptions options = {});
 

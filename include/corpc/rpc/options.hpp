@@ -82,9 +82,9 @@ struct RpcOptions {
 /// Per-call options, passed first after the destination: `rpc_async<&f>("w1", corpc::with_timeout(100ms), x)`.
 /// Also taken by remote(), RRef proxies and RemoteModule calls.
 struct CallOptions {
-  /// Past it the call's future fails with TimeoutError (the callee is sent a cancel; its function may still run to
-  /// its next stop point). Unset: RpcOptions::rpc_timeout. Inside a call being handled, it is further cut to what is
-  /// left of that call's deadline.
+  /// How long the caller waits: past it the call's future fails with TimeoutError, and the callee is sent a cancel
+  /// (its function may still run until its next stop point). Unset: RpcOptions::rpc_timeout. Inside a call being
+  /// handled, it is further cut to what is left of that call's deadline.
   std::optional<std::chrono::milliseconds> timeout;
   // ---- cancellation and deadlines (corpc/core/this_call.hpp) ----
   /// A stop request cancels the call, as Future::cancel does: the future completes with CancelledError and the

@@ -135,7 +135,7 @@ void shutdown(bool graceful = true);
 void add_runtime_initializer(std::function<void(Runtime&)> init);
 
 WorkerInfo get_worker_info();                        ///< this worker
-WorkerInfo get_worker_info(const WorkerRef& worker);  ///< throws UnknownWorkerError
+WorkerInfo get_worker_info(const WorkerRef& worker);  ///< the worker `worker` names; UnknownWorkerError if none
 std::vector<WorkerInfo> get_worker_infos();  ///< every worker, by rank
 
 }  // namespace corpc
