@@ -197,7 +197,8 @@ int main(int argc, char** argv) {
     std::puts("pipeline_bench [--schedules gpipe,1f1b,interleaved,zbh1] [--splits 1,2,4,8] [--balance time|tutorial|N,N..]\n"
               "               [--workers 2] [--batch-size 32] [--image-size 64] [--num-batches 3] [--threads 1] [--warmup 1]\n"
               "               [--base-width 64] [--num-classes 1000] [--tutorial] [--compare-pytorch]\n"
-              "               [--pytorch-script bench/pytorch_pipeline.py] [--trace FILE.json] [--gantt FILE.png]");
+              "               [--pytorch-script bench/pytorch_pipeline.py] [--trace FILE.json] [--gantt FILE.png]\n"
+              "               [--host-cache on|off]   (off: libtorch's own CPU allocator in every process, reference included)");
     return 0;
   }
   const bool tutorial = flags.has("tutorial");
@@ -221,10 +222,12 @@ int main(int argc, char** argv) {
   const std::string trace_path = flags.get("trace", ""), gantt_path = flags.get("gantt", "");
 
   bench::print_machine();
-  std::printf("# ResNet50 (base width %ld) as a Sequential of %zu layers on %ld worker processes + master (CPU); batch %ld of "
-              "%ldx%ld images, %ld timed batches after %ld warm-up, %ld intra-op thread(s) per process; balance: %s\n",
+  const std::string host_cache = flags.get("host-cache", "on");
+  std::printf("# ResNet50 (base width %ld) as a Sequential of %d layers on %ld worker processes + master (CPU); batch %ld of "
+              "%ldx%ld images, %ld timed batches after %ld warm-up, %ld intra-op thread(s) per process; balance: %s; "
+              "host cache: %s\n",
               c.width, 4 + 16 + 3, c.workers, c.batch, c.image, c.image, c.batches, c.warmup, c.threads,
-              c.balance.c_str());
+              c.balance.c_str(), host_cache.c_str());
   std::fflush(stdout);
 
   // Results cross from rank 0 to this process through a file (ranks are forked processes).
@@ -235,6 +238,7 @@ int main(int argc, char** argv) {
   options.init_timeout = std::chrono::seconds(60);
   const int threads = static_cast<int>(c.threads);
   options.worker_thread_init = [threads] { at::set_num_threads(threads); };
+  options.cache_cpu_allocations = host_cache != "off";
   LaunchOptions so;
   so.timeout = std::chrono::minutes(60);
   const int world = static_cast<int>(c.workers) + 1;

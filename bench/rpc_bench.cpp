@@ -10,7 +10,7 @@
 // blocking asio::write / asio::read on its calling thread, TCP_NODELAY on both ends, over 127.0.0.1. A raw message is
 // an 8-byte length followed by the payload; the server reads the whole message, then writes it back. The raw client
 // reuses one receive buffer; corpc receives each reply into a fresh tensor, whose memory comes from its receive pool
-// from 1 MiB on (--receive-cache-mib 0: from the default allocator, fresh pages each time). raw async64 keeps 64 header-only messages in flight on the one connection.
+// from 1 MiB on (--host-cache-mib 0: from the default allocator, fresh pages each time). raw async64 keeps 64 header-only messages in flight on the one connection.
 //
 // This VM's vCPUs move between fast and slow placements (../shared/DESIGN.md §4), so each case alternates short blocks
 // of raw and corpc (ABBA order) and reports the ratio per block pair; the headline ratio is the median of those.
@@ -117,7 +117,7 @@ struct Options {
   int min_iters = 3;  // per block, for the slow cases
   int worker_threads = 0;
   int spin_us = -1;  // corpc's spin before a blocked wait sleeps; -1: RpcOptions' default
-  long receive_cache_mib = -1;  // RpcOptions::receive_cache_bytes in MiB; -1: its default, 0: no receive pool
+  long host_cache_mib = -1;  // RpcOptions::host_cache_bytes in MiB; -1: its default, 0: no block cache
   bool raw_alloc = false;  // raw receivers allocate a fresh at::empty buffer per message, as corpc must
   std::vector<CaseSpec> cases = kAllCases;
   std::string json_path;
@@ -129,7 +129,7 @@ struct Options {
   std::fprintf(code ? stderr : stdout,
                "usage: rpc_bench [--seconds-per-case S] [--cases noop,4KiB,1MiB,16MiB,64MiB,async64,remote,chain]\n"
                "                 [--block-ms MS] [--min-iters N] [--worker-threads N] [--spin-us US] [--raw-alloc]\n"
-               "                 [--json PATH] [--cancel-samples N] [--receive-cache-mib N] [--flow-control on|off]\n"
+               "                 [--json PATH] [--cancel-samples N] [--host-cache-mib N] [--flow-control on|off]\n"
                "Each case alternates blocks of raw Asio TCP and corpc (~MS ms each, >= N calls) for ~S seconds\n"
                "and reports the median of the per-block ratios corpc/raw.\n"
                "--raw-alloc: the raw floor receives each message into a freshly allocated at::empty buffer (both\n"
@@ -167,8 +167,8 @@ Options parse(int argc, char** argv) {
         o.worker_threads = std::stoi(value());
       } else if (key == "--spin-us") {
         o.spin_us = std::stoi(value());
-      } else if (key == "--receive-cache-mib") {
-        o.receive_cache_mib = std::stol(value());
+      } else if (key == "--host-cache-mib") {
+        o.host_cache_mib = std::stol(value());
       } else if (key == "--raw-alloc") {
         o.raw_alloc = true;
       } else if (key == "--json") {
@@ -576,7 +576,7 @@ corpc::RpcOptions rpc_options(const Options& o) {
   r.shutdown_timeout = std::chrono::seconds(30);
   r.num_worker_threads = o.worker_threads;
   if (o.spin_us >= 0) r.spin_before_block = std::chrono::microseconds(o.spin_us);
-  if (o.receive_cache_mib >= 0) r.receive_cache_bytes = static_cast<std::uint64_t>(o.receive_cache_mib) << 20;
+  if (o.host_cache_mib >= 0) r.host_cache_bytes = static_cast<std::uint64_t>(o.host_cache_mib) << 20;
   if (!o.flow_control) {
     r.max_calls_in_flight_per_peer = std::numeric_limits<std::uint32_t>::max();
     r.max_requests_held = std::numeric_limits<std::uint32_t>::max();

@@ -1,7 +1,5 @@
 // The worker side of corpc::pipeline: the stages a worker hosts, the mailbox of activations and gradients sent to
 // them, and the interpreter of a step's action list.
-#include <c10/core/CPUAllocator.h>
-#include <malloc.h>
 #include <torch/autograd.h>
 
 #include <algorithm>
@@ -12,59 +10,15 @@
 #include <tuple>
 
 #include "corpc/pipeline/pipeline.hpp"
+#include "host_allocator.hpp"
 
 namespace corpc::pipeline::detail {
+using corpc::detail::host_live_bytes;
+using corpc::detail::host_peak_bytes;
+using corpc::detail::install_host_allocator;
+using corpc::detail::reset_host_peak_bytes;
+
 namespace {
-
-// ---- activation memory ----------------------------------------------------------------------------------------------
-// libtorch's CPU allocator keeps no statistics, so this one wraps it and counts the bytes it has handed out (the
-// usable size malloc reports, the same at allocation and release). Installed on a worker when it first hosts a stage;
-// memory allocated before that is not counted, and never released through the counter either.
-class CountingCpuAllocator final : public c10::Allocator {
- public:
-  explicit CountingCpuAllocator(c10::Allocator* inner) : inner_(inner), inner_deleter_(inner->raw_deleter()) {}
-
-  c10::DataPtr allocate(size_t n) const override {
-    c10::DataPtr p = inner_->allocate(n);
-    void* data = p.get();
-    if (!data || !inner_deleter_ || p.get_context() != data) return p;  // not the plain layout: leave it uncounted
-    p.release_context();
-    add(static_cast<std::int64_t>(::malloc_usable_size(data)));
-    return {data, data, &release, p.device()};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return &release; }
-
-  static std::int64_t live() { return live_.load(std::memory_order_relaxed); }
-  static std::int64_t peak() { return peak_.load(std::memory_order_relaxed); }
-  static void reset_peak() { peak_.store(live(), std::memory_order_relaxed); }
-
- private:
-  static void add(std::int64_t bytes) {
-    const auto now = live_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
-    auto seen = peak_.load(std::memory_order_relaxed);
-    while (now > seen && !peak_.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
-    }
-  }
-  static void release(void* data) {
-    live_.fetch_sub(static_cast<std::int64_t>(::malloc_usable_size(data)), std::memory_order_relaxed);
-    instance->inner_deleter_(data);
-  }
-
-  c10::Allocator* inner_;
-  c10::DeleterFnPtr inner_deleter_;
-  static inline std::atomic<std::int64_t> live_{0}, peak_{0};
-
- public:
-  static inline CountingCpuAllocator* instance = nullptr;
-};
-
-void install_counting_allocator() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    CountingCpuAllocator::instance = new CountingCpuAllocator(c10::GetDefaultCPUAllocator());  // lives as long as tensors
-    c10::SetCPUAllocator(CountingCpuAllocator::instance, /*priority=*/1);
-  });
-}
 
 // ---- what a worker hosts --------------------------------------------------------------------------------------------
 struct HostedStage {
@@ -176,7 +130,8 @@ at::Tensor grad_or_zeros(const at::Tensor& leaf) { return leaf.grad().defined() 
 }  // namespace
 
 void host_stages(const StagePlacement& placement, torch::nn::Sequential model, LossFn loss, OptimizerFactory optimizer) {
-  install_counting_allocator();
+  // Peak activation memory: the host allocator counts what it hands out (libtorch's CPU allocator keeps no statistics).
+  install_host_allocator();
   auto host = std::make_shared<Host>();
   host->placement = placement;
   host->rank = get_worker_info().rank;
@@ -251,8 +206,8 @@ Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Act
       if (p.grad().defined()) p.mutable_grad().zero_();
   }
   report.losses.assign(targets.size(), 0.0);
-  CountingCpuAllocator::reset_peak();
-  const std::int64_t baseline = CountingCpuAllocator::live();
+  reset_host_peak_bytes();
+  const std::int64_t baseline = host_live_bytes();
 
   const bool split_backward = std::any_of(actions.begin(), actions.end(),
                                           [](const Action& a) { return a.kind == ActionKind::BackwardInput; });
@@ -351,7 +306,7 @@ Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Act
   co_await wait_all(std::move(sends));
   for (auto& [s, st] : host->stages)
     if (st.optimizer) st.optimizer->step();
-  report.peak_activation_bytes = CountingCpuAllocator::peak() - baseline;
+  report.peak_activation_bytes = host_peak_bytes() - baseline;
   co_return report;
 }
 

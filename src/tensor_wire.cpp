@@ -6,7 +6,7 @@
 
 #include "corpc/wire/codec.hpp"
 #include "corpc/wire/message.hpp"
-#include "receive_pool.hpp"
+#include "host_block_cache.hpp"
 #include "tensor_meta.hpp"
 
 namespace corpc {
@@ -20,16 +20,16 @@ std::size_t item_size(std::uint8_t raw) {
     return 0;
   return c10::elementSize(static_cast<at::ScalarType>(raw));
 }
-void give_back_block(void* block) { detail::ReceivePool::instance().release(static_cast<detail::ReceivePool::Block*>(block)); }
+void give_back_block(void* data) { detail::HostBlockCache::instance().release(data); }
 
-// A tensor to receive `m` into: large ones in a block of the receive pool (given back when the storage is freed; a
-// resize moves the tensor to the default allocator), the rest from the default allocator.
+// A tensor to receive `m` into: large ones in a block of the block cache (given back when the storage is freed; a
+// resize moves the tensor to the CPU allocator), the rest from the CPU allocator.
 at::Tensor receive_tensor(const detail::TensorMeta& m) {
   const auto options = at::TensorOptions().dtype(static_cast<at::ScalarType>(m.dtype));
-  auto* block = detail::ReceivePool::instance().acquire(static_cast<std::size_t>(m.nbytes));
+  void* block = detail::HostBlockCache::instance().acquire(static_cast<std::size_t>(m.nbytes));
   if (!block) return at::empty_strided(m.sizes, m.strides, options);
   c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<std::size_t>(m.nbytes),
-                       c10::DataPtr(block->data, block, &give_back_block, at::Device(at::kCPU)), c10::GetCPUAllocator(),
+                       c10::DataPtr(block, block, &give_back_block, at::Device(at::kCPU)), c10::GetCPUAllocator(),
                        /*resizable=*/true);
   at::Tensor t = at::empty({0}, options);
   t.set_(std::move(storage), 0, m.sizes, m.strides);

@@ -7,12 +7,12 @@
 #include <ATen/Parallel.h>
 #include <sys/resource.h>
 
-#include "../src/receive_pool.hpp"
+#include "../src/host_block_cache.hpp"
 #include "support.hpp"
 
 using namespace corpc;
 using namespace corpc::test;
-using Pool = corpc::detail::ReceivePool;
+using Pool = corpc::detail::HostBlockCache;
 
 namespace {
 
@@ -36,24 +36,26 @@ at::Tensor pattern(std::int64_t numel, std::int64_t seed, at::ScalarType dtype =
 
 }  // namespace
 
-TEST_CASE("receive pool: a released block is reused for its size class; cached memory stays under the bound") {
+TEST_CASE("block cache: a released block is reused for its size class; cached memory stays under the bound") {
   auto& pool = Pool::instance();
   pool.set_cache_limit(8 * kMiB);
-  REQUIRE(pool.acquire(Pool::kMinBytes - 1) == nullptr);  // small receives: the ordinary allocator
-  auto* a = pool.acquire(3 * kMiB);
+  REQUIRE(pool.acquire(Pool::kMinBytes - 1) == nullptr);  // small requests: the ordinary allocator
+  void* a = pool.acquire(3 * kMiB);
   REQUIRE(a != nullptr);
-  REQUIRE(a->capacity >= 3 * kMiB);
-  REQUIRE(a->capacity == Pool::size_class(3 * kMiB - 4096));  // one class covers nearby sizes
-  void* data = a->data;
-  pool.release(a);
-  auto* b = pool.acquire(3 * kMiB - 100);
-  REQUIRE(b->data == data);  // the cached block, not a fresh mapping
-  auto* c = pool.acquire(3 * kMiB);  // b is in use: another block
-  REQUIRE(c->data != b->data);
+  const std::size_t capacity = Pool::size_class(3 * kMiB);
+  REQUIRE(capacity >= 3 * kMiB);
+  REQUIRE(capacity == Pool::size_class(3 * kMiB - 4096));  // one class covers nearby sizes
+  REQUIRE(pool.release(a) == capacity);
+  void* b = pool.acquire(3 * kMiB - 100);
+  REQUIRE(b == a);  // the cached block, not a fresh mapping
+  void* c = pool.acquire(3 * kMiB);  // b is in use: another block
+  REQUIRE(c != b);
+  int not_ours = 0;
+  REQUIRE(pool.release(&not_ours) == 0);  // anything else is refused, untouched
   pool.release(b);
   pool.release(c);
-  REQUIRE(pool.cached_bytes() == b->capacity + c->capacity);
-  auto* big = pool.acquire(6 * kMiB);
+  REQUIRE(pool.cached_bytes() == 2 * capacity);
+  void* big = pool.acquire(6 * kMiB);
   pool.release(big);  // over the 8 MiB bound: the least recently used go
   REQUIRE(pool.cached_bytes() <= 8 * kMiB);
   pool.set_cache_limit(0);  // off: everything cached is unmapped, and nothing is pooled
@@ -102,4 +104,34 @@ TEST_CASE("received tensors held at once keep their own buffers") {
     back[0].resize_({8 * kMiB});  // outgrows its pooled block: moves to the default allocator
     EXPECT(at::equal(back[0].narrow(0, 0, kMiB), sent[0]));
   });
+}
+
+// A training step allocates and frees the same large activations every step: with the host allocator (the default)
+// the second round of allocations reuses the first round's pages, so it takes no page faults, and the memory is
+// the same block; with cache_cpu_allocations off every round is fresh memory from libtorch's allocator (the bytes
+// are faulted in again). Both are checked, so the test fails if the allocator is not installed or not used.
+TEST_CASE("large CPU allocations reuse cached pages when the host allocator is on, and not when it is off") {
+  for (const bool on : {true, false}) {
+    RpcOptions options = quick_options();
+    options.cache_cpu_allocations = on;
+    run_world(1, [&](int) {
+      // Floats: 64 MiB, 16384 pages. Above glibc's largest mmap threshold (32 MiB), so without the cache every
+      // allocation is a fresh mapping, whatever the heap's history in this process.
+      constexpr std::int64_t kNumel = 16 * kMiB;
+      const void* first = nullptr;
+      std::int64_t faults_before = 0;
+      for (int round = 0; round < 3; ++round) {
+        if (round == 1) faults_before = minor_faults();
+        at::Tensor t = at::empty({kNumel});
+        t.fill_(static_cast<float>(round));  // touches every page
+        if (round == 0) first = t.data_ptr();
+        if (on && round > 0) EXPECT(t.data_ptr() == first);  // (a fresh mapping may land at the same address)
+        EXPECT(t[kNumel - 1].item<float>() == static_cast<float>(round));
+      }
+      const std::int64_t per_round = (minor_faults() - faults_before) / 2;
+      MESSAGE("cache_cpu_allocations " << on << ": minor faults per 64 MiB allocation after the first: " << per_round);
+      if (on) EXPECT(per_round < 16);
+      else EXPECT(per_round > 4000);  // glibc maps and unmaps a buffer this size every time
+    }, options);
+  }
 }

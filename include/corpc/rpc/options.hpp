@@ -72,11 +72,19 @@ struct RpcOptions {
   /// alone does not notice. Detected within 1.25x this. 0: never.
   std::chrono::milliseconds liveness_timeout{15'000};
 
-  // ---- Tensor transfer ----
-  /// Received tensors of 1 MiB and more are written into blocks kept for reuse, so that a steady stream of
-  /// same-sized tensors maps no new pages; this bounds the free blocks kept (least recently used go first; blocks idle
-  /// for 10 s are unmapped). Process-wide. 0: every receive gets fresh memory from the default allocator.
-  std::uint64_t receive_cache_bytes = std::uint64_t{256} << 20;
+  // ---- CPU memory ----
+  /// The most memory kept in freed large CPU blocks for reuse, process-wide.
+  /// Large CPU tensors (1 MiB and more) live in mapped blocks that are kept for reuse when freed, so that a steady
+  /// workload maps no new pages: a fresh buffer is faulted in page by page, and on a VM a fault costs microseconds
+  /// (ResNet50's training step on CPU spent most of its time there). This bounds the free blocks kept; the least
+  /// recently used go first, blocks idle for 10 s are unmapped, and all of them when memory runs out. Process-wide.
+  /// Unset: a quarter of physical memory. 0: off (fresh memory from libtorch's allocator every time).
+  std::optional<std::uint64_t> host_cache_bytes;
+  /// Whether every large CPU allocation of the process uses those blocks, not only received tensors.
+  /// Which large tensors: received ones always (while the cache is on); with this, also every CPU tensor the process
+  /// allocates, through an allocator installed in front of libtorch's at init_rpc (c10::SetCPUAllocator; it stays
+  /// for the life of the process, and follows host_cache_bytes of the latest init_rpc). false: only received ones.
+  bool cache_cpu_allocations = true;
 };
 
 /// Per-call options, passed first after the destination: `rpc_async<&f>("w1", corpc::with_timeout(100ms), x)`.
