@@ -20,6 +20,7 @@
 #include <map>
 #include <sstream>
 
+#include "../tools/gantt.hpp"
 #include "bench_util.hpp"
 #include "corpc/corpc.hpp"
 #include "corpc/pipeline/pipeline.hpp"
@@ -158,35 +159,25 @@ double run_pytorch(const Config& c, long split, const std::string& script) {
 
 // One Gantt chart: a row per (schedule run, worker), boxes from each action's start to end, coloured by kind.
 void write_gantt(const std::string& png, const std::vector<std::pair<std::string, std::vector<WorkerReport>>>& runs) {
-  const std::string data = png + ".dat", script = png + ".gp";
-  std::ofstream d(data), g(script);
-  std::string ytics;
+  gantt::Chart chart;
+  chart.title = "pipeline timeline (blue F, red B, orange I, green W)";
+  chart.xlabel = "ms from the step start";
+  chart.palette = {"#3b75af", "#c03d3e", "#ef8636", "#519e3e"};  // by ActionKind
   int row = 0;
   for (auto& [label, workers] : runs) {
     std::int64_t origin = INT64_MAX;
     for (auto& w : workers)
       for (auto& r : w.records) origin = std::min(origin, r.start_ns);
     for (auto& w : workers) {
-      ytics += (ytics.empty() ? "" : ", ") + ("\"" + label + " w" + std::to_string(w.rank) + "\" ") + std::to_string(row);
-      for (auto& r : w.records) {
-        const double s = (r.start_ns - origin) / 1e6, e = (r.end_ns - origin) / 1e6;
-        const int colour = static_cast<int>(r.action.kind);
-        d << (s + e) / 2 << ' ' << row << ' ' << (e - s) / 2 << ' ' << 0.4 << ' ' << colour << '\n';
-      }
+      chart.rows.emplace_back(label + " w" + std::to_string(w.rank), row);
+      for (auto& r : w.records)
+        chart.boxes.push_back({(r.start_ns - origin) / 1e6, (r.end_ns - origin) / 1e6, row, static_cast<int>(r.action.kind)});
       ++row;
     }
     ++row;  // a gap between runs
   }
-  g << "set terminal pngcairo size 1400," << 120 + 28 * row << " font 'sans,10'\nset output '" << png << "'\n"
-    << "set xlabel 'ms from the step start'\nset yrange [-1:" << row << "] reverse\nset ytics (" << ytics << ")\n"
-    << "set palette defined (0 '#3b75af', 1 '#c03d3e', 2 '#ef8636', 3 '#519e3e')\nset cbrange [0:3]\nunset colorbox\n"
-    << "set title 'pipeline timeline (blue F, red B, orange I, green W)'\nset grid xtics\n"
-    << "plot '" << data << "' using 1:2:3:4:5 with boxxyerror fs solid 0.9 noborder lc palette notitle\n";
-  g.close();
-  d.close();
-  const std::string cmd = "gnuplot '" + script + "'";
-  if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "# gnuplot failed or is missing: no %s\n", png.c_str());
-  else std::fprintf(stderr, "# wrote %s\n", png.c_str());
+  chart.row_count = row;
+  gantt::draw(png, chart);
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 
 #include "corpc/rpc/outbound.hpp"
 #include "runtime_impl.hpp"
+#include "trace_recorder.hpp"
 
 namespace corpc {
 
@@ -57,6 +58,8 @@ std::chrono::milliseconds Runtime::Impl::effective_timeout(std::optional<std::ch
 
 // Every step that can fail comes before the call is registered and counted: a failure then concerns this call alone.
 void Runtime::Impl::start_call(detail::OutboundCall&& call) {
+  // Shutdown's own rounds (control calls) are left out: they are what runs while the trace's parts are written.
+  const std::int64_t trace_t0 = trace::enabled() && !call.control ? trace::now_ns() : 0;
   const int dst = call.dst;
   if (dst < 0 || dst >= world_size) throw UnknownWorkerError("no worker with rank " + std::to_string(dst));
   Message& m = call.message;
@@ -98,6 +101,10 @@ void Runtime::Impl::start_call(detail::OutboundCall&& call) {
                        std::to_string(options.max_calls_in_flight_per_peer) + " calls in flight to it)");
   }
   if (!call.control) calls_in_flight.fetch_add(1, std::memory_order_relaxed);
+  if (trace_t0) [[unlikely]] {  // before it leaves: its reply must not find this worker idle without the record
+    trace::detail::record({.kind = trace::detail::Kind::call, .peer = dst, .t0 = trace_t0, .t1 = trace::now_ns(),
+                           .request = id, .bytes = frame.wire_bytes(), .name = std::string(call.function)});
+  }
   if (earliest && conn->pending.earliest() < conn->timer_armed_for.load(std::memory_order_acquire)) {
     asio::post(conn->io(), [this, conn] { arm_deadline_timer(conn); });
   }
@@ -110,6 +117,18 @@ void Runtime::Impl::start_call(detail::OutboundCall&& call) {
     hook.b = id;
     call.cancel->arm_cancel(std::move(hook));
   }
+}
+
+// Completes a registered call that got no reply (cancelled, timed out, its connection lost). Its trace record goes
+// first, before the call stops counting as in flight: a worker is never idle (and writing its trace) without it.
+void Runtime::Impl::finish_without_reply(detail::PendingCall& p, std::exception_ptr error) noexcept {
+  if (trace::enabled() && p.counted) [[unlikely]] {
+    trace::detail::record({.kind = trace::detail::Kind::call_failed, .peer = p.dst, .t0 = trace::now_ns(),
+                           .t1 = trace::now_ns(), .request = p.id,
+                           .name = std::string(p.function.empty() ? std::string_view(p.owned_name) : p.function)});
+  }
+  if (p.counted) call_done();
+  p.finish(nullptr, std::move(error));
 }
 
 // Counted for graceful shutdown when it leaves: a call that waited for room and timed out was never sent.
@@ -137,8 +156,7 @@ void Runtime::Impl::cancel_call(detail::Connection* where, int dst, std::uint64_
   std::vector<OutFrame> ready;  // calls that waited for room, which the cancelled one frees
   if (conn->pending.take(id, p, ready) != detail::PendingCalls::Lookup::Found) return;  // completed already
   for (auto& f : ready) send_request(conn, std::move(f), true);
-  if (p.counted) call_done();
-  p.finish(nullptr, detail::cancelled_error());
+  finish_without_reply(p, detail::cancelled_error());
   send_cancel(*conn, id);
 }
 
@@ -169,11 +187,11 @@ void Runtime::Impl::arm_deadline_timer(const std::shared_ptr<detail::Connection>
     c->pending.take_expired(detail::Clock::now(), expired, ready);
     for (auto& f : ready) send_request(c, std::move(f), true);
     for (auto& p : expired) {
-      if (p.counted) call_done();
       send_cancel(*c, p.id);  // expiry stops the work on the callee too
-      p.finish(nullptr, std::make_exception_ptr(TimeoutError(
-                            "call to '" + std::string(p.function.empty() ? p.owned_name : p.function) + "' on worker '" +
-                            name_of(p.dst) + "' timed out after " + std::to_string(p.timeout.count()) + " ms")));
+      finish_without_reply(p, std::make_exception_ptr(TimeoutError(
+                                  "call to '" + std::string(p.function.empty() ? p.owned_name : p.function) +
+                                  "' on worker '" + name_of(p.dst) + "' timed out after " +
+                                  std::to_string(p.timeout.count()) + " ms")));
     }
     arm_deadline_timer(c);
   });
@@ -190,8 +208,13 @@ void Runtime::Impl::deliver_reply(const std::shared_ptr<detail::Connection>& con
     case detail::PendingCalls::Lookup::Found: break;
   }
   for (auto& f : ready) send_request(conn, std::move(f), true);
-  if (p.counted) call_done();
   const std::string_view function = p.function.empty() ? std::string_view(p.owned_name) : p.function;
+  if (trace::enabled() && p.counted) [[unlikely]] {  // before call_done: see finish_without_reply
+    trace::detail::record({.kind = trace::detail::Kind::reply_received, .error = msg.head.kind == FrameKind::Error,
+                           .peer = p.dst, .t0 = trace::now_ns(), .t1 = trace::now_ns(), .request = p.id,
+                           .bytes = trace::detail::frame_bytes(msg.head), .name = std::string(function)});
+  }
+  if (p.counted) call_done();
   if (msg.head.kind == FrameKind::Error) return p.finish(nullptr, decode_error(msg, name_of(p.dst), function));
   try {
     attach_autograd(msg.head, p.dst, msg.tensors);
@@ -204,10 +227,7 @@ void Runtime::Impl::deliver_reply(const std::shared_ptr<detail::Connection>& con
 void Runtime::Impl::fail_calls(detail::Connection& conn, std::exception_ptr error) {
   std::vector<detail::PendingCall> failed;
   conn.pending.close_and_take_all(failed);
-  for (auto& p : failed) {
-    if (p.counted) call_done();
-    p.finish(nullptr, error);
-  }
+  for (auto& p : failed) finish_without_reply(p, error);
 }
 
 }  // namespace corpc

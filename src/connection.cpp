@@ -9,6 +9,8 @@
 #include <cerrno>
 #include <cstring>
 
+#include "trace_recorder.hpp"
+
 namespace corpc::detail {
 
 namespace {
@@ -66,6 +68,10 @@ class TcpConnection final : public Connection {
   }
 
   void send(OutFrame&& f) override {
+    const std::uint64_t tensor_bytes = f.head.tensor_bytes;
+    trace::detail::ScopedRecord slice(
+        [&] { return trace::detail::Record{.kind = trace::detail::Kind::tensor_send, .peer = peer_rank, .bytes = tensor_bytes, .name = {}}; },
+        tensor_bytes >= trace::kLargeTransferBytes);
     std::unique_lock lock(wmutex_);
     if (closed_) return;
     if (!connected_ || flush_owned_ || corked_here() || f.tensors.size() + 3 > kMaxIov) {
@@ -328,6 +334,10 @@ class TcpConnection final : public Connection {
         if (h.kind == FrameKind::Ping) send_heartbeat(FrameKind::Pong);
         continue;
       }
+      // A large transfer, from its header to its last byte (drawn on this connection's own track: reads of one
+      // connection never overlap, while this I/O thread serves others in between).
+      const std::int64_t trace_t0 =
+          trace::enabled() && h.tensor_bytes >= trace::kLargeTransferBytes ? trace::now_ns() : 0;
       if (head_len <= rbuf_.size()) {
         while (rend_ - rbeg_ < head_len) co_await read_more();
         const char* meta = rbuf_.data() + rbeg_;
@@ -359,6 +369,10 @@ class TcpConnection final : public Connection {
           batch_end();
           co_await asio::async_read(socket_, rest, counting_progress(), asio::use_awaitable);
         }
+      }
+      if (trace_t0) [[unlikely]] {
+        trace::detail::record({.kind = trace::detail::Kind::tensor_receive, .peer = peer_rank, .t0 = trace_t0,
+                               .t1 = trace::now_ns(), .bytes = h.tensor_bytes, .name = {}});
       }
       if (h.kind == FrameKind::Goodbye) said_goodbye = true;
       if (closed_) co_return;

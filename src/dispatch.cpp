@@ -5,6 +5,7 @@
 // stopped before it started is answered with CancelledError without running.
 #include "corpc/core/type_name.hpp"
 #include "runtime_impl.hpp"
+#include "trace_recorder.hpp"
 
 namespace corpc {
 
@@ -45,7 +46,15 @@ class RequestScope {
       }
       OutFrame frame = prepare(std::move(out));  // a result that cannot be encoded becomes an error frame
       check_limits(frame, conn_->peer_limits, rt_.name_of(src_));
-      conn_->send(std::move(frame));
+      {
+        trace::detail::ScopedRecord slice(
+            [&, bytes = frame.wire_bytes()] {
+              return trace::detail::Record{.kind = trace::detail::Kind::reply_sent, .peer = src_, .request = id_,
+                                           .bytes = bytes, .name = entry_->name};
+            },
+            counted_);
+        conn_->send(std::move(frame));
+      }
       finish();
     } catch (...) {
       fail(std::current_exception());
@@ -54,7 +63,7 @@ class RequestScope {
   void fail(std::exception_ptr error) noexcept {
     if (done_) return;
     try {
-      rt_.send_error(conn_, id_, std::move(error), entry_->name);
+      rt_.send_error(conn_, id_, std::move(error), entry_->name, counted_);
     } catch (...) {
       conn_->close("cannot send an error reply");
     }
@@ -86,7 +95,16 @@ class RequestScope {
 
 // Runs `entry` on `msg` on the calling thread; the reply leaves from here, or when the handler's future completes.
 void run_request(Runtime::Impl& rt, RequestScope scope, const HandlerEntry& entry, Message& msg, int src) {
-  if (scope.stop_requested()) return scope.fail(detail::cancelled_error());  // cancelled before it started: dropped
+  trace::detail::ScopedRecord slice(
+      [&] {  // the handler's synchronous part (a coroutine's, up to its first suspension)
+        return trace::detail::Record{.kind = trace::detail::Kind::run, .peer = src, .request = msg.head.id,
+                                     .bytes = trace::detail::frame_bytes(msg.head), .name = entry.name};
+      },
+      !(msg.head.flags & kFlagControl));
+  if (scope.stop_requested()) {  // cancelled before it started: dropped
+    slice.finish();
+    return scope.fail(detail::cancelled_error());
+  }
   try {
     CallContextScope ctx_scope(scope.handler_context());
     rt.attach_autograd(msg.head, src, msg.tensors);
@@ -96,10 +114,12 @@ void run_request(Runtime::Impl& rt, RequestScope scope, const HandlerEntry& entr
     if (entry.run_sync) {
       Message out;
       entry.run_sync(in, out);
+      slice.finish();  // before the reply: see ScopedRecord::finish
       scope.reply(std::move(out));
       return;
     }
     Future<Message> result = entry.run_async(in);
+    slice.finish();
     if (result.done()) {
       if (auto e = result.error()) scope.fail(e);
       else scope.reply(std::move(result).value());
@@ -110,6 +130,7 @@ void run_request(Runtime::Impl& rt, RequestScope scope, const HandlerEntry& entr
       else scope.reply(std::move(result).value());
     });
   } catch (...) {
+    slice.finish();
     scope.fail(std::current_exception());
   }
 }
@@ -180,7 +201,7 @@ void Runtime::Impl::on_request(const std::shared_ptr<detail::Connection>& conn, 
   const HandlerEntry* entry = global_registry().find(msg.head.function);
   // A refused request still counts as handled: the caller counted it as sent, and graceful shutdown balances the two.
   auto refuse = [&](std::exception_ptr error, std::string_view function) {
-    send_error(conn, msg.head.id, std::move(error), function);
+    send_error(conn, msg.head.id, std::move(error), function, !(msg.head.flags & kFlagControl));
     if (!(msg.head.flags & kFlagControl)) count_handled(conn->peer_rank);
   };
   if (!entry) {
@@ -216,13 +237,20 @@ void Runtime::Impl::refuse_too_large(const std::shared_ptr<detail::Connection>& 
                  "a request of " + std::to_string(size) + " bytes is over the " +
                  std::to_string(options.limits.max_request_bytes) + " that worker '" + self.name +
                  "' may hold (its RpcOptions::receive_budget_per_connection / _per_process)")),
-             "");
+             "", !(h.flags & kFlagControl));
   if (!(h.flags & kFlagControl)) count_handled(conn->peer_rank);
 }
 
 void Runtime::Impl::send_error(const std::shared_ptr<detail::Connection>& conn, std::uint64_t id,
-                               std::exception_ptr error, std::string_view function) {
-  conn->send(prepare(error_frame(id, std::move(error), self.name, function)));
+                               std::exception_ptr error, std::string_view function, bool traced) {
+  OutFrame frame = prepare(error_frame(id, std::move(error), self.name, function));
+  trace::detail::ScopedRecord slice(
+      [&, bytes = frame.wire_bytes()] {
+        return trace::detail::Record{.kind = trace::detail::Kind::reply_sent, .error = true, .peer = conn->peer_rank,
+                                     .request = id, .bytes = bytes, .name = std::string(function)};
+      },
+      traced);
+  conn->send(std::move(frame));
 }
 
 }  // namespace corpc

@@ -14,6 +14,7 @@
 
 #include "corpc/core/when_all.hpp"
 #include "corpc/rpc/call.hpp"
+#include "trace_recorder.hpp"
 
 namespace corpc::dist_autograd {
 
@@ -260,6 +261,9 @@ Future<void> run_pass(std::shared_ptr<ContextState> ctx, ag::edge_list roots, ag
   container()->passes().post([ctx = std::move(ctx), roots = std::move(roots), grads = std::move(grads), done]() mutable {
     Future<void> shipped;
     try {
+      trace::detail::ScopedRecord slice([&] {
+        return trace::detail::Record{.kind = trace::detail::Kind::backward, .request = static_cast<std::uint64_t>(ctx->id), .bytes = 0, .name = {}};
+      });
       shipped = local_pass(ctx, roots, std::move(grads));
     } catch (...) {
       shipped = make_exceptional_future<void>(std::current_exception());

@@ -11,6 +11,7 @@
 
 #include "corpc/pipeline/pipeline.hpp"
 #include "host_allocator.hpp"
+#include "trace_recorder.hpp"
 
 namespace corpc::pipeline::detail {
 using corpc::detail::host_live_bytes;
@@ -109,9 +110,7 @@ std::shared_ptr<Host> host_or_throw(std::uint64_t id) {
   return h;
 }
 
-std::int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+using trace::now_ns;  // the job trace's clock, so that a stage's timeline and its trace slices agree
 
 // Sends `value` to `stage`'s worker (this one included: then straight into the mailbox).
 Future<void> send(Host& host, std::int64_t step, int stage, int micro, bool gradient, at::Tensor value) {
@@ -302,6 +301,10 @@ Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Act
     }
     record.end_ns = now_ns();
     report.records.push_back(record);
+    if (trace::enabled()) [[unlikely]] {
+      trace::detail::record({.kind = trace::detail::Kind::pipeline_action, .t0 = record.start_ns, .t1 = record.end_ns,
+                             .name = action_letter(a.kind) + std::to_string(a.micro) + "/s" + std::to_string(a.stage)});
+    }
   }
   co_await wait_all(std::move(sends));
   for (auto& [s, st] : host->stages)

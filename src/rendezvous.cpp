@@ -144,7 +144,7 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
 
 // Turns a dialer away: an Error frame with id 0 (the connection itself), then close.
 void Runtime::Impl::refuse(const std::shared_ptr<detail::Connection>& conn, const std::string& why) {
-  send_error(conn, 0, std::make_exception_ptr(ProtocolError(why)), "rendezvous");
+  send_error(conn, 0, std::make_exception_ptr(ProtocolError(why)), "rendezvous", /*traced=*/false);
   conn->close_when_flushed();
 }
 

@@ -4,6 +4,7 @@
 #include "corpc/rpc/call.hpp"
 #include "log.hpp"
 #include "runtime_impl.hpp"
+#include "trace_recorder.hpp"
 
 namespace corpc {
 
@@ -126,9 +127,11 @@ void Runtime::Impl::start_threads() {
   const int n = std::max(1, options.num_io_threads);
   for (int i = 0; i < n; ++i) io_threads.push_back(std::make_unique<IoThread>());
   acceptor.emplace(main_io());
-  for (auto& t : io_threads) {
+  for (std::size_t i = 0; i < io_threads.size(); ++i) {
+    auto& t = io_threads[i];
     t->executor = std::make_unique<IoExecutor>(t->io);
-    t->thread = std::thread([t = t.get()] {
+    t->thread = std::thread([t = t.get(), i] {
+      trace::detail::label_thread("io " + std::to_string(i));
       ExecutorScope scope(t->executor.get());
       NonBlockingThreadScope no_blocking;  // a blocking wait here would stop the thread that must deliver its value
       t->io.run();
@@ -203,6 +206,10 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   impl->handled_from = std::make_unique<std::atomic<std::uint64_t>[]>(world_size);
   auto* raw = impl.get();
   auto rt = std::make_unique<Runtime>(std::move(impl));
+  {
+    const char* env = std::getenv("CORPC_TRACE");
+    trace::detail::start(!options.trace_path.empty() ? options.trace_path : env ? env : "", rank);
+  }
   raw->start_threads();
   // Before rendezvous: the hooks they install are read without a lock once connections exist.
   for (auto& init : runtime_initializers()) init(*rt);
@@ -219,6 +226,7 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
     g_runtime_ptr.store(nullptr, std::memory_order_release);
     raw->close_everything(false);
     g_runtime.reset();
+    trace::detail::stop();
     throw;
   }
 }
@@ -228,6 +236,7 @@ void shutdown(bool graceful) {
   if (!g_runtime) return;
   auto& impl = runtime_impl(*g_runtime);
   if (graceful) impl.graceful_shutdown();
+  else if (trace::enabled()) impl.finish_trace(false);
   // A worker whose rank 0 died (rather than shut down) must not look like a success to its launcher.
   std::string master_lost;
   if (graceful && impl.self.rank != 0) {
@@ -237,6 +246,7 @@ void shutdown(bool graceful) {
   impl.close_everything(true);
   g_runtime_ptr.store(nullptr, std::memory_order_release);
   g_runtime.reset();
+  trace::detail::stop();
   if (!master_lost.empty())
     throw ConnectionError("shutdown: rank 0 died before the job ended (" + master_lost + "); this worker stopped");
 }

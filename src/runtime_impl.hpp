@@ -138,6 +138,7 @@ struct Runtime::Impl {
   void deliver_reply(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
   void arm_deadline_timer(const std::shared_ptr<detail::Connection>& conn);  // conn's I/O thread
   void fail_calls(detail::Connection& conn, std::exception_ptr error);
+  void finish_without_reply(detail::PendingCall& p, std::exception_ptr error) noexcept;
   // ---- calls.cpp: cancellation and deadlines (issue 10) ----
   std::chrono::milliseconds effective_timeout(std::optional<std::chrono::milliseconds> asked) const;
   // Completes call `id` on `where` (if still pending there) as cancelled and tells its callee. Any thread.
@@ -150,8 +151,9 @@ struct Runtime::Impl {
   // ---- dispatch.cpp ----
   void on_frame(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
   void on_request(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
+  // `traced`: a user request's (the trace leaves shutdown's control rounds out).
   void send_error(const std::shared_ptr<detail::Connection>& conn, std::uint64_t id, std::exception_ptr error,
-                  std::string_view function);
+                  std::string_view function, bool traced = true);
 
   // ---- flow control and liveness (peers.cpp) ----
   // What peers' requests may hold here (RpcOptions::receive_budget_*, max_requests_held); shared by all connections.
@@ -176,6 +178,9 @@ struct Runtime::Impl {
   void graceful_shutdown();
   // Waits until locally_idle() or `deadline`; true if idle.
   bool wait_locally_idle(std::chrono::steady_clock::time_point deadline);
+  // Writes this worker's part of the trace (corpc/rpc/trace.hpp); `meet`: then waits in one more round for every
+  // live worker to have written its own, after which rank 0 merges the parts.
+  void finish_trace(bool meet);
   // Joins the background scope with a stop requested (its tasks unwind at their next await); after this, library
   // work that would start in it is dropped.
   void join_background() noexcept;

@@ -4,8 +4,11 @@
 // rounds themselves travel as control calls (kFlagControl), which are not counted. "Idle" includes the runtime's
 // background scope (library work nobody awaits: RRef control messages, values being created), so a worker whose
 // background work may still talk to a peer keeps that peer up; shutdown() joins the scope afterwards.
+#include <cstdio>
+
 #include "corpc/rpc/call.hpp"
 #include "runtime_impl.hpp"
+#include "trace_recorder.hpp"
 
 namespace corpc {
 
@@ -33,6 +36,30 @@ const bool g_registered = [] {
   global_registry().add(detail::make_entry<&shutdown_round>(std::string(kRoundName), Execution::io_thread));
   return true;
 }();
+
+// Reports this worker's counts for `round` to rank 0 and waits for the round's outcome.
+RoundResult ask_round(Runtime::Impl& impl, std::int64_t round, bool idle, std::chrono::milliseconds timeout) {
+  using Args = std::tuple<std::int64_t, int, std::vector<std::uint64_t>, std::vector<std::uint64_t>, bool>;
+  auto* state = detail::FutureState<RoundResult>::make();
+  auto fut = detail::future_of(state);
+  detail::OutboundCall call;
+  call.dst = 0;
+  call.function = kRoundName;
+  call.function_is_static = true;
+  call.function_id = function_id(kRoundName);
+  call.signature = detail::signature_of<Args>();
+  call.timeout = timeout;
+  call.control = true;
+  detail::encode_args<Args>(call.message, 0, round, impl.self.rank, impl.counts(impl.sent_to),
+                            impl.counts(impl.handled_from), idle);
+  call.complete = &detail::complete_call<RoundResult>;
+  call.target = state;
+  detail::start_call(std::move(call));
+  return std::move(fut).wait();
+}
+
+// The round after the last one, in which workers meet once their trace parts are written.
+constexpr std::int64_t kTraceRound = -2;
 
 }  // namespace
 
@@ -71,36 +98,39 @@ void Runtime::Impl::graceful_shutdown() {
         std::chrono::milliseconds(1),
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()));
   };
-  auto ask = [&](std::int64_t round, bool idle) {
-    using Args = std::tuple<std::int64_t, int, std::vector<std::uint64_t>, std::vector<std::uint64_t>, bool>;
-    auto* state = detail::FutureState<RoundResult>::make();
-    auto fut = detail::future_of(state);
-    detail::OutboundCall call;
-    call.dst = 0;
-    call.function = kRoundName;
-    call.function_is_static = true;
-    call.function_id = function_id(kRoundName);
-    call.signature = detail::signature_of<Args>();
-    call.timeout = remaining();
-    call.control = true;
-    detail::encode_args<Args>(call.message, 0, round, self.rank, counts(sent_to), counts(handled_from), idle);
-    call.complete = &detail::complete_call<RoundResult>;
-    call.target = state;
-    detail::start_call(std::move(call));
-    return std::move(fut).wait();
-  };
+  bool quiet = false;
   try {
-    ask(-1, true);  // everyone has reached shutdown
+    ask_round(*this, -1, true, remaining());  // everyone has reached shutdown
     std::optional<RoundResult> previous;
     for (std::int64_t round = 0; std::chrono::steady_clock::now() < deadline; ++round) {
       wait_locally_idle(deadline);
-      auto result = ask(round, locally_idle());
-      if (result.second && previous == result) break;  // quiet, and nothing moved since the last round
+      auto result = ask_round(*this, round, locally_idle(), remaining());
+      if (result.second && previous == result) {  // quiet, and nothing moved since the last round
+        quiet = true;
+        break;
+      }
       previous = result;
     }
   } catch (const RpcError&) {
     // Rank 0 is gone or the deadline passed: close anyway rather than hang.
   }
+  if (trace::enabled()) finish_trace(quiet);
+}
+
+void Runtime::Impl::finish_trace(bool meet) {
+  std::vector<std::string> names;
+  for (int r = 0; r < world_size; ++r) names.push_back(name_of(r));
+  if (!trace::detail::write_part(names))
+    std::fprintf(stderr, "corpc: worker '%s' could not write %s\n", self.name.c_str(),
+                 trace::part_path(trace::detail::path(), self.rank).c_str());
+  if (meet) {
+    try {
+      // Bounded: a worker that dies now only delays the merge, which then goes without its part.
+      ask_round(*this, kTraceRound, true, std::max(options.rpc_timeout, std::chrono::milliseconds(1)));
+    } catch (const RpcError&) {
+    }
+  }
+  if (self.rank == 0) trace::detail::merge_parts(world_size);
 }
 
 bool Runtime::Impl::wait_locally_idle(std::chrono::steady_clock::time_point deadline) {

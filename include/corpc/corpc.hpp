@@ -22,3 +22,4 @@
 #include "corpc/rpc/call.hpp"
 #include "corpc/rpc/runtime.hpp"
 #include "corpc/rpc/launch.hpp"
+#include "corpc/rpc/trace.hpp"

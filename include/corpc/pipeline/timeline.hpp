@@ -9,12 +9,12 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <fstream>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "corpc/pipeline/schedule.hpp"
+#include "corpc/rpc/trace.hpp"
 #include "corpc/wire/codec.hpp"
 
 namespace corpc::pipeline {
@@ -58,37 +58,30 @@ inline double measured_bubble(const std::vector<WorkerReport>& workers) {
 }
 
 /// Appends one step's actions to a Chrome trace ("traceEvents" of complete events): pid = `process` (one per
-/// schedule), tid = worker rank, times in microseconds from `origin_ns`. `name` labels the process.
+/// schedule), tid = worker rank, times in microseconds from `origin_ns`. `name` labels the process. The events are
+/// formatted as the job traces of corpc/rpc/trace.hpp are, so the two files merge (trace::merge_chrome_traces).
 class ChromeTrace {
  public:
   /// Adds the records of `workers` (one step, e.g. StepResult::workers) as a process named `name`.
   void add_step(int process, const std::string& name, const std::vector<WorkerReport>& workers, std::int64_t origin_ns) {
-    events_.push_back(R"({"ph":"M","name":"process_name","pid":)" + std::to_string(process) + R"(,"args":{"name":")" +
-                      name + "\"}}");
+    events_.push_back(trace::process_name_event(process, name, process));
     for (auto& w : workers) {
       std::string stages;
       for (auto s : w.stages) stages += (stages.empty() ? "" : ",") + std::to_string(s);
-      events_.push_back(R"({"ph":"M","name":"thread_name","pid":)" + std::to_string(process) + ",\"tid\":" +
-                        std::to_string(w.rank) + R"(,"args":{"name":"worker)" + std::to_string(w.rank) + " (stage " +
-                        stages + ")\"}}");
+      events_.push_back(trace::thread_name_event(process, w.rank, "worker" + std::to_string(w.rank) + " (stage " + stages + ")"));
       for (auto& r : w.records) {
         const char letter = action_letter(r.action.kind);
-        events_.push_back(std::string(R"({"ph":"X","name":")") + letter + std::to_string(r.action.micro) + "/s" +
-                          std::to_string(r.action.stage) + R"(","cat":")" + letter + R"(","pid":)" +
-                          std::to_string(process) + ",\"tid\":" + std::to_string(w.rank) +
-                          ",\"ts\":" + std::to_string((r.start_ns - origin_ns) / 1000.0) +
-                          ",\"dur\":" + std::to_string((r.end_ns - r.start_ns) / 1000.0) + "}");
+        events_.push_back(trace::ChromeEvent('X', process, w.rank)
+                              .name(letter + std::to_string(r.action.micro) + "/s" + std::to_string(r.action.stage))
+                              .cat(std::string(1, letter))
+                              .ts(static_cast<double>(r.start_ns - origin_ns) / 1000.0)
+                              .dur(static_cast<double>(r.end_ns - r.start_ns) / 1000.0)
+                              .str());
       }
     }
   }
   /// Writes the trace (every step added so far) to `path` as JSON; false if the file could not be written.
-  bool write(const std::string& path) const {
-    std::ofstream out(path);
-    out << "{\"traceEvents\":[\n";
-    for (std::size_t i = 0; i < events_.size(); ++i) out << events_[i] << (i + 1 < events_.size() ? ",\n" : "\n");
-    out << "]}\n";
-    return static_cast<bool>(out);
-  }
+  bool write(const std::string& path) const { return trace::write_chrome_trace(path, events_); }
 
  private:
   std::vector<std::string> events_;

@@ -85,6 +85,12 @@ struct RpcOptions {
   /// allocates, through an allocator installed in front of libtorch's at init_rpc (c10::SetCPUAllocator; it stays
   /// for the life of the process, and follows host_cache_bytes of the latest init_rpc). false: only received ones.
   bool cache_cpu_allocations = true;
+
+  // ---- Traces (corpc/rpc/trace.hpp) ----
+  /// Where the job's Chrome trace goes (calls, executions, replies, large transfers, backward passes of every worker,
+  /// merged by rank 0 at graceful shutdown); empty: the CORPC_TRACE environment variable; neither: no trace, and no
+  /// cost beyond one branch per place that could record.
+  std::string trace_path;
 };
 
 /// Per-call options, passed first after the destination: `rpc_async<&f>("w1", corpc::with_timeout(100ms), x)`.
