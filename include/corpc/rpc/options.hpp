@@ -77,7 +77,7 @@ struct RpcOptions {
   /// Large CPU tensors (1 MiB and more) live in mapped blocks that are kept for reuse when freed, so that a steady
   /// workload maps no new pages: a fresh buffer is faulted in page by page, and on a VM a fault costs microseconds
   /// (ResNet50's training step on CPU spent most of its time there). This bounds the free blocks kept; the least
-  /// recently used go first, blocks idle for 10 s are unmapped, and all of them when memory runs out. Process-wide.
+  /// recently used go first, blocks idle for 60 s are unmapped, and all of them when memory runs out. Process-wide.
   /// Unset: a quarter of physical memory. 0: off (fresh memory from libtorch's allocator every time).
   std::optional<std::uint64_t> host_cache_bytes;
   /// Whether every large CPU allocation of the process uses those blocks, not only received tensors.
