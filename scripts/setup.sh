@@ -9,7 +9,9 @@ packages=(g++ meson ninja-build pkg-config cmake libtorch-dev libgloo-dev libasi
           # libtorch sends small convolutions through libblas.so.3; Debian's default is the slow reference BLAS.
           libopenblas0-pthread
           # scripts/fuzz.sh: clang and its libFuzzer runtime (the fuzzed decoders need no libtorch).
-          clang libclang-rt-14-dev)
+          clang libclang-rt-14-dev
+          # scripts/docs.sh (meson test docs): the reference docs, which fail on any undocumented public name.
+          doxygen)
 if [[ "${1:-}" == "--pytorch" ]]; then
   packages+=(python3-torch gnuplot-nox)
 fi

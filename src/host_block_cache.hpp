@@ -27,7 +27,10 @@ class HostBlockCache {
  public:
   // Smaller requests use the ordinary allocator, whose heap is reused anyway.
   static constexpr std::size_t kMinBytes = std::size_t{1} << 20;
-  static constexpr std::chrono::seconds kIdle{10};
+  // Long enough to span a slow training step: a block freed in one step's backward is wanted again in the next
+  // step's forward, and ResNet50's steps at the pipeline tutorial's size took over 20 s on a loaded machine. Short
+  // enough to give memory back soon after a workload stops.
+  static constexpr std::chrono::seconds kIdle{60};
 
   static HostBlockCache& instance();  // never destroyed: tensors may be freed during static destruction
 

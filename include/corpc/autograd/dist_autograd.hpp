@@ -1,25 +1,28 @@
-// corpc/autograd/dist_autograd.hpp — distributed autograd: backward passes that cross workers.
-//
-//   {
-//     corpc::dist_autograd::Context ctx;            // one per iteration; current until it is destroyed
-//     auto out = co_await model.forward(x);          // RPCs inside carry the context
-//     std::vector<at::Tensor> roots{loss_fn(out)};   // named first: GCC 12.2 miscompiles a braced list in co_await
-//     co_await ctx.backward(roots);                  // runs on every worker the forward touched
-//     co_await optimizer.step(ctx);                  // corpc::DistributedOptimizer
-//   }                                                // released on every worker it touched
-//
-// Inside a context, every RPC (arguments, results, to_here, RRef proxies) whose tensors require grad records a *send*
-// function on the sender and a *recv* function (the received tensors' grad_fn) on the receiver, paired by a message id
-// unique across workers. `backward` (FAST mode) runs the local engine from the roots; each recv function's gradient is
-// shipped to its sender, which continues from the matching send function, and so on. It completes when every worker
-// involved has finished, and fails (on the caller) if any of them fails.
-//
-// Gradients accumulate per context and per worker (several backward passes in one context add up); `.grad` is never
-// touched. Each worker keeps its part of the graph until the context is released, so repeated backward passes within
-// one context always work (`retain_graph` is accepted for parity with PyTorch and has no further effect).
-//
-// The context follows its coroutine across threads (corpc/core/call_context.hpp). Code that is not a coroutine and
-// hands work to other threads passes `ctx.id()` and opens a `ContextScope` there.
+/// @file
+/// Distributed autograd: backward passes that cross workers.
+///
+/// ```cpp
+///   {
+///     corpc::dist_autograd::Context ctx;            // one per iteration; current until it is destroyed
+///     auto out = co_await model.forward(x);          // RPCs inside carry the context
+///     std::vector<at::Tensor> roots{loss_fn(out)};   // named first: GCC 12.2 miscompiles a braced list in co_await
+///     co_await ctx.backward(roots);                  // runs on every worker the forward touched
+///     co_await optimizer.step(ctx);                  // corpc::DistributedOptimizer
+///   }                                                // released on every worker it touched
+/// ```
+///
+/// Inside a context, every RPC (arguments, results, to_here, RRef proxies) whose tensors require grad records a *send*
+/// function on the sender and a *recv* function (the received tensors' grad_fn) on the receiver, paired by a message id
+/// unique across workers. `backward` (FAST mode) runs the local engine from the roots; each recv function's gradient is
+/// shipped to its sender, which continues from the matching send function, and so on. It completes when every worker
+/// involved has finished, and fails (on the caller) if any of them fails.
+///
+/// Gradients accumulate per context and per worker (several backward passes in one context add up); `.grad` is never
+/// touched. Each worker keeps its part of the graph until the context is released, so repeated backward passes within
+/// one context always work (`retain_graph` is accepted for parity with PyTorch and has no further effect).
+///
+/// The context follows its coroutine across threads (corpc/core/call_context.hpp). Code that is not a coroutine and
+/// hands work to other threads passes `ctx.id()` and opens a `ContextScope` there.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -35,13 +38,17 @@
 
 namespace corpc::dist_autograd {
 
+/// Hashes a tensor by identity (its TensorImpl), not by value: GradientMap's key hash.
 struct TensorIdentityHash {
+  /// The hash of `t`'s TensorImpl pointer.
   std::size_t operator()(const at::Tensor& t) const noexcept { return std::hash<const void*>()(t.unsafeGetTensorImpl()); }
 };
+/// Compares tensors by identity (`is_same`): GradientMap's key equality.
 struct TensorIdentityEqual {
+  /// True if `a` and `b` are the same tensor.
   bool operator()(const at::Tensor& a, const at::Tensor& b) const noexcept { return a.is_same(b); }
 };
-// Leaf tensor -> its gradient in one context.
+/// Leaf tensor -> its gradient in one context.
 using GradientMap = std::unordered_map<at::Tensor, at::Tensor, TensorIdentityHash, TensorIdentityEqual>;
 
 namespace detail {
@@ -51,18 +58,27 @@ int context_slot();
 CallContext with_context(std::int64_t id);
 }  // namespace detail
 
-// The distributed autograd context current in the calling coroutine, or -1.
+/// The distributed autograd context current in the calling coroutine, or -1.
 std::int64_t current_context_id();
 
+/// One distributed autograd context (one training iteration), as `with dist_autograd.context()` in PyTorch. It is
+/// current in the creating coroutine from construction to destruction: RPCs issued meanwhile (after any number of
+/// co_awaits, on whatever thread) carry it. Not copyable or movable: create it on the stack of the coroutine or
+/// function that runs the iteration. Needs a running runtime (ShutdownError otherwise).
 class Context {
  public:
+  /// Opens a new context with an id unique across the job and makes it current.
   Context();
+  /// Restores the previous context and releases this one here and, in the background, on every worker it touched.
   ~Context();
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
 
+  /// The id, unique across workers; pass it to code that runs outside this coroutine (ContextScope).
   std::int64_t id() const noexcept { return id_; }
+  /// dist_autograd::backward(id(), roots, retain_graph).
   Future<void> backward(std::vector<at::Tensor> roots, bool retain_graph = false) const;
+  /// This worker's gradients in this context (get_gradients(id())).
   GradientMap gradients() const;
 
  private:
@@ -70,35 +86,45 @@ class Context {
   CallContextScope scope_;
 };
 
-// Makes context `id` current (for code that received the id explicitly).
+/// Makes context `id` current (for code that received the id explicitly).
 class ContextScope {
  public:
+  /// Makes context `id` current on the calling thread (the running coroutine) until the scope is destroyed.
   explicit ContextScope(std::int64_t id) : scope_(detail::with_context(id)) {}
 
  private:
   CallContextScope scope_;
 };
 
+/// Runs a backward pass from `roots` (each seeded with ones: pass the scalar losses) through context `context_id`'s
+/// graph on every worker its RPCs touched (FAST mode, see corpc/autograd/dist_autograd.hpp); gradients accumulate in
+/// the context on each worker, never in `.grad`. Completes when every worker involved has finished. Fails, on the
+/// future, with UsageError if the context is not alive here or a root does not require grad, or with the first error of
+/// any worker's part (ConnectionError if one died). `retain_graph` is accepted for parity; graphs are kept until the
+/// context is released anyway.
 Future<void> backward(std::int64_t context_id, std::vector<at::Tensor> roots, bool retain_graph = false);
-GradientMap get_gradients(std::int64_t context_id);  // this worker's gradients in that context (empty if none)
+GradientMap get_gradients(std::int64_t context_id);  ///< this worker's gradients in that context (empty if none)
 
-// For layers that hook a leaf's gradient accumulator (DistributedDataParallel does). A distributed backward pass does
-// not run the leaves' AccumulateGrad nodes (their gradients go to the context, not to .grad); as PyTorch's
-// distributed engine does, it runs their post hooks instead, right after adding each leaf's gradient to the context,
-// with these available inside the hook:
+/// For layers that hook a leaf's gradient accumulator (DistributedDataParallel does). A distributed backward pass does
+/// not run the leaves' AccumulateGrad nodes (their gradients go to the context, not to .grad); as PyTorch's
+/// distributed engine does, it runs their post hooks instead, right after adding each leaf's gradient to the context,
+/// with these available inside the hook:
 namespace leaf_hooks {
-// The context whose pass runs the calling hook on this thread; -1 inside an ordinary (local) backward.
+/// The context whose pass runs the calling hook on this thread; -1 inside an ordinary (local) backward.
 std::int64_t pass_context_id();
-// Runs `fn` when this worker's current local pass has run the hooks of all its leaves (the distributed counterpart of
-// autograd's Engine::queue_callback). An exception from `fn` fails the backward pass.
+/// Runs `fn` when this worker's current local pass has run the hooks of all its leaves (the distributed counterpart of
+/// autograd's Engine::queue_callback). An exception from `fn` fails the backward pass. Throws UsageError outside a
+/// leaf hook of a distributed pass.
 void at_end_of_pass(std::function<void()> fn);
-// Leaf's gradient in context `context_id` (undefined if none), and replacing it.
+/// Leaf's gradient in context `context_id` (undefined if none, or if the context is not alive here).
 at::Tensor gradient(std::int64_t context_id, const at::Tensor& leaf);
+/// Replaces leaf's gradient in context `context_id`; UsageError if the context is not alive here.
 void set_gradient(std::int64_t context_id, const at::Tensor& leaf, at::Tensor grad);
 }  // namespace leaf_hooks
 
-// Live contexts on this worker / on another one (tests check that none outlive their iteration).
+/// Live contexts on this worker / on another one (tests check that none outlive their iteration).
 std::size_t live_contexts();
+/// The number of live contexts on `worker`, by RPC (errors as for rpc_async, on the future).
 Future<std::uint64_t> live_contexts(const WorkerRef& worker);
 
 }  // namespace corpc::dist_autograd

@@ -1,12 +1,15 @@
-// corpc/autograd/optimizer.hpp — DistributedOptimizer: one libtorch optimizer per owner of the parameters.
-//
-//   corpc::DistributedOptimizer<torch::optim::SGD> opt(model.parameter_rrefs(), torch::optim::SGDOptions(0.05));
-//   ... inside a dist_autograd::Context, after backward:
-//   co_await opt.step(ctx);      // every owner applies that context's gradients, concurrently
-//
-// The optimizer's options travel to the owners, so they need a corpc::Codec; SGD, Adam, AdamW, Adagrad and RMSprop
-// options have one below. Steps on one owner are serialized (the optimizer object opts into serialized calls);
-// gradients come from the context, so `.grad` is set only for the duration of the step and cleared after it.
+/// @file
+/// DistributedOptimizer: one libtorch optimizer per owner of the parameters.
+///
+/// ```cpp
+///   corpc::DistributedOptimizer<torch::optim::SGD> opt(model.parameter_rrefs(), torch::optim::SGDOptions(0.05));
+///   ... inside a dist_autograd::Context, after backward:
+///   co_await opt.step(ctx);      // every owner applies that context's gradients, concurrently
+/// ```
+///
+/// The optimizer's options travel to the owners, so they need a corpc::Codec; SGD, Adam, AdamW, Adagrad and RMSprop
+/// options have one below. Steps on one owner are serialized (the optimizer object opts into serialized calls);
+/// gradients come from the context, so `.grad` is set only for the duration of the step and cleared after it.
 #pragma once
 
 #include <torch/optim/adagrad.h>
@@ -25,6 +28,8 @@
 
 namespace corpc {
 
+/// @cond INTERNAL
+// The options' codecs: their members are the Codec contract (corpc/wire/codec.hpp), nothing more.
 template <>
 struct Codec<torch::optim::SGDOptions> {
   using O = torch::optim::SGDOptions;
@@ -75,6 +80,7 @@ struct Codec<torch::optim::RMSpropOptions> {
     return O(lr).alpha(alpha).eps(eps).weight_decay(wd).momentum(momentum).centered(centered);
   }
 };
+/// @endcond
 
 namespace detail {
 
@@ -111,9 +117,16 @@ class LocalOptimizer {
 
 }  // namespace detail
 
+/// One `Opt` (a torch::optim optimizer type) on each worker that owns some of the parameters, stepped together with
+/// the gradients of a distributed autograd context (see corpc/autograd/optimizer.hpp). Copies step the same remote
+/// optimizers; `step` may be called from any thread or coroutine.
 template <class Opt>
 class DistributedOptimizer {
  public:
+  /// Creates, on each owner of `params`, an `Opt` over the parameters it owns, with `options` (its Options type,
+  /// such as torch::optim::SGDOptions, which needs a corpc::Codec). Returns without waiting for the owners; a creation
+  /// that fails (an owner died, a parameter is still being computed) fails every later step with that error.
+  /// Throws ShutdownError without a running runtime.
   template <class Options>
   DistributedOptimizer(const std::vector<RRef<at::Tensor>>& params, const Options& options) {
     std::map<int, std::vector<RRef<at::Tensor>>> by_owner;
@@ -126,12 +139,14 @@ class DistributedOptimizer {
     }
   }
 
-  // Applies the gradients of `context_id` on every owner, concurrently; completes when all have stepped.
+  /// Applies the gradients of `context_id` on every owner, concurrently; completes when all have stepped, or fails
+  /// with the first owner's error (errors as for rpc_async). Steps on one owner run one at a time.
   Future<void> step(std::int64_t context_id) const {
     std::vector<Future<void>> all;
     for (auto& s : steps_) all.push_back(s(context_id));
     return wait_all(std::move(all));
   }
+  /// step(ctx.id()).
   Future<void> step(const dist_autograd::Context& ctx) const { return step(ctx.id()); }
 
  private:

@@ -1,14 +1,15 @@
-// corpc/core/executor.hpp — where continuations run.
-//
-// The resumption rule, used by every awaitable in corpc: a coroutine that suspends on a corpc awaitable resumes on the
-// executor that was current on its thread when it suspended. On a thread with no current executor (a plain thread
-// outside `sync_wait`, such as `main`), it resumes on the *default executor* — the runtime's worker pool while
-// `init_rpc` is active — and inline on the completing thread only when there is none (core-only programs).
-// The runtime's I/O threads are executors too: a coroutine function that runs on an I/O thread comes back to it.
-//
-// Blocking (`Future::wait`, `rpc_sync`) is forbidden on I/O threads — it would stop the thread that must deliver
-// the value — and throws UsageError there at once. On a worker-pool thread it is allowed: the pool starts a
-// replacement thread while one blocks, so handlers that block on nested calls cannot starve the others.
+/// @file
+/// Where continuations run.
+///
+/// The resumption rule, used by every awaitable in corpc: a coroutine that suspends on a corpc awaitable resumes on the
+/// executor that was current on its thread when it suspended. On a thread with no current executor (a plain thread
+/// outside `sync_wait`, such as `main`), it resumes on the *default executor* — the runtime's worker pool while
+/// `init_rpc` is active — and inline on the completing thread only when there is none (core-only programs).
+/// The runtime's I/O threads are executors too: a coroutine function that runs on an I/O thread comes back to it.
+///
+/// Blocking (`Future::wait`, `rpc_sync`) is forbidden on I/O threads — it would stop the thread that must deliver
+/// the value — and throws UsageError there at once. On a worker-pool thread it is allowed: the pool starts a
+/// replacement thread while one blocks, so handlers that block on nested calls cannot starve the others.
 #pragma once
 
 #include <atomic>
@@ -23,30 +24,34 @@
 
 namespace corpc {
 
-// A unit of work that an executor runs once. Intrusive, so that an awaiting coroutine frame can itself be the queue
-// node: resuming a coroutine on an executor allocates nothing.
+/// A unit of work that an executor runs once. Intrusive, so that an awaiting coroutine frame can itself be the queue
+/// node: resuming a coroutine on an executor allocates nothing.
 struct WorkItem {
-  WorkItem* next = nullptr;
-  void (*run)(WorkItem*) noexcept = nullptr;
+  WorkItem* next = nullptr;                   ///< Queue link, owned by the executor while the item is queued.
+  void (*run)(WorkItem*) noexcept = nullptr;  ///< Called once with the item itself; may free the item.
 };
 
+/// Something that runs WorkItems: the runtime's worker pool and I/O threads, a ThreadPool, a BoundedExecutor (strand),
+/// the ManualExecutor of sync_wait. Coroutines resume on the executor current where they suspended (see
+/// corpc/core/executor.hpp). Implement enqueue() (and running_here(), to allow inline resumption) to plug in your own.
 class Executor {
  public:
   virtual ~Executor() = default;
-  // Queues `item` to run later on this executor; never runs it inline. `item` must stay alive until it has run.
+  /// Queues `item` to run later on this executor; never runs it inline. `item` must stay alive until it has run.
   virtual void enqueue(WorkItem* item) noexcept = 0;
-  // True on a thread this executor drives (work for it may then run inline instead of being queued).
+  /// True on a thread this executor drives (work for it may then run inline instead of being queued).
   virtual bool running_here() const noexcept { return false; }
-  // Convenience: queues a callable (allocates a node).
+  /// Convenience: queues a callable (allocates a node).
   void post(std::function<void()> job);
 };
 
-// The executor driving the calling thread, or nullptr.
+/// The executor driving the calling thread, or nullptr.
 Executor* current_executor() noexcept;
 
-// Installs `e` as the calling thread's current executor for the guard's lifetime.
+/// Installs `e` as the calling thread's current executor for the guard's lifetime.
 class ExecutorScope {
  public:
+  /// Makes `e` (may be nullptr) current on the calling thread; the destructor restores the previous one.
   explicit ExecutorScope(Executor* e) noexcept;
   ~ExecutorScope();
   ExecutorScope(const ExecutorScope&) = delete;
@@ -56,11 +61,13 @@ class ExecutorScope {
   Executor* previous_;
 };
 
-// Where continuations registered on executor-less threads run (nullptr: inline). The runtime sets its worker pool.
+/// Sets where continuations registered on executor-less threads run (nullptr: inline). init_rpc sets its worker
+/// pool and shutdown clears it; a core-only program may set its own (it must outlive every continuation queued).
 void set_default_executor(Executor* e) noexcept;
+/// The executor set by set_default_executor, or nullptr.
 Executor* default_executor() noexcept;
 
-// The executor a continuation registered now should run on: the current one, else the default one (maybe null).
+/// The executor a continuation registered now should run on: the current one, else the default one (maybe null).
 inline Executor* resumption_executor() noexcept {
   Executor* e = current_executor();
   return e ? e : default_executor();
@@ -68,7 +75,7 @@ inline Executor* resumption_executor() noexcept {
 
 // ---- blocking ---------------------------------------------------------------------------------------------------
 
-// Marks the calling thread as one that must never block (the runtime's I/O threads) for the guard's lifetime.
+/// Marks the calling thread as one that must never block (the runtime's I/O threads) for the guard's lifetime.
 class NonBlockingThreadScope {
  public:
   NonBlockingThreadScope() noexcept;
@@ -79,24 +86,31 @@ class NonBlockingThreadScope {
  private:
   bool previous_;
 };
+/// True on a thread inside a NonBlockingThreadScope (a corpc I/O thread).
 bool blocking_forbidden() noexcept;
-// Throws UsageError naming `what` if the calling thread must not block.
+/// Throws UsageError naming `what` if the calling thread must not block.
 void check_may_block(const char* what);
 
-// How long a blocking wait spins before it sleeps. A short spin turns the wake-up of a sleeping vCPU (3-25 us here)
-// into a cache-line transfer when the value arrives soon, as a reply on a fast link does. Default 50 us; 0 disables.
+/// How long a blocking wait spins before it sleeps. A short spin turns the wake-up of a sleeping vCPU (3-25 us here)
+/// into a cache-line transfer when the value arrives soon, as a reply on a fast link does. Default 50 us; 0 disables.
+/// Process-wide; init_rpc sets it from RpcOptions::spin_before_block.
 void set_spin_before_block(std::chrono::nanoseconds d) noexcept;
+/// The spin set by set_spin_before_block.
 std::chrono::nanoseconds spin_before_block() noexcept;
 
-// A one-shot event that one thread waits on: spins (see above), then sleeps on a futex. No mutex, no condition
-// variable; `set` makes a system call only when the waiter is asleep.
+/// A one-shot event that one thread waits on: spins (set_spin_before_block()), then sleeps on a futex. No mutex, no
+/// condition variable; `set` makes a system call only when the waiter is asleep.
 class Event {
  public:
+  /// Sets the event and wakes the waiter; any thread, once per reset().
   void set() noexcept;
+  /// Returns once the event is set (at once if it is); spins, then sleeps. Only one thread may wait.
   void wait() noexcept;
-  // False if `deadline` passed first.
+  /// False if `deadline` passed first.
   bool wait_until(std::chrono::steady_clock::time_point deadline) noexcept;
+  /// Whether set() has been called since construction or the last reset().
   bool is_set() const noexcept { return state_.load(std::memory_order_acquire) == kSet; }
+  /// Makes the event reusable; only while no thread waits on it.
   void reset() noexcept { state_.store(kEmpty, std::memory_order_relaxed); }
 
  private:
@@ -104,8 +118,8 @@ class Event {
   std::atomic<std::uint32_t> state_{kEmpty};
 };
 
-// Tells the pool driving this thread (if any) that the thread is about to block, for the guard's lifetime, so that
-// the pool can keep its number of runnable threads. Used by every blocking wait in corpc.
+/// Tells the pool driving this thread (if any) that the thread is about to block, for the guard's lifetime, so that
+/// the pool can keep its number of runnable threads. Used by every blocking wait in corpc.
 class BlockingRegion {
  public:
   BlockingRegion() noexcept;
@@ -119,19 +133,21 @@ class BlockingRegion {
 
 // ---- executors ----------------------------------------------------------------------------------------------------
 
-// A set of threads draining one FIFO queue. `stop()` finishes queued jobs, then joins. While a pool thread blocks
-// (inside a BlockingRegion) and work is queued, the pool starts a replacement so that `size()` threads stay runnable;
-// replacements exit when they are no longer needed (at most `max_threads` in all).
+/// A set of threads draining one FIFO queue. `stop()` finishes queued jobs, then joins. While a pool thread blocks
+/// (inside a BlockingRegion) and work is queued, the pool starts a replacement so that `size()` threads stay runnable;
+/// replacements exit when they are no longer needed (at most `max_threads` in all).
 class ThreadPool final : public Executor {
  public:
-  // `on_start` runs first on each thread (thread-local settings such as intra-op thread counts).
+  /// `on_start` runs first on each thread (thread-local settings such as intra-op thread counts).
   explicit ThreadPool(std::size_t threads, std::function<void()> on_start = {}, std::size_t max_threads = 512);
   ~ThreadPool() override;
   void enqueue(WorkItem* item) noexcept override;
   bool running_here() const noexcept override;
+  /// Runs what is queued, then joins every thread (the destructor calls it). Work enqueued after it returns never runs.
   void stop();
+  /// The number of threads kept runnable (the `threads` of the constructor).
   std::size_t size() const noexcept { return base_; }
-  std::size_t threads_started() const noexcept;  // replacements included, for tests
+  std::size_t threads_started() const noexcept;  ///< threads ever started, replacements included (for tests)
 
  private:
   friend class BlockingRegion;
@@ -151,11 +167,12 @@ class ThreadPool final : public Executor {
   std::vector<std::thread> threads_;
 };
 
-// Runs at most `width` of its jobs at once, starting them in the order queued, on another executor. With width 1 it
-// is a strand (like Asio's): mutual exclusion without holding a thread while waiting for a turn. The underlying
-// executor must outlive the jobs.
+/// Runs at most `width` of its jobs at once, starting them in the order queued, on another executor. With width 1 it
+/// is a strand (like Asio's): mutual exclusion without holding a thread while waiting for a turn. The underlying
+/// executor must outlive the jobs.
 class BoundedExecutor final : public Executor {
  public:
+  /// Runs jobs on `underlying`, at most `width` (0 counts as 1) at a time. The destructor waits for queued jobs.
   explicit BoundedExecutor(Executor& underlying, std::size_t width = 1) : underlying_(underlying), width_(width ? width : 1) {}
   ~BoundedExecutor() override;
   void enqueue(WorkItem* item) noexcept override;
@@ -175,14 +192,14 @@ class BoundedExecutor final : public Executor {
   std::vector<Runner*> free_runners_;
 };
 
-// An executor drained by hand, by the one thread that owns it (used by `sync_wait`). Enqueueing is lock-free.
+/// An executor drained by hand, by the one thread that owns it (used by `sync_wait`). Enqueueing is lock-free.
 class ManualExecutor final : public Executor {
  public:
   void enqueue(WorkItem* item) noexcept override;
   bool running_here() const noexcept override { return owner_ == std::this_thread::get_id(); }
-  // Runs queued work until `done` is set; sleeps (after a short spin) while there is none.
+  /// Runs queued work until `done` is set; sleeps (after a short spin) while there is none.
   void run_until(const std::atomic<bool>& done);
-  // Wakes run_until so that it re-checks `done`.
+  /// Wakes run_until so that it re-checks `done`.
   void notify() noexcept;
 
  private:

@@ -1,20 +1,24 @@
-// corpc/core/scope.hpp — TaskScope: owns work that was started and not awaited, so that it can be stopped and joined.
-//
-// Fire-and-forget work is where lifetimes go wrong: a detached task outlives the objects it uses, or shutdown has to
-// guess when it is over. A TaskScope (folly's AsyncScope, P2300's counting_scope) counts what it started:
-//
-//   corpc::TaskScope scope;
-//   for (auto& peer : peers) (void)scope.spawn(refresh(peer));  // each runs now until its first suspension
-//   ...
-//   co_await scope.stop_and_join();  // asks every task to stop, then waits until all have finished
-//
-// Tasks started in a scope see the scope's stop token (corpc::this_call::stop_token()): once a stop is requested,
-// their awaits of corpc futures complete with CancelledError (an RPC in flight is cancelled on its callee), so they
-// unwind at their next suspension point. `join()` closes the scope — later `spawn`s throw UsageError — and completes
-// when the last task has finished. Each `spawn` also returns the task's own Future, which may be ignored.
-// `when_empty()` waits for the scope to have nothing running without closing it (a runtime draining its background
-// work before it decides to stop). A scope must be joined before it is destroyed; the destructor of a scope with work still running requests a stop
-// and blocks until it is joined (which throws UsageError on an I/O thread: join with co_await there).
+/// @file
+/// TaskScope: owns work that was started and not awaited, so that it can be stopped and joined.
+///
+/// Fire-and-forget work is where lifetimes go wrong: a detached task outlives the objects it uses, or shutdown has to
+/// guess when it is over. A TaskScope (folly's AsyncScope, P2300's counting_scope) counts what it started:
+///
+/// ```cpp
+///   corpc::TaskScope scope;
+///   for (auto& peer : peers) (void)scope.spawn(refresh(peer));  // each runs now until its first suspension
+///   ...
+///   co_await scope.stop_and_join();  // asks every task to stop, then waits until all have finished
+/// ```
+///
+/// Tasks started in a scope see the scope's stop token (corpc::this_call::stop_token()): once a stop is requested,
+/// their awaits of corpc futures complete with CancelledError (an RPC in flight is cancelled on its callee), so they
+/// unwind at their next suspension point. `join()` closes the scope — later `spawn`s throw UsageError — and completes
+/// when the last task has finished. Each `spawn` also returns the task's own Future, which may be ignored.
+/// `when_empty()` waits for the scope to have nothing running without closing it (a runtime draining its background
+/// work before it decides to stop). A scope must be joined before it is destroyed; the destructor of a scope with work
+/// still running requests a stop and blocks until it is joined (which throws UsageError on an I/O thread: join with
+/// co_await there).
 #pragma once
 
 #include <atomic>
@@ -27,6 +31,8 @@
 
 namespace corpc {
 
+/// Owns tasks that were started and not awaited, so that they can be stopped and joined (see corpc/core/scope.hpp).
+/// Thread-safe: spawn, request_stop, active and when_empty may be called from any thread; join once.
 class TaskScope {
  public:
   TaskScope() = default;
@@ -42,14 +48,14 @@ class TaskScope {
     }
   }
 
-  // Starts `task` on this thread, until its first suspension, inside the scope.
+  /// Starts `task` on this thread, until its first suspension, inside the scope.
   template <class T>
   Future<T> spawn(Task<T> task) {
     enter();
     CallContextScope ctx(scoped_context());
     return corpc::spawn(run(std::move(task)));
   }
-  // Starts `task` on `executor`, inside the scope.
+  /// Starts `task` on `executor`, inside the scope.
   template <class T>
   Future<T> spawn(Executor& executor, Task<T> task) {
     enter();
@@ -57,24 +63,28 @@ class TaskScope {
     return corpc::spawn(executor, run(std::move(task)));
   }
 
+  /// Stops every task's awaits of corpc futures (they complete with CancelledError); does not close the scope.
   void request_stop() noexcept { stop_.request_stop(); }
+  /// The token that the scope's tasks see as corpc::this_call::stop_token().
   std::stop_token stop_token() const noexcept { return stop_.get_token(); }
-  // Tasks started and not finished yet.
+  /// Tasks started and not finished yet.
   std::size_t active() const noexcept { return count_.load(std::memory_order_acquire) - (closed() ? 0 : 1); }
 
-  // Closes the scope; the future completes when every task in it has finished. Call once.
+  /// Closes the scope; the future completes when every task in it has finished. Call once.
   Future<void> join() {
     if (closing_.exchange(true, std::memory_order_acq_rel)) throw UsageError("TaskScope::join called twice");
     Future<void> done = joined_.get_future();
     leave();  // the scope's own count, held while it was open
     return done;
   }
+  /// request_stop(), then join().
   Future<void> stop_and_join() {
+
     request_stop();
     return join();
   }
-  // Completes at the first moment no task is running (at once if none is now); the scope stays open, so a task may
-  // have started again by the time the future's continuation runs.
+  /// Completes at the first moment no task is running (at once if none is now); the scope stays open, so a task may
+  /// have started again by the time the future's continuation runs.
   Future<void> when_empty() {
     std::lock_guard lock(empty_mutex_);
     if (active() == 0) return make_ready_future();

@@ -1,8 +1,9 @@
-// corpc/core/sync_wait.hpp — the boundary between blocking code and coroutines.
-//
-// `sync_wait(task)` runs a Task to completion on the calling thread: the thread becomes the task's executor, so the
-// task's continuations come back to it (a `main` that awaits RPCs stays on the main thread) and it never blocks a
-// worker-pool thread. Throws UsageError on a corpc I/O thread.
+/// @file
+/// The boundary between blocking code and coroutines.
+///
+/// `sync_wait(task)` runs a Task to completion on the calling thread: the thread becomes the task's executor, so the
+/// task's continuations come back to it (a `main` that awaits RPCs stays on the main thread) and it never blocks a
+/// worker-pool thread. Throws UsageError on a corpc I/O thread.
 #pragma once
 
 #include <atomic>
@@ -11,8 +12,11 @@
 
 namespace corpc {
 
+/// Runs `task` to completion on the calling thread and returns its value (or rethrows its exception); the thread
+/// drives the task's continuations meanwhile. For `main` and plain threads: throws UsageError on a corpc I/O thread.
 template <class T>
 T sync_wait(Task<T> task) {
+
   check_may_block("sync_wait");
   static thread_local ManualExecutor executor;
   ExecutorScope scope(&executor);

@@ -1,7 +1,8 @@
-// corpc/core/task.hpp — Task<T>: a lazy coroutine, started when awaited (or by spawn / sync_wait).
-//
-// A Task does nothing until it is awaited; its result is delivered to exactly one awaiter. Awaiting a task transfers
-// control to it symmetrically (no stack growth on long chains). To run one eagerly, `spawn` turns it into a Future.
+/// @file
+/// Task<T>: a lazy coroutine, started when awaited (or by spawn / sync_wait).
+///
+/// A Task does nothing until it is awaited; its result is delivered to exactly one awaiter. Awaiting a task transfers
+/// control to it symmetrically (no stack growth on long chains). To run one eagerly, `spawn` turns it into a Future.
 #pragma once
 
 #include <coroutine>
@@ -61,15 +62,25 @@ struct TaskPromise<void> : TaskPromiseBase {
 
 }  // namespace detail
 
+/// A lazy coroutine returning `T` (see corpc/core/task.hpp): write `corpc::Task<int> f() { co_return 1; }`.
+/// It starts when awaited (`co_await f()`, which runs it on the awaiting thread until its first suspension and gives
+/// its value or rethrows its exception) or when handed to spawn(), TaskScope::spawn() or sync_wait(). Move-only;
+/// destroying a task that never started destroys its frame without running it.
 template <class T>
 class [[nodiscard]] Task {
  public:
+  /// @cond INTERNAL
   using promise_type = detail::TaskPromise<T>;
-  using value_type = T;
+  /// @endcond
+  using value_type = T;  ///< What `co_await` on the task gives.
 
-  Task() = default;
+  Task() = default;  ///< An empty task (`valid()` is false); only assignment is allowed on it.
+  /// @cond INTERNAL
   explicit Task(std::coroutine_handle<promise_type> h) noexcept : h_(h) {}
+  /// @endcond
+  /// Takes over `o`'s coroutine; `o` becomes empty.
   Task(Task&& o) noexcept : h_(std::exchange(o.h_, {})) {}
+  /// Destroys this task's coroutine (if any), then takes over `o`'s.
   Task& operator=(Task&& o) noexcept {
     if (this != &o) {
       if (h_) h_.destroy();
@@ -81,8 +92,10 @@ class [[nodiscard]] Task {
     if (h_) h_.destroy();
   }
 
+  /// True if the task holds a coroutine (not default-constructed or moved from).
   bool valid() const noexcept { return static_cast<bool>(h_); }
 
+  /// @cond INTERNAL
   struct Awaiter {
     std::coroutine_handle<promise_type> h;
     bool await_ready() const noexcept { return false; }
@@ -92,7 +105,11 @@ class [[nodiscard]] Task {
     }
     T await_resume() { return h.promise().take(); }
   };
+  /// @endcond
+  /// `co_await std::move(task)` (or `co_await f()`): starts the task at once on this thread by symmetric transfer
+  /// and resumes the awaiter where the task finishes; returns its value or rethrows its exception. Once only.
   Awaiter operator co_await() && noexcept { return Awaiter{h_}; }
+
 
  private:
   std::coroutine_handle<promise_type> h_;
@@ -150,9 +167,9 @@ struct SpawnJob : WorkItem {
 };
 }  // namespace detail
 
-// Starts `task` now, on the calling thread, until its first suspension; returns a Future of its result. Whatever
-// ambient state the task sets (a distributed-autograd context it opens) stays with the task: the calling thread's own
-// CallContext is restored when control comes back here.
+/// Starts `task` now, on the calling thread, until its first suspension; returns a Future of its result. Whatever
+/// ambient state the task sets (a distributed-autograd context it opens) stays with the task: the calling thread's own
+/// CallContext is restored when control comes back here.
 template <class T>
 Future<T> spawn(Task<T> task) {
   Promise<T> promise;
@@ -162,7 +179,7 @@ Future<T> spawn(Task<T> task) {
   return fut;
 }
 
-// Starts `task` on `executor` (it begins when the executor runs the job); returns a Future of its result.
+/// Starts `task` on `executor` (it begins when the executor runs the job); returns a Future of its result.
 template <class T>
 Future<T> spawn(Executor& executor, Task<T> task) {
   Promise<T> promise;

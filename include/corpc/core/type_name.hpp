@@ -1,8 +1,9 @@
-// corpc/core/type_name.hpp — compile-time names for types and functions.
-//
-// Function keys on the wire are derived from the function's own name, as the compiler spells it, so ranks that run the
-// same binary agree on them without any registration. Different compilers may spell names differently: processes
-// built by different compilers must register functions under explicit names (see corpc/rpc/registry.hpp).
+/// @file
+/// Compile-time names for types and functions.
+///
+/// Function keys on the wire are derived from the function's own name, as the compiler spells it, so ranks that run the
+/// same binary agree on them without any registration. Different compilers may spell names differently: processes
+/// built by different compilers must register functions under explicit names (see corpc/rpc/registry.hpp).
 #pragma once
 
 #include <cstdint>
@@ -39,12 +40,14 @@ constexpr std::string_view between_eq_and_bracket(std::string_view s) {
 }
 }  // namespace detail
 
+/// The name of type `T` as the compiler spells it ("std::vector<int>"), at compile time.
 template <class T>
 constexpr std::string_view type_name() {
   return detail::between_eq_and_bracket(detail::raw_type_name<T>());
 }
 
-// "add", "Shard1::forward", "ns::f" — for a function pointer or member function pointer constant.
+/// The name of F, a function pointer or member function pointer constant, as the compiler spells it ("add",
+/// "Shard1::forward", "ns::f"), at compile time: what rpc_async puts on the wire for `rpc_async<&f>`.
 template <auto F>
 constexpr std::string_view function_name() {
   std::string_view s = detail::between_eq_and_bracket(detail::raw_value_name<F>());
@@ -52,6 +55,7 @@ constexpr std::string_view function_name() {
   return s;
 }
 
+/// The 64-bit FNV-1a hash of `s` (continuing from `h`), at compile time: the hash behind function ids.
 constexpr std::uint64_t fnv1a(std::string_view s, std::uint64_t h = 14695981039346656037ull) {
   for (char c : s) {
     h ^= static_cast<unsigned char>(c);

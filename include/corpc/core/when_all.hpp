@@ -1,13 +1,16 @@
-// corpc/core/when_all.hpp — joining many futures.
-//
-//   wait_all(futs)    -> Future<std::vector<T>>: all values in order; fails with the first error to occur, at once.
-//   wait_all(futs, WaitAll::stop_rest_on_failure): the same, and asks the producers of the inputs still running to
-//                        stop when one fails (RPCs are cancelled on their callees), so a failed batch stops working.
-//   collect_all(futs) -> Future<std::vector<Future<T>>>: completes when every input has, never fails; inspect each.
-//
-// Both are eager Futures, so they can be awaited (`co_await wait_all(std::move(futs))`) or waited on. Cancelling the
-// future wait_all returns asks the producers of its inputs to stop (the inputs themselves, which may be shared, are
-// completed only by their producers: an RPC completes as cancelled).
+/// @file
+/// Joining many futures.
+///
+/// ```
+///   wait_all(futs)    -> Future<std::vector<T>>: all values in order; fails with the first error to occur, at once.
+///   wait_all(futs, WaitAll::stop_rest_on_failure): the same, and asks the producers of the inputs still running to
+///                        stop when one fails (RPCs are cancelled on their callees), so a failed batch stops working.
+///   collect_all(futs) -> Future<std::vector<Future<T>>>: completes when every input has, never fails; inspect each.
+/// ```
+///
+/// Both are eager Futures, so they can be awaited (`co_await wait_all(std::move(futs))`) or waited on. Cancelling the
+/// future wait_all returns asks the producers of its inputs to stop (the inputs themselves, which may be shared, are
+/// completed only by their producers: an RPC completes as cancelled).
 #pragma once
 
 #include <atomic>
@@ -20,9 +23,10 @@
 
 namespace corpc {
 
+/// What wait_all does with the other inputs when one fails.
 enum class WaitAll : std::uint8_t {
-  keep_rest_running,     // default: a failure completes the join; the other inputs run on
-  stop_rest_on_failure,  // a failure also cancels every input still running
+  keep_rest_running,     ///< default: a failure completes the join; the other inputs run on
+  stop_rest_on_failure,  ///< a failure also cancels every input still running
 };
 
 namespace detail {
@@ -38,6 +42,10 @@ void arm_cancel_inputs(CancelSlot& out, std::shared_ptr<std::vector<Future<T>>> 
 }
 }  // namespace detail
 
+/// The values of all `futures`, in order (Future<void> for void inputs); fails with the first error to occur, at
+/// once, without waiting for the others (which `mode` may cancel). Completes on the thread that completes its last
+/// input (or its first failure); continuations follow the usual resumption rule. Empty input: completes at once.
+/// Cancelling the returned future cancels the inputs.
 template <class T>
 Future<std::conditional_t<std::is_void_v<T>, void, std::vector<T>>> wait_all(std::vector<Future<T>> futures,
                                                                               WaitAll mode = WaitAll::keep_rest_running) {
@@ -82,6 +90,8 @@ Future<std::conditional_t<std::is_void_v<T>, void, std::vector<T>>> wait_all(std
   return out;
 }
 
+/// Completes when every input has completed, whatever the outcome, and never fails: inspect each returned future
+/// (`value()`, `has_error()`, `cancelled()`). Empty input: completes at once.
 template <class T>
 Future<std::vector<Future<T>>> collect_all(std::vector<Future<T>> futures) {
   struct Join {

@@ -1,10 +1,13 @@
-// corpc/pipeline/balance.hpp — cutting a torch::nn::Sequential into pipeline stages.
-//
-//   std::vector<int> balance = corpc::pipeline::balance_by_time(model, sample_batch, /*stages=*/4);
-//   // balance[s] = number of consecutive layers of stage s; every layer is on exactly one stage
-//
-// balance_by_time profiles each layer's forward and backward on the sample (as torchgpipe's balance_by_time does),
-// then cuts the layers into consecutive groups that minimize the slowest stage's time: the pipeline's pace.
+/// @file
+/// Cutting a torch::nn::Sequential into pipeline stages.
+///
+/// ```cpp
+///   std::vector<int> balance = corpc::pipeline::balance_by_time(model, sample_batch, /*stages=*/4);
+///   // balance[s] = number of consecutive layers of stage s; every layer is on exactly one stage
+/// ```
+///
+/// balance_by_time profiles each layer's forward and backward on the sample (as torchgpipe's balance_by_time does),
+/// then cuts the layers into consecutive groups that minimize the slowest stage's time: the pipeline's pace.
 #pragma once
 
 #include <torch/autograd.h>
@@ -19,8 +22,8 @@
 
 namespace corpc::pipeline {
 
-// Consecutive groups of `costs` into `parts` parts (each at least one item), minimizing the largest group's sum.
-// Returns the size of each group. Exact (dynamic programming over cut points; layers number in the tens).
+/// Consecutive groups of `costs` into `parts` parts (each at least one item), minimizing the largest group's sum.
+/// Returns the size of each group. Exact (dynamic programming over cut points; layers number in the tens).
 inline std::vector<int> partition_by_cost(const std::vector<double>& costs, int parts) {
   const int n = static_cast<int>(costs.size());
   if (parts < 1 || parts > n)
@@ -46,8 +49,8 @@ inline std::vector<int> partition_by_cost(const std::vector<double>& costs, int 
   return sizes;
 }
 
-// Each layer's forward plus backward time on `sample` (seconds; the median of `repeats` runs after one warm-up),
-// layer by layer, the input of each layer being the previous layer's output.
+/// Each layer's forward plus backward time on `sample` (seconds; the median of `repeats` runs after one warm-up),
+/// layer by layer, the input of each layer being the previous layer's output.
 inline std::vector<double> profile_layers(torch::nn::Sequential model, const at::Tensor& sample, int repeats = 3) {
   using Clock = std::chrono::steady_clock;
   std::vector<double> times;
@@ -70,14 +73,14 @@ inline std::vector<double> profile_layers(torch::nn::Sequential model, const at:
   return times;
 }
 
-// torchgpipe's balance-by-time: profile, then partition_by_cost. The model must be in the mode it will train in.
+/// torchgpipe's balance-by-time: profile, then partition_by_cost. The model must be in the mode it will train in.
 inline std::vector<int> balance_by_time(torch::nn::Sequential model, const at::Tensor& sample, int stages,
                                         int repeats = 3) {
   return partition_by_cost(profile_layers(model, sample, repeats), stages);
 }
 
-// Layers [begin, end) of `model` as a Sequential of their own, sharing the layers (and parameters) with `model`;
-// each keeps its name, so parameter names match the unsplit model's.
+/// Layers [begin, end) of `model` as a Sequential of their own, sharing the layers (and parameters) with `model`;
+/// each keeps its name, so parameter names match the unsplit model's.
 inline torch::nn::Sequential slice_layers(torch::nn::Sequential model, std::size_t begin, std::size_t end) {
   torch::nn::Sequential part;
   const auto names = model->named_children();

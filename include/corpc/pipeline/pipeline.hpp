@@ -1,34 +1,39 @@
-// corpc/pipeline/pipeline.hpp — pipeline parallelism: a torch::nn::Sequential cut into stages on other workers, each
-// worker running its schedule's list of actions (corpc/pipeline/schedule.hpp).
-//
-//   torch::nn::Sequential make_model(std::int64_t width, std::uint64_t seed);       // same weights wherever it is built
-//   at::Tensor mse(const at::Tensor& out, const at::Tensor& target);                 // runs on the last stage's worker
-//   std::unique_ptr<torch::optim::Optimizer> make_sgd(std::vector<at::Tensor> params);  // one per stage, on its worker
-//
-//   corpc::pipeline::PipelineOptions o;
-//   o.workers = {"worker1", "worker2"};                       // stage s runs on workers[s % workers.size()]
-//   o.balance = corpc::pipeline::balance_by_time(make_model(64, 0), sample, 2);  // layers per stage
-//   o.schedule = corpc::pipeline::Schedule::OneFOneB;
-//   o.micro_batches = 8;
-//   auto pipe = corpc::pipeline::Pipeline::create<&make_model, &mse, &make_sgd>(o, std::int64_t{64}, std::uint64_t{0});
-//   corpc::pipeline::StepResult r = co_await pipe.train_step(images, labels);   // r.loss, r.workers (timeline, memory)
-//
-// How a step runs. The caller cuts the batch into micro-batches and sends each worker its action list for the step
-// (the first stage's worker also gets the inputs, the last stage's the targets). A forward receives its activation
-// from the stage before (stage k's worker calls stage k+1's directly, never through the caller), runs the stage's
-// layers, keeps (input, output) for that micro-batch and sends the output on; the last stage computes the loss,
-// scaled by the micro-batch's share of the batch so that the gradients equal the whole batch's. A backward receives
-// the output's gradient, runs libtorch's autograd engine on the stage's own graph (torch::autograd::backward), sends
-// the input's gradient back, and drops the micro-batch: its activations are freed when its backward ends, which is
-// what lets 1F1B hold K-r micro-batches where GPipe holds M. Zero bubble splits the backward into I (gradients of the
-// input and of each layer's output, graph kept) and W (each layer's weight gradients from its output's gradient).
-// When every action is done, each stage's optimizer steps on its worker. No distributed autograd is involved.
-//
-// Losses must be means over the batch (MSE, cross-entropy with the default reduction). BatchNorm in training mode
-// normalizes each micro-batch by itself, so results equal the unsplit model's only in eval mode (`train(false)`).
-//
-// Failure: if a stage's worker dies or a stage throws, the caller tells every other worker to abort the step (their
-// pending receives fail at once), and train_step fails with PipelineError naming the stage and worker.
+/// @file
+/// Pipeline parallelism: a torch::nn::Sequential cut into stages on other workers, each
+/// worker running its schedule's list of actions (corpc/pipeline/schedule.hpp).
+///
+/// ```cpp
+///   torch::nn::Sequential make_model(std::int64_t width, std::uint64_t seed);       // same weights wherever it is built
+///   at::Tensor mse(const at::Tensor& out, const at::Tensor& target);                 // runs on the last stage's worker
+///   std::unique_ptr<torch::optim::Optimizer> make_sgd(std::vector<at::Tensor> params);  // one per stage, on its worker
+/// ```
+///
+/// ```cpp
+///   corpc::pipeline::PipelineOptions o;
+///   o.workers = {"worker1", "worker2"};                       // stage s runs on workers[s % workers.size()]
+///   o.balance = corpc::pipeline::balance_by_time(make_model(64, 0), sample, 2);  // layers per stage
+///   o.schedule = corpc::pipeline::Schedule::OneFOneB;
+///   o.micro_batches = 8;
+///   auto pipe = corpc::pipeline::Pipeline::create<&make_model, &mse, &make_sgd>(o, std::int64_t{64}, std::uint64_t{0});
+///   corpc::pipeline::StepResult r = co_await pipe.train_step(images, labels);   // r.loss, r.workers (timeline, memory)
+/// ```
+///
+/// How a step runs. The caller cuts the batch into micro-batches and sends each worker its action list for the step
+/// (the first stage's worker also gets the inputs, the last stage's the targets). A forward receives its activation
+/// from the stage before (stage k's worker calls stage k+1's directly, never through the caller), runs the stage's
+/// layers, keeps (input, output) for that micro-batch and sends the output on; the last stage computes the loss,
+/// scaled by the micro-batch's share of the batch so that the gradients equal the whole batch's. A backward receives
+/// the output's gradient, runs libtorch's autograd engine on the stage's own graph (torch::autograd::backward), sends
+/// the input's gradient back, and drops the micro-batch: its activations are freed when its backward ends, which is
+/// what lets 1F1B hold K-r micro-batches where GPipe holds M. Zero bubble splits the backward into I (gradients of the
+/// input and of each layer's output, graph kept) and W (each layer's weight gradients from its output's gradient).
+/// When every action is done, each stage's optimizer steps on its worker. No distributed autograd is involved.
+///
+/// Losses must be means over the batch (MSE, cross-entropy with the default reduction). BatchNorm in training mode
+/// normalizes each micro-batch by itself, so results equal the unsplit model's only in eval mode (`train(false)`).
+///
+/// Failure: if a stage's worker dies or a stage throws, the caller tells every other worker to abort the step (their
+/// pending receives fail at once), and train_step fails with PipelineError naming the stage and worker.
 #pragma once
 
 #include <torch/nn/modules/container/sequential.h>
@@ -49,31 +54,37 @@
 
 namespace corpc::pipeline {
 
+/// The loss as the last stage's worker computes it from the model's output and the targets: a mean over the batch.
 using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
+/// Makes one stage's optimizer, on its worker, over that stage's parameters.
 using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor> params)>;
 
+/// Where the stages go and how a step is scheduled; checked by Pipeline::create.
 struct PipelineOptions {
-  // "worker1" or "worker1/cpu" (the stage's device); stage s runs on workers[s % workers.size()]. With more stages
-  // than workers, each worker hosts several (Interleaved1F1B needs that; the other schedules need one per worker).
+  /// "worker1" or "worker1/cpu" (the stage's device); stage s runs on workers[s % workers.size()]. With more stages
+  /// than workers, each worker hosts several (Interleaved1F1B needs that; the other schedules need one per worker).
   std::vector<std::string> workers;
-  std::vector<int> balance;  // consecutive layers per stage; its size is the number of stages
-  Schedule schedule = Schedule::OneFOneB;
-  int micro_batches = 4;
+  std::vector<int> balance;  ///< consecutive layers per stage; its size is the number of stages
+  Schedule schedule = Schedule::OneFOneB;  ///< the order of each worker's actions (corpc/pipeline/schedule.hpp)
+  int micro_batches = 4;  ///< M: the batch is cut into this many micro-batches (fewer if the batch is smaller)
 };
 
+/// What Pipeline::train_step returns.
 struct StepResult {
-  at::Tensor loss;                     // the batch's loss (sum of the micro-batches' scaled losses)
-  std::vector<WorkerReport> workers;   // one per worker, in stage order of their first stage
+  at::Tensor loss;                     ///< the batch's loss (sum of the micro-batches' scaled losses)
+  std::vector<WorkerReport> workers;   ///< one per worker, in stage order of their first stage
 };
 
+/// @cond INTERNAL
 // Where the stages of one pipeline are (sent to each worker that hosts some).
 struct StagePlacement {
   std::uint64_t pipeline_id = 0;
-  std::vector<std::int32_t> stage_ranks;   // per stage
-  std::vector<std::int32_t> balance;       // per stage
-  std::vector<std::string> stage_devices;  // per stage
+  std::vector<std::int32_t> stage_ranks;   ///< per stage
+  std::vector<std::int32_t> balance;       ///< per stage
+  std::vector<std::string> stage_devices;  ///< per stage
   CORPC_FIELDS(pipeline_id, stage_ranks, balance, stage_devices)
 };
+/// @endcond
 
 namespace detail {
 
@@ -96,11 +107,18 @@ std::uint64_t next_pipeline_id();
 
 }  // namespace detail
 
+/// A model cut into stages hosted on other workers, trained one step at a time by a schedule (see
+/// corpc/pipeline/pipeline.hpp). Made by create(); copies share the same stages, which the workers drop when the last
+/// copy is destroyed (the destructor waits for their answers). The caller holds no parameters: they live, and are
+/// updated, on the stages' workers.
 class Pipeline {
  public:
-  // Builds Model(args...) on every worker named in `options` (seed it: every worker must get the same weights) and
-  // keeps there the stages placed on it. Loss(output, target) runs on the last stage's worker; MakeOptimizer(params)
-  // makes each stage's optimizer on its worker.
+  /// Builds Model(args...) on every worker named in `options` (seed it: every worker must get the same weights) and
+  /// keeps there the stages placed on it. Loss(output, target) runs on the last stage's worker; MakeOptimizer(params)
+  /// makes each stage's optimizer on its worker. Model, Loss and MakeOptimizer are function pointer constants
+  /// (`&make_model`), as for rpc_async. Blocks until every worker has built its stages. Throws UsageError for options
+  /// that do not fit (no workers, a stage count that is not a multiple of the workers', a schedule that does not fit
+  /// the layout, an empty stage, a worker named twice), UnknownWorkerError, and the errors of rpc_async.
   template <auto Model, auto Loss, auto MakeOptimizer, class... A>
   static Pipeline create(const PipelineOptions& options, A&&... args) {
     Pipeline p(options);
@@ -112,21 +130,23 @@ class Pipeline {
     return p;
   }
 
-  // One training iteration: forward and backward of every micro-batch by the schedule, then each stage's optimizer
-  // step. Fails with PipelineError if a stage fails (the other workers abort their part of the step).
+  /// One training iteration: forward and backward of every micro-batch by the schedule, then each stage's optimizer
+  /// step. Fails with PipelineError if a stage fails (the other workers abort their part of the step).
+  /// `inputs` and `targets` are the whole batch (dimension 0); UsageError if they differ in batch size. A lazy Task:
+  /// await it (or sync_wait it); run one step at a time per pipeline.
   Task<StepResult> train_step(at::Tensor inputs, at::Tensor targets);
 
-  // Training or eval mode on every stage (BatchNorm, Dropout).
+  /// Training or eval mode on every stage (BatchNorm, Dropout). Blocks until every worker has switched.
   void train(bool on) const;
-  // Copies of every parameter, in the unsplit model's order.
+  /// Copies of every parameter, in the unsplit model's order. Blocks (one RPC per worker).
   std::vector<at::Tensor> parameters() const;
 
-  Schedule schedule() const noexcept { return options_.schedule; }
-  int micro_batches() const noexcept { return options_.micro_batches; }
-  int num_stages() const noexcept { return static_cast<int>(options_.balance.size()); }
-  int num_workers() const noexcept { return static_cast<int>(state_->worker_ranks.size()); }
-  int stages_per_worker() const noexcept { return num_stages() / num_workers(); }
-  // This pipeline's action lists for M micro-batches (plan[i] for the i-th worker of `options.workers`).
+  Schedule schedule() const noexcept { return options_.schedule; }  ///< PipelineOptions::schedule
+  int micro_batches() const noexcept { return options_.micro_batches; }  ///< PipelineOptions::micro_batches
+  int num_stages() const noexcept { return static_cast<int>(options_.balance.size()); }  ///< stages in all
+  int num_workers() const noexcept { return static_cast<int>(state_->worker_ranks.size()); }  ///< workers hosting them
+  int stages_per_worker() const noexcept { return num_stages() / num_workers(); }  ///< v: stages on each worker
+  /// This pipeline's action lists for M micro-batches (plan[i] for the i-th worker of `options.workers`).
   std::vector<std::vector<Action>> plan(int micro_batches) const {
     return make_schedule(options_.schedule, num_workers(), stages_per_worker(), micro_batches);
   }

@@ -1,29 +1,30 @@
-// corpc/pipeline/schedule.hpp — pipeline schedules as per-worker ordered lists of actions (no torch here).
-//
-// The model of torch.distributed.pipelining: every worker runs its own list of actions over micro-batches, in order;
-// an action waits for what it consumes (a forward for the activation from the stage before, a backward for the
-// gradient from the stage after), computes, and sends what it produces. The order alone decides the schedule.
-//
-// Notation: K workers, v stages per worker (virtual stages; N = K v stages, stage s on worker s mod K), M
-// micro-batches per step, worker r in 0..K-1. Times per micro-batch and stage: F forward, B backward (B = I + W for
-// zero bubble: I the gradient for the stage's input, W the gradient for its weights). "Held" = micro-batches whose
-// activations a stage keeps (from its forward to the end of its backward), counted in one stage's activations.
-//
-// | schedule        | per worker, in order                                      | bubble fraction (uniform F, B)   | peak held on worker r         |
-// |-----------------|-----------------------------------------------------------|----------------------------------|-------------------------------|
-// | GPipe           | F0..F(M-1), then B0..B(M-1)                                | (K-1)/(M+K-1)                    | M                             |
-// | 1F1B            | K-1-r forwards, then F,B alternating, then the last Bs     | (K-1)/(M+K-1)                    | min(M, K-r)                   |
-// | Interleaved1F1B | Megatron's order over v chunks, micro-batches in rounds of K| (K-1)/(vM+K-1)                   | min(vM, 2(K-r-1)+(v-1)K+1)/v  |
-// | ZeroBubbleH1    | 1F1B's Fs and Is; a W wherever the next F or I would wait | 2(K-1)/(3M+2(K-1)) if F = I = W  | min(M, K-r)                   |
-// |                 | (never holding more than 1F1B), the remaining Ws at the end|  (1F1B: 3(K-1)/(3M+3(K-1)))     |                               |
-//
-// GPipe and 1F1B have the same bubble; 1F1B bounds memory (a stage frees a micro-batch as its backward ends).
-// Interleaving divides the bubble by v at the price of v times the messages. Zero bubble sends I's result upstream at
-// once, so the backward's critical path carries only I, and W fills the waits (ZB-H1: Qi et al., "Zero Bubble
-// Pipeline Parallelism", 2023). The paper's ZB-H1 reaches a bubble of (K-1)(F+I-W) by counting what a micro-batch
-// keeps for W alone as less memory; here a micro-batch stays held until its W, so the memory bound of 1F1B leaves
-// (K-1)(F+I): two thirds of 1F1B's bubble with uniform times. The peak for Interleaved1F1B is in units of a whole worker's activations per
-// micro-batch (a chunk holds 1/v of the worker's layers).
+/// @file
+/// Pipeline schedules as per-worker ordered lists of actions (no torch here).
+///
+/// The model of torch.distributed.pipelining: every worker runs its own list of actions over micro-batches, in order;
+/// an action waits for what it consumes (a forward for the activation from the stage before, a backward for the
+/// gradient from the stage after), computes, and sends what it produces. The order alone decides the schedule.
+///
+/// Notation: K workers, v stages per worker (virtual stages; N = K v stages, stage s on worker s mod K), M
+/// micro-batches per step, worker r in 0..K-1. Times per micro-batch and stage: F forward, B backward (B = I + W for
+/// zero bubble: I the gradient for the stage's input, W the gradient for its weights). "Held" = micro-batches whose
+/// activations a stage keeps (from its forward to the end of its backward), counted in one stage's activations.
+///
+/// | schedule        | per worker, in order                                      | bubble fraction (uniform F, B)   | peak held on worker r         |
+/// |-----------------|-----------------------------------------------------------|----------------------------------|-------------------------------|
+/// | GPipe           | F0..F(M-1), then B0..B(M-1)                                | (K-1)/(M+K-1)                    | M                             |
+/// | 1F1B            | K-1-r forwards, then F,B alternating, then the last Bs     | (K-1)/(M+K-1)                    | min(M, K-r)                   |
+/// | Interleaved1F1B | Megatron's order over v chunks, micro-batches in rounds of K| (K-1)/(vM+K-1)                   | min(vM, 2(K-r-1)+(v-1)K+1)/v  |
+/// | ZeroBubbleH1    | 1F1B's Fs and Is; a W wherever the next F or I would wait | 2(K-1)/(3M+2(K-1)) if F = I = W  | min(M, K-r)                   |
+/// |                 | (never holding more than 1F1B), the remaining Ws at the end|  (1F1B: 3(K-1)/(3M+3(K-1)))     |                               |
+///
+/// GPipe and 1F1B have the same bubble; 1F1B bounds memory (a stage frees a micro-batch as its backward ends).
+/// Interleaving divides the bubble by v at the price of v times the messages. Zero bubble sends I's result upstream at
+/// once, so the backward's critical path carries only I, and W fills the waits (ZB-H1: Qi et al., "Zero Bubble
+/// Pipeline Parallelism", 2023). The paper's ZB-H1 reaches a bubble of (K-1)(F+I-W) by counting what a micro-batch
+/// keeps for W alone as less memory; here a micro-batch stays held until its W, so the memory bound of 1F1B leaves
+/// (K-1)(F+I): two thirds of 1F1B's bubble with uniform times. The peak for Interleaved1F1B is in units of a whole worker's activations per
+/// micro-batch (a chunk holds 1/v of the worker's layers).
 #pragma once
 
 #include <algorithm>
@@ -38,15 +39,18 @@
 
 namespace corpc::pipeline {
 
-// A pipeline step failed: a stage's worker died or threw, or the step was aborted because another stage failed. The
-// message names the stage and the worker where it began.
+/// A pipeline step failed: a stage's worker died or threw, or the step was aborted because another stage failed. The
+/// message names the stage and the worker where it began.
 class PipelineError : public RpcError {
  public:
   using RpcError::RpcError;
 };
 
+/// The pipeline schedules of the table in corpc/pipeline/schedule.hpp: GPipe, 1F1B, interleaved 1F1B (Megatron-LM's,
+/// v >= 2 stages per worker) and zero bubble (ZB-H1).
 enum class Schedule : std::uint8_t { GPipe, OneFOneB, Interleaved1F1B, ZeroBubbleH1 };
 
+/// The schedule's name as tables print it ("GPipe", "1F1B", "Interleaved1F1B", "ZB-H1").
 inline const char* to_string(Schedule s) {
   switch (s) {
     case Schedule::GPipe: return "GPipe";
@@ -57,7 +61,7 @@ inline const char* to_string(Schedule s) {
   return "?";
 }
 
-// "gpipe", "1f1b", "interleaved", "zbh1" (what the benchmark's flags take); throws UsageError otherwise.
+/// "gpipe", "1f1b", "interleaved", "zbh1" (what the benchmark's flags take); throws UsageError otherwise.
 inline Schedule schedule_from_string(const std::string& name) {
   if (name == "gpipe") return Schedule::GPipe;
   if (name == "1f1b") return Schedule::OneFOneB;
@@ -66,9 +70,10 @@ inline Schedule schedule_from_string(const std::string& name) {
   throw UsageError("unknown pipeline schedule '" + name + "' (gpipe, 1f1b, interleaved, zbh1)");
 }
 
-// Forward; Backward (input and weights together); BackwardInput and BackwardWeight (zero bubble).
+/// Forward; Backward (input and weights together); BackwardInput and BackwardWeight (zero bubble).
 enum class ActionKind : std::uint8_t { Forward, Backward, BackwardInput, BackwardWeight };
 
+/// 'F', 'B', 'I' or 'W', as timelines label actions.
 inline char action_letter(ActionKind k) {
   switch (k) {
     case ActionKind::Forward: return 'F';
@@ -79,18 +84,19 @@ inline char action_letter(ActionKind k) {
   return '?';
 }
 
+/// One step of a worker's action list: compute `kind` for micro-batch `micro` on stage `stage`.
 struct Action {
-  ActionKind kind = ActionKind::Forward;
-  std::int32_t stage = 0;  // global stage index
-  std::int32_t micro = 0;  // micro-batch index
-  bool operator==(const Action&) const = default;
+  ActionKind kind = ActionKind::Forward;  ///< what to compute
+  std::int32_t stage = 0;  ///< global stage index
+  std::int32_t micro = 0;  ///< micro-batch index
+  bool operator==(const Action&) const = default;  ///< field by field
   CORPC_FIELDS(kind, stage, micro)
 };
 
-// ZB-H1's order: each worker runs 1F1B's forwards and input-backwards (I) in 1F1B's order, and a pending W whenever
-// that next action would have to wait (or a forward would hold more micro-batches than 1F1B does); the Ws left at
-// the end run last. The order is found by running it with unit times (F = I = W), which is the case ZB-H1 is
-// designed for; with other times it stays a valid order, only the bubble differs.
+/// ZB-H1's order: each worker runs 1F1B's forwards and input-backwards (I) in 1F1B's order, and a pending W whenever
+/// that next action would have to wait (or a forward would hold more micro-batches than 1F1B does); the Ws left at
+/// the end run last. The order is found by running it with unit times (F = I = W), which is the case ZB-H1 is
+/// designed for; with other times it stays a valid order, only the bubble differs.
 inline std::vector<std::vector<Action>> detail_zero_bubble_h1(int K, int M) {
   std::vector<std::vector<Action>> main(K), plan(K);
   for (int r = 0; r < K; ++r) {
@@ -140,8 +146,8 @@ inline std::vector<std::vector<Action>> detail_zero_bubble_h1(int K, int M) {
   return plan;
 }
 
-// The action lists of one step: plan[r] is worker r's, for `workers` workers, `stages_per_worker` (v) stages each
-// and `micro_batches` (M). Interleaved1F1B needs v >= 2, the others v == 1 (UsageError otherwise).
+/// The action lists of one step: plan[r] is worker r's, for `workers` workers, `stages_per_worker` (v) stages each
+/// and `micro_batches` (M). Interleaved1F1B needs v >= 2, the others v == 1 (UsageError otherwise).
 inline std::vector<std::vector<Action>> make_schedule(Schedule schedule, int workers, int stages_per_worker,
                                                       int micro_batches) {
   const int K = workers, v = stages_per_worker, M = micro_batches;
@@ -195,8 +201,8 @@ inline std::vector<std::vector<Action>> make_schedule(Schedule schedule, int wor
   return plan;
 }
 
-// The bubble fraction of the table above (idle time over the step's span, uniform stage times; ZB-H1 with F = I = W;
-// Interleaved1F1B with M a multiple of K, otherwise its last round is shorter and the bubble larger).
+/// The bubble fraction of the table above (idle time over the step's span, uniform stage times; ZB-H1 with F = I = W;
+/// Interleaved1F1B with M a multiple of K, otherwise its last round is shorter and the bubble larger).
 inline double bubble_formula(Schedule schedule, int workers, int stages_per_worker, int micro_batches) {
   const double K = workers, v = stages_per_worker, M = micro_batches;
   switch (schedule) {
@@ -206,7 +212,7 @@ inline double bubble_formula(Schedule schedule, int workers, int stages_per_work
   }
 }
 
-// Peak micro-batches held by worker r in the table above (for Interleaved1F1B, in whole-worker units).
+/// Peak micro-batches held by worker r in the table above (for Interleaved1F1B, in whole-worker units).
 inline double peak_held_formula(Schedule schedule, int workers, int stages_per_worker, int micro_batches, int r) {
   const int K = workers, v = stages_per_worker, M = micro_batches;
   switch (schedule) {
@@ -216,9 +222,9 @@ inline double peak_held_formula(Schedule schedule, int workers, int stages_per_w
   }
 }
 
-// Executes `plan` with unit-time actions (F = B/2 = I = W = 1, B = 2) and every worker waiting for its inputs as the
-// real runtime does. Returns the makespan; throws std::logic_error if the plan deadlocks or misses an action. Checks a
-// schedule before it runs (a deadlocked order would otherwise hang the step), and gives the bubble it should show.
+/// Executes `plan` with unit-time actions (F = B/2 = I = W = 1, B = 2) and every worker waiting for its inputs as the
+/// real runtime does. Returns the makespan; throws std::logic_error if the plan deadlocks or misses an action. Checks a
+/// schedule before it runs (a deadlocked order would otherwise hang the step), and gives the bubble it should show.
 inline double simulate_schedule(const std::vector<std::vector<Action>>& plan, int num_stages, int micro_batches) {
   const int K = static_cast<int>(plan.size()), S = num_stages, M = micro_batches;
   // done_*[stage][micro]: time the result is available; -1 while not done.

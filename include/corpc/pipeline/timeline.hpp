@@ -1,9 +1,10 @@
-// corpc/pipeline/timeline.hpp — what each worker of a pipeline did in a step, and when (no torch here).
-//
-// Every worker stamps each action with the machine's monotonic clock (CLOCK_MONOTONIC is one clock for all the
-// processes of a host, so records from different workers line up; across hosts they would need an offset). From the
-// records: the measured bubble (idle share of the step's span), a Chrome trace (chrome://tracing, Perfetto) with one
-// track per worker, and the rows of a Gantt chart.
+/// @file
+/// What each worker of a pipeline did in a step, and when (no torch here).
+///
+/// Every worker stamps each action with the machine's monotonic clock (CLOCK_MONOTONIC is one clock for all the
+/// processes of a host, so records from different workers line up; across hosts they would need an offset). From the
+/// records: the measured bubble (idle share of the step's span), a Chrome trace (chrome://tracing, Perfetto) with one
+/// track per worker, and the rows of a Gantt chart.
 #pragma once
 
 #include <algorithm>
@@ -18,29 +19,30 @@
 
 namespace corpc::pipeline {
 
+/// When one action ran, on which worker.
 struct ActionRecord {
-  Action action;
-  std::int32_t rank = -1;        // the worker that ran it
-  std::int64_t start_ns = 0;     // steady_clock, from the action's inputs being there to its outputs being sent
-  std::int64_t end_ns = 0;
+  Action action;                 ///< what ran
+  std::int32_t rank = -1;        ///< the worker that ran it
+  std::int64_t start_ns = 0;     ///< steady_clock, from the action's inputs being there to its outputs being sent
+  std::int64_t end_ns = 0;       ///< steady_clock, when its outputs were sent
   CORPC_FIELDS(action, rank, start_ns, end_ns)
 };
 
-// One worker's account of one step.
+/// One worker's account of one step.
 struct WorkerReport {
-  std::int32_t rank = -1;
-  std::vector<std::int32_t> stages;     // the stages it hosts
-  std::vector<ActionRecord> records;    // in the order they ran
-  // Peak over the step of the bytes the CPU allocator had handed out beyond what was live when the step began
-  // (parameters, gradients, optimizer state): the activations a schedule keeps, plus the step's transient buffers.
+  std::int32_t rank = -1;               ///< the worker
+  std::vector<std::int32_t> stages;     ///< the stages it hosts
+  std::vector<ActionRecord> records;    ///< in the order they ran
+  /// Peak over the step of the bytes the CPU allocator had handed out beyond what was live when the step began
+  /// (parameters, gradients, optimizer state): the activations a schedule keeps, plus the step's transient buffers.
   std::int64_t peak_activation_bytes = 0;
-  std::int32_t peak_micro_batches_held = 0;  // most micro-batches whose activations it held at once (all its stages)
-  std::vector<double> losses;               // last stage only: each micro-batch's loss, scaled by its batch share
+  std::int32_t peak_micro_batches_held = 0;  ///< most micro-batches whose activations it held at once (all its stages)
+  std::vector<double> losses;               ///< last stage only: each micro-batch's loss, scaled by its batch share
   CORPC_FIELDS(rank, stages, records, peak_activation_bytes, peak_micro_batches_held, losses)
 };
 
-// Idle share of the step on each worker, averaged: 1 - busy / span, the span running from the first action's start
-// to the last action's end over all workers. The schedule tables' bubble fraction measures the same thing.
+/// Idle share of the step on each worker, averaged: 1 - busy / span, the span running from the first action's start
+/// to the last action's end over all workers. The schedule tables' bubble fraction measures the same thing.
 inline double measured_bubble(const std::vector<WorkerReport>& workers) {
   std::int64_t first = INT64_MAX, last = INT64_MIN;
   for (auto& w : workers)
@@ -55,11 +57,12 @@ inline double measured_bubble(const std::vector<WorkerReport>& workers) {
   return idle / static_cast<double>(workers.size());
 }
 
-// Appends one step's actions to a Chrome trace ("traceEvents" of complete events): pid = `process` (e.g. one per
-// schedule), tid = worker rank, times in microseconds from `origin_ns`. `name` labels the process. The events are
-// formatted as the job traces of corpc/rpc/trace.hpp are, so the two files merge (trace::merge_chrome_traces).
+/// Appends one step's actions to a Chrome trace ("traceEvents" of complete events): pid = `process` (one per
+/// schedule), tid = worker rank, times in microseconds from `origin_ns`. `name` labels the process. The events are
+/// formatted as the job traces of corpc/rpc/trace.hpp are, so the two files merge (trace::merge_chrome_traces).
 class ChromeTrace {
  public:
+  /// Adds the records of `workers` (one step, e.g. StepResult::workers) as a process named `name`.
   void add_step(int process, const std::string& name, const std::vector<WorkerReport>& workers, std::int64_t origin_ns) {
     events_.push_back(trace::process_name_event(process, name, process));
     for (auto& w : workers) {
@@ -77,6 +80,7 @@ class ChromeTrace {
       }
     }
   }
+  /// Writes the trace (every step added so far) to `path` as JSON; false if the file could not be written.
   bool write(const std::string& path) const { return trace::write_chrome_trace(path, events_); }
 
  private:

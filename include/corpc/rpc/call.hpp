@@ -1,18 +1,21 @@
-// corpc/rpc/call.hpp — rpc_async, rpc_sync: calling a function on another worker.
-//
-//   int add(int a, int b);
-//   corpc::Future<int> f = corpc::rpc_async<&add>("worker1", 1, 2);   // eager: the request is on its way
-//   int three = co_await f;                                             // or f.wait() outside a coroutine
-//   int same = corpc::rpc_sync<&add>(1, 1, 2);                          // by rank, blocking
-//   auto g = corpc::rpc_async<&add>("worker1", corpc::with_timeout(100ms), 1, 2);
-//
-// Arguments are converted to the function's parameter types at the call site, so a mismatch is a compile error.
-// The function may be a plain function, or return Task<T> / Future<T>: the callee then holds no thread while it waits
-// (what PyTorch calls @async_execution), and the caller receives T.
-// Errors arrive on the future: RemoteError (the function threw), TimeoutError, ConnectionError, UnknownWorkerError,
-// UnknownFunctionError, ArgumentTypeError. A cancelled call (`f.cancel()`, or a stop token in CallOptions:
-// `rpc_async<&f>("worker1", corpc::with_stop_token(source.get_token()), ...)`) completes with CancelledError, and
-// the callee's function sees its stop requested (corpc/core/this_call.hpp).
+/// @file
+/// `rpc_async`, `rpc_sync`: calling a function on another worker.
+///
+/// ```cpp
+///   int add(int a, int b);
+///   corpc::Future<int> f = corpc::rpc_async<&add>("worker1", 1, 2);   // eager: the request is on its way
+///   int three = co_await f;                                             // or f.wait() outside a coroutine
+///   int same = corpc::rpc_sync<&add>(1, 1, 2);                          // by rank, blocking
+///   auto g = corpc::rpc_async<&add>("worker1", corpc::with_timeout(100ms), 1, 2);
+/// ```
+///
+/// Arguments are converted to the function's parameter types at the call site, so a mismatch is a compile error.
+/// The function may be a plain function, or return Task<T> / Future<T>: the callee then holds no thread while it waits
+/// (what PyTorch calls `@async_execution`), and the caller receives T.
+/// Errors arrive on the future: RemoteError (the function threw), TimeoutError, ConnectionError, UnknownWorkerError,
+/// UnknownFunctionError, ArgumentTypeError. A cancelled call (`f.cancel()`, or a stop token in CallOptions:
+/// `rpc_async<&f>("worker1", corpc::with_stop_token(source.get_token()), ...)`) completes with CancelledError, and
+/// the callee's function sees its stop requested (corpc/core/this_call.hpp).
 #pragma once
 
 #include <memory>
@@ -274,18 +277,29 @@ inline constexpr bool first_is_options<A0, A...> = std::is_same_v<std::decay_t<A
 
 }  // namespace detail
 
-// Registers F under an explicit name, for callers built from other sources (they call by name).
+/// Registers F under an explicit name, for callers built from other sources (they call by name).
 template <auto F>
 void register_function(std::string name, Execution execution = execution_of<F>) {
   global_registry().add(detail::make_entry<F>(std::move(name), execution));
 }
 
+/// Calls `F(args...)` on worker `to` and returns the Future of its result at once: the request is on its way, or
+/// waits behind RpcOptions::max_calls_in_flight_per_peer (only a caller on a thread without a corpc executor blocks
+/// here then). F is a function pointer constant (`&f`); if it returns
+/// Task<T> or Future<T>, the result is T. `args` are converted to F's parameter types here (a mismatch does not
+/// compile) and encoded with their Codecs before this returns, so they may be destroyed at once.
+///
+/// Never throws: every failure completes the future, with RemoteError (F threw), TimeoutError, ConnectionError,
+/// UnknownWorkerError, UnknownFunctionError, ArgumentTypeError, MessageTooLargeError, ShutdownError (no runtime),
+/// or CancelledError after `cancel()`. On the callee F runs on the worker pool, or on the I/O thread for
+/// Execution::io_thread functions. Any thread may call it; examples in corpc/rpc/call.hpp.
 template <auto F, class... A>
   requires(!detail::first_is_options<A...>)
 Future<detail::ResultOf<F>> rpc_async(const WorkerRef& to, A&&... args) {
   return rpc_async<F>(to, CallOptions{}, std::forward<A>(args)...);
 }
 
+/// As rpc_async(to, args...), with per-call options: a timeout (with_timeout) or a stop token (with_stop_token).
 template <auto F, class... A>
 Future<detail::ResultOf<F>> rpc_async(const WorkerRef& to, const CallOptions& options, A&&... args) {
   (void)detail::AutoRegistered<F>::value;
@@ -295,6 +309,9 @@ Future<detail::ResultOf<F>> rpc_async(const WorkerRef& to, const CallOptions& op
       to, function_name<F>(), true, id, detail::signature_of<typename Tr::Args>(), options, std::forward<A>(args)...);
 }
 
+/// `rpc_async<F>(to, args...).wait()`: blocks the calling thread until the result arrives and returns it, or throws
+/// the call's error (see rpc_async). `args` may start with CallOptions. Throws UsageError on a corpc I/O thread;
+/// in a coroutine, `co_await rpc_async<F>(...)` instead.
 template <auto F, class... A>
 detail::ResultOf<F> rpc_sync(const WorkerRef& to, A&&... args) {
   return rpc_async<F>(to, std::forward<A>(args)...).wait();
@@ -317,15 +334,18 @@ void send_control(int to, A... args) {
 }
 }  // namespace detail
 
-// By name, for functions registered with register_function in another binary. R: the expected result type;
-// the arguments' own (decayed) types must match the callee's parameter types, except that string literals and
-// char pointers are sent as std::string:
-//   corpc::rpc_async<std::string>("worker1", "greet", "hello", 3);   // greet(std::string, int)
+/// By name, for functions registered with register_function in another binary. R: the expected result type;
+/// the arguments' own (decayed) types must match the callee's parameter types, except that string literals and
+/// char pointers are sent as std::string:
+/// ```cpp
+///   corpc::rpc_async<std::string>("worker1", "greet", "hello", 3);   // greet(std::string, int)
+/// ```
 template <class R, class... A>
   requires(!detail::first_is_options<A...>)
 Future<R> rpc_async(const WorkerRef& to, std::string_view function, A&&... args) {
   return rpc_async<R>(to, function, CallOptions{}, std::forward<A>(args)...);
 }
+/// As the by-name rpc_async above, with per-call options.
 template <class R, class... A>
 Future<R> rpc_async(const WorkerRef& to, std::string_view function, const CallOptions& options, A&&... args) {
   using Args = std::tuple<detail::by_name_arg_t<A>...>;

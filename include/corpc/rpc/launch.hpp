@@ -1,16 +1,19 @@
-// corpc/rpc/launch.hpp — run N ranks of this program as local processes (like torch.multiprocessing.spawn).
-//
-//   corpc::launch_processes(3, [](int rank) {
-//     corpc::init_rpc("worker" + std::to_string(rank));   // env:// is set up for each child
-//     ...
-//     corpc::shutdown();
-//   });
-//
-// Each rank is a fork of the calling process with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK and
-// LOCAL_WORLD_SIZE set, as torchrun sets them; rank 0 inherits an already-bound listening socket, so concurrent
-// launches never collide on a port. Call it before the process starts threads of its own (as with any fork).
-// If a rank fails (throws, exits non-zero, dies on a signal, or the timeout passes) the others get a grace period to
-// finish, are then killed, and launch_processes throws LaunchError naming each failed rank and why. Children die with the parent.
+/// @file
+/// Run N ranks of this program as local processes (like torch.multiprocessing.spawn).
+///
+/// ```cpp
+///   corpc::launch_processes(3, [](int rank) {
+///     corpc::init_rpc("worker" + std::to_string(rank));   // env:// is set up for each child
+///     ...
+///     corpc::shutdown();
+///   });
+/// ```
+///
+/// Each rank is a fork of the calling process with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK and
+/// LOCAL_WORLD_SIZE set, as torchrun sets them; rank 0 inherits an already-bound listening socket, so concurrent
+/// launches never collide on a port. Call it before the process starts threads of its own (as with any fork). If a rank
+/// fails (throws, exits non-zero, dies on a signal, or the timeout passes) the others get a grace period to finish, are
+/// then killed, and launch_processes throws LaunchError naming each failed rank and why. Children die with the parent.
 #pragma once
 
 #include <chrono>
@@ -46,7 +49,7 @@ class LaunchError : public RpcError {
   std::vector<RankFailure> failures_;
 };
 
-/// Runs `fn(rank)` for ranks 0 .. world_size-1, each in a forked process with the env:// variables set (see the top
+/// Runs `fn(rank)` for ranks 0 to world_size-1, each in a forked process with the env:// variables set (see the top
 /// of this header); returns when all ranks have finished and throws LaunchError if any failed.
 void launch_processes(int world_size, const std::function<void(int rank)>& fn, LaunchOptions options = {});
 

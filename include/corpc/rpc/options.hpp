@@ -1,4 +1,5 @@
-// corpc/rpc/options.hpp — how a runtime starts, and per-call options.
+/// @file
+/// How a runtime starts, and per-call options.
 #pragma once
 
 #include <chrono>
@@ -11,92 +12,107 @@
 
 namespace corpc {
 
+/// How init_rpc starts this process's runtime: rendezvous, threads, timeouts, security, limits and flow control.
+/// Every worker of a job should use compatible values (limits are announced to peers; timeouts are per worker).
 struct RpcOptions {
-  // "env://" reads MASTER_ADDR, MASTER_PORT (and RANK/WORLD_SIZE when init_rpc is given -1), as torchrun, Slurm
-  // (SLURM_PROCID, SLURM_NTASKS) and Open MPI (OMPI_COMM_WORLD_RANK/SIZE) set them; "tcp://host:port" names rank 0's
-  // address directly.
+  /// "env://" reads MASTER_ADDR, MASTER_PORT (and RANK/WORLD_SIZE when init_rpc is given -1), as torchrun, Slurm
+  /// (SLURM_PROCID, SLURM_NTASKS) and Open MPI (OMPI_COMM_WORLD_RANK/SIZE) set them; "tcp://host:port" names rank 0's
+  /// address directly.
   std::string init_method = "env://";
-  // Threads that run user functions. Coroutine functions hold no thread while suspended. 0: max(4, 2 x cores).
+  /// Threads that run user functions. Coroutine functions hold no thread while suspended. 0: max(4, 2 x cores).
   int num_worker_threads = 0;
-  // I/O threads, each owning a share of the connections (and running the functions marked Execution::io_thread).
+  /// I/O threads, each owning a share of the connections (and running the functions marked Execution::io_thread).
   int num_io_threads = 1;
-  // How long a blocked wait()/rpc_sync spins before it sleeps (see corpc/core/executor.hpp); 0: never spin.
+  /// How long a blocked wait()/rpc_sync spins before it sleeps (see corpc/core/executor.hpp); 0: never spin.
   std::chrono::microseconds spin_before_block{50};
-  // Runs first on each worker thread: per-thread settings, e.g. at::set_num_threads (OpenMP's count is per thread).
+  /// Runs first on each worker thread: per-thread settings, e.g. at::set_num_threads (OpenMP's count is per thread).
   std::function<void()> worker_thread_init;
-  std::chrono::milliseconds rpc_timeout{60'000};       // default per-call timeout
-  std::chrono::milliseconds init_timeout{60'000};      // how long ranks may take to find each other
-  // How long a graceful shutdown waits for the other workers to finish; 0: as long as they are alive. Dead and
-  // silent peers (liveness_timeout) are detected and never waited for; the finite default bounds the rest (a peer
-  // that answers heartbeats but never finishes). A worker whose peers still train for longer must raise it.
+  /// Default timeout of every call (CallOptions::timeout overrides it); past it the call fails with TimeoutError.
+  std::chrono::milliseconds rpc_timeout{60'000};
+  /// How long init_rpc waits for all ranks to find each other before it throws.
+  std::chrono::milliseconds init_timeout{60'000};
+  /// How long a graceful shutdown waits for the other workers to finish; 0: as long as they are alive. Dead and
+  /// silent peers (liveness_timeout) are detected and never waited for; the finite default bounds the rest (a peer
+  /// that answers heartbeats but never finishes). A worker whose peers still train for longer must raise it.
   std::chrono::milliseconds shutdown_timeout{std::chrono::minutes(30)};
-  // Interface to listen on; empty: loopback when rank 0 is on loopback, otherwise all interfaces.
+  /// Interface to listen on; empty: loopback when rank 0 is on loopback, otherwise all interfaces.
   std::string listen_address;
-  // Shared secret that every connection must prove knowledge of (HMAC challenge-response) before anything else is
-  // read from it; empty: the CORPC_SECRET environment variable (launch_processes sets a fresh one per run). With
-  // neither, the job is open to any process that can reach its ports, and init_rpc says so on stderr.
+  /// Shared secret that every connection must prove knowledge of (HMAC challenge-response) before anything else is
+  /// read from it; empty: the CORPC_SECRET environment variable (launch_processes sets a fresh one per run). With
+  /// neither, the job is open to any process that can reach its ports, and init_rpc says so on stderr.
   std::string secret;
-  // How long a new connection may take to authenticate; a peer silent for longer is dropped.
+  /// How long a new connection may take to authenticate; a peer silent for longer is dropped.
   std::chrono::milliseconds handshake_timeout{5000};
+  /// What this worker accepts from peers (announced to them; senders refuse larger messages with
+  /// MessageTooLargeError before sending). Larger frames are a ProtocolError and close the connection.
   WireLimits limits;
 
   // ---- Flow control and liveness (README: "Flow control and liveness") ----
-  // Memory that requests from peers may hold here while they wait for a thread or run (their metadata, body and
-  // tensor data, reserved from each request's header before anything is allocated, given back once it is answered).
-  // While a connection's share or the process's total is spent, that connection is not read, so TCP slows its sender.
-  // A request larger than either budget fails on the caller's future with MessageTooLargeError.
+  /// Memory that requests from peers may hold here while they wait for a thread or run (their metadata, body and
+  /// tensor data, reserved from each request's header before anything is allocated, given back once it is answered).
+  /// While a connection's share or the process's total is spent, that connection is not read, so TCP slows its sender.
+  /// A request larger than either budget fails on the caller's future with MessageTooLargeError.
   std::uint64_t receive_budget_per_connection = std::uint64_t{2} << 30;
+  /// The process-wide total of that budget, over all connections (see receive_budget_per_connection).
   std::uint64_t receive_budget_per_process = std::uint64_t{4} << 30;
-  // Requests held at once (queued for the worker pool or running): the bound of the pool's queue. At it, reading
-  // requests pauses as for the memory budget.
+  /// Requests held at once (queued for the worker pool or running): the bound of the pool's queue. At it, reading
+  /// requests pauses as for the memory budget.
   std::uint32_t max_requests_held = 65536;
-  // Unsent output on one connection (our replies to a peer that does not read them) beyond which that connection's
-  // requests are not read.
+  /// Unsent output on one connection (our replies to a peer that does not read them) beyond which that connection's
+  /// requests are not read.
   std::uint64_t max_write_backlog_bytes = std::uint64_t{256} << 20;
-  // Calls to one peer sent and not yet answered. Beyond it a call waits for a reply to free room, holding no
-  // thread: rpc_async returns at once and the call leaves later, in order (its timeout runs meanwhile); only a
-  // caller on a thread of its own (main, a user thread; no corpc executor) blocks inside rpc_async until there is
-  // room, so that a loop issuing calls cannot pile up encoded messages without bound.
+  /// Calls to one peer sent and not yet answered. Beyond it a call waits for a reply to free room, holding no
+  /// thread: rpc_async returns at once and the call leaves later, in order (its timeout runs meanwhile); only a
+  /// caller on a thread of its own (main, a user thread; no corpc executor) blocks inside rpc_async until there is
+  /// room, so that a loop issuing calls cannot pile up encoded messages without bound.
   std::uint32_t max_calls_in_flight_per_peer = 1024;
-  // A connection on which nothing arrives for this long, although heartbeats were sent (only while it is quiet), is
-  // closed and its peer treated as dead: its calls fail with ConnectionError, its RRefs and contexts are released,
-  // graceful shutdown stops waiting for it. Catches a stopped process or a partition without a reset, which TCP
-  // alone does not notice. Detected within 1.25x this. 0: never.
+  /// A connection on which nothing arrives for this long, although heartbeats were sent (only while it is quiet), is
+  /// closed and its peer treated as dead: its calls fail with ConnectionError, its RRefs and contexts are released,
+  /// graceful shutdown stops waiting for it. Catches a stopped process or a partition without a reset, which TCP
+  /// alone does not notice. Detected within 1.25x this. 0: never.
   std::chrono::milliseconds liveness_timeout{15'000};
 
   // ---- CPU memory ----
-  // Large CPU tensors (1 MiB and more) live in mapped blocks that are kept for reuse when freed, so that a steady
-  // workload maps no new pages: a fresh buffer is faulted in page by page, and on a VM a fault costs microseconds
-  // (ResNet50's training step on CPU spent most of its time there). This bounds the free blocks kept; the least
-  // recently used go first, blocks idle for 10 s are unmapped, and all of them when memory runs out. Process-wide.
-  // Unset: a quarter of physical memory. 0: off (fresh memory from libtorch's allocator every time).
+  /// The most memory kept in freed large CPU blocks for reuse, process-wide.
+  /// Large CPU tensors (1 MiB and more) live in mapped blocks that are kept for reuse when freed, so that a steady
+  /// workload maps no new pages: a fresh buffer is faulted in page by page, and on a VM a fault costs microseconds
+  /// (ResNet50's training step on CPU spent most of its time there). This bounds the free blocks kept; the least
+  /// recently used go first, blocks idle for 60 s are unmapped, and all of them when memory runs out. Process-wide.
+  /// Unset: a quarter of physical memory. 0: off (fresh memory from libtorch's allocator every time).
   std::optional<std::uint64_t> host_cache_bytes;
-  // Which large tensors: received ones always (while the cache is on); with this, also every CPU tensor the process
-  // allocates, through an allocator installed in front of libtorch's at init_rpc (c10::SetCPUAllocator; it stays
-  // for the life of the process, and follows host_cache_bytes of the latest init_rpc). false: only received ones.
+  /// Whether every large CPU allocation of the process uses those blocks, not only received tensors.
+  /// Which large tensors: received ones always (while the cache is on); with this, also every CPU tensor the process
+  /// allocates, through an allocator installed in front of libtorch's at init_rpc (c10::SetCPUAllocator; it stays
+  /// for the life of the process, and follows host_cache_bytes of the latest init_rpc). false: only received ones.
   bool cache_cpu_allocations = true;
 
   // ---- Traces (corpc/rpc/trace.hpp) ----
-  // Where the job's Chrome trace goes (calls, executions, replies, large transfers, backward passes of every worker,
-  // merged by rank 0 at graceful shutdown); empty: the CORPC_TRACE environment variable; neither: no trace, and no
-  // cost beyond one branch per place that could record.
+  /// Where the job's Chrome trace goes (calls, executions, replies, large transfers, backward passes of every worker,
+  /// merged by rank 0 at graceful shutdown); empty: the CORPC_TRACE environment variable; neither: no trace, and no
+  /// cost beyond one branch per place that could record.
   std::string trace_path;
 };
 
+/// Per-call options, passed first after the destination: `rpc_async<&f>("w1", corpc::with_timeout(100ms), x)`.
+/// Also taken by remote(), RRef proxies and RemoteModule calls.
 struct CallOptions {
-  std::optional<std::chrono::milliseconds> timeout;  // unset: RpcOptions::rpc_timeout
+  /// How long the caller waits: past it the call's future fails with TimeoutError, and the callee is sent a cancel
+  /// (its function may still run until its next stop point). Unset: RpcOptions::rpc_timeout. Inside a call being
+  /// handled, it is further cut to what is left of that call's deadline.
+  std::optional<std::chrono::milliseconds> timeout;
   // ---- cancellation and deadlines (corpc/core/this_call.hpp) ----
-  // A stop request cancels the call, as Future::cancel does: the future completes with CancelledError and the
-  // callee's handler sees its own stop token stopped. Inside a call being handled, the timeout is further cut to what
-  // is left of that call's deadline.
+  /// A stop request cancels the call, as Future::cancel does: the future completes with CancelledError and the
+  /// callee's handler sees its own stop token stopped.
   std::stop_token stop_token;
 };
 
+/// CallOptions with a timeout: `corpc::with_timeout(std::chrono::milliseconds(100))`.
 inline CallOptions with_timeout(std::chrono::milliseconds t) {
   CallOptions o;
   o.timeout = t;
   return o;
 }
+/// CallOptions whose stop token cancels the call: `corpc::with_stop_token(source.get_token())`.
 inline CallOptions with_stop_token(std::stop_token token) {
   CallOptions o;
   o.stop_token = std::move(token);

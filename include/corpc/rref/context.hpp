@@ -1,16 +1,17 @@
-// corpc/rref/context.hpp — the bookkeeping behind RRef: who owns what, who still refers to it.
-//
-// Protocol (PyTorch's, made explicit). Every value has one owner; other workers hold user references, each one a
-// *fork* with its own id. The owner keeps the value while any fork or any local handle exists.
-//   - Sharing an RRef R (owner O) from S to D allocates a fork F. If S is O, O records F (held by D) at once.
-//     Otherwise S keeps R alive in `pending_children` until O accepts F (guarantee G2: a parent outlives the
-//     owner's confirmation of its child). D, if it is not O, asks O to record F (fork request); O records it,
-//     answers D (D's reference is now *confirmed*) and tells S (child accepted). If D is O, O tells S directly.
-//   - When the last handle of a user reference goes, its worker tells O (guarantee G1), once confirmed.
-//   - Control messages are idempotent and assume no ordering: a message about a value the owner has not created yet
-//     makes an empty slot that the creation fills.
-//   - Worker death: an owner drops forks held by a dead worker (so a dead user never pins a value for ever), and a
-//     sender drops pending children bound for it; users of a dead owner fail every use with ConnectionError.
+/// @file
+/// The bookkeeping behind RRef: who owns what, who still refers to it.
+///
+/// Protocol (PyTorch's, made explicit). Every value has one owner; other workers hold user references, each one a
+/// *fork* with its own id. The owner keeps the value while any fork or any local handle exists.
+///   - Sharing an RRef R (owner O) from S to D allocates a fork F. If S is O, O records F (held by D) at once.
+///     Otherwise S keeps R alive in `pending_children` until O accepts F (guarantee G2: a parent outlives the
+///     owner's confirmation of its child). D, if it is not O, asks O to record F (fork request); O records it,
+///     answers D (D's reference is now *confirmed*) and tells S (child accepted). If D is O, O tells S directly.
+///   - When the last handle of a user reference goes, its worker tells O (guarantee G1), once confirmed.
+///   - Control messages are idempotent and assume no ordering: a message about a value the owner has not created yet
+///     makes an empty slot that the creation fills.
+///   - Worker death: an owner drops forks held by a dead worker (so a dead user never pins a value for ever), and a
+///     sender drops pending children bound for it; users of a dead owner fail every use with ConnectionError.
 #pragma once
 
 #include <atomic>
@@ -28,20 +29,21 @@
 
 namespace corpc {
 
+/// An id unique across the job: the rank that made it and a counter of that worker's.
 struct GloballyUniqueId {
-  std::int32_t rank = -1;     // the worker that made it
-  std::int64_t local_id = -1;
-  auto operator<=>(const GloballyUniqueId&) const = default;
+  std::int32_t rank = -1;     ///< the worker that made it
+  std::int64_t local_id = -1;  ///< unique among the ids that worker made
+  auto operator<=>(const GloballyUniqueId&) const = default;  ///< by rank, then local_id
   CORPC_FIELDS(rank, local_id)
 };
-using RRefId = GloballyUniqueId;
-using ForkId = GloballyUniqueId;
+using RRefId = GloballyUniqueId;  ///< Identifies a value held through RRefs (the same on every worker).
+using ForkId = GloballyUniqueId;  ///< Identifies one user reference (fork) of such a value.
 
-// Counts for tests and users.
+/// Counts for tests and users.
 struct RRefStats {
-  std::uint64_t owned_values = 0;     // values this worker owns (created or placeholder)
-  std::uint64_t user_references = 0;  // live user references held here
-  std::uint64_t pending_forks = 0;    // children not yet accepted by their owner + unconfirmed user references
+  std::uint64_t owned_values = 0;     ///< values this worker owns (created or placeholder)
+  std::uint64_t user_references = 0;  ///< live user references held here
+  std::uint64_t pending_forks = 0;    ///< children not yet accepted by their owner + unconfirmed user references
   CORPC_FIELDS(owned_values, user_references, pending_forks)
 };
 
@@ -138,8 +140,9 @@ class RRefContext : public std::enable_shared_from_this<RRefContext> {
 
 }  // namespace detail
 
-// This worker's RRef counts; `rref_stats(worker)` asks another worker.
+/// This worker's RRef counts; `rref_stats(worker)` asks another worker.
 RRefStats rref_stats();
+/// Worker `worker`'s RRef counts, by RPC (errors as for rpc_async, on the future).
 Future<RRefStats> rref_stats(const WorkerRef& worker);
 
 }  // namespace corpc

@@ -1,20 +1,23 @@
-// corpc/wire/codec.hpp — the binary encoding of arguments and results (everything but tensor data).
-//
-// Layout: little-endian fixed-width integers and floats; strings and containers as a u32 count then elements.
-// Tensors are not inlined: the writer puts them in a side table and encodes their index, and the transport sends
-// their bytes out of band, straight from storage (corpc/wire/tensor_codec.hpp).
-//
-// Reading is defensive: every length is checked against the bytes that remain before anything is allocated, so a
-// malformed or hostile payload ends in ProtocolError, never in a huge allocation or an out-of-bounds read.
-//
-// Supported out of the box: arithmetic types, enums, bool, std::string, std::vector, std::array, std::optional,
-// std::pair, std::tuple, std::variant, std::map, std::unordered_map, std::set, std::monostate, torch tensors
-// (tensor_codec.hpp), and c10::Scalar, c10::Device, at::ScalarType, c10::optional, c10::variant and torch's option
-// tags such as torch::kSum (torch_codec.hpp). Enums travel as their underlying value, unchecked: an enum whose
-// receiver must reject values outside its enumerators needs its own Codec (as at::ScalarType has).
-// Your own types, either way:
-//   struct Point { double x, y; CORPC_FIELDS(x, y) };            // encodes each field in order
-//   template <> struct corpc::Codec<Mine> { static void write(Writer&, const Mine&); static Mine read(Reader&); };
+/// @file
+/// The binary encoding of arguments and results (everything but tensor data).
+///
+/// Layout: little-endian fixed-width integers and floats; strings and containers as a u32 count then elements.
+/// Tensors are not inlined: the writer puts them in a side table and encodes their index, and the transport sends
+/// their bytes out of band, straight from storage (corpc/wire/tensor_codec.hpp).
+///
+/// Reading is defensive: every length is checked against the bytes that remain before anything is allocated, so a
+/// malformed or hostile payload ends in ProtocolError, never in a huge allocation or an out-of-bounds read.
+///
+/// Supported out of the box: arithmetic types, enums, bool, std::string, std::vector, std::array, std::optional,
+/// std::pair, std::tuple, std::variant, std::map, std::unordered_map, std::set, std::monostate, torch tensors
+/// (tensor_codec.hpp), and c10::Scalar, c10::Device, at::ScalarType, c10::optional, c10::variant and torch's option
+/// tags such as torch::kSum (torch_codec.hpp). Enums travel as their underlying value, unchecked: an enum whose
+/// receiver must reject values outside its enumerators needs its own Codec (as at::ScalarType has).
+/// Your own types, either way:
+/// ```cpp
+///   struct Point { double x, y; CORPC_FIELDS(x, y) };            // encodes each field in order
+///   template <> struct corpc::Codec<Mine> { static void write(Writer&, const Mine&); static Mine read(Reader&); };
+/// ```
 #pragma once
 
 #include <array>
@@ -42,71 +45,99 @@ namespace corpc {
 
 static_assert(std::endian::native == std::endian::little, "corpc's wire format assumes a little-endian host");
 
+/// How a `T` travels as an argument or result: specialise it for your type, or list the type's fields with
+/// CORPC_FIELDS. A specialization has two static members:
+/// ```cpp
+///   static void write(corpc::Writer& w, const T& v);  // appends v (with w.put for each part)
+///   static T read(corpc::Reader& r);                  // reads what write appended, in the same order
+/// ```
+/// `read` must treat its input as hostile: check what it decodes and throw ProtocolError (the call then fails with
+/// it) rather than trust a length or a tag. Both run on the caller's thread (write) or on an I/O or worker thread
+/// (read) of the process at hand, never concurrently on one Writer or Reader. The types supported out of the box are
+/// listed in corpc/wire/codec.hpp; RRef, RemoteModule and the optimizers' options have codecs in their headers.
 template <class T, class Enable = void>
-struct Codec;  // specialise for your type, or use CORPC_FIELDS
+struct Codec;
 
+/// Appends the encoding of values to a byte string; what a Codec's `write` receives.
 class Writer {
  public:
+  /// Appends to `out`, which must outlive the writer.
   explicit Writer(std::string& out) : out_(out) {}
+  /// Appends `n` bytes verbatim (for fixed-size data that you lay out yourself, little-endian).
   void raw(const void* p, std::size_t n) { out_.append(static_cast<const char*>(p), n); }
+  /// Appends `v` with its Codec (a compile error if `T` has none).
   template <class T>
   void put(const T& v) {
     Codec<T>::write(*this, v);
   }
+  /// The bytes written so far.
   std::string& bytes() noexcept { return out_; }
 
-  // Side tables owned by the message being built (set by the RPC layer).
+  /// The message's tensor table, set by the RPC layer: tensors are appended here and encoded as their index. Null
+  /// outside an RPC message, where writing a defined tensor throws UsageError.
   std::vector<at::Tensor>* tensors = nullptr;
-  void* session = nullptr;  // the RPC layer's per-message hooks (RRef forks); opaque here
-  int peer = -1;            // destination rank
+  void* session = nullptr;  ///< the RPC layer's per-message hooks (RRef forks); opaque here
+  int peer = -1;            ///< destination rank
 
  private:
   std::string& out_;
 };
 
+/// Reads encoded values from a byte range, checking every length against what remains; what a Codec's `read`
+/// receives. Every shortfall throws ProtocolError.
 class Reader {
  public:
+  /// Reads the `n` bytes at `p`, which must outlive the reader.
   Reader(const void* p, std::size_t n) : p_(static_cast<const unsigned char*>(p)), end_(p_ + n) {}
+  /// Bytes not read yet.
   std::size_t remaining() const noexcept { return static_cast<std::size_t>(end_ - p_); }
+  /// Throws ProtocolError unless at least `n` bytes remain.
   void need(std::size_t n) const {
     if (n > remaining()) throw ProtocolError("truncated payload: need " + std::to_string(n) + " bytes, have " +
                                              std::to_string(remaining()));
   }
+  /// Copies the next `n` bytes to `dst`; ProtocolError if fewer remain.
   void raw(void* dst, std::size_t n) {
     need(n);
     if (n) std::memcpy(dst, p_, n);
     p_ += n;
   }
+  /// The next `n` bytes, in place (valid as long as the buffer is), skipped over; ProtocolError if fewer remain.
   const unsigned char* take(std::size_t n) {
     need(n);
     auto* p = p_;
     p_ += n;
     return p;
   }
+  /// Reads a `T` with its Codec.
   template <class T>
   T get() {
     return Codec<T>::read(*this);
   }
-  // A count of elements that each take at least `min_bytes`: rejected if the rest of the payload cannot hold them.
+  /// A count of elements that each take at least `min_bytes`: rejected if the rest of the payload cannot hold them.
   std::uint32_t count(std::size_t min_bytes = 1) {
     auto n = get<std::uint32_t>();
     if (min_bytes && n > remaining() / min_bytes) throw ProtocolError("element count " + std::to_string(n) + " exceeds payload");
     return n;
   }
 
-  // Elements that encode to no bytes at all (std::monostate, empty tuples) are not paid for by the payload: each
-  // one read is charged to a budget per payload instead, so that a 4-byte count cannot make us build billions.
+  /// Elements that encode to no bytes at all (std::monostate, empty tuples) are not paid for by the payload: each
+  /// one read is charged to a budget per payload instead, so that a 4-byte count cannot make us build billions.
   static constexpr std::size_t kMaxEmptyElements = std::size_t{1} << 20;
+  /// Empty elements this reader may still decode.
   std::size_t empty_budget() const noexcept { return empty_budget_; }
+  /// Counts one decoded element that took no bytes; ProtocolError once kMaxEmptyElements are spent. A codec of a
+  /// container whose elements may encode to nothing calls it for each such element.
   void charge_empty_element() {
     if (empty_budget_ == 0)
       throw ProtocolError("more than " + std::to_string(kMaxEmptyElements) + " elements that encode to nothing");
     --empty_budget_;
   }
 
+  /// The received message's tensors (set by the RPC layer); decoded tensors are looked up here by index.
   const std::vector<at::Tensor>* tensors = nullptr;
-  void* session = nullptr;
-  int peer = -1;  // source rank
+  void* session = nullptr;  ///< the RPC layer's per-message hooks (RRef forks); opaque here
+  int peer = -1;            ///< source rank
 
  private:
   const unsigned char* p_;
@@ -114,11 +145,15 @@ class Reader {
   std::size_t empty_budget_ = kMaxEmptyElements;
 };
 
+/// Types that have a Codec, i.e. can be sent as arguments and results.
 template <class T>
 concept Encodable = requires(Writer& w, Reader& r, const T& v) {
   Codec<T>::write(w, v);
   { Codec<T>::read(r) } -> std::convertible_to<T>;
 };
+
+/// @cond INTERNAL
+// The built-in codecs (listed at the top of this header). Their members are the Codec contract, nothing more.
 
 // ---- scalars --------------------------------------------------------------------------------------------------------
 template <class T>
@@ -325,6 +360,7 @@ struct Codec<std::set<K, C, A>> {
 template <class T>
 concept HasCorpcFields = requires(T& t) { t.corpc_fields(); };
 
+// Each field in order, with its own codec.
 template <class T>
 struct Codec<T, std::enable_if_t<HasCorpcFields<T>>> {
   static void write(Writer& w, const T& v) {
@@ -336,9 +372,20 @@ struct Codec<T, std::enable_if_t<HasCorpcFields<T>>> {
     return v;
   }
 };
+/// @endcond
 
 }  // namespace corpc
 
-// Inside a struct: lists the members that make up its wire encoding, in order. The struct must be default-constructible.
+/// Inside a struct: lists the members that make up its wire encoding, in order. The struct must be
+/// default-constructible.
+/// ```cpp
+///   struct Point {
+///     double x = 0, y = 0;
+///     std::string label;
+///     CORPC_FIELDS(x, y, label)
+///   };
+/// ```
+/// It defines the member function `corpc_fields()` that the Codec calls, so place it where members are public. Every
+/// field named needs a Codec of its own; fields not named are not sent and keep, on the receiver, the values of `T{}`.
 #define CORPC_FIELDS(...) \
   auto corpc_fields() { return std::tie(__VA_ARGS__); }

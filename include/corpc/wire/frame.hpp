@@ -1,13 +1,16 @@
-// corpc/wire/frame.hpp — the framing of every message on a corpc connection.
-//
-//   FrameHeader (72 bytes) | tensor metadata (meta_len) | body (body_len) | tensor data (tensor_bytes, one blob each)
-//
-// The header is typed: what the runtime routes on (kind, request id, function id, argument signature, distributed
-// autograd ids, deadline, flags) travels as fixed fields, so a request is dispatched without parsing its body and a
-// function name never travels except in errors and by-name registrations. The header is validated against
-// WireLimits before anything it announces is allocated; senders check the receiver's limits (announced in Hello)
-// before they send. Tensor data follows the body so that the sender gathers it straight from tensor storage and the
-// receiver reads it straight into new storage. Fields are little-endian (every supported host is).
+/// @file
+/// The framing of every message on a corpc connection.
+///
+/// ```
+///   FrameHeader (72 bytes) | tensor metadata (meta_len) | body (body_len) | tensor data (tensor_bytes, one blob each)
+/// ```
+///
+/// The header is typed: what the runtime routes on (kind, request id, function id, argument signature, distributed
+/// autograd ids, deadline, flags) travels as fixed fields, so a request is dispatched without parsing its body and a
+/// function name never travels except in errors and by-name registrations. The header is validated against
+/// WireLimits before anything it announces is allocated; senders check the receiver's limits (announced in Hello)
+/// before they send. Tensor data follows the body so that the sender gathers it straight from tensor storage and the
+/// receiver reads it straight into new storage. Fields are little-endian (every supported host is).
 #pragma once
 
 #include <cstdint>
@@ -17,56 +20,60 @@
 
 namespace corpc {
 
-inline constexpr std::uint32_t kFrameMagic = 0x43505243;  // "CRPC"
-inline constexpr std::uint8_t kProtocolVersion = 3;  // 3: cancel frames, heartbeats (Ping/Pong), the receive budget in the Hello
+inline constexpr std::uint32_t kFrameMagic = 0x43505243;  ///< "CRPC"
+inline constexpr std::uint8_t kProtocolVersion = 3;  ///< 3: cancel frames, heartbeats (Ping/Pong), the receive budget in the Hello
 
+/// What a frame is (FrameHeader::kind).
 enum class FrameKind : std::uint8_t {
-  Hello = 1,     // first frame from a dialer: who I am, my limits (also the rendezvous registration)
-  World = 2,     // rendezvous answer from rank 0: every worker's address
-  Request = 3,   // a call; id = the caller's request id on this connection
-  Response = 4,  // a successful result for request `id` of this connection
-  Error = 5,     // a failure for request `id` (id 0: the connection itself was refused)
-  Goodbye = 6,   // orderly close: the peer is leaving on purpose
-  Ping = 7,      // heartbeat of a quiet connection: answer with Pong (no payload; handled by the transport)
-  Pong = 8,
+  Hello = 1,     ///< first frame from a dialer: who I am, my limits (also the rendezvous registration)
+  World = 2,     ///< rendezvous answer from rank 0: every worker's address
+  Request = 3,   ///< a call; id = the caller's request id on this connection
+  Response = 4,  ///< a successful result for request `id` of this connection
+  Error = 5,     ///< a failure for request `id` (id 0: the connection itself was refused)
+  Goodbye = 6,   ///< orderly close: the peer is leaving on purpose
+  Ping = 7,      ///< heartbeat of a quiet connection: answer with Pong (no payload; handled by the transport)
+  Pong = 8,      ///< the answer to a Ping
 };
 
-// Header flags.
-inline constexpr std::uint16_t kFlagControl = 1;  // corpc's own bookkeeping: graceful shutdown does not count it
-inline constexpr std::uint16_t kFlagCancel = 2;   // with Request: stop request `id` of this connection (no reply)
+// Header flags (FrameHeader::flags).
+inline constexpr std::uint16_t kFlagControl = 1;  ///< corpc's own bookkeeping: graceful shutdown does not count it
+inline constexpr std::uint16_t kFlagCancel = 2;   ///< with Request: stop request `id` of this connection (no reply)
 
+/// The fixed 72-byte header that starts every frame (layout in corpc/wire/frame.hpp), sent as these bytes.
 struct FrameHeader {
-  std::uint32_t magic = kFrameMagic;
-  std::uint8_t version = kProtocolVersion;
-  FrameKind kind = FrameKind::Request;
-  std::uint16_t flags = 0;
-  std::uint32_t meta_len = 0;      // tensor metadata bytes
-  std::uint32_t body_len = 0;      // codec bytes
-  std::uint32_t num_tensors = 0;
-  std::uint32_t deadline_ms = 0;   // Request: the caller's remaining budget in ms, relative (clocks need not agree)
-  std::uint64_t id = 0;            // request id, chosen by the caller, echoed by Response/Error
-  std::uint64_t function = 0;      // Request: function id (fnv1a of its registered name)
-  std::uint64_t signature = 0;     // Request: hash of the argument types; 0 accepts anything
-  std::int64_t context_id = -1;    // distributed autograd context of the sender (-1: none)
-  std::int64_t message_id = -1;    // distributed autograd send/recv pairing (-1: none)
-  std::uint64_t tensor_bytes = 0;  // sum of the tensors' data
+  std::uint32_t magic = kFrameMagic;        ///< kFrameMagic, or the connection is not a corpc peer
+  std::uint8_t version = kProtocolVersion;  ///< must equal kProtocolVersion
+  FrameKind kind = FrameKind::Request;      ///< what the frame is
+  std::uint16_t flags = 0;                  ///< kFlagControl, kFlagCancel
+  std::uint32_t meta_len = 0;      ///< tensor metadata bytes
+  std::uint32_t body_len = 0;      ///< codec bytes
+  std::uint32_t num_tensors = 0;   ///< entries in the tensor metadata
+  std::uint32_t deadline_ms = 0;   ///< Request: the caller's remaining budget in ms, relative (clocks need not agree)
+  std::uint64_t id = 0;            ///< request id, chosen by the caller, echoed by Response/Error
+  std::uint64_t function = 0;      ///< Request: function id (fnv1a of its registered name)
+  std::uint64_t signature = 0;     ///< Request: hash of the argument types; 0 accepts anything
+  std::int64_t context_id = -1;    ///< distributed autograd context of the sender (-1: none)
+  std::int64_t message_id = -1;    ///< distributed autograd send/recv pairing (-1: none)
+  std::uint64_t tensor_bytes = 0;  ///< sum of the tensors' data
 };
 static_assert(sizeof(FrameHeader) == 72);
 
-// Upper bounds for what a peer may announce; anything above is a ProtocolError and the connection is closed. Each
-// side announces its limits in its Hello, and senders refuse (with MessageTooLargeError) what the receiver would.
+/// Upper bounds for what a peer may announce; anything above is a ProtocolError and the connection is closed. Each
+/// side announces its limits in its Hello, and senders refuse (with MessageTooLargeError) what the receiver would.
 struct WireLimits {
-  std::uint32_t max_body_bytes = 1u << 30;                   // 1 GiB of non-tensor payload (must stay below 4 GiB)
-  std::uint32_t max_meta_bytes = 64u << 20;                  // tensor metadata
-  std::uint32_t max_tensors = 1u << 20;                      // tensors per message
-  std::uint64_t max_tensor_bytes = std::uint64_t{64} << 30;  // 64 GiB of tensor data per message
-  std::uint32_t max_dims = 64;                               // dimensions per tensor
-  // A request's metadata, body and tensor data together: the receiver's budget for received requests
-  // (RpcOptions::receive_budget_*). Checked by senders; the receiver drops a larger request and answers it with
-  // MessageTooLargeError.
+  std::uint32_t max_body_bytes = 1u << 30;                   ///< 1 GiB of non-tensor payload (must stay below 4 GiB)
+  std::uint32_t max_meta_bytes = 64u << 20;                  ///< tensor metadata
+  std::uint32_t max_tensors = 1u << 20;                      ///< tensors per message
+  std::uint64_t max_tensor_bytes = std::uint64_t{64} << 30;  ///< 64 GiB of tensor data per message
+  std::uint32_t max_dims = 64;                               ///< dimensions per tensor
+  /// A request's metadata, body and tensor data together: the receiver's budget for received requests
+  /// (RpcOptions::receive_budget_*). Checked by senders; the receiver drops a larger request and answers it with
+  /// MessageTooLargeError.
   std::uint64_t max_request_bytes = ~std::uint64_t{0};
 };
 
+/// Throws ProtocolError if `h` is not a corpc header of this version or announces more than `lim` allows; checked on
+/// every received header before anything it announces is allocated.
 inline void validate_header(const FrameHeader& h, const WireLimits& lim) {
   if (h.magic != kFrameMagic) throw ProtocolError("bad frame magic (not a corpc peer?)");
   if (h.version != kProtocolVersion)

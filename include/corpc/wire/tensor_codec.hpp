@@ -1,5 +1,6 @@
-// corpc/wire/tensor_codec.hpp — tensors inside arguments and results: encoded as an index into the message's tensor
-// table; their bytes travel out of band (see corpc/wire/message.hpp). An undefined tensor round-trips as undefined.
+/// @file
+/// Tensors inside arguments and results: encoded as an index into the message's tensor
+/// table; their bytes travel out of band (see corpc/wire/message.hpp). An undefined tensor round-trips as undefined.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -8,6 +9,8 @@
 
 namespace corpc {
 
+/// @cond INTERNAL
+// Tensors: their index in the message's tensor table (kUndefined for an undefined tensor).
 template <>
 struct Codec<at::Tensor> {
   static constexpr std::uint32_t kUndefined = 0xffffffffu;
@@ -24,5 +27,6 @@ struct Codec<at::Tensor> {
     return (*r.tensors)[i];
   }
 };
+/// @endcond
 
 }  // namespace corpc

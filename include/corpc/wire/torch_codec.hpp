@@ -1,11 +1,14 @@
-// corpc/wire/torch_codec.hpp — the small torch value types that functions and module options take: c10::Scalar,
-// c10::Device, at::ScalarType, c10::optional, c10::variant, and the option tags (torch::kSum, torch::kMean, ...).
-//
-// libtorch 1.13 has its own optional and variant (not std's), and options hold them:
-//   torch::nn::EmbeddingBagOptions(10, 3).mode(torch::kSum).max_norm(1.0)   // a c10::variant and a c10::optional
-// so with these a Codec for an options struct is a list of its fields (see tests/test_porting.cpp for one).
-//
-// Decoding checks every tag against what it may be: an unknown scalar kind, device type or dtype is a ProtocolError.
+/// @file
+/// The small torch value types that functions and module options take: c10::Scalar,
+/// c10::Device, at::ScalarType, c10::optional, c10::variant, and the option tags (torch::kSum, torch::kMean, ...).
+///
+/// libtorch 1.13 has its own optional and variant (not std's), and options hold them:
+/// ```cpp
+///   torch::nn::EmbeddingBagOptions(10, 3).mode(torch::kSum).max_norm(1.0)   // a c10::variant and a c10::optional
+/// ```
+/// so with these a Codec for an options struct is a list of its fields (see tests/test_porting.cpp for one).
+///
+/// Decoding checks every tag against what it may be: an unknown scalar kind, device type or dtype is a ProtocolError.
 #pragma once
 
 #include <c10/core/Device.h>
@@ -21,6 +24,9 @@
 #include "corpc/wire/codec.hpp"
 
 namespace corpc {
+
+/// @cond INTERNAL
+// The codecs themselves: their members are the Codec contract (corpc/wire/codec.hpp), nothing more.
 
 template <>
 struct Codec<c10::ScalarType> {
@@ -127,5 +133,6 @@ struct Codec<T, std::enable_if_t<detail::is_torch_enum_tag<T>()>> {
   static void write(Writer&, const T&) {}
   static T read(Reader&) { return T{}; }
 };
+/// @endcond
 
 }  // namespace corpc
