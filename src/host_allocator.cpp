@@ -2,6 +2,7 @@
 
 #include <c10/core/CPUAllocator.h>
 #include <malloc.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <mutex>
@@ -73,6 +74,14 @@ void install_host_allocator() {
     HostAllocator::instance = new HostAllocator(c10::GetCPUAllocator());  // lives as long as tensors
     c10::SetCPUAllocator(HostAllocator::instance, /*priority=*/1);
   });
+}
+
+void configure_host_memory(std::optional<std::uint64_t> cache_bytes, bool cache_cpu_allocations) {
+  const std::uint64_t quarter_of_memory = static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
+                                          static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE)) / 4;
+  HostBlockCache::instance().set_cache_limit(static_cast<std::size_t>(cache_bytes.value_or(quarter_of_memory)));
+  if (cache_cpu_allocations) install_host_allocator();
+  cache_large_host_allocations(cache_cpu_allocations);
 }
 
 void cache_large_host_allocations(bool on) { caching.store(on, std::memory_order_relaxed); }

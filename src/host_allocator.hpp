@@ -9,11 +9,15 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 namespace corpc::detail {
 
 // Installs the allocator (idempotent).
 void install_host_allocator();
+// What init_rpc (RpcOptions) and ddp::init_process_group (ProcessGroupOptions, when RPC is not running) do: the
+// block cache's limit (unset: a quarter of physical memory) and whether every large CPU allocation uses it.
+void configure_host_memory(std::optional<std::uint64_t> cache_bytes, bool cache_cpu_allocations);
 // Whether large allocations come from the block cache (initially not; init_rpc sets it from
 // RpcOptions::cache_cpu_allocations). A block cache limit of 0 turns it off as well.
 void cache_large_host_allocations(bool on);

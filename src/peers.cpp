@@ -1,10 +1,7 @@
 // Connections and peers: dialing, accepting, closing, and what a peer's death does.
-#include <unistd.h>
-
 #include <algorithm>
 
 #include "log.hpp"
-#include "host_block_cache.hpp"
 #include "host_allocator.hpp"
 #include "runtime_impl.hpp"
 
@@ -22,11 +19,7 @@ void Runtime::Impl::init_flow_control() {
   // Announced in our Hello: senders refuse what we could never hold, instead of it waiting here for ever.
   options.limits.max_request_bytes = std::min({options.limits.max_request_bytes, options.receive_budget_per_connection,
                                                options.receive_budget_per_process});
-  const std::uint64_t quarter_of_memory = static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
-                                          static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE)) / 4;
-  detail::HostBlockCache::instance().set_cache_limit(static_cast<std::size_t>(options.host_cache_bytes.value_or(quarter_of_memory)));
-  if (options.cache_cpu_allocations) detail::install_host_allocator();
-  detail::cache_large_host_allocations(options.cache_cpu_allocations);
+  detail::configure_host_memory(options.host_cache_bytes, options.cache_cpu_allocations);
 }
 
 detail::ConnectionSettings Runtime::Impl::connection_settings() const {
