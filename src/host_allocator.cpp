@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <mutex>
+#include <new>
 
 #include "host_block_cache.hpp"
 
@@ -31,8 +32,14 @@ class HostAllocator final : public c10::Allocator {
 
   c10::DataPtr allocate(size_t n) const override {
     void* block = nullptr;
-    if (n >= HostBlockCache::kMinBytes && caching.load(std::memory_order_relaxed))
-      block = HostBlockCache::instance().acquire(n);
+    if (n >= HostBlockCache::kMinBytes && caching.load(std::memory_order_relaxed)) {
+      // Out of memory even after the cache dropped its blocks: the previous allocator tries, and fails with the
+      // error libtorch users expect (c10::Error, "can't allocate memory"), not a bare std::bad_alloc.
+      try {
+        block = HostBlockCache::instance().acquire(n);
+      } catch (const std::bad_alloc&) {
+      }
+    }
     if (block) {
       add(static_cast<std::int64_t>(HostBlockCache::size_class(n)));
       return {block, block, &release_block, c10::Device(c10::kCPU)};
