@@ -173,6 +173,7 @@ void Runtime::Impl::close_everything(bool say_goodbye) {
   }
   // Before any connection closes, so that calls in flight fail as shut down, not as lost peers.
   fail_all_calls(std::make_exception_ptr(ShutdownError("corpc runtime shut down")));
+  fail_pending_rounds();
   // While the threads still run (a stopped task resumes on them) and after its blocked calls have failed: after a
   // graceful shutdown the scope is empty already; otherwise its tasks unwind at their next await.
   join_background();

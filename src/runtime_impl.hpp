@@ -112,6 +112,7 @@ struct Runtime::Impl {
   };
   std::mutex barrier_mutex;
   std::map<std::int64_t, Round> rounds;
+  bool rounds_closed = false;  // set by fail_pending_rounds: later reports are refused
 
   // ---- runtime.cpp ----
   void start_threads();
@@ -175,6 +176,9 @@ struct Runtime::Impl {
 
   // ---- shutdown.cpp ----
   void check_rounds();
+  // Fails the rounds peers still wait on (they shut down gracefully while this process does not), while the I/O
+  // threads that answer them still run; a continuation queued on a stopped thread would never run (and leak).
+  void fail_pending_rounds();
   void graceful_shutdown();
   // Waits until locally_idle() or `deadline`; true if idle.
   bool wait_locally_idle(std::chrono::steady_clock::time_point deadline);
