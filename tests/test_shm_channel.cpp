@@ -7,9 +7,11 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <dirent.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <csignal>
+#include <cstring>
 #include <thread>
 
 #include "../src/shm_channel.hpp"
@@ -74,6 +76,46 @@ void wait_for_channel(int peer) {
 }
 
 }  // namespace
+
+TEST_CASE("ring regions: released in any order, never handed out twice; a peer's bad offsets and segments are refused") {
+  using corpc::detail::ShmChannel;
+  auto dialer = ShmChannel::create(256 * kKiB);
+  dialer->enable_sending();
+  auto acceptor = ShmChannel::attach(dialer->fd());
+  dialer->close_fd();
+  const std::uint64_t ring = dialer->ring_bytes();
+  // Four regions of a quarter fill the ring; a fifth does not fit until one is released, whichever one.
+  std::vector<std::uint64_t> offsets;
+  for (int i = 0; i < 4; ++i) {
+    auto r = dialer->reserve(ring / 4);
+    REQUIRE(r);
+    std::memset(r->data, i + 1, ring / 4);
+    offsets.push_back(r->offset);
+    char* seen = acceptor->receive(r->offset, ring / 4);
+    CHECK(seen[0] == i + 1);
+    CHECK(seen[ring / 4 - 1] == i + 1);
+  }
+  CHECK_FALSE(dialer->reserve(1));
+  CHECK(acceptor->held_bytes() == ring);
+  acceptor->release(offsets[2]);  // not the oldest
+  auto again = dialer->reserve(ring / 4);
+  REQUIRE(again);
+  CHECK(again->offset == offsets[2]);
+  CHECK_FALSE(dialer->reserve(1));
+  // The receiver refuses regions that overlap what it holds, or lie outside the ring, or are misaligned.
+  CHECK_THROWS_AS(acceptor->receive(offsets[0], 64), ProtocolError);
+  CHECK_THROWS_AS(acceptor->receive(ring - 64, 128), ProtocolError);
+  CHECK_THROWS_AS(acceptor->receive(offsets[2] + 1, 64), ProtocolError);
+  // The acceptor sends the other way, on its own ring.
+  auto back = acceptor->reserve(ring);
+  REQUIRE(back);
+  CHECK(dialer->receive(back->offset, ring) != nullptr);
+  // A segment the peer could still shrink (unsealed) is refused.
+  const int unsealed = ::memfd_create("not-sealed", MFD_CLOEXEC);
+  REQUIRE(::ftruncate(unsealed, 1 << 20) == 0);
+  CHECK_THROWS(ShmChannel::attach(unsealed));
+  ::close(unsealed);
+}
 
 TEST_CASE("every dtype, layout and size class carries the same bytes over the same-host channel and over TCP") {
   const std::vector<at::ScalarType> dtypes = {at::kBool,  at::kByte,   at::kChar,     at::kShort,         at::kInt,
