@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "shm_transfer.hpp"
 #include "trace_recorder.hpp"
 
 namespace corpc::detail {
@@ -74,6 +75,7 @@ class TcpConnection final : public Connection {
         tensor_bytes >= trace::kLargeTransferBytes);
     std::unique_lock lock(wmutex_);
     if (closed_) return;
+    if (shm_ && tensor_bytes >= kShmMinBytes) shm_send(*shm_, f);  // the data goes through the ring if it has room
     if (!connected_ || flush_owned_ || corked_here() || f.tensors.size() + 3 > kMaxIov) {
       stage(f, 0);
       schedule_flush();
@@ -104,6 +106,11 @@ class TcpConnection final : public Connection {
     }
     stage(f, static_cast<std::size_t>(w));
     schedule_flush();
+  }
+
+  void attach_shm(std::shared_ptr<ShmChannel> channel) override {
+    std::lock_guard lock(wmutex_);
+    if (!closed_) shm_ = std::move(channel);
   }
 
   void close(std::string why) override {
@@ -317,6 +324,8 @@ class TcpConnection final : public Connection {
         // not read, so TCP pushes back on its sender.
         const std::uint64_t need = sizeof(FrameHeader) + head_len + h.tensor_bytes;
         if (need > std::min(settings_.budget_per_connection, settings_.budget->bytes_limit())) {
+          // The sender checked our announced budget: only a broken peer sends this, and its data is not on the socket.
+          if (h.flags & kFlagShm) throw ProtocolError("an oversized request through the same-host channel");
           co_await discard(head_len + h.tensor_bytes);
           if (closed_) co_return;
           if (tls_batch.open == 0) batch_begin(io());
@@ -342,8 +351,7 @@ class TcpConnection final : public Connection {
         while (rend_ - rbeg_ < head_len) co_await read_more();
         const char* meta = rbuf_.data() + rbeg_;
         msg.body.assign(meta + h.meta_len, h.body_len);
-        if (h.num_tensors || h.meta_len)
-          msg.tensors = decode_tensor_meta(meta, h.meta_len, h.num_tensors, h.tensor_bytes, limits_);
+        if (h.num_tensors || h.meta_len) msg.tensors = decode_tensors(h, meta, h.meta_len);
         rbeg_ += head_len;
       } else {
         // Too large to buffer: straight into its own storage, without a copy through the buffer.
@@ -355,9 +363,9 @@ class TcpConnection final : public Connection {
                                                  asio::buffer(msg.body.data() + b, msg.body.size() - b)};
         batch_end();
         co_await asio::async_read(socket_, rest, counting_progress(), asio::use_awaitable);
-        msg.tensors = decode_tensor_meta(meta.data(), meta.size(), h.num_tensors, h.tensor_bytes, limits_);
+        msg.tensors = decode_tensors(h, meta.data(), meta.size());
       }
-      if (h.tensor_bytes) {
+      if (h.tensor_bytes && !(h.flags & kFlagShm)) {
         std::vector<asio::mutable_buffer> rest;
         for (auto& t : msg.tensors) {
           auto* p = static_cast<char*>(t.data_ptr());
@@ -386,6 +394,17 @@ class TcpConnection final : public Connection {
       }
       delivering_ = nullptr;
     }
+  }
+
+  // The frame's tensors: to be read from the socket, or already in the same-host ring.
+  std::vector<at::Tensor> decode_tensors(const FrameHeader& h, const char* meta, std::size_t len) {
+    if (!(h.flags & kFlagShm)) return decode_tensor_meta(meta, len, h.num_tensors, h.tensor_bytes, limits_);
+    if (!shm_rx_) {
+      std::lock_guard lock(wmutex_);
+      shm_rx_ = shm_;
+    }
+    if (!shm_rx_) throw ProtocolError("tensor data announced in a same-host channel that was never set up");
+    return shm_receive(shm_rx_, h, meta, len, limits_);
   }
 
   // Reserves `need` bytes of the receive budget, pausing (reading nothing) until there is room and this
@@ -485,6 +504,7 @@ class TcpConnection final : public Connection {
       keep_tensors_.clear();
       keep_bodies_.clear();
       segs_.clear();
+      shm_.reset();  // its mapping goes once the tensors received through it are freed too
     }
     auto handler = std::move(on_close_);
     on_frame_ = nullptr;
@@ -508,7 +528,10 @@ class TcpConnection final : public Connection {
   std::uint64_t written_ = 0, written_checked_ = 0;  // staged writes that made progress
   int silent_checks_ = 0;
 
+  std::shared_ptr<ShmChannel> shm_rx_;  // I/O thread: shm_, once a frame needed it
+
   std::mutex wmutex_;  // guards everything below, and the socket's descriptor against close while a sender writes
+  std::shared_ptr<ShmChannel> shm_;  // the same-host channel, once set up
   std::string stage_;
   std::vector<Seg> segs_;
   std::size_t seg_i_ = 0, seg_done_ = 0;

@@ -26,6 +26,7 @@
 namespace corpc::detail {
 
 class Connection;
+class ShmChannel;
 
 // How the runtime's TCP connections behave (from RpcOptions).
 struct ConnectionSettings {
@@ -107,6 +108,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool delivering_refused() const noexcept { return delivering_refused_; }
   // Gives back a request's reservation. Any thread.
   virtual void release_receive(std::uint64_t) noexcept {}
+  // From now on, the tensor data of large messages may travel through this same-host channel (src/shm_channel.hpp)
+  // in both directions. Any thread; ignored by connections that have no use for one.
+  virtual void attach_shm(std::shared_ptr<ShmChannel>) {}
 
   int peer_rank = -1;          // known after the Hello (or at once for dialed connections); I/O thread
   bool said_goodbye = false;   // the peer announced an orderly close

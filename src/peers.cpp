@@ -45,7 +45,7 @@ std::shared_ptr<detail::Connection> Runtime::Impl::connection_to(int rank) {
       c = detail::dial_tcp_connection(pick_io(), rank, workers[rank].host, workers[rank].port, connection_settings(),
                                       frame_handler(), close_handler(), auth);
       // Every dialed connection starts with who we are and what we accept.
-      c->send(prepare(hello_message(self, world_size, false, options.limits)));
+      c->send(prepare(hello_message(our_hello(false))));
     }
     c->peer_rank = rank;
     c->outgoing = true;
@@ -188,6 +188,7 @@ void Runtime::Impl::close_everything(bool say_goodbye) {
   asio::post(main_io(), [this] {
     asio::error_code ec;
     acceptor->close(ec);
+    if (shm_listener) shm_listener->close();
   });
   // Give queued frames (replies, goodbyes) a moment to leave, then stop the I/O threads.
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);

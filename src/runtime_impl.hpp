@@ -23,6 +23,8 @@
 
 #include "auth.hpp"
 #include "connection.hpp"
+#include "hello.hpp"
+#include "shm_channel.hpp"
 #include "corpc/rpc/registry.hpp"
 #include "corpc/rpc/runtime.hpp"
 
@@ -49,6 +51,11 @@ struct Runtime::Impl {
   asio::io_context& main_io() { return io_threads[0]->io; }
   asio::io_context& pick_io() { return io_threads[next_io.fetch_add(1) % io_threads.size()]->io; }
   std::optional<asio::ip::tcp::acceptor> acceptor;  // on the main I/O thread; created with the threads
+  // The same-host channel (same_host.cpp): this host's identity when the channel is on (empty: off), and the Unix
+  // socket on which dialers pass their segments (on the main I/O thread; none if it could not be bound).
+  std::string same_host_id;
+  std::unique_ptr<detail::ShmListener> shm_listener;
+  std::atomic<bool> same_host_warned{false};
   std::unique_ptr<ThreadPool> pool;
 
   // Connections, guarded by conn_mutex.
@@ -195,12 +202,21 @@ struct Runtime::Impl {
   void refuse(const std::shared_ptr<detail::Connection>& conn, const std::string& why);
   void on_world(Message&& msg);
   void publish_world_if_complete();
+  detail::Hello our_hello(bool registering) const;
+
+  // ---- same_host.cpp ----
+  void start_same_host();
+  void offer_same_host(const std::shared_ptr<detail::Connection>& conn, const detail::Hello& theirs, detail::Hello& answer);
+  void dial_same_host(const std::shared_ptr<detail::Connection>& conn, const detail::Hello& answer);
+  void same_host_failed(int rank, const std::string& why);
 };
 
 Runtime::Impl& runtime_impl(Runtime& rt) noexcept;
 
 void validate_worker_name(const std::string& name);
 // The first frame on every dialed connection (rendezvous.cpp).
+Message hello_message(const detail::Hello& hello);
+// A plain one, without same-host fields (tests that play a peer by hand, tests/raw_peer.hpp).
 Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits);
 // Error frames (error_frames.cpp): [u8 code][worker][function][type][message].
 Message error_frame(std::uint64_t id, std::exception_ptr error, const std::string& worker, std::string_view function);

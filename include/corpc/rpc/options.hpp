@@ -72,6 +72,17 @@ struct RpcOptions {
   /// alone does not notice. Detected within 1.25x this. 0: never.
   std::chrono::milliseconds liveness_timeout{15'000};
 
+  // ---- Same-host channel (README: "Transfers") ----
+  /// Whether connections between two workers on one host move large tensors (64 KiB of tensor data per message and
+  /// more) through shared memory instead of the socket. Same host is decided during the handshake (boot id and
+  /// network namespace, compared by both ends); a channel that cannot be set up leaves the connection on TCP, with one
+  /// warning. The CORPC_SAME_HOST_CHANNEL environment variable (0 or 1) overrides this.
+  bool same_host_channel = true;
+  /// The shared ring of each direction of each such connection. A message whose tensors do not fit in the free part
+  /// goes by TCP; received tensors are views of the ring while they hold less than half of it, copies beyond.
+  /// Pages are touched only as the ring is used; a steady exchange reuses the same ones.
+  std::uint64_t same_host_ring_bytes = std::uint64_t{256} << 20;
+
   // ---- CPU memory ----
   /// The most memory kept in freed large CPU blocks for reuse, process-wide.
   /// Large CPU tensors (1 MiB and more) live in mapped blocks that are kept for reuse when freed, so that a steady
