@@ -49,8 +49,11 @@ asio::awaitable<void> authenticate(Transport& socket, const AuthConfig& config, 
   // A peer that stops talking is dropped: the timer closes the socket, which aborts the pending read.
   asio::steady_timer timer(socket.get_executor(), config.timeout);
   bool timed_out = false;
-  timer.async_wait([&](const asio::error_code& ec) {
-    if (ec) return;
+  // The timer's handler may already be queued when the handshake ends (the peer gave up at the same moment): it must
+  // then touch nothing of this frame or of `socket`, which may be gone by the time it runs.
+  auto running = std::make_shared<bool>(true);
+  timer.async_wait([&, running](const asio::error_code& ec) {
+    if (ec || !*running) return;
     timed_out = true;
     asio::error_code ignored;
     socket.socket().close(ignored);
@@ -103,6 +106,7 @@ asio::awaitable<void> authenticate(Transport& socket, const AuthConfig& config, 
         throw ConnectionError("the peer does not know the secret");
     }
   } catch (const std::exception& e) {
+    *running = false;
     timer.cancel();
     if (dynamic_cast<const ConnectionError*>(&e) && !timed_out) throw;
     // One side waiting for a TLS handshake and the other for the challenge ends like this (a timeout, or the other
@@ -112,6 +116,7 @@ asio::awaitable<void> authenticate(Transport& socket, const AuthConfig& config, 
                                                                  : "";
     throw ConnectionError((timed_out ? std::string("authentication timed out") : std::string("authentication: ") + e.what()) + hint);
   }
+  *running = false;
   timer.cancel();
 }
 
