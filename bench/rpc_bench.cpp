@@ -37,6 +37,7 @@
 #include <iostream>
 #include <limits.h>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -45,6 +46,7 @@
 
 #include <fmt/core.h>
 
+#include "../tests/tls_certs.hpp"
 #include "corpc/corpc.hpp"
 #include "corpc/rref/rref.hpp"
 
@@ -123,6 +125,7 @@ struct Options {
   std::string json_path;
   int cancel_samples = 200;  // cancel -> callee-sees-it samples after the cases; 0: skip
   bool flow_control = true;  // false: flow control's limits so high that they never bind (bench/flow_cost.sh)
+  std::optional<corpc::TlsOptions> tls;  // corpc's connections over TLS (bench/tls_cost.sh); the raw floor stays TCP
 };
 
 [[noreturn]] void usage(int code) {
@@ -130,6 +133,7 @@ struct Options {
                "usage: rpc_bench [--seconds-per-case S] [--cases noop,4KiB,1MiB,16MiB,64MiB,async64,remote,chain]\n"
                "                 [--block-ms MS] [--min-iters N] [--worker-threads N] [--spin-us US] [--raw-alloc]\n"
                "                 [--json PATH] [--cancel-samples N] [--host-cache-mib N] [--flow-control on|off]\n"
+               "                 [--tls generate|CERT,KEY,CA]\n"
                "Each case alternates blocks of raw Asio TCP and corpc (~MS ms each, >= N calls) for ~S seconds\n"
                "and reports the median of the per-block ratios corpc/raw.\n"
                "--raw-alloc: the raw floor receives each message into a freshly allocated at::empty buffer (both\n"
@@ -139,7 +143,10 @@ struct Options {
                "--cancel-samples: after the cases, times N cancellations of a parked coroutine function on rank 1,\n"
                "from Future::cancel() on rank 0 to the callee's await throwing CancelledError (one steady clock).\n"
                "--flow-control off: per-peer call limit, receive budgets, held requests and write backlog so high that\n"
-               "they never bind (the checks still run): bench/flow_cost.sh compares on and off.\n");
+               "they never bind (the checks still run): bench/flow_cost.sh compares on and off.\n"
+               "--tls: corpc's connections use TLS 1.3 (RpcOptions::tls) with these PEM files, or with a throwaway CA\n"
+               "and certificate made for the run (generate); the raw floor stays plain TCP. bench/tls_cost.sh compares\n"
+               "TLS with plain TCP.\n");
   std::exit(code);
 }
 
@@ -179,6 +186,16 @@ Options parse(int argc, char** argv) {
         const std::string v = value();
         if (v != "on" && v != "off") usage(2);
         o.flow_control = v == "on";
+      } else if (key == "--tls") {
+        const std::string v = value();
+        o.tls.emplace();
+        if (v != "generate") {
+          std::stringstream ss(v);
+          std::getline(ss, o.tls->certificate_chain_file, ',');
+          std::getline(ss, o.tls->private_key_file, ',');
+          std::getline(ss, o.tls->ca_file, ',');
+          if (o.tls->ca_file.empty()) usage(2);
+        }
       } else if (key == "--cases") {
         o.cases.clear();
         std::stringstream ss(value());
@@ -510,12 +527,12 @@ void print_header(const Options& o) {
              affinity_cores(), cpu_model());
   fmt::print("blas: {}\n", blas_info());
   fmt::print("per case ~{} s of alternating raw/corpc blocks of ~{} ms (>= {} calls); corpc worker threads: {}; "
-             "corpc spin before sleeping: {}; raw receive buffers: {}; flow control limits: {}\n\n",
+             "corpc spin before sleeping: {}; raw receive buffers: {}; flow control limits: {}; corpc over: {}\n\n",
              o.seconds_per_case, o.block_ms, o.min_iters,
              o.worker_threads > 0 ? std::to_string(o.worker_threads) : std::string("default"),
              o.spin_us >= 0 ? fmt::format("{} us", o.spin_us) : std::string("default (50 us)"),
              o.raw_alloc ? "fresh at::empty per message (--raw-alloc)" : "reused",
-             o.flow_control ? "defaults" : "off (never bind)");
+             o.flow_control ? "defaults" : "off (never bind)", o.tls ? "TLS 1.3 (--tls)" : "TCP");
   fmt::print("{:>8} {:>7} {:>7} | {:>10} {:>10} | {:>10} {:>10} | {:>9} {:>13} | {:>10}\n", "case", "blocks", "calls",
              "corpc med", "corpc p99", "raw med", "raw p99", "corpc/raw", "blocks min-max", "corpc MB/s");
   fmt::print("{:>8} {:>7} {:>7} | {:>10} {:>10} | {:>10} {:>10} | {:>9} {:>13} | {:>10}\n", "", "", "", "us", "us",
@@ -548,9 +565,9 @@ std::string json_array(const std::vector<double>& v) {
 void write_json(const Options& o, const std::vector<CaseResult>& results) {
   std::string s = "{\n";
   s += fmt::format(
-      "  \"meta\": {{\"cores\": {}, \"seconds_per_case\": {}, \"block_ms\": {}, \"raw_alloc\": {}, \"ratio\": \"corpc time / raw time per "
-      "call, median over block pairs\"}}",
-      std::thread::hardware_concurrency(), o.seconds_per_case, o.block_ms, o.raw_alloc);
+      "  \"meta\": {{\"cores\": {}, \"seconds_per_case\": {}, \"block_ms\": {}, \"raw_alloc\": {}, \"tls\": {}, \"ratio\": \"corpc time / raw "
+      "time per call, median over block pairs\"}}",
+      std::thread::hardware_concurrency(), o.seconds_per_case, o.block_ms, o.raw_alloc, o.tls.has_value());
   for (auto& r : results) {
     s += fmt::format(",\n  \"{}\": {{\"bytes\": {}, \"median_us\": {:.3f}, \"p99_us\": {:.3f}, \"raw_median_us\": {:.3f}, "
                      "\"raw_p99_us\": {:.3f}, \"ratio\": {:.4f}, \"ratio_blocks\": {}, \"iters\": {}",
@@ -577,6 +594,7 @@ corpc::RpcOptions rpc_options(const Options& o) {
   r.num_worker_threads = o.worker_threads;
   if (o.spin_us >= 0) r.spin_before_block = std::chrono::microseconds(o.spin_us);
   if (o.host_cache_mib >= 0) r.host_cache_bytes = static_cast<std::uint64_t>(o.host_cache_mib) << 20;
+  r.tls = o.tls;
   if (!o.flow_control) {
     r.max_calls_in_flight_per_peer = std::numeric_limits<std::uint32_t>::max();
     r.max_requests_held = std::numeric_limits<std::uint32_t>::max();
@@ -672,6 +690,11 @@ int main(int argc, char** argv) {
   // Everything must end by itself: a generous bound on the whole run; launch_processes kills the ranks past it.
   so.timeout = std::chrono::seconds(60 + static_cast<long>(o.cases.size() * (3 * o.seconds_per_case + 15)));
   so.grace = std::chrono::seconds(5);
+  std::optional<corpc::test::ThrowawayPki> pki;  // removed with its files when the run ends
+  if (o.tls && o.tls->certificate_chain_file.empty()) {
+    pki.emplace("rpc_bench throwaway CA");
+    o.tls = pki->issue("rpc_bench");
+  }
   try {
     const int world = wants_chain(o.cases) ? 3 : 2;
     corpc::launch_processes(world, [&](int rank) { rank == 0 ? client_rank(o, world) : server_rank(o, rank, world); }, so);

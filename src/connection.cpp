@@ -327,7 +327,10 @@ class TcpConnection final : public Connection {
       self->fail(std::string("protocol error: ") + e.what());
     } catch (const std::system_error& e) {
       batch_end();
-      self->fail(e.code() == asio::error::eof ? "connection closed by peer" : e.what());
+      // A TLS peer that closes without a close_notify reads as a truncated stream: our Goodbye frame, not TLS, says
+      // whether a close was orderly.
+      const bool closed = e.code() == asio::error::eof || e.code() == asio::ssl::error::stream_truncated;
+      self->fail(closed ? "connection closed by peer" : e.what());
     } catch (const std::exception& e) {
       batch_end();
       self->fail(e.what());
