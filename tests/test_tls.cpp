@@ -7,6 +7,7 @@
 #include <stdlib.h>
 
 #include <asio.hpp>
+#include <asio/experimental/awaitable_operators.hpp>
 #include <atomic>
 #include <cstring>
 #include <fstream>
@@ -267,6 +268,56 @@ TEST_CASE("a lazily dialed peer whose certificate is not trusted fails the call 
       while (done_count() < 2) std::this_thread::sleep_for(10ms);
     shutdown(false);
   }, LaunchOptions{std::chrono::seconds(60)});
+}
+
+TEST_CASE("without certificate checks the secret still stops a relay that terminates TLS on both sides") {
+  ThrowawayPki pki;
+  TlsOptions unverified = pki.issue("rank");
+  unverified.verify_peer = false;
+  run_world(2, [&](int rank) {
+    if (rank != 0) return;
+    const auto worker = get_worker_info(1);
+    const std::string secret = corpc::detail::secret_from_environment();
+    const auto ctx = corpc::detail::make_tls_context(unverified);
+    // The relay: TLS server to us, TLS client to worker1, passing the decrypted bytes on both ways.
+    asio::io_context relay_io;
+    asio::ip::tcp::acceptor acceptor(relay_io, {asio::ip::make_address("127.0.0.1"), 0});
+    using corpc::detail::AuthRole;
+    using corpc::detail::Transport;
+    auto pump = [](Transport& from, Transport& to) -> asio::awaitable<void> {
+      std::array<char, 4096> buf;
+      for (;;) {
+        const std::size_t n = co_await from.async_read_some(asio::buffer(buf), asio::use_awaitable);
+        co_await asio::async_write(to, asio::buffer(buf.data(), n), asio::use_awaitable);
+      }
+    };
+    asio::co_spawn(relay_io, [&]() -> asio::awaitable<void> {
+      Transport us{co_await acceptor.async_accept(asio::use_awaitable)};
+      Transport them{asio::ip::tcp::socket(relay_io)};
+      co_await them.socket().async_connect({asio::ip::make_address(worker.host), worker.port}, asio::use_awaitable);
+      co_await us.start_tls(*ctx, AuthRole::acceptor);
+      co_await them.start_tls(*ctx, AuthRole::dialer);
+      using namespace asio::experimental::awaitable_operators;
+      co_await (pump(us, them) || pump(them, us));
+    }, asio::detached);
+    std::thread relay_thread([&] { relay_io.run(); });
+    struct StopOnExit {  // also when an EXPECT throws
+      asio::io_context& io;
+      std::thread& thread;
+      ~StopOnExit() {
+        io.stop();
+        thread.join();
+      }
+    } stop_relay{relay_io, relay_thread};
+    asio::io_context io;
+    corpc::detail::AuthConfig config{secret, std::chrono::seconds(5), ctx};
+    authenticated_transport(io, worker, config);  // the control: directly, the secret passes
+    WorkerInfo via_relay = worker;
+    via_relay.port = acceptor.local_endpoint().port();
+    // Through it, the worker finds our proof made for another TLS session and hangs up.
+    EXPECT_THROWS_AS(authenticated_transport(io, via_relay, config), ConnectionError);
+    EXPECT_EQ(rpc_sync<&add>(1, 2, 3), 5);
+  }, tls_options(unverified));
 }
 
 TEST_CASE("over TLS the wire carries no plaintext (a relay between the ranks sees none)") {
