@@ -37,6 +37,7 @@
 #include <iostream>
 #include <limits.h>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -45,6 +46,7 @@
 
 #include <fmt/core.h>
 
+#include "../tests/tls_certs.hpp"
 #include "corpc/corpc.hpp"
 #include "corpc/rref/rref.hpp"
 #include "../src/shm_channel.hpp"
@@ -129,6 +131,7 @@ struct Options {
   bool flow_control = true;  // false: flow control's limits so high that they never bind (bench/flow_cost.sh)
   bool same_host = true;     // --channel shm (RpcOptions::same_host_channel) or tcp
   bool transfers = false;    // --transfers: the echo cases on the same-host channel, TCP, the raw floor and memcpy
+  std::optional<corpc::TlsOptions> tls;  // corpc's connections over TLS (bench/tls_cost.sh); the raw floor stays TCP
 };
 
 [[noreturn]] void usage(int code) {
@@ -137,7 +140,7 @@ struct Options {
                "                 (also 64KiB,256KiB)\n"
                "                 [--block-ms MS] [--min-iters N] [--worker-threads N] [--spin-us US] [--raw-alloc]\n"
                "                 [--json PATH] [--cancel-samples N] [--host-cache-mib N] [--flow-control on|off]\n"
-               "                 [--channel shm|tcp] [--transfers]\n"
+               "                 [--channel shm|tcp] [--transfers] [--tls generate|CERT,KEY,CA]\n"
                "Each case alternates blocks of raw Asio TCP and corpc (~MS ms each, >= N calls) for ~S seconds\n"
                "and reports the median of the per-block ratios corpc/raw.\n"
                "--raw-alloc: the raw floor receives each message into a freshly allocated at::empty buffer (both\n"
@@ -151,7 +154,10 @@ struct Options {
                "--channel: corpc between the two processes on its same-host channel (shm, the default) or on TCP only.\n"
                "--transfers: instead of the table above, each echo case (1MiB... by default) in rotating blocks of\n"
                "corpc on the same-host channel, corpc on TCP (channel paused in both processes), the raw TCP floor,\n"
-               "and a single-threaded memcpy there and back, all in one run.\n");
+               "and a single-threaded memcpy there and back, all in one run.\n"
+               "--tls: corpc's connections use TLS 1.3 (RpcOptions::tls) with these PEM files, or with a throwaway CA\n"
+               "and certificate made for the run (generate); the raw floor stays plain TCP. bench/tls_cost.sh compares\n"
+               "TLS with plain TCP.\n");
   std::exit(code);
 }
 
@@ -197,6 +203,16 @@ Options parse(int argc, char** argv) {
         o.same_host = v == "shm";
       } else if (key == "--transfers") {
         o.transfers = true;
+      } else if (key == "--tls") {
+        const std::string v = value();
+        o.tls.emplace();
+        if (v != "generate") {
+          std::stringstream ss(v);
+          std::getline(ss, o.tls->certificate_chain_file, ',');
+          std::getline(ss, o.tls->private_key_file, ',');
+          std::getline(ss, o.tls->ca_file, ',');
+          if (o.tls->ca_file.empty()) usage(2);
+        }
       } else if (key == "--cases") {
         o.cases.clear();
         std::stringstream ss(value());
@@ -602,12 +618,12 @@ void print_header(const Options& o) {
              affinity_cores(), cpu_model());
   fmt::print("blas: {}\n", blas_info());
   fmt::print("per case ~{} s of alternating raw/corpc blocks of ~{} ms (>= {} calls); corpc worker threads: {}; "
-             "corpc spin before sleeping: {}; raw receive buffers: {}; flow control limits: {}\n\n",
+             "corpc spin before sleeping: {}; raw receive buffers: {}; flow control limits: {}; corpc over: {}\n\n",
              o.seconds_per_case, o.block_ms, o.min_iters,
              o.worker_threads > 0 ? std::to_string(o.worker_threads) : std::string("default"),
              o.spin_us >= 0 ? fmt::format("{} us", o.spin_us) : std::string("default (50 us)"),
              o.raw_alloc ? "fresh at::empty per message (--raw-alloc)" : "reused",
-             o.flow_control ? "defaults" : "off (never bind)");
+             o.flow_control ? "defaults" : "off (never bind)", o.tls ? "TLS 1.3 (--tls)" : "TCP");
   fmt::print("{:>8} {:>7} {:>7} | {:>10} {:>10} | {:>10} {:>10} | {:>9} {:>13} | {:>10}\n", "case", "blocks", "calls",
              "corpc med", "corpc p99", "raw med", "raw p99", "corpc/raw", "blocks min-max", "corpc MB/s");
   fmt::print("{:>8} {:>7} {:>7} | {:>10} {:>10} | {:>10} {:>10} | {:>9} {:>13} | {:>10}\n", "", "", "", "us", "us",
@@ -640,9 +656,9 @@ std::string json_array(const std::vector<double>& v) {
 void write_json(const Options& o, const std::vector<CaseResult>& results) {
   std::string s = "{\n";
   s += fmt::format(
-      "  \"meta\": {{\"cores\": {}, \"seconds_per_case\": {}, \"block_ms\": {}, \"raw_alloc\": {}, \"ratio\": \"corpc time / raw time per "
-      "call, median over block pairs\"}}",
-      std::thread::hardware_concurrency(), o.seconds_per_case, o.block_ms, o.raw_alloc);
+      "  \"meta\": {{\"cores\": {}, \"seconds_per_case\": {}, \"block_ms\": {}, \"raw_alloc\": {}, \"tls\": {}, \"ratio\": \"corpc time / raw "
+      "time per call, median over block pairs\"}}",
+      std::thread::hardware_concurrency(), o.seconds_per_case, o.block_ms, o.raw_alloc, o.tls.has_value());
   for (auto& r : results) {
     s += fmt::format(",\n  \"{}\": {{\"bytes\": {}, \"median_us\": {:.3f}, \"p99_us\": {:.3f}, \"raw_median_us\": {:.3f}, "
                      "\"raw_p99_us\": {:.3f}, \"ratio\": {:.4f}, \"ratio_blocks\": {}, \"iters\": {}",
@@ -670,6 +686,7 @@ corpc::RpcOptions rpc_options(const Options& o) {
   r.same_host_channel = o.same_host;
   if (o.spin_us >= 0) r.spin_before_block = std::chrono::microseconds(o.spin_us);
   if (o.host_cache_mib >= 0) r.host_cache_bytes = static_cast<std::uint64_t>(o.host_cache_mib) << 20;
+  r.tls = o.tls;
   if (!o.flow_control) {
     r.max_calls_in_flight_per_peer = std::numeric_limits<std::uint32_t>::max();
     r.max_requests_held = std::numeric_limits<std::uint32_t>::max();
@@ -772,6 +789,11 @@ int main(int argc, char** argv) {
   // Everything must end by itself: a generous bound on the whole run; launch_processes kills the ranks past it.
   so.timeout = std::chrono::seconds(60 + static_cast<long>(o.cases.size() * (3 * o.seconds_per_case + 15)));
   so.grace = std::chrono::seconds(5);
+  std::optional<corpc::test::ThrowawayPki> pki;  // removed with its files when the run ends
+  if (o.tls && o.tls->certificate_chain_file.empty()) {
+    pki.emplace("rpc_bench throwaway CA");
+    o.tls = pki->issue("rpc_bench");
+  }
   try {
     const int world = wants_chain(o.cases) ? 3 : 2;
     corpc::launch_processes(world, [&](int rank) { rank == 0 ? client_rank(o, world) : server_rank(o, rank, world); }, so);

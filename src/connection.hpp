@@ -148,11 +148,13 @@ class DispatchBatch {
   void flush();
 };
 
-// A TCP connection. `start` begins reading; frames and the close reach the handlers on the network thread.
-std::shared_ptr<Connection> make_tcp_connection(asio::ip::tcp::socket socket, const ConnectionSettings& settings,
+// A TCP connection over an authenticated transport (plain or TLS); it starts reading at once. Frames and the close
+// reach the handlers on the network thread.
+std::shared_ptr<Connection> make_tcp_connection(Transport transport, const ConnectionSettings& settings,
                                                 FrameHandler on_frame, CloseHandler on_close);
 
-// Dials host:port; queued frames wait for the connection. A failure to connect closes it with the reason.
+// Dials host:port and authenticates (TLS and the secret, as `auth` says); queued frames wait for both. A failure to
+// connect or authenticate closes it with the reason.
 // `peer_rank` is set before dialing starts, so that a connect that fails at once is still attributed to its peer.
 std::shared_ptr<Connection> dial_tcp_connection(asio::io_context& io, int peer_rank, std::string host,
                                                 std::uint16_t port, const ConnectionSettings& settings, FrameHandler on_frame,

@@ -140,8 +140,9 @@ void Runtime::Impl::accept_loop() {
       asio::error_code ec;
       if (auto ep = socket.remote_endpoint(ec); !ec) peer = ep.address().to_string() + ":" + std::to_string(ep.port());
       std::string refused;
+      detail::Transport transport(std::move(socket));
       try {
-        co_await detail::authenticate(socket, auth, detail::AuthRole::acceptor);
+        co_await detail::authenticate(transport, auth, detail::AuthRole::acceptor);
       } catch (const std::exception& e) {
         refused = e.what();
       }
@@ -150,7 +151,7 @@ void Runtime::Impl::accept_loop() {
         detail::log(detail::LogLevel::warn, self.name, "accept", "refused a connection from {}: {}", peer, refused);
         co_return;
       }
-      auto conn = detail::make_tcp_connection(std::move(socket), connection_settings(), frame_handler(), close_handler());
+      auto conn = detail::make_tcp_connection(std::move(transport), connection_settings(), frame_handler(), close_handler());
       bool shutting_down;
       {
         std::lock_guard lock(conn_mutex);

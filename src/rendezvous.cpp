@@ -92,19 +92,19 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
     asio::co_spawn(main_io(), [this, master_host, master_port, deadline]() -> asio::awaitable<void> {
       asio::steady_timer pause(main_io());
       for (;;) {
-        asio::ip::tcp::socket socket(main_io());
+        detail::Transport transport{asio::ip::tcp::socket(main_io())};
         std::string failure;
         try {
           asio::ip::tcp::resolver resolver(main_io());
           auto endpoints = co_await resolver.async_resolve(master_host, std::to_string(master_port), asio::use_awaitable);
-          co_await asio::async_connect(socket, endpoints, asio::use_awaitable);
+          co_await asio::async_connect(transport.socket(), endpoints, asio::use_awaitable);
         } catch (const std::exception& e) {
           failure = e.what();
         }
         if (failure.empty()) {
           std::string refused;
           try {
-            co_await detail::authenticate(socket, auth, detail::AuthRole::dialer);
+            co_await detail::authenticate(transport, auth, detail::AuthRole::dialer);
           } catch (const std::exception& e) {
             refused = e.what();
           }
@@ -124,7 +124,7 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
           co_await pause.async_wait(asio::use_awaitable);
           continue;
         }
-        auto conn = detail::make_tcp_connection(std::move(socket), connection_settings(), frame_handler(), close_handler());
+        auto conn = detail::make_tcp_connection(std::move(transport), connection_settings(), frame_handler(), close_handler());
         conn->peer_rank = 0;
         conn->outgoing = true;
         {
