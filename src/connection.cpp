@@ -343,7 +343,7 @@ class TcpConnection final : public Connection {
         const char* meta = rbuf_.data() + rbeg_;
         msg.body.assign(meta + h.meta_len, h.body_len);
         if (h.num_tensors || h.meta_len)
-          msg.tensors = decode_tensor_meta(meta, h.meta_len, h.num_tensors, h.tensor_bytes, limits_);
+          msg.tensors = decode_tensor_meta(meta, h.meta_len, h.num_tensors, h.tensor_bytes, limits_, &msg.devices);
         rbeg_ += head_len;
       } else {
         // Too large to buffer: straight into its own storage, without a copy through the buffer.
@@ -355,7 +355,7 @@ class TcpConnection final : public Connection {
                                                  asio::buffer(msg.body.data() + b, msg.body.size() - b)};
         batch_end();
         co_await asio::async_read(socket_, rest, counting_progress(), asio::use_awaitable);
-        msg.tensors = decode_tensor_meta(meta.data(), meta.size(), h.num_tensors, h.tensor_bytes, limits_);
+        msg.tensors = decode_tensor_meta(meta.data(), meta.size(), h.num_tensors, h.tensor_bytes, limits_, &msg.devices);
       }
       if (h.tensor_bytes) {
         std::vector<asio::mutable_buffer> rest;
@@ -543,7 +543,7 @@ class LoopbackConnection final : public Connection {
     msg.head = f.head;
     msg.body = std::move(f.body);
     if (f.head.num_tensors) {
-      msg.tensors = decode_tensor_meta(f.meta.data(), f.meta.size(), f.head.num_tensors, f.head.tensor_bytes, limits_);
+      msg.tensors = decode_tensor_meta(f.meta.data(), f.meta.size(), f.head.num_tensors, f.head.tensor_bytes, limits_, &msg.devices);
       for (std::size_t i = 0; i < msg.tensors.size(); ++i)
         if (msg.tensors[i].nbytes())
           std::memcpy(msg.tensors[i].data_ptr(), f.tensors[i].data_ptr(), static_cast<std::size_t>(f.tensors[i].nbytes()));

@@ -16,6 +16,7 @@ struct Hello {
   int world_size = 0;
   bool registering = false;  // a rendezvous registration (to rank 0), not a lazy dial
   WireLimits limits;         // what the sender accepts
+  std::string devices;       // registrations: the sender's encoded DeviceConfig (src/device_map.hpp); empty: none
 };
 
 std::string encode_hello(const Hello& hello);
