@@ -42,6 +42,15 @@ at::Tensor echo(at::Tensor t) { return t; }
 std::string device_of(at::Tensor t) { return t.device().str(); }
 at::Tensor labelled_result(int index) { return labelled_cuda(at::ones({4}), index); }
 at::Tensor times_three_sum(at::Tensor t) { return (t * 3).sum(); }
+// From worker1: sends a tensor labelled cuda:`index` to the master and returns the error it got.
+std::string send_labelled_to_master(int index) {
+  try {
+    rpc_sync<&echo>("master", labelled_cuda(at::ones({2}), index));
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
 
 // Every worker of these jobs pretends to have two CUDA devices, so that maps naming cuda:0 and cuda:1 validate.
 void pretend_two_devices() { cd::set_cuda_device_count_for_testing(2); }
@@ -236,8 +245,13 @@ TEST_CASE("device maps end to end: CPU tensors unchanged with maps configured; u
     // A callee's result on a device its map back does not name: the error reaches the caller's future.
     const std::string back = EXPECT_THROWS_AS(rpc_sync<&labelled_result>("worker1", 5), RpcError);
     EXPECT(contains(back, "cuda:5"));
-    // cuda:0 is mapped: the copy itself needs a GPU (or a CUDA build): a typed error, and the job goes on.
-    EXPECT_THROWS_AS(rpc_sync<&echo>("worker1", labelled_cuda(at::ones({2}), 0)), RpcError);
+    // cuda:0 is mapped: the copy itself needs a GPU (or a CUDA build): a typed error past the map, and the job goes on.
+    const std::string copy = EXPECT_THROWS_AS(rpc_sync<&echo>("worker1", labelled_cuda(at::ones({2}), 0)), RpcError);
+    EXPECT(!contains(copy, "device map"));
+    // worker1 set no map: it uses the inverse of ours, {cuda:1 -> cuda:0}, for its own calls to us too.
+    EXPECT(contains(rpc_sync<&send_labelled_to_master>("worker1", 0), "has no entry for cuda:0"));
+    const std::string inverse = rpc_sync<&send_labelled_to_master>("worker1", 1);
+    EXPECT(!inverse.empty() && !contains(inverse, "device map"));
     EXPECT(at::equal(rpc_sync<&echo>("worker1", at::ones({2})), at::ones({2})));
     shutdown(true);
   }, LaunchOptions{120s, 10s});
