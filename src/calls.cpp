@@ -133,7 +133,8 @@ void Runtime::Impl::finish_without_reply(detail::PendingCall& p, std::exception_
 }
 
 OutFrame Runtime::Impl::prepare_for(Message&& m, int rank) const {
-  if (rank < 0 || rank >= static_cast<int>(device_maps.size())) return prepare(std::move(m));
+  if (rank < 0 || rank >= static_cast<int>(device_maps.size()) || rank >= static_cast<int>(workers.size()))
+    return prepare(std::move(m));
   return prepare(std::move(m), device_maps[rank], workers[rank].name);
 }
 

@@ -236,4 +236,24 @@ void upload(std::vector<at::Tensor>& tensors, const std::vector<std::int8_t>& de
   }
 }
 
+at::Tensor copy_to_device(const at::Tensor& host, int device) {
+  const at::Tensor src = host.contiguous();
+  DeviceScope scope(device);
+  void* p = nullptr;
+  if (bytes_of(src)) check(cudaMalloc(&p, bytes_of(src)), "cudaMalloc");
+  const c10::Device target(c10::kCUDA, static_cast<c10::DeviceIndex>(device));
+  at::Tensor dev = at::from_blob(p, src.sizes(), src.strides(), [](void* q) { cudaFree(q); },
+                                 src.options().device(target), target);
+  if (p) check(cudaMemcpy(p, src.data_ptr(), bytes_of(src), cudaMemcpyHostToDevice), "cudaMemcpy");
+  return dev;
+}
+
+at::Tensor copy_to_host(const at::Tensor& t) {
+  DeviceScope scope(t.device().index());
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  at::Tensor host = at::empty_strided(t.sizes(), t.strides(), at::TensorOptions().dtype(t.scalar_type()));
+  if (bytes_of(t)) check(cudaMemcpy(host.data_ptr(), t.data_ptr(), bytes_of(t), cudaMemcpyDeviceToHost), "cudaMemcpy");
+  return host;
+}
+
 }  // namespace corpc::detail::cuda

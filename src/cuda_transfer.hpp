@@ -38,4 +38,8 @@ at::Tensor host_receive_buffer(at::IntArrayRef sizes, at::IntArrayRef strides, a
 void upload(std::vector<at::Tensor>& tensors, const std::vector<std::int8_t>& devices,
             const std::shared_ptr<DeviceTransfer>& transfer);
 
+// Blocking copies for tests on a machine with a GPU: a CPU build of libtorch cannot move a tensor to a device itself.
+at::Tensor copy_to_device(const at::Tensor& host, int device);
+at::Tensor copy_to_host(const at::Tensor& t);
+
 }  // namespace corpc::detail::cuda

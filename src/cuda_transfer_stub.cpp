@@ -21,5 +21,7 @@ at::Tensor host_receive_buffer(at::IntArrayRef sizes, at::IntArrayRef strides, a
 void upload(std::vector<at::Tensor>&, const std::vector<std::int8_t>&, const std::shared_ptr<DeviceTransfer>&) {
   unavailable();
 }
+at::Tensor copy_to_device(const at::Tensor&, int) { unavailable(); }
+at::Tensor copy_to_host(const at::Tensor&) { unavailable(); }
 
 }  // namespace corpc::detail::cuda

@@ -292,8 +292,27 @@ TEST_CASE("device maps: bad maps fail init_rpc on every worker with UsageError")
   }, "not a worker of this job");
 }
 
-TEST_CASE("device maps with a GPU: tensors arrive on the mapped device and replies come back on the original" *
+// On a GPU: the master's cuda:0 goes to worker1's cuda:0 (one device is enough), the echo comes back on cuda:0 with
+// the same bytes, for a contiguous and a transposed layout. Skipped without a CUDA device (these machines): the CUDA
+// copies are compiled here, not run.
+bool on_cuda0(at::Tensor t) { return t.device() == cuda(0); }
+
+TEST_CASE("device maps with a GPU (skipped without one): tensors arrive on the mapped device, the reply on the original" *
           doctest::skip(cd::cuda::device_count() == 0)) {
-  // Needs a CUDA device and a CUDA build of libtorch to create CUDA tensors; skipped on machines without a GPU.
-  MESSAGE("runs only with a GPU");
+  launch_processes(2, [](int rank) {
+    auto options = quick_options();
+    if (rank == 0) options.set_device_map("worker1", {{cuda(0), cuda(0)}});
+    init_rpc(worker_name(rank), rank, 2, options);
+    if (rank == 0) {
+      at::Tensor host = at::arange(1 << 20, at::kFloat).reshape({1024, 1024});
+      for (const at::Tensor& h : {host, host.t()}) {
+        at::Tensor dev = cd::cuda::copy_to_device(h, 0);
+        EXPECT(rpc_sync<&on_cuda0>("worker1", dev));
+        at::Tensor back = rpc_sync<&echo>("worker1", dev);
+        EXPECT(back.device() == cuda(0));
+        EXPECT(at::equal(cd::cuda::copy_to_host(back), h.contiguous()));
+      }
+    }
+    shutdown(true);
+  }, LaunchOptions{120s, 10s});
 }
