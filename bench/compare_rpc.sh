@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # corpc vs PyTorch RPC (TensorPipe) on this machine: runs bench/rpc_bench, then bench/pytorch_rpc_bench.py, and prints
-# the medians side by side.
+# the medians side by side. PyTorch runs in two configurations: TCP only (TensorPipe's uv transport and basic channel,
+# every case) and its default one on a single host (shared-memory transport, cross-memory-attach channel; the 1, 16
+# and 64 MiB echoes), shown in the last columns.
 #
 #   bench/compare_rpc.sh [path/to/rpc_bench] [extra rpc_bench args...]
 #
@@ -47,7 +49,7 @@ def fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 hdr = f"{'case':>8} | {'corpc med us':>13} {'PyTorch med us':>15} {'PyTorch/corpc':>14} | " \
-      f"{'corpc p99 us':>13} {'PyTorch p99 us':>15} | {'corpc/raw':>9}"
+      f"{'corpc p99 us':>13} {'PyTorch p99 us':>15} | {'corpc/raw':>9} | {'PyT default us':>14} {'default/corpc':>13}"
 print(hdr)
 print("-" * len(hdr))
 for c in cases:
@@ -61,10 +63,14 @@ for c in cases:
         continue
     ma, mb = a.get("median_us"), b.get("median_us")
     speed = ma and mb and mb / ma
+    md = torch.get(c + "@default", {}).get("median_us")
+    dspeed = ma and md and md / ma
     print(f"{c:>8} | {fmt(ma, '>13.1f')} {fmt(mb, '>15.1f')} {fmt(speed, '>13.2f') + 'x':>14} | "
-          f"{fmt(a.get('p99_us'), '>13.1f')} {fmt(b.get('p99_us'), '>15.1f')} | {fmt(ratio, '>9.2f')}")
+          f"{fmt(a.get('p99_us'), '>13.1f')} {fmt(b.get('p99_us'), '>15.1f')} | {fmt(ratio, '>9.2f')} | "
+          f"{fmt(md, '>14.1f')} {fmt(dspeed, '>12.2f') + 'x':>13}")
 print("-" * len(hdr))
 print("PyTorch/corpc > 1: corpc is faster (latency: PyTorch median / corpc median; async64: corpc calls/s / PyTorch's).")
+print("PyTorch (med, p99): TensorPipe over TCP only; PyT default: its default same-host configuration (shm + CMA).")
 print("Not interleaved: PyTorch ran after corpc, minutes apart, and this VM's vCPUs switch between fast and slow")
 print("placements, so these cross-framework ratios are approximate. corpc/raw is rpc_bench's interleaved ratio to a")
 print("raw Asio TCP echo (median of per-block ratios), the reliable measure of corpc's own overhead.")

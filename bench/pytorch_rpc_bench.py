@@ -8,6 +8,11 @@ flight, remote() + to_here() of a small value, and a chain across 3 workers
 (client -> server -> server2, the middle hop an @async_execution function). Iterations are calibrated so each case takes about 1.5 s
 (times --iters-scale). The last line of output is "JSON: {...}".
 
+Two TensorPipe configurations: "tcp" (the uv TCP transport and the basic channel only: every byte through a socket,
+as corpc's TCP path) runs every case; "default" (what TensorPipe picks by itself on one host: the shared-memory
+transport and the cross-memory-attach channel, process_vm_readv) runs the large echoes (--default-cases), after the
+TCP run, and its results are in the JSON as "<case>@default".
+
 Run with /usr/bin/python3 (Debian's python3-torch).
 """
 import argparse
@@ -25,6 +30,8 @@ import torch.multiprocessing as mp
 
 SIZES = {"4KiB": 4 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20, "64MiB": 64 << 20}
 CASES = ["noop", *SIZES, "async64", "remote", "chain"]
+# TensorPipe's private options: None leaves its own choice (the default configuration).
+CONFIGS = {"tcp": {"_transports": ["uv"], "_channels": ["basic"]}, "default": {}}
 TARGET_S = 1.5
 MIN_ITERS, MAX_ITERS = 5, 100_000
 IN_FLIGHT = 64
@@ -96,6 +103,7 @@ def async_case(scale):
 
 def client(args):
     results = {}
+    print(f"== TensorPipe configuration: {args.config}", flush=True)
     print(f"{'case':>8} {'iters':>7} {'median us':>11} {'p99 us':>11} {'MB/s':>9}",
           flush=True)
     for case in args.cases:
@@ -120,14 +128,15 @@ def client(args):
                   f"{r['p99_us']:11.1f} {mbps}", flush=True)
         del r["iters"]
         results[case] = r
-    print("JSON: " + json.dumps(results), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f)
 
 
 def run(rank, args):
     torch.set_num_threads(1)
     options = rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=16, rpc_timeout=args.timeout,
-        init_method=f"tcp://127.0.0.1:{args.port}")
+        init_method=f"tcp://127.0.0.1:{args.port}", **CONFIGS[args.config])
     rpc.init_rpc(["client", "server", "server2"][rank], rank=rank, world_size=args.world,
                  rpc_backend_options=options)
     if rank == 0:
@@ -147,12 +156,30 @@ def main():
     p.add_argument("--cases", nargs="+", choices=CASES, default=CASES)
     p.add_argument("--port", type=int, default=0, help="0: ask the OS")
     p.add_argument("--timeout", type=float, default=300,
-                   help="seconds for each RPC and for the whole run")
+                   help="seconds for each RPC and for each configuration's run")
+    p.add_argument("--default-cases", nargs="*", choices=list(SIZES), default=["1MiB", "16MiB", "64MiB"],
+                   help="echo cases also run in TensorPipe's default configuration (none: skip it)")
     args = p.parse_args()
-    if args.port == 0:
-        args.port = free_port()
-    args.world = 3 if "chain" in args.cases else 2
+    results = {}
+    runs = [("tcp", args.cases)]
+    if args.default_cases:
+        runs.append(("default", args.default_cases))
+    for config, cases in runs:
+        run_args = argparse.Namespace(**vars(args))
+        run_args.config, run_args.cases = config, cases
+        run_args.port = args.port or free_port()
+        run_args.world = 3 if "chain" in cases else 2
+        run_args.out = f"/tmp/pytorch_rpc_bench.{os.getpid()}.{config}.json"
+        spawn(run_args)
+        with open(run_args.out) as f:
+            for case, r in json.load(f).items():
+                results[case if config == "tcp" else f"{case}@{config}"] = r
+        os.unlink(run_args.out)
+        print(flush=True)
+    print("JSON: " + json.dumps(results), flush=True)
 
+
+def spawn(args):
     ctx = mp.spawn(run, args=(args,), nprocs=args.world, join=False)
     deadline = time.monotonic() + args.timeout
     try:

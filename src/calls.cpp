@@ -2,6 +2,7 @@
 #include <algorithm>
 
 #include "corpc/rpc/outbound.hpp"
+#include "device_transfer.hpp"
 #include "runtime_impl.hpp"
 #include "trace_recorder.hpp"
 
@@ -71,7 +72,7 @@ void Runtime::Impl::start_call(detail::OutboundCall&& call) {
   m.head.deadline_ms = static_cast<std::uint32_t>(std::clamp<std::int64_t>(timeout.count(), 1, 0xffffffffLL));
   auto conn = connection_to(dst);  // throws for a dead peer or a closing runtime
   stamp_autograd(m, dst);
-  OutFrame frame = prepare(std::move(m));
+  OutFrame frame = prepare_for(std::move(m), dst);
   check_limits(frame, conn->peer_limits, name_of(dst));
   check_request_budget(frame, conn->peer_limits, name_of(dst));
 
@@ -131,8 +132,49 @@ void Runtime::Impl::finish_without_reply(detail::PendingCall& p, std::exception_
   p.finish(nullptr, std::move(error));
 }
 
+OutFrame Runtime::Impl::prepare_for(Message&& m, int rank) const {
+  if (rank < 0 || rank >= static_cast<int>(device_maps.size()) || rank >= static_cast<int>(workers.size()))
+    return prepare(std::move(m));
+  return prepare(std::move(m), device_maps[rank], workers[rank].name);
+}
+
+void Runtime::Impl::when_staged(const std::shared_ptr<detail::Connection>& conn, OutFrame&& frame,
+                                std::function<void(OutFrame&&)> send, std::function<void(std::exception_ptr)> failed) {
+  if (!frame.staged) return send(std::move(frame));
+  auto staged = frame.staged;
+  auto held = std::make_shared<OutFrame>(std::move(frame));
+  // The continuation may run on a CUDA host-function thread: it only posts, and keeps no reference to the frame
+  // there (its pinned memory must not be freed on that thread).
+  staged->then([conn, held = std::move(held), send = std::move(send), failed = std::move(failed)](
+                   std::exception_ptr error) mutable {
+    auto& io = conn->io();
+    asio::post(io, [conn = std::move(conn), held = std::move(held), send = std::move(send), failed = std::move(failed),
+                    error = std::move(error)]() mutable {
+      held->staged.reset();
+      if (error) return failed(std::move(error));
+      send(std::move(*held));
+    });
+  });
+}
+
+// Fails call `id` on `conn` (if still pending) with `error`: its request never left.
+void Runtime::Impl::fail_pending(const std::shared_ptr<detail::Connection>& conn, std::uint64_t id,
+                                 std::exception_ptr error) {
+  detail::PendingCall p;
+  std::vector<OutFrame> ready;
+  if (conn->pending.take(id, p, ready) != detail::PendingCalls::Lookup::Found) return;
+  for (auto& f : ready) send_request(conn, std::move(f), true);
+  finish_without_reply(p, std::move(error));
+}
+
 // Counted for graceful shutdown when it leaves: a call that waited for room and timed out was never sent.
 void Runtime::Impl::send_request(const std::shared_ptr<detail::Connection>& conn, OutFrame&& frame, bool counted) {
+  if (frame.staged) [[unlikely]] {  // CUDA tensors still being copied out: sent from the copy's completion
+    const std::uint64_t id = frame.head.id;
+    return when_staged(
+        conn, std::move(frame), [this, conn, counted](OutFrame&& f) { send_request(conn, std::move(f), counted); },
+        [this, conn, id](std::exception_ptr error) { fail_pending(conn, id, std::move(error)); });
+  }
   if (counted) {
     requests_sent.fetch_add(1, std::memory_order_relaxed);
     sent_to[conn->peer_rank].fetch_add(1, std::memory_order_relaxed);

@@ -391,7 +391,7 @@ class TcpConnection final : public Connection {
         while (rend_ - rbeg_ < head_len) co_await read_more();
         const char* meta = rbuf_.data() + rbeg_;
         msg.body.assign(meta + h.meta_len, h.body_len);
-        if (h.num_tensors || h.meta_len) msg.tensors = decode_tensors(h, meta, h.meta_len);
+        if (h.num_tensors || h.meta_len) msg.tensors = decode_tensors(h, meta, h.meta_len, &msg.devices);
         rbeg_ += head_len;
       } else {
         // Too large to buffer: straight into its own storage, without a copy through the buffer.
@@ -403,7 +403,7 @@ class TcpConnection final : public Connection {
                                                  asio::buffer(msg.body.data() + b, msg.body.size() - b)};
         batch_end();
         co_await asio::async_read(transport_, rest, counting_progress(), asio::use_awaitable);
-        msg.tensors = decode_tensors(h, meta.data(), meta.size());
+        msg.tensors = decode_tensors(h, meta.data(), meta.size(), &msg.devices);
       }
       if (h.tensor_bytes && !(h.flags & kFlagShm)) {
         std::vector<asio::mutable_buffer> rest;
@@ -437,14 +437,15 @@ class TcpConnection final : public Connection {
   }
 
   // The frame's tensors: to be read from the socket, or already in the same-host ring.
-  std::vector<at::Tensor> decode_tensors(const FrameHeader& h, const char* meta, std::size_t len) {
-    if (!(h.flags & kFlagShm)) return decode_tensor_meta(meta, len, h.num_tensors, h.tensor_bytes, limits_);
+  std::vector<at::Tensor> decode_tensors(const FrameHeader& h, const char* meta, std::size_t len,
+                                         std::vector<std::int8_t>* devices) {
+    if (!(h.flags & kFlagShm)) return decode_tensor_meta(meta, len, h.num_tensors, h.tensor_bytes, limits_, devices);
     if (!shm_rx_) {
       std::lock_guard lock(wmutex_);
       shm_rx_ = shm_;
     }
     if (!shm_rx_) throw ProtocolError("tensor data announced in a same-host channel that was never set up");
-    return shm_receive(shm_rx_, h, meta, len, limits_);
+    return shm_receive(shm_rx_, h, meta, len, limits_, devices);
   }
 
   // Reserves `need` bytes of the receive budget, pausing (reading nothing) until there is room and this
@@ -620,7 +621,7 @@ class LoopbackConnection final : public Connection {
     msg.head = f.head;
     msg.body = std::move(f.body);
     if (f.head.num_tensors) {
-      msg.tensors = decode_tensor_meta(f.meta.data(), f.meta.size(), f.head.num_tensors, f.head.tensor_bytes, limits_);
+      msg.tensors = decode_tensor_meta(f.meta.data(), f.meta.size(), f.head.num_tensors, f.head.tensor_bytes, limits_, &msg.devices);
       for (std::size_t i = 0; i < msg.tensors.size(); ++i)
         if (msg.tensors[i].nbytes())
           std::memcpy(msg.tensors[i].data_ptr(), f.tensors[i].data_ptr(), static_cast<std::size_t>(f.tensors[i].nbytes()));

@@ -4,6 +4,8 @@
 // registered in the connection's InboundCalls, which a cancel frame (or the connection's loss) stops; a request
 // stopped before it started is answered with CancelledError without running.
 #include "corpc/core/type_name.hpp"
+#include "cuda_transfer.hpp"
+#include "device_transfer.hpp"
 #include "runtime_impl.hpp"
 #include "trace_recorder.hpp"
 
@@ -44,8 +46,22 @@ class RequestScope {
         CallContextScope scope(rt_.handler_context(ctx_));
         rt_.stamp_autograd(out, src_);
       }
-      OutFrame frame = prepare(std::move(out));  // a result that cannot be encoded becomes an error frame
+      OutFrame frame = rt_.prepare_for(std::move(out), src_);  // a result that cannot be encoded becomes an error frame
       check_limits(frame, conn_->peer_limits, rt_.name_of(src_));
+      if (frame.staged) [[unlikely]] {  // CUDA tensors still being copied out: replied from the copy's completion
+        auto self = std::make_shared<RequestScope>(std::move(*this));
+        auto conn = self->conn_;
+        return rt_.when_staged(
+            conn, std::move(frame), [self](OutFrame&& f) { self->send_reply(std::move(f)); },
+            [self](std::exception_ptr error) { self->fail(std::move(error)); });
+      }
+      send_reply(std::move(frame));
+    } catch (...) {
+      fail(std::current_exception());
+    }
+  }
+  void send_reply(OutFrame&& frame) noexcept {
+    try {
       {
         trace::detail::ScopedRecord slice(
             [&, bytes = frame.wire_bytes()] {
@@ -169,6 +185,7 @@ CallContext Runtime::Impl::handler_context(std::int64_t context_id, std::stop_to
 
 void Runtime::Impl::on_frame(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
   if (conn->delivering_refused()) return refuse_too_large(conn, msg.head);
+  if (!msg.devices.empty()) [[unlikely]] return deliver_on_devices(conn, std::move(msg));
   switch (msg.head.kind) {
     case FrameKind::Hello: return on_hello(conn, std::move(msg));
     case FrameKind::World: return on_world(std::move(msg));
@@ -191,6 +208,36 @@ void Runtime::Impl::on_frame(const std::shared_ptr<detail::Connection>& conn, Me
     case FrameKind::Ping:  // answered by the transport
     case FrameKind::Pong: return;
   }
+}
+
+// The copies to the devices run on the devices' transfer streams; the message is delivered from their completion, on
+// this connection's I/O thread. A failure answers a request with an error, or fails the call a reply was for.
+void Runtime::Impl::deliver_on_devices(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
+  // A request's share of the receive budget stays reserved until it is delivered.
+  auto credit = std::make_shared<detail::ReceiveCredit>(conn->take_receive_credit());
+  auto transfer = std::make_shared<detail::DeviceTransfer>();
+  auto held = std::make_shared<Message>(std::move(msg));
+  try {
+    detail::cuda::upload(held->tensors, held->devices, transfer);
+  } catch (...) {
+    transfer->fail(std::current_exception());
+  }
+  transfer->seal();
+  transfer->then([this, conn, held = std::move(held), credit = std::move(credit)](std::exception_ptr error) mutable {
+    auto& io = conn->io();  // from a CUDA host function: post, and keep nothing there
+    asio::post(io, [this, conn = std::move(conn), held = std::move(held), credit = std::move(credit),
+                    error = std::move(error)]() mutable {
+      held->devices.clear();
+      if (!error) return on_frame(conn, std::move(*held));
+      const FrameHeader& h = held->head;
+      if (h.kind == FrameKind::Request) {
+        send_error(conn, h.id, std::move(error), "(delivery to a CUDA device)", !(h.flags & kFlagControl));
+        if (!(h.flags & kFlagControl)) count_handled(conn->peer_rank);
+      } else if (conn->outgoing) {
+        fail_pending(conn, h.id, std::move(error));
+      }
+    });
+  });
 }
 
 void Runtime::Impl::on_request(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {

@@ -1,6 +1,7 @@
 // Rendezvous: every rank registers with rank 0, which answers with the full table once all are there.
 // Ranks may start in any order: the others retry reaching rank 0 until RpcOptions::init_timeout.
 #include "corpc/rpc/call.hpp"
+#include "device_map.hpp"
 #include "hello.hpp"
 #include "runtime_impl.hpp"
 
@@ -32,7 +33,7 @@ Message hello_message(const detail::Hello& hello) {
 }
 
 Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits) {
-  return hello_message(detail::Hello{kProtocolVersion, self, world_size, rendezvous, limits, {}, {}, {}});
+  return hello_message(detail::Hello{kProtocolVersion, self, world_size, rendezvous, limits, {}, {}, {}, {}});
 }
 
 detail::Hello Runtime::Impl::our_hello(bool registering) const {
@@ -42,8 +43,17 @@ detail::Hello Runtime::Impl::our_hello(bool registering) const {
   h.registering = registering;
   // Our limits go with it, so that senders refuse oversized messages themselves instead of losing the connection.
   h.limits = options.limits;
+  if (registering) h.devices = own_device_config();  // rank 0 checks every worker's maps against the others'
   h.host = same_host_id;
   return h;
+}
+
+std::string Runtime::Impl::own_device_config() const {
+  detail::DeviceConfig c;
+  c.device_count = detail::local_cuda_device_count();
+  c.devices = options.devices;
+  c.maps = options.device_maps;
+  return detail::encode_device_config(c);
 }
 
 void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t master_port, int listen_fd) {
@@ -77,6 +87,7 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
     // Registered before accepting anyone: a worker's registration may be processed the moment we accept it.
     std::lock_guard lock(conn_mutex);
     registrations[0] = {self, nullptr};
+    device_configs[0] = own_device_config();
   }
   // From here on the network thread owns `self` (on_world rewrites it with the table's entry): this thread reads
   // only its own copy of the rank.
@@ -209,6 +220,7 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Me
     offer_same_host(conn, hello, answer);
     conn->send(prepare(hello_message(answer)));
     registrations[info.rank] = {info, conn};
+    device_configs[info.rank] = std::move(hello.devices);
   }
   publish_world_if_complete();
 }
@@ -217,12 +229,14 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Me
 void Runtime::Impl::publish_world_if_complete() {
   if (world_known) return;
   std::vector<WorkerInfo> table;
+  std::vector<std::string> configs;
   std::vector<std::shared_ptr<detail::Connection>> conns;
   {
     std::lock_guard lock(conn_mutex);
     if (static_cast<int>(registrations.size()) < world_size) return;
     for (auto& [rank, reg] : registrations) {
       table.push_back(reg.first);
+      configs.push_back(device_configs[rank]);
       if (reg.second) conns.push_back(reg.second);
     }
   }
@@ -230,6 +244,7 @@ void Runtime::Impl::publish_world_if_complete() {
   world.head.kind = FrameKind::World;
   Writer w(world.body);
   w.put(table);
+  w.put(configs);  // every worker checks the job's device maps itself, and reaches the same verdict
   for (auto& c : conns) {
     Message copy = world;
     c->send(prepare(std::move(copy)));
@@ -241,20 +256,32 @@ void Runtime::Impl::publish_world_if_complete() {
 void Runtime::Impl::on_world(Message&& msg) {
   if (world_known) return;
   std::vector<WorkerInfo> table;
+  std::vector<detail::DeviceConfig> configs;
   try {
     Reader r(msg.body.data(), msg.body.size());
     table = r.get<std::vector<WorkerInfo>>();
+    for (const auto& c : r.get<std::vector<std::string>>()) configs.push_back(detail::decode_device_config(c));
   } catch (const ProtocolError& e) {
     world_ready.set_error(ProtocolError(std::string("malformed world table: ") + e.what()));
     return;
   }
-  if (static_cast<int>(table.size()) != world_size) {
+  if (static_cast<int>(table.size()) != world_size || static_cast<int>(configs.size()) != world_size) {
     world_ready.set_error(ProtocolError("world table of the wrong size"));
     return;
   }
   for (int r = 0; r < world_size; ++r) {
     if (table[r].rank != r) return void(world_ready.set_error(ProtocolError("world table out of order")));
     rank_by_name[table[r].name] = r;
+  }
+  try {
+    std::vector<std::string> names;
+    for (const auto& w : table) names.push_back(w.name);
+    auto resolved = detail::resolve_device_maps(self.rank, names, configs);
+    device_maps = std::move(resolved.by_rank);
+    rpc_devices = std::move(resolved.devices);
+  } catch (...) {
+    world_ready.set_exception(std::current_exception());
+    return;
   }
   workers = std::move(table);
   self = workers[self.rank];

@@ -2,6 +2,7 @@
 #include <regex>
 
 #include "corpc/rpc/call.hpp"
+#include "device_map.hpp"
 #include "log.hpp"
 #include "runtime_impl.hpp"
 #include "trace_recorder.hpp"
@@ -166,6 +167,10 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   if (rank < 0 || world_size <= 0 || rank >= world_size)
     throw UsageError("init_rpc: need 0 <= rank < world_size (got rank " + std::to_string(rank) + ", world size " +
                      std::to_string(world_size) + "); set RANK and WORLD_SIZE or pass them");
+  // Device maps set field by field skip set_device_map's checks: made here, before anything starts. The checks
+  // against the other workers follow at rendezvous.
+  for (const auto& [worker, map] : options.device_maps) detail::check_invertible(map, worker);
+  options.set_devices(std::move(options.devices));
   std::string host;
   int port = -1;
   if (options.init_method.rfind("tcp://", 0) == 0) {

@@ -106,6 +106,12 @@ struct Runtime::Impl {
 
   // Rendezvous (main I/O thread). On rank 0: registrations so far. Elsewhere: the answer.
   std::map<int, std::pair<WorkerInfo, std::shared_ptr<detail::Connection>>> registrations;  // conn_mutex
+  std::map<int, std::string> device_configs;  // rank 0: each registrant's encoded DeviceConfig; conn_mutex
+  // The device map used with each rank, in both directions (device_map.hpp), and our CUDA devices that RPC uses;
+  // written once by on_world before init_rpc returns.
+  std::vector<DeviceMap> device_maps;
+  std::vector<c10::Device> rpc_devices;
+  std::string own_device_config() const;  // what we announce when registering
   Promise<void> world_ready;
   std::atomic<bool> world_known{false};
   // Requests that arrive before we have the world table (a peer heard from rank 0 first); main I/O thread.
@@ -147,6 +153,7 @@ struct Runtime::Impl {
   void arm_deadline_timer(const std::shared_ptr<detail::Connection>& conn);  // conn's I/O thread
   void fail_calls(detail::Connection& conn, std::exception_ptr error);
   void finish_without_reply(detail::PendingCall& p, std::exception_ptr error) noexcept;
+  void fail_pending(const std::shared_ptr<detail::Connection>& conn, std::uint64_t id, std::exception_ptr error);
   // ---- calls.cpp: cancellation and deadlines (issue 10) ----
   std::chrono::milliseconds effective_timeout(std::optional<std::chrono::milliseconds> asked) const;
   // Completes call `id` on `where` (if still pending there) as cancelled and tells its callee. Any thread.
@@ -155,10 +162,18 @@ struct Runtime::Impl {
   // Lets distributed autograd record a send function for an outbound message; fills its header's autograd ids.
   void stamp_autograd(Message& m, int dst) const;
   void attach_autograd(const FrameHeader& h, int src, std::vector<at::Tensor>& tensors) const;
+  // `frame` framed with the device map to `rank` (an empty map before the world is known).
+  OutFrame prepare_for(Message&& m, int rank) const;
+  // Runs `send(frame)` on `conn`'s I/O thread once the frame's CUDA tensors are staged (now if it has none), or
+  // `failed(error)` there if staging failed.
+  void when_staged(const std::shared_ptr<detail::Connection>& conn, OutFrame&& frame,
+                   std::function<void(OutFrame&&)> send, std::function<void(std::exception_ptr)> failed);
 
   // ---- dispatch.cpp ----
   void on_frame(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
   void on_request(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
+  // A message with tensors bound for CUDA devices: copied there first, then delivered as any other.
+  void deliver_on_devices(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
   // `traced`: a user request's (the trace leaves shutdown's control rounds out).
   void send_error(const std::shared_ptr<detail::Connection>& conn, std::uint64_t id, std::exception_ptr error,
                   std::string_view function, bool traced = true);

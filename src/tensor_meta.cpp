@@ -49,6 +49,10 @@ std::vector<TensorMeta> parse_tensor_meta(const char* meta, std::size_t meta_len
     for (auto& s : m.sizes) s = r.get<std::int64_t>();
     for (auto& s : m.strides) s = r.get<std::int64_t>();
     const auto flags = r.get<std::uint8_t>();
+    if (flags & kTensorOnDevice) {
+      m.device = r.get<std::int8_t>();
+      if (m.device < 0) throw ProtocolError("CUDA device index " + std::to_string(m.device));
+    }
     m.nbytes = r.get<std::uint64_t>();
     // numel from sizes, with overflow checks, must match the announced byte count.
     std::uint64_t numel = 1;

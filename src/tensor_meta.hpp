@@ -11,11 +11,14 @@
 namespace corpc::detail {
 
 inline constexpr std::uint8_t kTensorRequiresGrad = 1;
+// The tensor is to be delivered on a CUDA device (its index follows the flags): the sender's device map chose it.
+inline constexpr std::uint8_t kTensorOnDevice = 2;
 
 struct TensorMeta {
   std::uint8_t dtype = 0;  // c10::ScalarType's value
   std::vector<std::int64_t> sizes, strides;
   bool requires_grad = false;
+  std::int8_t device = -1;  // the CUDA device it is delivered on; -1: the CPU
   std::uint64_t nbytes = 0;
 };
 

@@ -7,6 +7,8 @@
 
 #include "corpc/wire/codec.hpp"
 #include "corpc/wire/message.hpp"
+#include "cuda_transfer.hpp"
+#include "device_map.hpp"
 #include "host_block_cache.hpp"
 #include "shm_transfer.hpp"
 #include "tensor_meta.hpp"
@@ -45,7 +47,8 @@ bool differentiable(std::uint8_t raw) {
 }  // namespace
 
 std::vector<at::Tensor> encode_tensor_meta(const std::vector<at::Tensor>& tensors, std::string& meta,
-                                           std::uint64_t& total_bytes) {
+                                           std::uint64_t& total_bytes, const DeviceMap& map, std::string_view receiver,
+                                           std::shared_ptr<detail::DeviceTransfer>* staged) {
   std::vector<at::Tensor> wire;
   wire.reserve(tensors.size());
   Writer w(meta);
@@ -53,14 +56,23 @@ std::vector<at::Tensor> encode_tensor_meta(const std::vector<at::Tensor>& tensor
   for (const auto& original : tensors) {
     at::Tensor t = original;
     if (t.is_sparse() || t.is_quantized()) throw UsageError("corpc sends dense tensors only");
-    if (!t.device().is_cpu()) t = t.to(at::kCPU);
+    // CUDA tensors follow the device map (a device without an entry is an error here, at the caller).
+    const std::int8_t device = t.is_cuda() ? detail::map_device(map, t.device(), receiver).index() : -1;
+    if (!t.is_cuda() && !t.device().is_cpu()) t = t.to(at::kCPU);
     // Dense layouts (contiguous, transposed, channels-last...) go as they are; views with gaps send their elements.
     if (!t.is_non_overlapping_and_dense()) t = t.contiguous();
+    if (device >= 0) {
+      if (!staged) throw UsageError("a CUDA tensor in a message that cannot wait for its copy");
+      if (!*staged) *staged = std::make_shared<detail::DeviceTransfer>();
+      t = detail::cuda::stage_to_host(t, *staged);
+    }
     w.put(static_cast<std::uint8_t>(t.scalar_type()));
     w.put(static_cast<std::uint8_t>(t.dim()));
     for (auto s : t.sizes()) w.put(static_cast<std::int64_t>(s));
     for (auto s : t.strides()) w.put(static_cast<std::int64_t>(s));
-    w.put(static_cast<std::uint8_t>(original.requires_grad() ? detail::kTensorRequiresGrad : 0));
+    w.put(static_cast<std::uint8_t>((original.requires_grad() ? detail::kTensorRequiresGrad : 0) |
+                                    (device >= 0 ? detail::kTensorOnDevice : 0)));
+    if (device >= 0) w.put(device);
     std::uint64_t n = dense_bytes(t);
     w.put(n);
     total_bytes += n;
@@ -70,23 +82,34 @@ std::vector<at::Tensor> encode_tensor_meta(const std::vector<at::Tensor>& tensor
 }
 
 std::vector<at::Tensor> decode_tensor_meta(const char* meta, std::size_t meta_len, std::uint32_t num_tensors,
-                                           std::uint64_t total_bytes, const WireLimits& limits) {
+                                           std::uint64_t total_bytes, const WireLimits& limits,
+                                           std::vector<std::int8_t>* devices) {
   auto table = detail::parse_tensor_meta(meta, meta_len, num_tensors, total_bytes, limits, {&item_size, &differentiable});
   std::vector<at::Tensor> out;
   out.reserve(table.size());
-  for (auto& m : table) {
-    at::Tensor t = receive_tensor(m);
+  for (std::size_t i = 0; i < table.size(); ++i) {
+    const auto& m = table[i];
+    at::Tensor t;
+    if (m.device >= 0) {  // bound for a device: received in host memory, copied there before delivery
+      if (!devices) throw ProtocolError("a tensor for a CUDA device where none is accepted");
+      devices->resize(table.size(), -1);
+      (*devices)[i] = m.device;
+      t = detail::cuda::host_receive_buffer(m.sizes, m.strides, static_cast<at::ScalarType>(m.dtype));
+    } else {
+      t = receive_tensor(m);
+    }
     if (m.requires_grad) t.set_requires_grad(true);
     out.push_back(std::move(t));
   }
   return out;
 }
 
-OutFrame prepare(Message&& msg) {
+OutFrame prepare(Message&& msg, const DeviceMap& map, std::string_view receiver) {
   OutFrame f;
   f.head = msg.head;
   std::uint64_t total = 0;
-  if (!msg.tensors.empty()) f.tensors = encode_tensor_meta(msg.tensors, f.meta, total);
+  if (!msg.tensors.empty()) f.tensors = encode_tensor_meta(msg.tensors, f.meta, total, map, receiver, &f.staged);
+  if (f.staged) f.staged->seal();
   f.head.meta_len = static_cast<std::uint32_t>(f.meta.size());
   f.head.body_len = static_cast<std::uint32_t>(msg.body.size());
   f.head.num_tensors = static_cast<std::uint32_t>(f.tensors.size());
@@ -164,7 +187,7 @@ bool shm_send(ShmChannel& channel, OutFrame& f) {
 }
 
 std::vector<at::Tensor> shm_receive(const std::shared_ptr<ShmChannel>& channel, const FrameHeader& h, const char* meta,
-                                    std::size_t meta_len, const WireLimits& limits) {
+                                    std::size_t meta_len, const WireLimits& limits, std::vector<std::int8_t>* devices) {
   if (meta_len < sizeof(std::uint64_t)) throw ProtocolError("a same-host frame without its ring position");
   meta_len -= sizeof(std::uint64_t);
   std::uint64_t offset;
@@ -178,9 +201,16 @@ std::vector<at::Tensor> shm_receive(const std::shared_ptr<ShmChannel>& channel, 
   std::vector<at::Tensor> out;
   out.reserve(table.size());
   std::uint64_t off = 0;
-  for (const auto& m : table) {
+  for (std::size_t i = 0; i < table.size(); ++i) {
+    const auto& m = table[i];
     at::Tensor t;
-    if (in_place) {
+    if (m.device >= 0) {  // bound for a device: copied out into its staging buffer, as decode_tensor_meta does
+      if (!devices) throw ProtocolError("a tensor for a CUDA device where none is accepted");
+      devices->resize(table.size(), -1);
+      (*devices)[i] = m.device;
+      t = detail::cuda::host_receive_buffer(m.sizes, m.strides, static_cast<at::ScalarType>(m.dtype));
+      if (m.nbytes) std::memcpy(t.data_ptr(), data + off, static_cast<std::size_t>(m.nbytes));
+    } else if (in_place) {
       const auto options = at::TensorOptions().dtype(static_cast<at::ScalarType>(m.dtype));
       c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<std::size_t>(m.nbytes),
                            c10::DataPtr(data + off, new std::shared_ptr<RingLease>(lease), &drop_lease, at::Device(at::kCPU)),

@@ -4,10 +4,13 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <optional>
 #include <stop_token>
 #include <string>
+#include <vector>
 
+#include "corpc/wire/device_map.hpp"
 #include "corpc/wire/frame.hpp"
 
 namespace corpc {
@@ -122,6 +125,21 @@ struct RpcOptions {
   /// merged by rank 0 at graceful shutdown); empty: the CORPC_TRACE environment variable; neither: no trace, and no
   /// cost beyond one branch per place that could record.
   std::string trace_path;
+
+  // ---- CUDA tensors (README: "CUDA tensors and device maps"; corpc/wire/device_map.hpp) ----
+  /// device_maps[worker]: where this worker's CUDA tensors arrive on `worker` (and, inverted, where that worker's
+  /// arrive here). Without an entry for a tensor's device, sending it to `worker` fails with UsageError. Checked at
+  /// init_rpc against every worker's devices and maps; a bad one fails init_rpc on every worker with UsageError.
+  std::map<std::string, DeviceMap> device_maps;
+  /// The CUDA devices this worker uses for RPC (each map's sources must be among them, and maps to this worker must
+  /// target them). Empty: those its own maps and its peers' maps to it name.
+  std::vector<c10::Device> devices;
+  /// Adds `map`'s entries to device_maps[worker], as PyTorch's TensorPipeRpcBackendOptions.set_device_map: throws
+  /// UsageError for a device that is not CUDA with an index, two devices mapped to one, or an entry that contradicts
+  /// one set before.
+  void set_device_map(const std::string& worker, const DeviceMap& map);
+  /// Sets `devices` (CUDA devices with an index, no repeats; UsageError otherwise).
+  void set_devices(std::vector<c10::Device> devices);
 };
 
 /// Per-call options, passed first after the destination: `rpc_async<&f>("w1", corpc::with_timeout(100ms), x)`.

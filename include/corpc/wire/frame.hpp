@@ -21,7 +21,7 @@
 namespace corpc {
 
 inline constexpr std::uint32_t kFrameMagic = 0x43505243;  ///< "CRPC"
-inline constexpr std::uint8_t kProtocolVersion = 4;  ///< 4: the same-host channel (host identity in the Hello, kFlagShm)
+inline constexpr std::uint8_t kProtocolVersion = 4;  ///< 4: the same-host channel (host identity in the Hello, kFlagShm), device maps (Hello, World, tensors bound for a device); 3: cancel frames, heartbeats, the receive budget in the Hello
 
 /// What a frame is (FrameHeader::kind).
 enum class FrameKind : std::uint8_t {

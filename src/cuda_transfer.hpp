@@ -1,0 +1,45 @@
+// The CUDA data path of tensor transfers, written against the CUDA runtime API only (src/cuda_transfer.cpp, built
+// when Meson finds the CUDA toolkit; src/cuda_transfer_stub.cpp otherwise). Debian's libtorch is CPU-only, so there is
+// no c10::cuda here: corpc cannot see the stream a tensor was produced on, and orders its copies after the legacy
+// default stream (PyTorch's default stream) instead; see README "CUDA tensors and device maps".
+//
+// Sending: the tensor is copied into pinned host memory on a corpc-owned transfer stream of its device, which first
+// waits for an event recorded on the producer's stream; a host function enqueued after the copy completes the
+// DeviceTransfer part, and the frame is written from there (no thread blocks on the copy). Receiving: the bytes land in
+// pinned memory, are copied to the mapped device on that device's transfer stream, and the message is delivered once
+// the copy is done, its tensors on the mapped devices.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "device_transfer.hpp"
+
+namespace corpc::detail::cuda {
+
+// Whether this corpc was built with the CUDA data path.
+bool built_with_cuda() noexcept;
+// CUDA devices visible to this process (0 without a driver or device, and in a build without CUDA).
+int device_count() noexcept;
+
+// Starts copying CUDA tensor `t` into pinned host memory, adds the copy to `transfer` and returns the host tensor (a
+// dense layout as t's: same sizes and strides). Keeps `t` alive until the copy is done. Throws UsageError in a
+// build without CUDA, RpcError when the CUDA runtime refuses.
+at::Tensor stage_to_host(const at::Tensor& t, const std::shared_ptr<DeviceTransfer>& transfer);
+
+// An empty host tensor to receive a tensor bound for a device in: pinned when the CUDA path is built and a device
+// present, pageable otherwise.
+at::Tensor host_receive_buffer(at::IntArrayRef sizes, at::IntArrayRef strides, at::ScalarType dtype);
+
+// Starts copying `host[i]` to cuda:devices[i] for each devices[i] >= 0, replacing host[i] with the device tensor,
+// each copy a part of `transfer`. Throws as stage_to_host.
+void upload(std::vector<at::Tensor>& tensors, const std::vector<std::int8_t>& devices,
+            const std::shared_ptr<DeviceTransfer>& transfer);
+
+// Blocking copies for tests on a machine with a GPU: a CPU build of libtorch cannot move a tensor to a device itself.
+at::Tensor copy_to_device(const at::Tensor& host, int device);
+at::Tensor copy_to_host(const at::Tensor& t);
+
+}  // namespace corpc::detail::cuda

@@ -1,0 +1,27 @@
+// The CUDA data path in a build without the CUDA toolkit: no devices, and a clear error if a tensor asks for one.
+#include <ATen/ATen.h>
+
+#include "corpc/core/errors.hpp"
+#include "cuda_transfer.hpp"
+
+namespace corpc::detail::cuda {
+
+namespace {
+[[noreturn]] void unavailable() {
+  throw UsageError("a CUDA tensor reached corpc's CUDA path, but this corpc was built without CUDA (meson -Dcuda=enabled)");
+}
+}  // namespace
+
+bool built_with_cuda() noexcept { return false; }
+int device_count() noexcept { return 0; }
+at::Tensor stage_to_host(const at::Tensor&, const std::shared_ptr<DeviceTransfer>&) { unavailable(); }
+at::Tensor host_receive_buffer(at::IntArrayRef sizes, at::IntArrayRef strides, at::ScalarType dtype) {
+  return at::empty_strided(sizes, strides, at::TensorOptions().dtype(dtype));
+}
+void upload(std::vector<at::Tensor>&, const std::vector<std::int8_t>&, const std::shared_ptr<DeviceTransfer>&) {
+  unavailable();
+}
+at::Tensor copy_to_device(const at::Tensor&, int) { unavailable(); }
+at::Tensor copy_to_host(const at::Tensor&) { unavailable(); }
+
+}  // namespace corpc::detail::cuda
