@@ -153,29 +153,16 @@ std::optional<ShmChannel::Region> ShmChannel::reserve(std::uint64_t len) {
   if (head - tail > kReleaseSlots) tail = head - kReleaseSlots;  // a broken peer: take what the slots hold
   for (; tail != head; ++tail) sent_.erase(q.offsets[tail % kReleaseSlots]);  // an unknown offset changes nothing
   q.tail.store(tail, std::memory_order_release);
-  if (sent_.empty()) cursor_ = 0;
-  // Next fit: the gap at the cursor, then every gap from the start.
-  auto fits_at = [&](std::uint64_t at) {
-    if (at + len > ring_bytes_) return false;
-    auto next = sent_.lower_bound(at);
-    if (next != sent_.end() && next->first < at + len) return false;
-    if (next != sent_.begin() && std::prev(next)->first + std::prev(next)->second > at) return false;
-    return true;
-  };
-  std::optional<std::uint64_t> at;
-  if (fits_at(cursor_)) {
-    at = cursor_;
-  } else {
-    std::uint64_t gap = 0;
-    for (const auto& [offset, length] : sent_) {
-      if (offset >= gap + len) break;
-      gap = offset + length;
-    }
-    if (fits_at(gap)) at = gap;
+  // First fit, from the ring's start: a steady exchange keeps using the same few regions, so it touches (and
+  // faults in) only those pages, not the whole ring.
+  std::uint64_t gap = 0;
+  for (const auto& [offset, length] : sent_) {
+    if (offset >= gap + len) break;
+    gap = offset + length;
   }
+  const std::optional<std::uint64_t> at = gap + len <= ring_bytes_ ? std::optional(gap) : std::nullopt;
   if (!at) return std::nullopt;
   sent_.emplace(*at, len);
-  cursor_ = *at + len;
   return Region{*at, ring(send_ring_) + *at};
 }
 

@@ -16,8 +16,8 @@
 // the descriptor. Anything failing leaves the connection on TCP (logged once).
 //
 // Segment: [control pages: two release queues][ring 0: dialer -> acceptor][ring 1: acceptor -> dialer]. The sender
-// of a ring allocates its regions (under its connection's write lock; next fit, back to the start whenever the ring
-// is empty, so that a steady exchange keeps touching the same pages) and says the region's offset in the frame. The
+// of a ring allocates its regions (under its connection's write lock; first fit from the start, so that a steady
+// exchange keeps touching the same pages) and says the region's offset in the frame. The
 // receiver may keep a region as long as the tensors made on it live, and releases regions in any order through a
 // single-producer queue in the control pages, which the sender drains when it allocates: a tensor kept for long
 // pins only its own bytes. A sender never waits for room: a message that does not fit goes by TCP, so no thread
@@ -107,9 +107,8 @@ class ShmChannel : public std::enable_shared_from_this<ShmChannel> {
   std::uint64_t ring_bytes_;
   int send_ring_, recv_ring_;
   std::atomic<bool> sending_{false};
-  // Sender (write lock): regions the peer has not released, offset -> length; where the next one is tried first.
+  // Sender (write lock): regions the peer has not released, offset -> length.
   std::map<std::uint64_t, std::uint64_t> sent_;
-  std::uint64_t cursor_ = 0;
   // Receiver (release_mutex_): regions held, offset -> length; releases the full queue could not take yet.
   std::mutex release_mutex_;
   std::map<std::uint64_t, std::uint64_t> held_regions_;

@@ -64,32 +64,42 @@ TEST_CASE("block cache: a released block is reused for its size class; cached me
 }
 
 // Steady state: after two warm-up echoes of a 16 MiB tensor (4096 pages of 4 KiB), the next echoes take (almost) no
-// minor page faults on either side. Bound: fewer than 16 faults per echo on average on each side, i.e. under 0.4%
-// of the pages a fresh buffer costs (the pool off, measured: about 4100 per echo); the residue is small allocations.
+// minor page faults on either side. Bound on TCP (the same-host channel off): fewer than 16 faults per echo on average
+// on each side, i.e. under 0.4% of the pages a fresh buffer costs (the pool off, measured: about 4100 per echo); the
+// residue is small allocations. On the same-host channel the data never touches the block cache: a sender's ring
+// uses two or three regions in turn (the peer may not have released the last one yet when the next is sent), each
+// faulted in once per connection at its first use, which a loaded machine may delay into the measure: there the
+// bound is one region's pages over the whole measure (4096 + the same residue), against 8 x 4100 for fresh buffers.
 TEST_CASE("steady receives of one size take no page faults, and carry the same bytes") {
   constexpr int kWarm = 2, kSteady = 8;
   constexpr std::int64_t kNumel = 4 * kMiB;  // floats: 16 MiB
-  run_world(2, [&](int rank) {
-    if (rank != 0) return;
-    std::vector<at::Tensor> tensors;  // made first: the measure counts the transfers, not the making
-    const at::Tensor base = pattern(kNumel, 0);
-    for (int i = 0; i < kWarm + kSteady; ++i) tensors.push_back(base + i);
-    std::int64_t here = 0, there = 0;
-    for (int i = 0; i < kWarm + kSteady; ++i) {
-      if (i == kWarm) {
-        here = minor_faults();
-        there = rpc_sync<&faults_here>(1);
+  for (const bool same_host : {false, true}) {
+    RpcOptions options = quick_options();
+    options.same_host_channel = same_host;
+    run_world(2, [&](int rank) {
+      if (rank != 0) return;
+      std::vector<at::Tensor> tensors;  // made first: the measure counts the transfers, not the making
+      const at::Tensor base = pattern(kNumel, 0);
+      for (int i = 0; i < kWarm + kSteady; ++i) tensors.push_back(base + i);
+      std::int64_t here = 0, there = 0;
+      for (int i = 0; i < kWarm + kSteady; ++i) {
+        if (i == kWarm) {
+          here = minor_faults();
+          there = rpc_sync<&faults_here>(1);
+        }
+        const at::Tensor& sent = tensors[i];
+        at::Tensor back = rpc_sync<&echo>(1, sent);
+        EXPECT(at::equal(back, sent));
       }
-      const at::Tensor& sent = tensors[i];
-      at::Tensor back = rpc_sync<&echo>(1, sent);
-      EXPECT(at::equal(back, sent));
-    }
-    const std::int64_t here_per_echo = (minor_faults() - here) / kSteady;
-    const std::int64_t there_per_echo = (rpc_sync<&faults_here>(1) - there) / kSteady;
-    MESSAGE("minor faults per 16 MiB echo in steady state: caller " << here_per_echo << ", callee " << there_per_echo);
-    EXPECT(here_per_echo < 16);
-    EXPECT(there_per_echo < 16);
-  });
+      const std::int64_t here_total = minor_faults() - here;
+      const std::int64_t there_total = rpc_sync<&faults_here>(1) - there;
+      MESSAGE("same-host channel " << same_host << ": minor faults per 16 MiB echo in steady state: caller "
+                                   << here_total / kSteady << ", callee " << there_total / kSteady);
+      const std::int64_t bound = same_host ? 4096 + 16 * kSteady : 16 * kSteady;
+      EXPECT(here_total < bound);
+      EXPECT(there_total < bound);
+    }, options);
+  }
 }
 
 TEST_CASE("received tensors held at once keep their own buffers") {
