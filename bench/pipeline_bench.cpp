@@ -5,7 +5,7 @@
 //   pipeline_bench                          # batch 32 of 64x64 images, 3 timed batches, splits 1 2 4 8, 1 thread each
 //   pipeline_bench --tutorial               # the tutorial's setting: batch 120 of 128x128 images
 //   pipeline_bench --compare-pytorch        # after each split, the same split through torch.distributed.rpc
-//   pipeline_bench --schedules gpipe,1f1b,interleaved,zbh1 --balance time|tutorial|11,12 --workers 2
+//   pipeline_bench --schedules gpipe,1f1b,interleaved,zbh1 --balance measured|time|tutorial|11,12 --workers 2
 //   pipeline_bench --trace pipeline_trace.json --gantt pipeline_gantt.png   # the last timed step of every run
 //
 // Prints, per schedule and split: the time of the timed batches, the bubble measured from the workers' timelines
@@ -13,6 +13,7 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -67,13 +68,51 @@ std::vector<std::pair<at::Tensor, at::Tensor>> make_data(const Config& c) {
   return data;
 }
 
-// Layers per stage: "tutorial" (after layer2, 2 stages), "time" (balance-by-time on a micro-batch-sized sample), or
-// a list.
-std::vector<int> make_balance(const Config& c, int stages) {
+std::string to_string(const std::vector<int>& balance) {
+  std::string s;
+  for (std::size_t i = 0; i < balance.size(); ++i) s += (i ? "," : "") + std::to_string(balance[i]);
+  return s;
+}
+
+// "measured": balance-by-time, then up to three rounds of refine_balance, each from the timeline of one step (after
+// one warm-up step) of the schedule that will use this many stages, at 4 micro-batches. Keeps the balance whose
+// slowest stage measured fastest: with several stages per worker, one round's correction can overshoot.
+std::vector<int> refine_by_steps(const Config& c, int stages, std::vector<double> costs, std::vector<int> balance,
+                                 const std::vector<std::pair<at::Tensor, at::Tensor>>& data) {
+  PipelineOptions o;
+  o.schedule = stages > c.workers ? Schedule::Interleaved1F1B : Schedule::OneFOneB;
+  o.micro_batches = 4;
+  for (long w = 1; w <= c.workers; ++w) o.workers.push_back("worker" + std::to_string(w) + "/cpu");
+  std::vector<int> best = balance;
+  double best_pace = INFINITY;
+  for (int round = 1; round <= 3; ++round) {
+    o.balance = balance;
+    auto pipe = Pipeline::create<&resnet50, &mse, &make_sgd>(o, std::int64_t{c.width}, std::int64_t{c.classes});
+    sync_wait(pipe.train_step(data[0].first, data[0].second));
+    auto step = sync_wait(pipe.train_step(data[0].first, data[0].second));
+    const auto busy = stage_busy_seconds(step.workers, stages);
+    if (const double pace = *std::max_element(busy.begin(), busy.end()); pace < best_pace) best_pace = pace, best = balance;
+    auto next = refine_balance(costs, balance, busy);
+    std::string times;
+    for (double b : busy) times += (times.empty() ? "" : " / ") + std::to_string(b).substr(0, 5);
+    std::fprintf(stderr, "  [balance, %d stages] round %d: %s took %s s per stage -> %s\n", stages, round,
+                 to_string(balance).c_str(), times.c_str(), to_string(next).c_str());
+    if (next == balance) break;
+    balance = std::move(next);
+  }
+  return best;
+}
+
+// Layers per stage: "tutorial" (after layer2, 2 stages), "time" (balance-by-time on a micro-batch-sized sample),
+// "measured" (balance-by-time refined by the stage times of real steps), or a list.
+std::vector<int> make_balance(const Config& c, int stages, const std::vector<std::pair<at::Tensor, at::Tensor>>& data) {
   if (c.balance == "tutorial" && stages == 2) return tutorial_balance(kBlocks);
-  if (c.balance == "time" || c.balance == "tutorial") {
+  if (c.balance == "time" || c.balance == "measured" || c.balance == "tutorial") {
     auto net = resnet50(c.width, c.classes);
-    return balance_by_time(net, random_images(std::max<long>(2, c.batch / 4), c.image, 5), stages, 2);
+    auto costs = profile_layers(net, random_images(std::max<long>(2, c.batch / 4), c.image, 5), 2);
+    auto balance = partition_by_cost(costs, stages);
+    if (c.balance == "measured") balance = refine_by_steps(c, stages, std::move(costs), std::move(balance), data);
+    return balance;
   }
   std::vector<int> out;
   std::stringstream ss(c.balance);
@@ -185,7 +224,7 @@ void write_gantt(const std::string& png, const std::vector<std::pair<std::string
 int main(int argc, char** argv) {
   bench::Flags flags(argc, argv);
   if (flags.has("help")) {
-    std::puts("pipeline_bench [--schedules gpipe,1f1b,interleaved,zbh1] [--splits 1,2,4,8] [--balance time|tutorial|N,N..]\n"
+    std::puts("pipeline_bench [--schedules gpipe,1f1b,interleaved,zbh1] [--splits 1,2,4,8] [--balance measured|time|tutorial|N,N..]\n"
               "               [--workers 2] [--batch-size 32] [--image-size 64] [--num-batches 3] [--threads 1] [--warmup 1]\n"
               "               [--base-width 64] [--num-classes 1000] [--tutorial] [--compare-pytorch]\n"
               "               [--pytorch-script bench/pytorch_pipeline.py] [--trace FILE.json] [--gantt FILE.png]\n"
@@ -253,7 +292,7 @@ int main(int argc, char** argv) {
           for (auto schedule : c.schedules) {
             const int v = schedule == Schedule::Interleaved1F1B ? 2 : 1;
             const int stages = static_cast<int>(c.workers) * v;
-            if (!balances.count(stages)) balances[stages] = make_balance(c, stages);
+            if (!balances.count(stages)) balances[stages] = make_balance(c, stages, data);
             auto r = run_pipeline(c, schedule, s, balances[stages], data);
             out << "run " << static_cast<int>(schedule) << ' ' << s << ' ' << r.seconds << ' ' << r.bubble;
             for (std::size_t w = 0; w < r.peak_bytes.size(); ++w) out << ' ' << r.peak_bytes[w] << ' ' << r.held[w];

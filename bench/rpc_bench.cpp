@@ -37,6 +37,7 @@
 #include <iostream>
 #include <limits.h>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -45,8 +46,10 @@
 
 #include <fmt/core.h>
 
+#include "../tests/tls_certs.hpp"
 #include "corpc/corpc.hpp"
 #include "corpc/rref/rref.hpp"
+#include "../src/shm_channel.hpp"
 
 using asio::ip::tcp;
 using Clock = std::chrono::steady_clock;
@@ -57,6 +60,7 @@ namespace {
 void noop() {}
 at::Tensor echo(const at::Tensor& t) { return t; }
 std::int64_t small_value() { return 42; }
+void pause_same_host(bool paused) { corpc::detail::set_shm_sends_paused(paused); }
 // The middle of the chain case: B awaits C, holding no thread, and answers A.
 corpc::Task<void> relay_noop() { co_await corpc::rpc_async<&noop>(2); }
 }  // namespace
@@ -106,6 +110,8 @@ const std::vector<CaseSpec> kAllCases = {
     {"noop", 0},          {"4KiB", 4u << 10},  {"1MiB", 1u << 20},          {"16MiB", 16u << 20},
     {"64MiB", 64u << 20}, {"async64", 0, Kind::async}, {"remote", 0, Kind::remote}, {"chain", 0, Kind::chain},
 };
+// Accepted by --cases, not run by default: the sizes around the same-host channel's threshold (64 KiB).
+const std::vector<CaseSpec> kExtraCases = {{"64KiB", 64u << 10}, {"256KiB", 256u << 10}};
 bool wants_chain(const std::vector<CaseSpec>& cases) {
   return std::any_of(cases.begin(), cases.end(), [](const CaseSpec& c) { return c.kind == Kind::chain; });
 }
@@ -123,13 +129,18 @@ struct Options {
   std::string json_path;
   int cancel_samples = 200;  // cancel -> callee-sees-it samples after the cases; 0: skip
   bool flow_control = true;  // false: flow control's limits so high that they never bind (bench/flow_cost.sh)
+  bool same_host = true;     // --channel shm (RpcOptions::same_host_channel) or tcp
+  bool transfers = false;    // --transfers: the echo cases on the same-host channel, TCP, the raw floor and memcpy
+  std::optional<corpc::TlsOptions> tls;  // corpc's connections over TLS (bench/tls_cost.sh); the raw floor stays TCP
 };
 
 [[noreturn]] void usage(int code) {
   std::fprintf(code ? stderr : stdout,
                "usage: rpc_bench [--seconds-per-case S] [--cases noop,4KiB,1MiB,16MiB,64MiB,async64,remote,chain]\n"
+               "                 (also 64KiB,256KiB)\n"
                "                 [--block-ms MS] [--min-iters N] [--worker-threads N] [--spin-us US] [--raw-alloc]\n"
                "                 [--json PATH] [--cancel-samples N] [--host-cache-mib N] [--flow-control on|off]\n"
+               "                 [--channel shm|tcp] [--transfers] [--tls generate|CERT,KEY,CA]\n"
                "Each case alternates blocks of raw Asio TCP and corpc (~MS ms each, >= N calls) for ~S seconds\n"
                "and reports the median of the per-block ratios corpc/raw.\n"
                "--raw-alloc: the raw floor receives each message into a freshly allocated at::empty buffer (both\n"
@@ -139,7 +150,14 @@ struct Options {
                "--cancel-samples: after the cases, times N cancellations of a parked coroutine function on rank 1,\n"
                "from Future::cancel() on rank 0 to the callee's await throwing CancelledError (one steady clock).\n"
                "--flow-control off: per-peer call limit, receive budgets, held requests and write backlog so high that\n"
-               "they never bind (the checks still run): bench/flow_cost.sh compares on and off.\n");
+               "they never bind (the checks still run): bench/flow_cost.sh compares on and off.\n"
+               "--channel: corpc between the two processes on its same-host channel (shm, the default) or on TCP only.\n"
+               "--transfers: instead of the table above, each echo case (1MiB... by default) in rotating blocks of\n"
+               "corpc on the same-host channel, corpc on TCP (channel paused in both processes), the raw TCP floor,\n"
+               "and a single-threaded memcpy there and back, all in one run.\n"
+               "--tls: corpc's connections use TLS 1.3 (RpcOptions::tls) with these PEM files, or with a throwaway CA\n"
+               "and certificate made for the run (generate); the raw floor stays plain TCP. bench/tls_cost.sh compares\n"
+               "TLS with plain TCP.\n");
   std::exit(code);
 }
 
@@ -179,12 +197,30 @@ Options parse(int argc, char** argv) {
         const std::string v = value();
         if (v != "on" && v != "off") usage(2);
         o.flow_control = v == "on";
+      } else if (key == "--channel") {
+        const std::string v = value();
+        if (v != "shm" && v != "tcp") usage(2);
+        o.same_host = v == "shm";
+      } else if (key == "--transfers") {
+        o.transfers = true;
+      } else if (key == "--tls") {
+        const std::string v = value();
+        o.tls.emplace();
+        if (v != "generate") {
+          std::stringstream ss(v);
+          std::getline(ss, o.tls->certificate_chain_file, ',');
+          std::getline(ss, o.tls->private_key_file, ',');
+          std::getline(ss, o.tls->ca_file, ',');
+          if (o.tls->ca_file.empty()) usage(2);
+        }
       } else if (key == "--cases") {
         o.cases.clear();
         std::stringstream ss(value());
         for (std::string c; std::getline(ss, c, ',');) {
-          auto it = std::find_if(kAllCases.begin(), kAllCases.end(), [&](const CaseSpec& s) { return s.name == c; });
-          if (it == kAllCases.end()) {
+          auto named = [&](const CaseSpec& s) { return s.name == c; };
+          auto it = std::find_if(kAllCases.begin(), kAllCases.end(), named);
+          if (it == kAllCases.end()) it = std::find_if(kExtraCases.begin(), kExtraCases.end(), named);
+          if (it == kExtraCases.end()) {
             std::fprintf(stderr, "unknown case '%s'\n", c.c_str());
             usage(2);
           }
@@ -198,6 +234,13 @@ Options parse(int argc, char** argv) {
       std::fprintf(stderr, "bad value for %s\n", key.c_str());
       usage(2);
     }
+  }
+  if (o.transfers) {
+    if (std::none_of(argv + 1, argv + argc, [](const char* a) { return std::string(a).rfind("--cases", 0) == 0; }))
+      o.cases = {kAllCases[2], kAllCases[3], kAllCases[4]};
+    o.cases.erase(std::remove_if(o.cases.begin(), o.cases.end(), [](const CaseSpec& c) { return c.bytes == 0; }),
+                  o.cases.end());
+    o.same_host = true;
   }
   if (o.seconds_per_case <= 0 || o.block_ms <= 0 || o.cases.empty()) usage(2);
   return o;
@@ -461,6 +504,71 @@ CaseResult run_case(const Options& o, const CaseSpec& c, RawClient& raw, RawClie
   return r;
 }
 
+// ---- --transfers: one echo, four ways ----------------------------------------------------------------------------
+// Blocks of each way in a rotating order, so that each sees the same share of this VM's fast and slow phases.
+void run_transfers(const Options& o, RawClient& raw) {
+  const char* names[] = {"corpc shm", "corpc tcp", "raw tcp", "memcpy"};
+  fmt::print("{:>8} | {:>10} {:>10} {:>10} {:>10} | {:>9} {:>9} | {:>12} {:>12}\n", "echo", "shm ms", "tcp ms",
+             "raw ms", "memcpy ms", "shm GB/s", "tcp GB/s", "shm/memcpy bw", "tcp/shm time");
+  for (const auto& c : o.cases) {
+    at::Tensor t = at::rand({static_cast<std::int64_t>(c.bytes / sizeof(float))});
+    std::vector<char> there(c.bytes), back(c.bytes);
+    std::memset(there.data(), 1, c.bytes);
+    std::memset(back.data(), 1, c.bytes);
+    auto set_paused = [](bool paused) {
+      corpc::detail::set_shm_sends_paused(paused);
+      corpc::rpc_sync<&pause_same_host>(1, paused);
+    };
+    auto echo_once = [&] {
+      at::Tensor r = corpc::rpc_sync<&echo>(1, t);
+      if (r.numel() != t.numel()) throw std::runtime_error("echo returned a tensor of the wrong size");
+    };
+    std::function<void()> ways[] = {
+        echo_once, echo_once, [&] { raw.round_trip(c.bytes); },
+        [&] {
+          std::memcpy(there.data(), t.data_ptr(), c.bytes);
+          std::memcpy(back.data(), there.data(), c.bytes);
+        }};
+    // Warm-up and checks: the bytes come back, and the shm way really goes through the channel (it is set up
+    // alongside the first calls) from its threshold on, the tcp way not.
+    auto& counters = corpc::detail::shm_counters();
+    for (int way = 0; way < 2; ++way) {
+      set_paused(way == 1);
+      const auto before = counters.messages_received.load();
+      for (int i = 0; i < 20; ++i) {
+        at::Tensor r = corpc::rpc_sync<&echo>(1, t);
+        if (!r.equal(t)) throw std::runtime_error(c.name + ": corpc echo returned a different tensor");
+      }
+      const auto through = counters.messages_received.load() - before;
+      if (way == 0 && through == 0 && c.bytes >= corpc::detail::kShmMinBytes) throw std::runtime_error(c.name + ": the same-host channel was not used");
+      if (way == 1 && through != 0) throw std::runtime_error(c.name + ": the channel was used while paused");
+    }
+    raw.round_trip(c.bytes);
+    std::vector<double> med[4];
+    auto start = Clock::now();
+    for (int round = 0; round < 4 || us_since(start) < o.seconds_per_case * 1e6; ++round) {
+      for (int k = 0; k < 4; ++k) {
+        const int way = (round + k) % 4;
+        if (way < 2) set_paused(way == 1);
+        med[way].push_back(median(latency_block(o, ways[way]).lat_us));
+      }
+    }
+    set_paused(false);
+    double ms[4];
+    for (int w = 0; w < 4; ++w) ms[w] = median(med[w]) / 1e3;
+    const double gb = 2.0 * static_cast<double>(c.bytes) / 1e9;  // both ways
+    fmt::print("{:>8} | {:>10.3f} {:>10.3f} {:>10.3f} {:>10.3f} | {:>9.2f} {:>9.2f} | {:>12.2f} {:>12.2f}\n",
+               c.name, ms[0], ms[1], ms[2], ms[3], gb / (ms[0] / 1e3), gb / (ms[1] / 1e3), ms[3] / ms[0],
+               ms[1] / ms[0]);
+  }
+  fmt::print("median of per-block medians, {} rotating the order; {} = {}, {} = {}, {} = {}, {} = {}.\n"
+             "GB/s: bytes moved both ways per echo / echo time. shm/memcpy bw: the channel's bandwidth as a fraction\n"
+             "of a single-threaded memcpy's (memcpy ms / shm ms).\n",
+             "blocks of each way", names[0], "RpcOptions::same_host_channel", names[1],
+             "the same runtime with its channel paused", names[2], "the raw Asio echo", names[3],
+             "memcpy of the tensor there and back on one thread");
+}
+
 // ---- reporting --------------------------------------------------------------------------------------------------
 std::string blas_info() {
   std::string out;
@@ -510,12 +618,12 @@ void print_header(const Options& o) {
              affinity_cores(), cpu_model());
   fmt::print("blas: {}\n", blas_info());
   fmt::print("per case ~{} s of alternating raw/corpc blocks of ~{} ms (>= {} calls); corpc worker threads: {}; "
-             "corpc spin before sleeping: {}; raw receive buffers: {}; flow control limits: {}\n\n",
+             "corpc spin before sleeping: {}; raw receive buffers: {}; flow control limits: {}; corpc over: {}\n\n",
              o.seconds_per_case, o.block_ms, o.min_iters,
              o.worker_threads > 0 ? std::to_string(o.worker_threads) : std::string("default"),
              o.spin_us >= 0 ? fmt::format("{} us", o.spin_us) : std::string("default (50 us)"),
              o.raw_alloc ? "fresh at::empty per message (--raw-alloc)" : "reused",
-             o.flow_control ? "defaults" : "off (never bind)");
+             o.flow_control ? "defaults" : "off (never bind)", o.tls ? "TLS 1.3 (--tls)" : "TCP");
   fmt::print("{:>8} {:>7} {:>7} | {:>10} {:>10} | {:>10} {:>10} | {:>9} {:>13} | {:>10}\n", "case", "blocks", "calls",
              "corpc med", "corpc p99", "raw med", "raw p99", "corpc/raw", "blocks min-max", "corpc MB/s");
   fmt::print("{:>8} {:>7} {:>7} | {:>10} {:>10} | {:>10} {:>10} | {:>9} {:>13} | {:>10}\n", "", "", "", "us", "us",
@@ -548,9 +656,9 @@ std::string json_array(const std::vector<double>& v) {
 void write_json(const Options& o, const std::vector<CaseResult>& results) {
   std::string s = "{\n";
   s += fmt::format(
-      "  \"meta\": {{\"cores\": {}, \"seconds_per_case\": {}, \"block_ms\": {}, \"raw_alloc\": {}, \"ratio\": \"corpc time / raw time per "
-      "call, median over block pairs\"}}",
-      std::thread::hardware_concurrency(), o.seconds_per_case, o.block_ms, o.raw_alloc);
+      "  \"meta\": {{\"cores\": {}, \"seconds_per_case\": {}, \"block_ms\": {}, \"raw_alloc\": {}, \"tls\": {}, \"ratio\": \"corpc time / raw "
+      "time per call, median over block pairs\"}}",
+      std::thread::hardware_concurrency(), o.seconds_per_case, o.block_ms, o.raw_alloc, o.tls.has_value());
   for (auto& r : results) {
     s += fmt::format(",\n  \"{}\": {{\"bytes\": {}, \"median_us\": {:.3f}, \"p99_us\": {:.3f}, \"raw_median_us\": {:.3f}, "
                      "\"raw_p99_us\": {:.3f}, \"ratio\": {:.4f}, \"ratio_blocks\": {}, \"iters\": {}",
@@ -575,8 +683,10 @@ corpc::RpcOptions rpc_options(const Options& o) {
   r.rpc_timeout = std::chrono::seconds(30);
   r.shutdown_timeout = std::chrono::seconds(30);
   r.num_worker_threads = o.worker_threads;
+  r.same_host_channel = o.same_host;
   if (o.spin_us >= 0) r.spin_before_block = std::chrono::microseconds(o.spin_us);
   if (o.host_cache_mib >= 0) r.host_cache_bytes = static_cast<std::uint64_t>(o.host_cache_mib) << 20;
+  r.tls = o.tls;
   if (!o.flow_control) {
     r.max_calls_in_flight_per_peer = std::numeric_limits<std::uint32_t>::max();
     r.max_requests_held = std::numeric_limits<std::uint32_t>::max();
@@ -615,7 +725,7 @@ void server_rank(const Options& o, int rank, int world) {
 
 void client_rank(const Options& o, int world) {
   corpc::init_rpc("client", 0, world, rpc_options(o));
-  print_header(o);
+  if (!o.transfers) print_header(o);
   RawClient raw;
   std::size_t max_bytes = 0;
   for (auto& c : o.cases) max_bytes = std::max(max_bytes, c.bytes);
@@ -625,6 +735,13 @@ void client_rank(const Options& o, int world) {
     relay.connect(corpc::rpc_sync<&relay_port>(1), 0, false);
   }
 
+  if (o.transfers) {
+    run_transfers(o, raw);
+    raw.close();
+    relay.close();
+    corpc::shutdown(true);
+    return;
+  }
   std::vector<CaseResult> results;
   for (auto& c : o.cases) {
     results.push_back(run_case(o, c, raw, relay));
@@ -672,6 +789,11 @@ int main(int argc, char** argv) {
   // Everything must end by itself: a generous bound on the whole run; launch_processes kills the ranks past it.
   so.timeout = std::chrono::seconds(60 + static_cast<long>(o.cases.size() * (3 * o.seconds_per_case + 15)));
   so.grace = std::chrono::seconds(5);
+  std::optional<corpc::test::ThrowawayPki> pki;  // removed with its files when the run ends
+  if (o.tls && o.tls->certificate_chain_file.empty()) {
+    pki.emplace("rpc_bench throwaway CA");
+    o.tls = pki->issue("rpc_bench");
+  }
   try {
     const int world = wants_chain(o.cases) ? 3 : 2;
     corpc::launch_processes(world, [&](int rank) { rank == 0 ? client_rank(o, world) : server_rank(o, rank, world); }, so);

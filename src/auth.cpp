@@ -25,15 +25,16 @@ Nonce fresh_nonce() {
   return n;
 }
 
-Mac mac(const std::string& secret, const char* label, const Nonce& first, const Nonce& second) {
-  unsigned char msg[16 + 2 * 16];
-  const std::size_t label_len = std::strlen(label);
-  std::memcpy(msg, label, label_len);
-  std::memcpy(msg + label_len, first.data(), first.size());
-  std::memcpy(msg + label_len + first.size(), second.data(), second.size());
+// `binding`: the TLS session's exported keying material, or empty without TLS.
+Mac mac(const std::string& secret, const char* label, const Nonce& first, const Nonce& second, const std::string& binding) {
+  std::string msg(label);
+  msg.append(reinterpret_cast<const char*>(first.data()), first.size());
+  msg.append(reinterpret_cast<const char*>(second.data()), second.size());
+  msg += binding;
   Mac out;
   unsigned int len = 0;
-  if (!HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()), msg, label_len + 2 * 16, out.data(), &len) ||
+  if (!HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()), reinterpret_cast<const unsigned char*>(msg.data()),
+            msg.size(), out.data(), &len) ||
       len != out.size())
     throw ConnectionError("authentication: HMAC failed");
   return out;
@@ -43,19 +44,28 @@ bool same(const Mac& a, const Mac& b) { return CRYPTO_memcmp(a.data(), b.data(),
 
 }  // namespace
 
-asio::awaitable<void> authenticate(asio::ip::tcp::socket& socket, const AuthConfig& config, AuthRole role) {
-  if (config.secret.empty()) co_return;
+asio::awaitable<void> authenticate(Transport& socket, const AuthConfig& config, AuthRole role) {
+  if (config.secret.empty() && !config.tls) co_return;
   // A peer that stops talking is dropped: the timer closes the socket, which aborts the pending read.
   asio::steady_timer timer(socket.get_executor(), config.timeout);
   bool timed_out = false;
-  timer.async_wait([&](const asio::error_code& ec) {
-    if (ec) return;
+  // The timer's handler may already be queued when the handshake ends (the peer gave up at the same moment): it must
+  // then touch nothing of this frame or of `socket`, which may be gone by the time it runs.
+  auto running = std::make_shared<bool>(true);
+  timer.async_wait([&, running](const asio::error_code& ec) {
+    if (ec || !*running) return;
     timed_out = true;
     asio::error_code ignored;
-    socket.close(ignored);
+    socket.socket().close(ignored);
   });
+  bool tls_up = false;
   try {
-    if (role == AuthRole::acceptor) {
+    if (config.tls) co_await socket.start_tls(*config.tls, role);
+    tls_up = true;
+    const std::string binding = socket.channel_binding();
+    if (config.secret.empty()) {
+      // TLS alone: the certificates authenticate the peers.
+    } else if (role == AuthRole::acceptor) {
       const Nonce mine = fresh_nonce();
       std::array<char, 4 + 16> hello;
       std::memcpy(hello.data(), kTag, 4);
@@ -63,13 +73,18 @@ asio::awaitable<void> authenticate(asio::ip::tcp::socket& socket, const AuthConf
       co_await asio::async_write(socket, asio::buffer(hello), asio::use_awaitable);
       std::array<unsigned char, 4 + 16 + 32> proof;
       co_await asio::async_read(socket, asio::buffer(proof), asio::use_awaitable);
-      if (std::memcmp(proof.data(), kTag, 4) != 0) throw ConnectionError("not a corpc peer (no authentication)");
+      if (std::memcmp(proof.data(), kTag, 4) != 0) {
+        // 0x16 0x03: a TLS ClientHello.
+        throw ConnectionError(proof[0] == 0x16 && proof[1] == 0x03
+                                  ? "the peer speaks TLS and this worker does not (is RpcOptions::tls / CORPC_TLS_CERT set on every rank?)"
+                                  : "not a corpc peer (no authentication)");
+      }
       Nonce theirs;
       Mac got;
       std::memcpy(theirs.data(), proof.data() + 4, 16);
       std::memcpy(got.data(), proof.data() + 20, 32);
-      if (!same(got, mac(config.secret, "dialer", mine, theirs))) throw ConnectionError("wrong secret");
-      const Mac answer = mac(config.secret, "acceptor", theirs, mine);
+      if (!same(got, mac(config.secret, "dialer", mine, theirs, binding))) throw ConnectionError("wrong secret");
+      const Mac answer = mac(config.secret, "acceptor", theirs, mine, binding);
       co_await asio::async_write(socket, asio::buffer(answer), asio::use_awaitable);
     } else {
       std::array<unsigned char, 4 + 16> hello;
@@ -79,7 +94,7 @@ asio::awaitable<void> authenticate(asio::ip::tcp::socket& socket, const AuthConf
       Nonce theirs;
       std::memcpy(theirs.data(), hello.data() + 4, 16);
       const Nonce mine = fresh_nonce();
-      const Mac proof = mac(config.secret, "dialer", theirs, mine);
+      const Mac proof = mac(config.secret, "dialer", theirs, mine, binding);
       std::array<unsigned char, 4 + 16 + 32> out;
       std::memcpy(out.data(), kTag, 4);
       std::memcpy(out.data() + 4, mine.data(), 16);
@@ -87,16 +102,21 @@ asio::awaitable<void> authenticate(asio::ip::tcp::socket& socket, const AuthConf
       co_await asio::async_write(socket, asio::buffer(out), asio::use_awaitable);
       Mac answer;
       co_await asio::async_read(socket, asio::buffer(answer), asio::use_awaitable);
-      if (!same(answer, mac(config.secret, "acceptor", mine, theirs)))
+      if (!same(answer, mac(config.secret, "acceptor", mine, theirs, binding)))
         throw ConnectionError("the peer does not know the secret");
     }
-  } catch (const ConnectionError&) {
-    timer.cancel();
-    throw;
   } catch (const std::exception& e) {
+    *running = false;
     timer.cancel();
-    throw ConnectionError(timed_out ? std::string("authentication timed out") : std::string("authentication: ") + e.what());
+    if (dynamic_cast<const ConnectionError*>(&e) && !timed_out) throw;
+    // One side waiting for a TLS handshake and the other for the challenge ends like this (a timeout, or the other
+    // side's timeout closing the connection).
+    const char* hint = config.tls && !tls_up                   ? " (does the peer use TLS?)"
+                       : !config.tls && role == AuthRole::dialer ? " (does the peer expect TLS?)"
+                                                                 : "";
+    throw ConnectionError((timed_out ? std::string("authentication timed out") : std::string("authentication: ") + e.what()) + hint);
   }
+  *running = false;
   timer.cancel();
 }
 

@@ -6,25 +6,30 @@
 //   acceptor -> dialer:                  HMAC-SHA256(secret, "acceptor" || nonce_d || nonce_a)
 //
 // Both sides prove knowledge of the secret over nonces the other chose, so neither a replay nor a reflection passes.
+// With TLS (RpcOptions::tls) the TLS handshake comes first, the exchange runs inside it, and both MACs also cover
+// the session's exported keying material: a relay that terminates TLS on each side cannot pass it on.
 // Nothing identifying (names, ranks, world size) is sent before this succeeds. With an empty secret nothing is
 // exchanged: the job is open to any process that can reach its ports (the runtime says so at start-up).
 #pragma once
 
 #include <asio.hpp>
 #include <chrono>
+#include <memory>
 #include <string>
 
-namespace corpc::detail {
+#include "transport.hpp"
 
-enum class AuthRole { acceptor, dialer };
+namespace corpc::detail {
 
 struct AuthConfig {
   std::string secret;                         // empty: no authentication
   std::chrono::milliseconds timeout{5000};    // the whole handshake; a silent peer is dropped after it
+  std::shared_ptr<asio::ssl::context> tls;    // null: plain TCP
 };
 
-// Authenticates `socket` as `role`; throws ConnectionError (the reason, naming no worker) on failure or timeout.
-asio::awaitable<void> authenticate(asio::ip::tcp::socket& socket, const AuthConfig& config, AuthRole role);
+// Secures `transport` as `role`: the TLS handshake (if configured), then the challenge-response (if there is a
+// secret). Throws ConnectionError (the reason, naming no worker) on failure or timeout.
+asio::awaitable<void> authenticate(Transport& transport, const AuthConfig& config, AuthRole role);
 
 // The secret from the environment (CORPC_SECRET), or empty.
 std::string secret_from_environment();

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "shm_transfer.hpp"
 #include "trace_recorder.hpp"
 
 namespace corpc::detail {
@@ -37,8 +38,9 @@ constexpr int kMaxIov = 64;
 
 class TcpConnection final : public Connection {
  public:
-  TcpConnection(asio::ip::tcp::socket s, const ConnectionSettings& settings, FrameHandler on_frame, CloseHandler on_close)
-      : Connection(static_cast<asio::io_context&>(s.get_executor().context())), socket_(std::move(s)),
+  TcpConnection(Transport t, const ConnectionSettings& settings, FrameHandler on_frame, CloseHandler on_close)
+      : Connection(static_cast<asio::io_context&>(t.get_executor().context())), transport_(std::move(t)),
+        socket_(transport_.socket()),
         settings_(settings), limits_(settings.limits), on_frame_(std::move(on_frame)), on_close_(std::move(on_close)),
         rbuf_(kReadBuffer), room_timer_(io()), liveness_timer_(io()) {
     peer_limits = limits_;
@@ -74,7 +76,8 @@ class TcpConnection final : public Connection {
         tensor_bytes >= trace::kLargeTransferBytes);
     std::unique_lock lock(wmutex_);
     if (closed_) return;
-    if (!connected_ || flush_owned_ || corked_here() || f.tensors.size() + 3 > kMaxIov) {
+    if (shm_ && tensor_bytes >= kShmMinBytes) shm_send(*shm_, f);  // the data goes through the ring if it has room
+    if (!connected_ || flush_owned_ || corked_here() || f.tensors.size() + 3 > kMaxIov || transport_.encrypted()) {
       stage(f, 0);
       schedule_flush();
       return;
@@ -106,6 +109,11 @@ class TcpConnection final : public Connection {
     schedule_flush();
   }
 
+  void attach_shm(std::shared_ptr<ShmChannel> channel) override {
+    std::lock_guard lock(wmutex_);
+    if (!closed_) shm_ = std::move(channel);
+  }
+
   void close(std::string why) override {
     asio::post(socket_.get_executor(), [self = self(), why = std::move(why)]() { self->fail(why); });
   }
@@ -124,6 +132,7 @@ class TcpConnection final : public Connection {
 
   // I/O thread: writes what is staged; waits for writability when the socket is full.
   void flush_now() {
+    if (transport_.encrypted()) return flush_encrypted();
     std::unique_lock lock(wmutex_);
     if (closed_ || !connected_) return;
     while (seg_i_ < segs_.size()) {
@@ -152,6 +161,41 @@ class TcpConnection final : public Connection {
       ++written_;  // the peer is taking what we send: a sign of life while it is busy reading a long message
       backlog_.fetch_sub(static_cast<std::size_t>(w), std::memory_order_relaxed);
     }
+    flushed(lock);
+  }
+
+  // I/O thread, TLS: what is staged goes out through the TLS session in one asynchronous gathered write at a time.
+  // The write takes the staged buffers (and the tensors and bodies they point into) with it, so senders keep
+  // staging into fresh ones meanwhile; flush_owned_ stays set until nothing is left.
+  void flush_encrypted() {
+    std::unique_lock lock(wmutex_);
+    if (closed_ || !connected_) return;
+    if (segs_.empty()) return flushed(lock);
+    struct InFlight {
+      std::string stage;
+      std::vector<Seg> segs;
+      std::vector<at::Tensor> tensors;
+      std::vector<std::string> bodies;
+    };
+    auto out = std::make_shared<InFlight>();
+    out->stage.swap(stage_);
+    out->segs.swap(segs_);
+    out->tensors.swap(keep_tensors_);
+    out->bodies.swap(keep_bodies_);
+    std::vector<asio::const_buffer> buffers;
+    buffers.reserve(out->segs.size());
+    for (const Seg& seg : out->segs) buffers.emplace_back(seg.ext ? seg.ext : out->stage.data() + seg.off, seg.len);
+    lock.unlock();
+    asio::async_write(transport_, buffers, WriteProgress{&written_},
+                      [self = self(), out](const asio::error_code& ec, std::size_t n) {
+                        if (ec) return self->fail("write failed: " + ec.message());
+                        self->backlog_.fetch_sub(n, std::memory_order_relaxed);
+                        self->flush_encrypted();
+                      });
+  }
+
+  // Everything staged has been written. wmutex_ held by `lock`.
+  void flushed(std::unique_lock<std::mutex>& lock) {
     backlog_.store(0, std::memory_order_relaxed);
     if (paused_) room_timer_.cancel();  // a reader paused for the backlog may go on
     stage_.clear();
@@ -250,7 +294,7 @@ class TcpConnection final : public Connection {
       asio::ip::tcp::resolver resolver(self->socket_.get_executor());
       auto endpoints = co_await resolver.async_resolve(host, std::to_string(port), asio::use_awaitable);
       co_await asio::async_connect(self->socket_, endpoints, asio::use_awaitable);
-      co_await authenticate(self->socket_, auth, AuthRole::dialer);  // queued frames wait for it
+      co_await authenticate(self->transport_, auth, AuthRole::dialer);  // queued frames wait for it
     } catch (const std::exception& e) {
       self->fail("cannot connect to " + host + ":" + std::to_string(port) + ": " + e.what());
       co_return;
@@ -268,7 +312,7 @@ class TcpConnection final : public Connection {
       rend_ -= rbeg_;
       rbeg_ = 0;
     }
-    std::size_t n = co_await socket_.async_read_some(asio::buffer(rbuf_.data() + rend_, rbuf_.size() - rend_),
+    std::size_t n = co_await transport_.async_read_some(asio::buffer(rbuf_.data() + rend_, rbuf_.size() - rend_),
                                                      asio::use_awaitable);
     rend_ += n;
     ++heard_;
@@ -290,7 +334,10 @@ class TcpConnection final : public Connection {
       self->fail(std::string("protocol error: ") + e.what());
     } catch (const std::system_error& e) {
       batch_end();
-      self->fail(e.code() == asio::error::eof ? "connection closed by peer" : e.what());
+      // A TLS peer that closes without a close_notify reads as a truncated stream: our Goodbye frame, not TLS, says
+      // whether a close was orderly.
+      const bool closed = e.code() == asio::error::eof || e.code() == asio::ssl::error::stream_truncated;
+      self->fail(closed ? "connection closed by peer" : e.what());
     } catch (const std::exception& e) {
       batch_end();
       self->fail(e.what());
@@ -317,6 +364,8 @@ class TcpConnection final : public Connection {
         // not read, so TCP pushes back on its sender.
         const std::uint64_t need = sizeof(FrameHeader) + head_len + h.tensor_bytes;
         if (need > std::min(settings_.budget_per_connection, settings_.budget->bytes_limit())) {
+          // The sender checked our announced budget: only a broken peer sends this, and its data is not on the socket.
+          if (h.flags & kFlagShm) throw ProtocolError("an oversized request through the same-host channel");
           co_await discard(head_len + h.tensor_bytes);
           if (closed_) co_return;
           if (tls_batch.open == 0) batch_begin(io());
@@ -342,8 +391,7 @@ class TcpConnection final : public Connection {
         while (rend_ - rbeg_ < head_len) co_await read_more();
         const char* meta = rbuf_.data() + rbeg_;
         msg.body.assign(meta + h.meta_len, h.body_len);
-        if (h.num_tensors || h.meta_len)
-          msg.tensors = decode_tensor_meta(meta, h.meta_len, h.num_tensors, h.tensor_bytes, limits_, &msg.devices);
+        if (h.num_tensors || h.meta_len) msg.tensors = decode_tensors(h, meta, h.meta_len, &msg.devices);
         rbeg_ += head_len;
       } else {
         // Too large to buffer: straight into its own storage, without a copy through the buffer.
@@ -354,10 +402,10 @@ class TcpConnection final : public Connection {
         std::array<asio::mutable_buffer, 2> rest{asio::buffer(meta.data() + m, meta.size() - m),
                                                  asio::buffer(msg.body.data() + b, msg.body.size() - b)};
         batch_end();
-        co_await asio::async_read(socket_, rest, counting_progress(), asio::use_awaitable);
-        msg.tensors = decode_tensor_meta(meta.data(), meta.size(), h.num_tensors, h.tensor_bytes, limits_, &msg.devices);
+        co_await asio::async_read(transport_, rest, counting_progress(), asio::use_awaitable);
+        msg.tensors = decode_tensors(h, meta.data(), meta.size(), &msg.devices);
       }
-      if (h.tensor_bytes) {
+      if (h.tensor_bytes && !(h.flags & kFlagShm)) {
         std::vector<asio::mutable_buffer> rest;
         for (auto& t : msg.tensors) {
           auto* p = static_cast<char*>(t.data_ptr());
@@ -367,7 +415,7 @@ class TcpConnection final : public Connection {
         }
         if (!rest.empty()) {
           batch_end();
-          co_await asio::async_read(socket_, rest, counting_progress(), asio::use_awaitable);
+          co_await asio::async_read(transport_, rest, counting_progress(), asio::use_awaitable);
         }
       }
       if (trace_t0) [[unlikely]] {
@@ -386,6 +434,18 @@ class TcpConnection final : public Connection {
       }
       delivering_ = nullptr;
     }
+  }
+
+  // The frame's tensors: to be read from the socket, or already in the same-host ring.
+  std::vector<at::Tensor> decode_tensors(const FrameHeader& h, const char* meta, std::size_t len,
+                                         std::vector<std::int8_t>* devices) {
+    if (!(h.flags & kFlagShm)) return decode_tensor_meta(meta, len, h.num_tensors, h.tensor_bytes, limits_, devices);
+    if (!shm_rx_) {
+      std::lock_guard lock(wmutex_);
+      shm_rx_ = shm_;
+    }
+    if (!shm_rx_) throw ProtocolError("tensor data announced in a same-host channel that was never set up");
+    return shm_receive(shm_rx_, h, meta, len, limits_, devices);
   }
 
   // Reserves `need` bytes of the receive budget, pausing (reading nothing) until there is room and this
@@ -427,6 +487,19 @@ class TcpConnection final : public Connection {
     }
   };
   CountingProgress counting_progress() { return {&heard_}; }
+  // The same for TLS writes, per 64 KiB that leaves: a heartbeat alone is no sign, the kernel takes it from us
+  // whether the peer is alive or not.
+  struct WriteProgress {
+    std::uint64_t* written;
+    std::size_t counted = 0;
+    std::size_t operator()(const asio::error_code& ec, std::size_t total) {
+      if (total - counted >= kReadBuffer) {
+        ++*written;
+        counted = total;
+      }
+      return ec ? 0 : kReadBuffer;
+    }
+  };
 
   void send_heartbeat(FrameKind kind) {
     OutFrame f;
@@ -485,13 +558,15 @@ class TcpConnection final : public Connection {
       keep_tensors_.clear();
       keep_bodies_.clear();
       segs_.clear();
+      shm_.reset();  // its mapping goes once the tensors received through it are freed too
     }
     auto handler = std::move(on_close_);
     on_frame_ = nullptr;
     if (handler) handler(shared_from_this(), why);
   }
 
-  asio::ip::tcp::socket socket_;
+  Transport transport_;            // reads go through it (TLS or not); plain writes use the socket directly
+  asio::ip::tcp::socket& socket_;  // transport_'s
   const ConnectionSettings settings_;
   WireLimits limits_;
   FrameHandler on_frame_;   // I/O thread
@@ -508,7 +583,10 @@ class TcpConnection final : public Connection {
   std::uint64_t written_ = 0, written_checked_ = 0;  // staged writes that made progress
   int silent_checks_ = 0;
 
+  std::shared_ptr<ShmChannel> shm_rx_;  // I/O thread: shm_, once a frame needed it
+
   std::mutex wmutex_;  // guards everything below, and the socket's descriptor against close while a sender writes
+  std::shared_ptr<ShmChannel> shm_;  // the same-host channel, once set up
   std::string stage_;
   std::vector<Seg> segs_;
   std::size_t seg_i_ = 0, seg_done_ = 0;
@@ -571,9 +649,9 @@ DispatchBatch::DispatchBatch(asio::io_context& io) { batch_begin(io); }
 DispatchBatch::~DispatchBatch() { flush(); }
 void DispatchBatch::flush() { batch_end(); }
 
-std::shared_ptr<Connection> make_tcp_connection(asio::ip::tcp::socket socket, const ConnectionSettings& settings,
+std::shared_ptr<Connection> make_tcp_connection(Transport transport, const ConnectionSettings& settings,
                                                 FrameHandler on_frame, CloseHandler on_close) {
-  auto c = std::make_shared<TcpConnection>(std::move(socket), settings, std::move(on_frame), std::move(on_close));
+  auto c = std::make_shared<TcpConnection>(std::move(transport), settings, std::move(on_frame), std::move(on_close));
   c->start_reading();
   return c;
 }
@@ -581,7 +659,7 @@ std::shared_ptr<Connection> make_tcp_connection(asio::ip::tcp::socket socket, co
 std::shared_ptr<Connection> dial_tcp_connection(asio::io_context& io, int peer_rank, std::string host,
                                                 std::uint16_t port, const ConnectionSettings& settings, FrameHandler on_frame,
                                                 CloseHandler on_close, AuthConfig auth) {
-  auto c = std::make_shared<TcpConnection>(asio::ip::tcp::socket(io), settings, std::move(on_frame), std::move(on_close));
+  auto c = std::make_shared<TcpConnection>(Transport(asio::ip::tcp::socket(io)), settings, std::move(on_frame), std::move(on_close));
   c->peer_rank = peer_rank;
   c->outgoing = true;
   c->dial(std::move(host), port, std::move(auth));

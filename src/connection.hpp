@@ -26,6 +26,7 @@
 namespace corpc::detail {
 
 class Connection;
+class ShmChannel;
 
 // How the runtime's TCP connections behave (from RpcOptions).
 struct ConnectionSettings {
@@ -107,6 +108,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool delivering_refused() const noexcept { return delivering_refused_; }
   // Gives back a request's reservation. Any thread.
   virtual void release_receive(std::uint64_t) noexcept {}
+  // From now on, the tensor data of large messages may travel through this same-host channel (src/shm_channel.hpp)
+  // in both directions. Any thread; ignored by connections that have no use for one.
+  virtual void attach_shm(std::shared_ptr<ShmChannel>) {}
 
   int peer_rank = -1;          // known after the Hello (or at once for dialed connections); I/O thread
   bool said_goodbye = false;   // the peer announced an orderly close
@@ -144,11 +148,13 @@ class DispatchBatch {
   void flush();
 };
 
-// A TCP connection. `start` begins reading; frames and the close reach the handlers on the network thread.
-std::shared_ptr<Connection> make_tcp_connection(asio::ip::tcp::socket socket, const ConnectionSettings& settings,
+// A TCP connection over an authenticated transport (plain or TLS); it starts reading at once. Frames and the close
+// reach the handlers on the network thread.
+std::shared_ptr<Connection> make_tcp_connection(Transport transport, const ConnectionSettings& settings,
                                                 FrameHandler on_frame, CloseHandler on_close);
 
-// Dials host:port; queued frames wait for the connection. A failure to connect closes it with the reason.
+// Dials host:port and authenticates (TLS and the secret, as `auth` says); queued frames wait for both. A failure to
+// connect or authenticate closes it with the reason.
 // `peer_rank` is set before dialing starts, so that a connect that fails at once is still attributed to its peer.
 std::shared_ptr<Connection> dial_tcp_connection(asio::io_context& io, int peer_rank, std::string host,
                                                 std::uint16_t port, const ConnectionSettings& settings, FrameHandler on_frame,

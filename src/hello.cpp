@@ -15,6 +15,9 @@ std::string encode_hello(const Hello& hello) {
   w.put(hello.limits.max_tensor_bytes);
   w.put(hello.limits.max_dims);
   w.put(hello.limits.max_request_bytes);
+  w.put(hello.host);
+  w.put(hello.shm_socket);
+  w.put(hello.shm_cookie);
   w.put(hello.devices);
   return body;
 }
@@ -34,6 +37,9 @@ Hello decode_hello(const char* body, std::size_t size) {
   h.limits.max_tensor_bytes = r.get<std::uint64_t>();
   h.limits.max_dims = r.get<std::uint32_t>();
   h.limits.max_request_bytes = r.get<std::uint64_t>();
+  h.host = r.get<std::string>();
+  h.shm_socket = r.get<std::string>();
+  h.shm_cookie = r.get<std::string>();
   h.devices = r.get<std::string>();
   return h;
 }

@@ -16,6 +16,11 @@ struct Hello {
   int world_size = 0;
   bool registering = false;  // a rendezvous registration (to rank 0), not a lazy dial
   WireLimits limits;         // what the sender accepts
+  // The same-host channel (src/shm_channel.hpp): the sender's host identity (empty: it wants no channel); in the
+  // acceptor's answer, when it offers one, the name of its Unix socket and the cookie that claims the offer.
+  std::string host;
+  std::string shm_socket;
+  std::string shm_cookie;
   std::string devices;       // registrations: the sender's encoded DeviceConfig (src/device_map.hpp); empty: none
 };
 

@@ -45,7 +45,7 @@ std::shared_ptr<detail::Connection> Runtime::Impl::connection_to(int rank) {
       c = detail::dial_tcp_connection(pick_io(), rank, workers[rank].host, workers[rank].port, connection_settings(),
                                       frame_handler(), close_handler(), auth);
       // Every dialed connection starts with who we are and what we accept.
-      c->send(prepare(hello_message(self, world_size, false, options.limits)));
+      c->send(prepare(hello_message(our_hello(false))));
     }
     c->peer_rank = rank;
     c->outgoing = true;
@@ -140,8 +140,9 @@ void Runtime::Impl::accept_loop() {
       asio::error_code ec;
       if (auto ep = socket.remote_endpoint(ec); !ec) peer = ep.address().to_string() + ":" + std::to_string(ep.port());
       std::string refused;
+      detail::Transport transport(std::move(socket));
       try {
-        co_await detail::authenticate(socket, auth, detail::AuthRole::acceptor);
+        co_await detail::authenticate(transport, auth, detail::AuthRole::acceptor);
       } catch (const std::exception& e) {
         refused = e.what();
       }
@@ -150,7 +151,7 @@ void Runtime::Impl::accept_loop() {
         detail::log(detail::LogLevel::warn, self.name, "accept", "refused a connection from {}: {}", peer, refused);
         co_return;
       }
-      auto conn = detail::make_tcp_connection(std::move(socket), connection_settings(), frame_handler(), close_handler());
+      auto conn = detail::make_tcp_connection(std::move(transport), connection_settings(), frame_handler(), close_handler());
       bool shutting_down;
       {
         std::lock_guard lock(conn_mutex);
@@ -173,6 +174,7 @@ void Runtime::Impl::close_everything(bool say_goodbye) {
   }
   // Before any connection closes, so that calls in flight fail as shut down, not as lost peers.
   fail_all_calls(std::make_exception_ptr(ShutdownError("corpc runtime shut down")));
+  fail_pending_rounds();
   // While the threads still run (a stopped task resumes on them) and after its blocked calls have failed: after a
   // graceful shutdown the scope is empty already; otherwise its tasks unwind at their next await.
   join_background();
@@ -187,6 +189,7 @@ void Runtime::Impl::close_everything(bool say_goodbye) {
   asio::post(main_io(), [this] {
     asio::error_code ec;
     acceptor->close(ec);
+    if (shm_listener) shm_listener->close();
   });
   // Give queued frames (replies, goodbyes) a moment to leave, then stop the I/O threads.
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);

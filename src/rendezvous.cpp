@@ -25,17 +25,27 @@ std::string loopback_address_of(asio::io_context& io, const std::string& host) {
 
 }  // namespace
 
-Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits,
-                      std::string device_config) {
+Message hello_message(const detail::Hello& hello) {
   Message m;
   m.head.kind = FrameKind::Hello;
-  // Our limits go with it, so that senders refuse oversized messages themselves instead of losing the connection.
-  m.body = detail::encode_hello({kProtocolVersion, self, world_size, rendezvous, limits, std::move(device_config)});
+  m.body = detail::encode_hello(hello);
   return m;
 }
 
 Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits) {
-  return hello_message(self, world_size, rendezvous, limits, {});
+  return hello_message(detail::Hello{kProtocolVersion, self, world_size, rendezvous, limits, {}, {}, {}, {}});
+}
+
+detail::Hello Runtime::Impl::our_hello(bool registering) const {
+  detail::Hello h;
+  h.self = self;
+  h.world_size = world_size;
+  h.registering = registering;
+  // Our limits go with it, so that senders refuse oversized messages themselves instead of losing the connection.
+  h.limits = options.limits;
+  h.host = same_host_id;
+  if (registering) h.devices = own_device_config();  // checked against everyone's once the world is known
+  return h;
 }
 
 std::string Runtime::Impl::own_device_config() const {
@@ -82,6 +92,7 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
   // From here on the network thread owns `self` (on_world rewrites it with the table's entry): this thread reads
   // only its own copy of the rank.
   const int my_rank = self.rank;
+  start_same_host();
   asio::post(main_io(), [this] {
     accept_loop();
     if (self.rank == 0) publish_world_if_complete();  // a world of one
@@ -92,19 +103,19 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
     asio::co_spawn(main_io(), [this, master_host, master_port, deadline]() -> asio::awaitable<void> {
       asio::steady_timer pause(main_io());
       for (;;) {
-        asio::ip::tcp::socket socket(main_io());
+        detail::Transport transport{asio::ip::tcp::socket(main_io())};
         std::string failure;
         try {
           asio::ip::tcp::resolver resolver(main_io());
           auto endpoints = co_await resolver.async_resolve(master_host, std::to_string(master_port), asio::use_awaitable);
-          co_await asio::async_connect(socket, endpoints, asio::use_awaitable);
+          co_await asio::async_connect(transport.socket(), endpoints, asio::use_awaitable);
         } catch (const std::exception& e) {
           failure = e.what();
         }
         if (failure.empty()) {
           std::string refused;
           try {
-            co_await detail::authenticate(socket, auth, detail::AuthRole::dialer);
+            co_await detail::authenticate(transport, auth, detail::AuthRole::dialer);
           } catch (const std::exception& e) {
             refused = e.what();
           }
@@ -124,14 +135,14 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
           co_await pause.async_wait(asio::use_awaitable);
           continue;
         }
-        auto conn = detail::make_tcp_connection(std::move(socket), connection_settings(), frame_handler(), close_handler());
+        auto conn = detail::make_tcp_connection(std::move(transport), connection_settings(), frame_handler(), close_handler());
         conn->peer_rank = 0;
         conn->outgoing = true;
         {
           std::lock_guard lock(conn_mutex);
           outgoing[0] = conn;
         }
-        conn->send(prepare(hello_message(self, world_size, true, options.limits, own_device_config())));
+        conn->send(prepare(hello_message(our_hello(true))));
         co_return;
       }
     }, asio::detached);
@@ -178,18 +189,21 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Me
     // The answer to our own Hello: what the peer accepts. Until it arrives we assume our own limits.
     if (info.rank != conn->peer_rank) return conn->close("protocol error: hello from rank " + std::to_string(info.rank));
     conn->peer_limits = theirs;
+    dial_same_host(conn, hello);
     return;
   }
   if (their_world != world_size)
     return refuse(conn, "world size " + std::to_string(their_world) + " != " + std::to_string(world_size));
   if (info.rank < 0 || info.rank >= world_size || info.rank == self.rank)
     return refuse(conn, "invalid rank " + std::to_string(info.rank));
+  auto answer = our_hello(false);
   if (!registering) {
     if (world_known && workers[info.rank].name != info.name)
       return refuse(conn, "rank " + std::to_string(info.rank) + " is '" + workers[info.rank].name + "', not '" + info.name + "'");
     conn->peer_rank = info.rank;
     conn->peer_limits = theirs;
-    conn->send(prepare(hello_message(self, world_size, false, options.limits)));
+    offer_same_host(conn, hello, answer);
+    conn->send(prepare(hello_message(answer)));
     return;
   }
   if (self.rank != 0) return refuse(conn, "registration sent to rank " + std::to_string(self.rank));
@@ -203,7 +217,8 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Me
     if (info.host.empty()) info.host = conn->remote_address;
     conn->peer_rank = info.rank;
     conn->peer_limits = theirs;
-    conn->send(prepare(hello_message(self, world_size, false, options.limits)));
+    offer_same_host(conn, hello, answer);
+    conn->send(prepare(hello_message(answer)));
     registrations[info.rank] = {info, conn};
     device_configs[info.rank] = std::move(hello.devices);
   }

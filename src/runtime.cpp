@@ -197,7 +197,13 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   impl->init_flow_control();
   impl->auth.secret = options.secret.empty() ? detail::secret_from_environment() : options.secret;
   impl->auth.timeout = options.handshake_timeout;
-  if (impl->auth.secret.empty()) {
+  const auto tls = options.tls ? options.tls : detail::tls_options_from_environment();
+  if (tls) {
+    impl->auth.tls = detail::make_tls_context(*tls);
+    detail::log(detail::LogLevel::info, name, "init_rpc", "TLS 1.3 on every connection ({} peer certificates)",
+                tls->verify_peer ? "verifying" : "NOT verifying");
+  }
+  if (impl->auth.secret.empty() && !(tls && tls->verify_peer)) {
     detail::log(detail::LogLevel::warn, name, "init_rpc",
                 "no shared secret (RpcOptions::secret or CORPC_SECRET): any process that can reach this worker's port "
                 "can call its functions");

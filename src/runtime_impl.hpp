@@ -23,6 +23,8 @@
 
 #include "auth.hpp"
 #include "connection.hpp"
+#include "hello.hpp"
+#include "shm_channel.hpp"
 #include "corpc/rpc/registry.hpp"
 #include "corpc/rpc/runtime.hpp"
 
@@ -49,6 +51,11 @@ struct Runtime::Impl {
   asio::io_context& main_io() { return io_threads[0]->io; }
   asio::io_context& pick_io() { return io_threads[next_io.fetch_add(1) % io_threads.size()]->io; }
   std::optional<asio::ip::tcp::acceptor> acceptor;  // on the main I/O thread; created with the threads
+  // The same-host channel (same_host.cpp): this host's identity when the channel is on (empty: off), and the Unix
+  // socket on which dialers pass their segments (on the main I/O thread; none if it could not be bound).
+  std::string same_host_id;
+  std::unique_ptr<detail::ShmListener> shm_listener;
+  std::atomic<bool> same_host_warned{false};
   std::unique_ptr<ThreadPool> pool;
 
   // Connections, guarded by conn_mutex.
@@ -118,6 +125,7 @@ struct Runtime::Impl {
   };
   std::mutex barrier_mutex;
   std::map<std::int64_t, Round> rounds;
+  bool rounds_closed = false;  // set by fail_pending_rounds: later reports are refused
 
   // ---- runtime.cpp ----
   void start_threads();
@@ -190,6 +198,9 @@ struct Runtime::Impl {
 
   // ---- shutdown.cpp ----
   void check_rounds();
+  // Fails the rounds peers still wait on (they shut down gracefully while this process does not), while the I/O
+  // threads that answer them still run; a continuation queued on a stopped thread would never run (and leak).
+  void fail_pending_rounds();
   void graceful_shutdown();
   // Waits until locally_idle() or `deadline`; true if idle.
   bool wait_locally_idle(std::chrono::steady_clock::time_point deadline);
@@ -206,16 +217,22 @@ struct Runtime::Impl {
   void refuse(const std::shared_ptr<detail::Connection>& conn, const std::string& why);
   void on_world(Message&& msg);
   void publish_world_if_complete();
+  detail::Hello our_hello(bool registering) const;
+
+  // ---- same_host.cpp ----
+  void start_same_host();
+  void offer_same_host(const std::shared_ptr<detail::Connection>& conn, const detail::Hello& theirs, detail::Hello& answer);
+  void dial_same_host(const std::shared_ptr<detail::Connection>& conn, const detail::Hello& answer);
+  void same_host_failed(int rank, const std::string& why);
 };
 
 Runtime::Impl& runtime_impl(Runtime& rt) noexcept;
 
 void validate_worker_name(const std::string& name);
 // The first frame on every dialed connection (rendezvous.cpp).
+Message hello_message(const detail::Hello& hello);
+// A plain one, without same-host fields (tests that play a peer by hand, tests/raw_peer.hpp).
 Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits);
-// A registration's, with the worker's encoded DeviceConfig.
-Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits,
-                      std::string device_config);
 // Error frames (error_frames.cpp): [u8 code][worker][function][type][message].
 Message error_frame(std::uint64_t id, std::exception_ptr error, const std::string& worker, std::string_view function);
 std::exception_ptr decode_error(const Message& msg, const std::string& worker, std::string_view function);

@@ -22,6 +22,7 @@ Future<RoundResult> shutdown_round(std::int64_t round, int rank, std::vector<std
   Future<RoundResult> out;
   {
     std::lock_guard lock(impl.barrier_mutex);
+    if (impl.rounds_closed) throw ShutdownError("rank 0 is shutting down without waiting for the others");
     auto& r = impl.rounds[round];
     r.reports[rank] = {std::move(sent_to), std::move(handled_from)};
     r.all_idle = r.all_idle && idle;
@@ -87,6 +88,17 @@ void Runtime::Impl::check_rounds() {
     }
     r.done.set_value(RoundResult{total, balanced});
   }
+}
+
+void Runtime::Impl::fail_pending_rounds() {
+  std::map<std::int64_t, Round> pending;
+  {
+    std::lock_guard lock(barrier_mutex);
+    rounds_closed = true;
+    pending.swap(rounds);
+  }
+  // Outside the lock: each failure runs (or queues on an I/O thread) the continuation that answers the peer.
+  for (auto& [round, r] : pending) r.done.set_error(ShutdownError("rank 0 shut down without waiting for the others"));
 }
 
 void Runtime::Impl::graceful_shutdown() {

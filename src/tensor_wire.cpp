@@ -2,6 +2,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
 
+#include <cstring>
 #include <limits>
 
 #include "corpc/wire/codec.hpp"
@@ -9,6 +10,7 @@
 #include "cuda_transfer.hpp"
 #include "device_map.hpp"
 #include "host_block_cache.hpp"
+#include "shm_transfer.hpp"
 #include "tensor_meta.hpp"
 
 namespace corpc {
@@ -143,5 +145,91 @@ void check_limits(const OutFrame& f, const WireLimits& lim, const std::string& r
       throw MessageTooLargeError("a tensor of " + std::to_string(t.dim()) + " dimensions is more than worker '" +
                                  receiver + "' accepts");
 }
+
+namespace detail {
+
+namespace {
+std::uint64_t aligned(std::uint64_t n) { return (n + kShmAlign - 1) / kShmAlign * kShmAlign; }
+
+// What holds a received region of the ring: the channel (and so its mapping) stays alive while any tensor of the
+// region does, and the region goes back to the sender when the last of them is freed.
+struct RingLease {
+  RingLease(std::shared_ptr<ShmChannel> c, std::uint64_t o) : channel(std::move(c)), offset(o) {}
+  RingLease(const RingLease&) = delete;
+  RingLease& operator=(const RingLease&) = delete;
+  ~RingLease() { channel->release(offset); }
+  std::shared_ptr<ShmChannel> channel;
+  std::uint64_t offset;
+};
+void drop_lease(void* ctx) { delete static_cast<std::shared_ptr<RingLease>*>(ctx); }
+}  // namespace
+
+bool shm_send(ShmChannel& channel, OutFrame& f) {
+  if (!channel.can_send() || shm_sends_paused()) return false;
+  std::uint64_t len = 0;
+  for (const auto& t : f.tensors) len += aligned(static_cast<std::uint64_t>(t.nbytes()));
+  auto region = channel.reserve(len);
+  if (!region) return false;
+  std::uint64_t off = 0;
+  for (const auto& t : f.tensors) {
+    const auto n = static_cast<std::size_t>(t.nbytes());
+    if (n) std::memcpy(region->data + off, t.data_ptr(), n);
+    off += aligned(n);
+  }
+  Writer(f.meta).put(region->offset);
+  f.head.meta_len = static_cast<std::uint32_t>(f.meta.size());
+  f.head.flags |= kFlagShm;
+  f.tensors.clear();
+  auto& c = shm_counters();
+  c.bytes_sent.fetch_add(f.head.tensor_bytes, std::memory_order_relaxed);
+  c.messages_sent.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+std::vector<at::Tensor> shm_receive(const std::shared_ptr<ShmChannel>& channel, const FrameHeader& h, const char* meta,
+                                    std::size_t meta_len, const WireLimits& limits, std::vector<std::int8_t>* devices) {
+  if (meta_len < sizeof(std::uint64_t)) throw ProtocolError("a same-host frame without its ring position");
+  meta_len -= sizeof(std::uint64_t);
+  std::uint64_t offset;
+  std::memcpy(&offset, meta + meta_len, sizeof offset);
+  auto table = parse_tensor_meta(meta, meta_len, h.num_tensors, h.tensor_bytes, limits, {&item_size, &differentiable});
+  std::uint64_t len = 0;
+  for (const auto& m : table) len += aligned(m.nbytes);
+  char* data = channel->receive(offset, len);
+  const bool in_place = channel->held_bytes() <= channel->ring_bytes() / 2;
+  auto lease = in_place ? std::make_shared<RingLease>(channel, offset) : nullptr;
+  std::vector<at::Tensor> out;
+  out.reserve(table.size());
+  std::uint64_t off = 0;
+  for (const auto& m : table) {
+    at::Tensor t;
+    if (in_place) {
+      const auto options = at::TensorOptions().dtype(static_cast<at::ScalarType>(m.dtype));
+      c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<std::size_t>(m.nbytes),
+                           c10::DataPtr(data + off, new std::shared_ptr<RingLease>(lease), &drop_lease, at::Device(at::kCPU)),
+                           c10::GetCPUAllocator(), /*resizable=*/true);
+      t = at::empty({0}, options);
+      t.set_(std::move(storage), 0, m.sizes, m.strides);
+    } else {
+      t = receive_tensor(m);
+      if (m.nbytes) std::memcpy(t.data_ptr(), data + off, static_cast<std::size_t>(m.nbytes));
+    }
+    if (m.requires_grad) t.set_requires_grad(true);
+    if (m.device >= 0) {  // bound for a device: the runtime copies it there from the ring before delivery
+      if (!devices) throw ProtocolError("a tensor for a CUDA device where none is accepted");
+      devices->resize(table.size(), -1);
+      (*devices)[out.size()] = m.device;
+    }
+    off += aligned(m.nbytes);
+    out.push_back(std::move(t));
+  }
+  if (!in_place) channel->release(offset);
+  auto& c = shm_counters();
+  c.bytes_received.fetch_add(h.tensor_bytes, std::memory_order_relaxed);
+  c.messages_received.fetch_add(1, std::memory_order_relaxed);
+  return out;
+}
+
+}  // namespace detail
 
 }  // namespace corpc

@@ -22,18 +22,25 @@ inline asio::ip::tcp::socket raw_socket(asio::io_context& io, const WorkerInfo& 
   return s;
 }
 
-// A raw connection that has passed the handshake with `secret` (by default this run's, from CORPC_SECRET): a peer
-// that knows the secret and then misbehaves. Throws ConnectionError if the worker refuses it.
-inline asio::ip::tcp::socket authenticated_socket(asio::io_context& io, const WorkerInfo& target,
-                                                  std::string secret = detail::secret_from_environment()) {
-  asio::ip::tcp::socket s = raw_socket(io, target);
-  detail::AuthConfig config{std::move(secret), std::chrono::seconds(10)};
+// A raw connection that has passed the handshake as `config` says (TLS, a secret): a peer that may then misbehave.
+// Throws ConnectionError if the worker refuses it.
+inline detail::Transport authenticated_transport(asio::io_context& io, const WorkerInfo& target,
+                                                 const detail::AuthConfig& config) {
+  detail::Transport t(raw_socket(io, target));
   std::exception_ptr error;
-  asio::co_spawn(io, detail::authenticate(s, config, detail::AuthRole::dialer), [&](std::exception_ptr e) { error = e; });
+  asio::co_spawn(io, detail::authenticate(t, config, detail::AuthRole::dialer), [&](std::exception_ptr e) { error = e; });
   io.run();
   io.restart();
   if (error) std::rethrow_exception(error);
-  return s;
+  return t;
+}
+
+// A plain connection that has passed the handshake with `secret` (by default this run's, from CORPC_SECRET): a peer
+// that knows the secret and then misbehaves. Throws ConnectionError if the worker refuses it.
+inline asio::ip::tcp::socket authenticated_socket(asio::io_context& io, const WorkerInfo& target,
+                                                  std::string secret = detail::secret_from_environment()) {
+  detail::AuthConfig config{std::move(secret), std::chrono::seconds(10), nullptr};
+  return std::move(authenticated_transport(io, target, config).socket());
 }
 
 // True once the worker has closed `s` (reads until EOF or an error, discarding what arrives).

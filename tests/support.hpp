@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdlib>
 #include <functional>
 #include <sstream>
 #include <stdexcept>
@@ -44,20 +45,37 @@ namespace corpc::test {
 
 inline std::string worker_name(int rank) { return rank == 0 ? "master" : "worker" + std::to_string(rank); }
 
+// Sanitized builds run several times slower, and each rank's exit runs LeakSanitizer over a process holding libtorch
+// (seconds on a loaded machine): scripts/sanitize.sh sets CORPC_TEST_TIME_SCALE so that the launcher's bounds (the
+// whole run, the grace after a first failure) stretch with them. Timeouts that a test asserts on are not scaled.
+inline int time_scale() {
+  const char* s = std::getenv("CORPC_TEST_TIME_SCALE");
+  const int v = s ? std::atoi(s) : 1;
+  return v > 0 ? v : 1;
+}
+// LaunchOptions with both bounds scaled by time_scale().
+inline LaunchOptions launch_options(std::chrono::milliseconds timeout = std::chrono::minutes(5),
+                                    std::chrono::milliseconds grace = std::chrono::seconds(10)) {
+  return LaunchOptions{timeout * time_scale(), grace * time_scale()};
+}
+
 inline RpcOptions quick_options() {
   RpcOptions o;
   o.init_timeout = std::chrono::seconds(30);
   o.rpc_timeout = std::chrono::seconds(30);
   o.shutdown_timeout = std::chrono::seconds(0);  // wait for the master however long its checks take (spawn bounds it)
   o.num_worker_threads = 4;
+  // Stretched in sanitized runs (time_scale): a rank slowed several times must not be declared silent or late.
+  o.init_timeout *= time_scale();
+  o.rpc_timeout *= time_scale();
+  o.liveness_timeout *= time_scale();
   return o;
 }
 
 // Runs `body(rank)` on `world` ranks, each inside init_rpc / graceful shutdown.
 inline void run_world(int world, const std::function<void(int)>& body, RpcOptions options = quick_options(),
                       std::chrono::seconds timeout = std::chrono::seconds(120)) {
-  LaunchOptions so;
-  so.timeout = timeout;
+  const LaunchOptions so = launch_options(timeout);
   launch_processes(world, [&](int rank) {
     init_rpc(worker_name(rank), rank, world, options);
     body(rank);

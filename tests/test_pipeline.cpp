@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <signal.h>
+#include <unistd.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/sgd.h>
 
@@ -147,12 +148,39 @@ struct DoomImpl : torch::nn::Module {
   }
 };
 TORCH_MODULE(Doom);
+int pid_of() { return static_cast<int>(::getpid()); }
+
 torch::nn::Sequential doomed_resnet(std::uint64_t seed) {
   auto net = tiny_resnet(seed);
   net->push_back("doom", Doom());
   return net;
 }
 }  // namespace
+
+TEST_CASE("refining a balance with measured stage times moves the cut toward the stage that was underestimated") {
+  // The profile says 4 equal layers; a real step measured stage 0 (layers 0-1) at three times its prediction.
+  std::vector<double> costs{1, 1, 1, 1};
+  auto next = refine_balance(costs, {2, 2}, {6.0, 2.0});
+  CHECK((next == std::vector<int>{1, 3}));  // costs are now 3 3 1 1: 3 | 5 beats 6 | 2
+  CHECK((costs == std::vector<double>{3, 3, 1, 1}));
+  // Measured as predicted: the same balance comes back (refinement has converged).
+  std::vector<double> even{1, 1, 1, 1};
+  CHECK((refine_balance(even, {2, 2}, {2.0, 2.0}) == std::vector<int>{2, 2}));
+  // A stage that ran nothing keeps its profile.
+  std::vector<double> idle{1, 2, 3};
+  CHECK((refine_balance(idle, {1, 2}, {0.0, 5.0}) == partition_by_cost({1, 2, 3}, 2)));
+  CHECK_THROWS_AS(refine_balance(idle, {1, 1}, {1.0, 1.0}), UsageError);       // does not cover every layer
+  CHECK((idle == std::vector<double>{1, 2, 3}));                                // and a refusal changes nothing
+  CHECK_THROWS_AS(refine_balance(idle, {1, 2}, {1.0}), UsageError);            // one time per stage
+  // stage_busy_seconds sums each stage's actions from a step's timeline.
+  WorkerReport w;
+  w.records.push_back({Action{ActionKind::Forward, 0, 0}, 1, 0, 2'000'000'000});
+  w.records.push_back({Action{ActionKind::Backward, 1, 0}, 1, 3'000'000'000, 4'000'000'000});
+  w.records.push_back({Action{ActionKind::Backward, 0, 0}, 1, 5'000'000'000, 5'500'000'000});
+  auto busy = stage_busy_seconds({w}, 2);
+  CHECK(busy[0] == doctest::Approx(2.5));
+  CHECK(busy[1] == doctest::Approx(1.0));
+}
 
 TEST_CASE("a stage's worker killed mid-step fails the step with PipelineError naming it, without a hang") {
   try {
@@ -168,7 +196,29 @@ TEST_CASE("a stage's worker killed mid-step fails the step with PipelineError na
     });
     FAIL("worker2 was expected to die");
   } catch (const LaunchError& e) {
-    INFO(e.what());
+    INFO(std::string(e.what()));
+    REQUIRE(e.failures().size() == 1);
+    REQUIRE(e.failures()[0].rank == 2);
+  }
+}
+
+TEST_CASE("a stage's worker stopped mid-step (SIGSTOP): the step fails with PipelineError naming it once it is silent") {
+  RpcOptions options = quick_options();
+  options.liveness_timeout = std::chrono::seconds(2);  // a stopped peer answers no heartbeat: declared unreachable after this
+  try {
+    run_world(3, [](int rank) {
+      if (rank != 0) return;
+      auto pipe = Pipeline::create<&tiny_resnet, &mse, &make_sgd>(layout(Schedule::OneFOneB, 2, 4), std::uint64_t{1});
+      const pid_t pid = rpc_sync<&pid_of>(2);
+      ::kill(pid, SIGSTOP);
+      auto msg = EXPECT_THROWS_AS(sync_wait(pipe.train_step(random_images(kBatch, kImage, 7),
+                                                            one_hot_labels(kBatch, kClasses, 8))), PipelineError);
+      EXPECT(msg.find("worker2") != std::string::npos);
+      ::kill(pid, SIGKILL);  // it would find every connection closed when continued; the test ends it
+    }, options);
+    FAIL("worker2 was expected to be killed");
+  } catch (const LaunchError& e) {
+    INFO(std::string(e.what()));
     REQUIRE(e.failures().size() == 1);
     REQUIRE(e.failures()[0].rank == 2);
   }

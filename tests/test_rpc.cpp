@@ -255,7 +255,7 @@ TEST_CASE("a peer killed mid-call fails the waiting future with ConnectionError;
     });
     FAIL("worker2 was expected to die");
   } catch (const LaunchError& e) {
-    INFO(e.what());
+    INFO(std::string(e.what()));
     REQUIRE(e.failures().size() == 1);  // only the killed rank; graceful shutdown did not hang on it
     CHECK(e.failures()[0].rank == 2);
     CHECK(e.failures()[0].reason.find("signal") != std::string::npos);
@@ -279,11 +279,11 @@ TEST_CASE("graceful shutdown waits for calls still in flight; non-graceful fails
     } else {
       shutdown(true);  // rank 0 leaves abruptly: this must not hang
     }
-  }, LaunchOptions{60s, 10s});
+  }, launch_options(60s, 10s));
 }
 
 TEST_CASE("ranks may start in any order; bad registrations are refused clearly") {
-  LaunchOptions so{60s, 5s};
+  LaunchOptions so = launch_options(60s, 5s);
   launch_processes(3, [](int rank) {
     if (rank == 0) std::this_thread::sleep_for(1500ms);  // the master comes last
     init_rpc(worker_name(rank), -1, -1, quick_options());   // rank and world size from the environment
@@ -408,7 +408,7 @@ TEST_CASE("a job whose rank 0 is on another loopback address (127.0.0.2, ::1) st
       EXPECT(asio::ip::make_address(get_worker_info(1).host).is_loopback());
       EXPECT_EQ(rpc_sync<&whoami>((rank + 1) % 2), worker_name((rank + 1) % 2));
       shutdown(true);
-    }, LaunchOptions{std::chrono::seconds(60)});
+    }, launch_options(60s));
   }
 }
 
@@ -423,10 +423,10 @@ TEST_CASE("workers whose master died fail their shutdown instead of exiting as a
       }
       auto why = EXPECT_THROWS_AS(shutdown(true), ConnectionError);
       EXPECT(why.find("rank 0 died") != std::string::npos);
-    }, LaunchOptions{60s});
+    }, launch_options(60s));
     FAIL("the master was expected to die");
   } catch (const LaunchError& e) {
-    INFO(e.what());
+    INFO(std::string(e.what()));
     REQUIRE(e.failures().size() == 1);  // the master; the workers saw the typed error and stopped
     CHECK(e.failures()[0].rank == 0);
   }

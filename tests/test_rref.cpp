@@ -238,7 +238,7 @@ TEST_CASE("a dead owner fails every waiting use with ConnectionError") {
     });
     FAIL("worker1 was expected to die");
   } catch (const LaunchError& e) {
-    INFO(e.what());
+    INFO(std::string(e.what()));
     REQUIRE(e.failures().size() == 1);
     CHECK(e.failures()[0].rank == 1);
   }

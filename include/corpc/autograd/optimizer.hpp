@@ -90,10 +90,10 @@ class LocalOptimizer {
  public:
   static constexpr bool corpc_serialized_calls = true;  // concurrent steps on one owner go one at a time
 
-  LocalOptimizer(std::vector<RRef<at::Tensor>> params, Options options) {
-    for (auto& p : params) params_.push_back(p.local_value());  // shares the parameter's storage
-    optimizer_ = std::make_unique<Opt>(params_, options);
-  }
+  // The parameters are looked up at the first step, not here: the optimizer is usually created right after the
+  // remote() calls that make them, and this creation may run on the owner before theirs have finished.
+  LocalOptimizer(std::vector<RRef<at::Tensor>> params, Options options)
+      : refs_(std::move(params)), options_(std::move(options)) {}
 
   void step(std::int64_t context_id) {
     // One step of this optimizer type at a time in the process, as PyTorch's _LocalOptimizer does (its lock is
@@ -101,6 +101,10 @@ class LocalOptimizer {
     // .grad for the duration of its step.
     static std::mutex all_local_optimizers;
     std::lock_guard lock(all_local_optimizers);
+    if (!optimizer_) {
+      for (auto& p : refs_) params_.push_back(p.local_value());  // shares the parameter's storage
+      optimizer_ = std::make_unique<Opt>(params_, options_);
+    }
     auto grads = dist_autograd::get_gradients(context_id);
     for (auto& p : params_) {
       auto it = grads.find(p);
@@ -111,6 +115,8 @@ class LocalOptimizer {
   }
 
  private:
+  std::vector<RRef<at::Tensor>> refs_;
+  Options options_;
   std::vector<at::Tensor> params_;
   std::unique_ptr<Opt> optimizer_;
 };
@@ -125,7 +131,8 @@ class DistributedOptimizer {
  public:
   /// Creates, on each owner of `params`, an `Opt` over the parameters it owns, with `options` (its Options type,
   /// such as torch::optim::SGDOptions, which needs a corpc::Codec). Returns without waiting for the owners; a creation
-  /// that fails (an owner died, a parameter is still being computed) fails every later step with that error.
+  /// that fails (an owner died) fails every later step with that error. Parameters still being computed when this
+  /// returns are fine: each owner looks its parameters up at the first step.
   /// Throws ShutdownError without a running runtime.
   template <class Options>
   DistributedOptimizer(const std::vector<RRef<at::Tensor>>& params, const Options& options) {

@@ -8,6 +8,19 @@
 ///
 /// balance_by_time profiles each layer's forward and backward on the sample (as torchgpipe's balance_by_time does),
 /// then cuts the layers into consecutive groups that minimize the slowest stage's time: the pipeline's pace.
+/// refine_balance corrects that profile with the stage times of real steps (a step's timeline), round by round:
+///
+/// ```cpp
+///   std::vector<double> costs = corpc::pipeline::profile_layers(model, sample);
+///   o.balance = corpc::pipeline::partition_by_cost(costs, 2);
+///   for (int round = 0; round < 3; ++round) {
+///     auto pipe = corpc::pipeline::Pipeline::create<&make_model, &mse, &make_sgd>(o, ...);
+///     auto step = corpc::sync_wait(pipe.train_step(images, labels));
+///     auto next = corpc::pipeline::refine_balance(costs, o.balance, corpc::pipeline::stage_busy_seconds(step.workers, 2));
+///     if (next == o.balance) break;
+///     o.balance = next;
+///   }
+/// ```
 #pragma once
 
 #include <torch/autograd.h>
@@ -77,6 +90,32 @@ inline std::vector<double> profile_layers(torch::nn::Sequential model, const at:
 inline std::vector<int> balance_by_time(torch::nn::Sequential model, const at::Tensor& sample, int stages,
                                         int repeats = 3) {
   return partition_by_cost(profile_layers(model, sample, repeats), stages);
+}
+
+/// Corrects a profile with the stage times one real step measured, and cuts again. Every layer of stage s has its
+/// cost scaled by measured[s] / predicted[s] (predicted: the sum of its layers' costs), so `costs` becomes this
+/// setting's costs and rounds compound. A profile taken one layer at a time misses what a running stage pays: its
+/// activations no longer in cache when backward comes, messages, the loss; the error is mostly per stage, which is
+/// what the scaling corrects. `measured` comes from the step's timeline (stage_busy_seconds in timeline.hpp); a
+/// stage measured at 0 (it ran nothing) keeps its costs. Returns the new balance; the same one means it converged.
+inline std::vector<int> refine_balance(std::vector<double>& costs, const std::vector<int>& balance,
+                                       const std::vector<double>& measured) {
+  if (balance.size() != measured.size())
+    throw UsageError("refine_balance: " + std::to_string(measured.size()) + " measured stages for a balance of " +
+                     std::to_string(balance.size()));
+  std::size_t layers = 0;
+  for (int b : balance) layers += b > 0 ? static_cast<std::size_t>(b) : costs.size() + 1;
+  if (layers != costs.size()) throw UsageError("refine_balance: the balance does not cover the layers one to one");
+  std::size_t first = 0;
+  for (std::size_t s = 0; s < balance.size(); ++s) {
+    const std::size_t end = first + static_cast<std::size_t>(balance[s]);
+    double predicted = 0;
+    for (std::size_t i = first; i < end; ++i) predicted += costs[i];
+    if (measured[s] > 0 && predicted > 0)
+      for (std::size_t i = first; i < end; ++i) costs[i] *= measured[s] / predicted;
+    first = end;
+  }
+  return partition_by_cost(costs, static_cast<int>(balance.size()));
 }
 
 /// Layers [begin, end) of `model` as a Sequential of their own, sharing the layers (and parameters) with `model`;

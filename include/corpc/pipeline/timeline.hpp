@@ -57,6 +57,17 @@ inline double measured_bubble(const std::vector<WorkerReport>& workers) {
   return idle / static_cast<double>(workers.size());
 }
 
+/// Seconds each stage spent computing in one step (the sum of its actions' durations; waiting for inputs is not
+/// counted): what refine_balance (balance.hpp) compares with a profile. `stages` is the pipeline's number of stages.
+inline std::vector<double> stage_busy_seconds(const std::vector<WorkerReport>& workers, int stages) {
+  std::vector<double> busy(static_cast<std::size_t>(std::max(stages, 0)), 0.0);
+  for (auto& w : workers)
+    for (auto& r : w.records)
+      if (r.action.stage >= 0 && r.action.stage < stages)
+        busy[static_cast<std::size_t>(r.action.stage)] += static_cast<double>(r.end_ns - r.start_ns) * 1e-9;
+  return busy;
+}
+
 /// Appends one step's actions to a Chrome trace ("traceEvents" of complete events): pid = `process` (one per
 /// schedule), tid = worker rank, times in microseconds from `origin_ns`. `name` labels the process. The events are
 /// formatted as the job traces of corpc/rpc/trace.hpp are, so the two files merge (trace::merge_chrome_traces).

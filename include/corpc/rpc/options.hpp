@@ -15,6 +15,22 @@
 
 namespace corpc {
 
+/// TLS on every connection between workers, for links that leave the host (RpcOptions::tls). Every rank of a job
+/// must use it (a plain peer is refused), with certificates signed by one CA that stands for the job: any certificate
+/// it signed is accepted as a rank (host names are not checked; ranks are found by address).
+struct TlsOptions {
+  /// PEM file: this worker's certificate, then any intermediates. It is presented to every peer.
+  std::string certificate_chain_file;
+  /// PEM file: the private key of that certificate.
+  std::string private_key_file;
+  /// PEM file: the CA certificate(s) a peer's certificate must chain to.
+  std::string ca_file;
+  /// Verify the peer's certificate on both sides of every connection (mutual TLS 1.3). false: encryption only;
+  /// peers are then authenticated by the shared secret alone (bound to the TLS session, so a relay that terminates
+  /// TLS still fails it), and ca_file may be empty.
+  bool verify_peer = true;
+};
+
 /// How init_rpc starts this process's runtime: rendezvous, threads, timeouts, security, limits and flow control.
 /// Every worker of a job should use compatible values (limits are announced to peers; timeouts are per worker).
 struct RpcOptions {
@@ -44,7 +60,11 @@ struct RpcOptions {
   /// read from it; empty: the CORPC_SECRET environment variable (launch_processes sets a fresh one per run). With
   /// neither, the job is open to any process that can reach its ports, and init_rpc says so on stderr.
   std::string secret;
-  /// How long a new connection may take to authenticate; a peer silent for longer is dropped.
+  /// TLS 1.3 on every connection, set up before the secret's challenge-response. Unset: from CORPC_TLS_CERT,
+  /// CORPC_TLS_KEY and CORPC_TLS_CA (CORPC_TLS_VERIFY=0 for verify_peer = false) when CORPC_TLS_CERT is set;
+  /// otherwise plain TCP.
+  std::optional<TlsOptions> tls;
+  /// How long a new connection may take to authenticate (TLS handshake included); a peer silent for longer is dropped.
   std::chrono::milliseconds handshake_timeout{5000};
   /// What this worker accepts from peers (announced to them; senders refuse larger messages with
   /// MessageTooLargeError before sending). Larger frames are a ProtocolError and close the connection.
@@ -74,6 +94,17 @@ struct RpcOptions {
   /// graceful shutdown stops waiting for it. Catches a stopped process or a partition without a reset, which TCP
   /// alone does not notice. Detected within 1.25x this. 0: never.
   std::chrono::milliseconds liveness_timeout{15'000};
+
+  // ---- Same-host channel (README: "Transfers") ----
+  /// Whether connections between two workers on one host move large tensors (64 KiB of tensor data per message and
+  /// more) through shared memory instead of the socket. Same host is decided during the handshake (boot id and
+  /// network namespace, compared by both ends); a channel that cannot be set up leaves the connection on TCP, with one
+  /// warning. The CORPC_SAME_HOST_CHANNEL environment variable (0 or 1) overrides this.
+  bool same_host_channel = true;
+  /// The shared ring of each direction of each such connection. A message whose tensors do not fit in the free part
+  /// goes by TCP; received tensors are views of the ring while they hold less than half of it, copies beyond.
+  /// Pages are touched only as the ring is used; a steady exchange reuses the same ones.
+  std::uint64_t same_host_ring_bytes = std::uint64_t{256} << 20;
 
   // ---- CPU memory ----
   /// The most memory kept in freed large CPU blocks for reuse, process-wide.

@@ -21,7 +21,7 @@
 namespace corpc {
 
 inline constexpr std::uint32_t kFrameMagic = 0x43505243;  ///< "CRPC"
-inline constexpr std::uint8_t kProtocolVersion = 4;  ///< 4: device maps (Hello, World, tensors bound for a device); 3: cancel frames, heartbeats, the receive budget in the Hello
+inline constexpr std::uint8_t kProtocolVersion = 5;  ///< 5: device maps (Hello, World, tensors bound for a device); 4: the same-host channel (host identity in the Hello, kFlagShm)
 
 /// What a frame is (FrameHeader::kind).
 enum class FrameKind : std::uint8_t {
@@ -38,6 +38,9 @@ enum class FrameKind : std::uint8_t {
 // Header flags (FrameHeader::flags).
 inline constexpr std::uint16_t kFlagControl = 1;  ///< corpc's own bookkeeping: graceful shutdown does not count it
 inline constexpr std::uint16_t kFlagCancel = 2;   ///< with Request: stop request `id` of this connection (no reply)
+/// The tensor data is not on the socket but in the connection's same-host ring, at the position held in the last 8
+/// bytes of the tensor metadata (meta_len counts them); tensor_bytes still says how much there is.
+inline constexpr std::uint16_t kFlagShm = 4;
 
 /// The fixed 72-byte header that starts every frame (layout in corpc/wire/frame.hpp), sent as these bytes.
 struct FrameHeader {
