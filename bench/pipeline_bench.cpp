@@ -238,7 +238,7 @@ int main(int argc, char** argv) {
     std::stringstream ss(flags.get("schedules", "gpipe,1f1b,interleaved,zbh1"));
     for (std::string s; std::getline(ss, s, ',');) c.schedules.push_back(schedule_from_string(s));
   }
-  c.balance = flags.get("balance", "time");
+  c.balance = flags.get("balance", "measured");
   c.batch = flags.get_int("batch-size", tutorial ? 120 : 32);
   c.image = flags.get_int("image-size", tutorial ? 128 : 64);
   c.batches = flags.get_int("num-batches", 3);
