@@ -11,6 +11,7 @@
 #include "corpc/autograd/dist_autograd.hpp"
 #include "corpc/autograd/optimizer.hpp"
 #include "corpc/rref/remote_module.hpp"
+#include "leak_checks.hpp"
 #include "support.hpp"
 
 using namespace corpc;
@@ -64,17 +65,6 @@ struct ThrowInBackward : torch::autograd::Function<ThrowInBackward> {
   }
 };
 at::Tensor fragile(at::Tensor x) { return ThrowInBackward::apply(x * 2); }
-
-void expect_no_contexts(int world) {
-  auto deadline = std::chrono::steady_clock::now() + 20s;
-  for (;;) {
-    std::uint64_t live = 0;
-    for (int r = 0; r < world; ++r) live += da::live_contexts(r).wait(10s);
-    if (live == 0) return;
-    if (std::chrono::steady_clock::now() > deadline) throw std::runtime_error(std::to_string(live) + " contexts leaked");
-    std::this_thread::sleep_for(10ms);
-  }
-}
 
 template <class Opt, class Options>
 void train_mlp_and_compare(const Options& options) {

@@ -33,33 +33,6 @@ at::Tensor ones(std::int64_t n) { return at::ones({n}); }
 at::Tensor param(std::int64_t n) { return at::ones({n}).set_requires_grad(true); }
 at::Tensor scaled_sum(RRef<at::Tensor> p, at::Tensor x) { return (p.local_value() * x).sum(); }
 
-// The survivors' contexts: none left once the failed phase is over (those tied to the dead worker included).
-void expect_no_contexts_on(std::initializer_list<int> ranks) {
-  const auto deadline = std::chrono::steady_clock::now() + 20s;
-  for (;;) {
-    std::uint64_t live = 0;
-    for (int r : ranks) live += da::live_contexts(r).wait(10s);
-    if (live == 0) return;
-    if (std::chrono::steady_clock::now() > deadline) throw std::runtime_error(std::to_string(live) + " contexts leaked");
-    std::this_thread::sleep_for(10ms);
-  }
-}
-
-// The survivors hold no owned values, user references or pending forks (those tied to the dead worker included).
-void expect_no_references_on(std::initializer_list<int> ranks) {
-  const auto deadline = std::chrono::steady_clock::now() + 20s;
-  for (;;) {
-    bool clean = true;
-    for (int r : ranks) {
-      auto st = rref_stats(r).wait(10s);
-      clean = clean && st.owned_values == 0 && st.user_references == 0 && st.pending_forks == 0;
-    }
-    if (clean) return;
-    if (std::chrono::steady_clock::now() > deadline) throw std::runtime_error("references leaked on a survivor");
-    std::this_thread::sleep_for(10ms);
-  }
-}
-
 // Runs a 3-rank job in which rank 2 is expected to be killed: the survivors must end by themselves, and only rank 2
 // may be reported failed, by a signal.
 void run_world_losing_rank2(const std::function<void(int)>& body) {
