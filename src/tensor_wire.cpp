@@ -40,6 +40,16 @@ at::Tensor receive_tensor(const detail::TensorMeta& m) {
   return t;
 }
 
+// A tensor bound for a CUDA device (m.device >= 0): its delivery device recorded as tensor `i` of `count` in
+// `devices` (Message::devices), its bytes received into a pinned staging buffer the runtime uploads from.
+at::Tensor receive_for_device(const detail::TensorMeta& m, std::size_t i, std::size_t count,
+                              std::vector<std::int8_t>* devices) {
+  if (!devices) throw ProtocolError("a tensor for a CUDA device where none is accepted");
+  devices->resize(count, -1);
+  (*devices)[i] = m.device;
+  return detail::cuda::host_receive_buffer(m.sizes, m.strides, static_cast<at::ScalarType>(m.dtype));
+}
+
 bool differentiable(std::uint8_t raw) {
   const auto dtype = static_cast<at::ScalarType>(raw);
   return at::isFloatingType(dtype) || at::isComplexType(dtype);
@@ -89,15 +99,7 @@ std::vector<at::Tensor> decode_tensor_meta(const char* meta, std::size_t meta_le
   out.reserve(table.size());
   for (std::size_t i = 0; i < table.size(); ++i) {
     const auto& m = table[i];
-    at::Tensor t;
-    if (m.device >= 0) {  // bound for a device: received in host memory, copied there before delivery
-      if (!devices) throw ProtocolError("a tensor for a CUDA device where none is accepted");
-      devices->resize(table.size(), -1);
-      (*devices)[i] = m.device;
-      t = detail::cuda::host_receive_buffer(m.sizes, m.strides, static_cast<at::ScalarType>(m.dtype));
-    } else {
-      t = receive_tensor(m);
-    }
+    at::Tensor t = m.device >= 0 ? receive_for_device(m, i, table.size(), devices) : receive_tensor(m);
     if (m.requires_grad) t.set_requires_grad(true);
     out.push_back(std::move(t));
   }
@@ -204,11 +206,8 @@ std::vector<at::Tensor> shm_receive(const std::shared_ptr<ShmChannel>& channel, 
   for (std::size_t i = 0; i < table.size(); ++i) {
     const auto& m = table[i];
     at::Tensor t;
-    if (m.device >= 0) {  // bound for a device: copied out into its staging buffer, as decode_tensor_meta does
-      if (!devices) throw ProtocolError("a tensor for a CUDA device where none is accepted");
-      devices->resize(table.size(), -1);
-      (*devices)[i] = m.device;
-      t = detail::cuda::host_receive_buffer(m.sizes, m.strides, static_cast<at::ScalarType>(m.dtype));
+    if (m.device >= 0) {  // bound for a device: copied out of the ring into its staging buffer
+      t = receive_for_device(m, i, table.size(), devices);
       if (m.nbytes) std::memcpy(t.data_ptr(), data + off, static_cast<std::size_t>(m.nbytes));
     } else if (in_place) {
       const auto options = at::TensorOptions().dtype(static_cast<at::ScalarType>(m.dtype));
