@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Sets up, builds and runs the whole test suite, then a bounded fuzzing run (scripts/fuzz.sh); ends with the line
-# "N passed, N failed, N skipped" over both. (scripts/sanitize.sh joins this loop once its runs are clean.)
+# Sets up, builds and runs the whole test suite, then a bounded fuzzing run (scripts/fuzz.sh), then the runtime's
+# tests under AddressSanitizer + UBSan and under ThreadSanitizer (scripts/sanitize.sh); ends with the line
+# "N passed, N failed, N skipped" over all three.
 #   scripts/test.sh           everything (what CI runs)
-#   scripts/test.sh --quick   the plain suite only
+#   scripts/test.sh --quick   the plain suite only (no fuzzing, no sanitized builds)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -37,7 +38,7 @@ PY
 )
 if [[ "${1:-}" != "--quick" ]]; then
   # Each prints a last line "<name>: N passed, N failed"; their counts join the suite's.
-  for extra in scripts/fuzz.sh; do
+  for extra in scripts/fuzz.sh scripts/sanitize.sh; do
     set +e
     "$extra" 2>&1 | tee build/extra.log
     extra_status=${PIPESTATUS[0]}
