@@ -60,8 +60,12 @@ class TcpConnection final : public Connection {
     {
       std::lock_guard lock(wmutex_);
       connected_ = true;
+      // What was queued while dialing (the Hello first) must reach the socket before anything a sender writes
+      // directly: this thread owns the flush until it is done, so senders stage behind it. (Without this, a call
+      // made between here and flush_now() went out ahead of the Hello: "a request before hello" at the peer.)
+      flush_owned_ = true;
     }
-    flush_now();  // what was queued while dialing
+    flush_now();
     if (settings_.liveness_timeout.count() > 0) schedule_liveness_check();
   }
 

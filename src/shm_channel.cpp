@@ -11,6 +11,7 @@
 #include <cstring>
 #include <fstream>
 #include <new>
+#include <string_view>
 #include <system_error>
 
 #include "auth.hpp"
@@ -38,6 +39,47 @@ std::string read_line(const char* path) {
   std::string s;
   std::getline(in, s);
   return s;
+}
+
+// The two ends of SCM_RIGHTS. They are plain functions, not inlined into the coroutines that call them, because
+// g++ 12 does not honour alignas for a local kept in a coroutine frame (UBSan: "misaligned address ... for type
+// 'struct cmsghdr'"); a control buffer on an ordinary stack frame is aligned as declared.
+
+// Sends `bytes` with one file descriptor attached; returns sendmsg's result.
+[[gnu::noinline]] ssize_t send_with_fd(int socket, std::string_view bytes, int fd) {
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  iovec iov{const_cast<char*>(bytes.data()), bytes.size()};
+  msghdr mh{};
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  mh.msg_control = control;
+  mh.msg_controllen = sizeof control;
+  cmsghdr* c = CMSG_FIRSTHDR(&mh);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(c), &fd, sizeof fd);
+  return ::sendmsg(socket, &mh, MSG_NOSIGNAL);
+}
+
+// Receives up to `size` bytes and the descriptors that came with them (up to kMaxFds into `fds`, counted in `nfds`;
+// the caller closes them). Returns recvmsg's result; `truncated` tells that descriptors did not fit.
+[[gnu::noinline]] ssize_t receive_with_fds(int socket, char* data, std::size_t size, int* fds, int& nfds, bool& truncated) {
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)];
+  iovec iov{data, size};
+  msghdr mh{};
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  mh.msg_control = control;
+  mh.msg_controllen = sizeof control;
+  const ssize_t n = ::recvmsg(socket, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  for (cmsghdr* c = n < 0 ? nullptr : CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const std::size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (std::size_t i = 0; i < k && nfds < kMaxFds; ++i) std::memcpy(&fds[nfds++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+  }
+  truncated = n >= 0 && (mh.msg_flags & MSG_CTRUNC);
+  return n;
 }
 
 }  // namespace
@@ -257,21 +299,10 @@ asio::awaitable<void> ShmListener::session(asio::local::stream_protocol::socket 
   try {
     co_await socket->async_wait(asio::socket_base::wait_read, asio::use_awaitable);
     char cookie[kCookieChars];
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)];
-    iovec iov{cookie, sizeof cookie};
-    msghdr mh{};
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = control;
-    mh.msg_controllen = sizeof control;
-    const ssize_t n = ::recvmsg(socket->native_handle(), &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-    for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
-      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-      const std::size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      for (std::size_t i = 0; i < k && nfds < kMaxFds; ++i) std::memcpy(&fds[nfds++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-    }
+    bool truncated = false;
+    const ssize_t n = receive_with_fds(socket->native_handle(), cookie, sizeof cookie, fds, nfds, truncated);
     Offer offer;
-    if (n != static_cast<ssize_t>(kCookieChars) || nfds != 1 || (mh.msg_flags & MSG_CTRUNC)) {
+    if (n != static_cast<ssize_t>(kCookieChars) || nfds != 1 || truncated) {
       refused = "a malformed set-up message";
     } else {
       std::lock_guard lock(mutex_);
@@ -313,20 +344,7 @@ asio::awaitable<std::string> dial_shm_channel(std::string socket_name, std::stri
     auto channel = ShmChannel::create(ring_bytes);
     co_await socket->async_connect(asio::local::stream_protocol::endpoint(socket_name), asio::use_awaitable);
     install(channel);  // before the peer can map it: what it sends through the ring must find us ready
-    const int fd = channel->fd();
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-    iovec iov{cookie.data(), cookie.size()};
-    msghdr mh{};
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = control;
-    mh.msg_controllen = sizeof control;
-    cmsghdr* c = CMSG_FIRSTHDR(&mh);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(c), &fd, sizeof fd);
-    const ssize_t n = ::sendmsg(socket->native_handle(), &mh, MSG_NOSIGNAL);  // tiny: a fresh socket takes it whole
+    const ssize_t n = send_with_fd(socket->native_handle(), cookie, channel->fd());  // tiny: a fresh socket takes it whole
     channel->close_fd();
     if (n != static_cast<ssize_t>(cookie.size())) throw os_error("passing the segment");
     char ack = 0;

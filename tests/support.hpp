@@ -27,6 +27,15 @@
     }                                                                                                           \
   } while (0)
 
+// Expects `text` (a std::string) to contain `part`; the failure shows the whole text.
+#define EXPECT_CONTAINS(text, part)                                                                          \
+  do {                                                                                                       \
+    const std::string& t_ = (text);                                                                          \
+    if (t_.find(part) == std::string::npos)                                                                  \
+      throw std::runtime_error(std::string(__FILE__ ":") + std::to_string(__LINE__) + ": expected \"" + (part) + \
+                               "\" in: " + t_);                                                              \
+  } while (0)
+
 // Expects `expr` to throw exactly type E (or a subclass); returns its message.
 #define EXPECT_THROWS_AS(expr, E)                                                                              \
   [&]() -> std::string {                                                                                       \
@@ -84,3 +93,13 @@ inline void run_world(int world, const std::function<void(int)>& body, RpcOption
 }
 
 }  // namespace corpc::test
+
+// libtorch's c10 logging brings glog, whose CHECK replaces doctest's in every test that includes a torch header
+// after doctest: a failed CHECK then aborted the whole test binary ("Check failed: ...") instead of failing its case
+// and going on. Taking glog's header here, once, and putting doctest's macro back makes CHECK doctest's everywhere
+// below (glog's header has an include guard, so a later torch include does not redefine it).
+#include <c10/util/Logging.h>
+#ifdef DOCTEST_CHECK
+#undef CHECK
+#define CHECK(...) DOCTEST_CHECK(__VA_ARGS__)
+#endif
