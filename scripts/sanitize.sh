@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 root=$(pwd)
 
 # The tests that drive the runtime's threads and sockets; ddp and pipeline add libtorch's own code, little of ours.
-tests=(core rpc rref core_faults dist_autograd)
+tests=(core rpc rref core_faults dist_autograd tls shm_channel)
 which=("${@:-asan}")
 [[ $# -eq 0 ]] && which=(asan tsan)
 

@@ -325,7 +325,7 @@ class TcpConnection final : public Connection {
   // Moves buffered bytes into `dst` (up to `len`); returns how many.
   std::size_t take_buffered(char* dst, std::size_t len) {
     const std::size_t n = std::min(len, rend_ - rbeg_);
-    std::memcpy(dst, rbuf_.data() + rbeg_, n);
+    if (n) std::memcpy(dst, rbuf_.data() + rbeg_, n);  // dst may be null for an empty tensor
     rbeg_ += n;
     return n;
   }

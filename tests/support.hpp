@@ -78,6 +78,7 @@ inline RpcOptions quick_options() {
   o.init_timeout *= time_scale();
   o.rpc_timeout *= time_scale();
   o.liveness_timeout *= time_scale();
+  o.handshake_timeout *= time_scale();
   return o;
 }
 
