@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <thread>
 
+#include "stopped_worker.hpp"
 #include "support.hpp"
 
 using namespace corpc;
@@ -89,13 +90,6 @@ Task<int> issue_and_await(int n) {
   int sum = 0;
   for (auto& f : calls) sum += co_await f;
   co_return sum;
-}
-
-// ---- liveness ----
-int pid() { return static_cast<int>(::getpid()); }
-int stop_whole_process() {
-  std::raise(SIGSTOP);  // every thread, the I/O threads too: the sockets stay open, nothing answers
-  return 0;
 }
 
 }  // namespace
@@ -183,41 +177,5 @@ TEST_CASE("a stopped worker (SIGSTOP) is declared unreachable; its peers' calls 
   options.liveness_timeout = 1s;   // short for the test; the default is 15 s
   options.rpc_timeout = 60s;       // longer than the test allows: only the liveness check can end these calls
   options.shutdown_timeout = 0ms;  // as long as the others are alive: only the death of worker2 lets it end
-  LaunchOptions launch;
-  launch.timeout = 50s;
-  try {
-    launch_processes(3, [&](int rank) {
-      init_rpc(worker_name(rank), rank, 3, options);
-      if (rank == 2) {
-        for (;;) std::this_thread::sleep_for(1s);  // stopped by rank 0's call, then killed
-      }
-      if (rank == 0) {
-        const int victim = rpc_sync<&pid>(2);
-        auto msg = EXPECT_THROWS_AS(rpc_async<&stop_whole_process>(2).wait(), ConnectionError);
-        EXPECT(msg.find("worker2") != std::string::npos && msg.find("unreachable") != std::string::npos);
-        EXPECT(!Runtime::get().is_alive(2));
-        shutdown(true);
-        ::kill(victim, SIGKILL);  // nothing left behind
-        return;
-      }
-      // Rank 1 keeps calling it until the calls fail.
-      for (;;) {
-        try {
-          rpc_sync<&pid>(2);
-          std::this_thread::sleep_for(10ms);
-        } catch (const ConnectionError& e) {
-          EXPECT(std::string(e.what()).find("worker2") != std::string::npos);
-          break;
-        }
-      }
-      EXPECT(!Runtime::get().is_alive(2));
-      shutdown(true);
-    }, launch);
-    FAIL("worker2 was not killed");
-  } catch (const LaunchError& e) {
-    // Only the stopped worker failed, and by rank 0's SIGKILL: the others' graceful shutdowns completed.
-    REQUIRE(e.failures().size() == 1);
-    CHECK(e.failures()[0].rank == 2);
-    CHECK(e.failures()[0].reason.find("Killed") != std::string::npos);
-  }
+  expect_stopped_worker2_declared_unreachable(options);
 }

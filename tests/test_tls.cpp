@@ -4,9 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <ATen/ATen.h>
-#include <signal.h>
 #include <stdlib.h>
-#include <unistd.h>
 
 #include <asio.hpp>
 #include <asio/experimental/awaitable_operators.hpp>
@@ -19,6 +17,7 @@
 
 #include "corpc/rref/rref.hpp"
 #include "raw_peer.hpp"
+#include "stopped_worker.hpp"
 #include "support.hpp"
 #include "tls_certs.hpp"
 
@@ -35,11 +34,6 @@ at::Tensor echo_tensor(at::Tensor t) { return t; }
 std::string echo_string(std::string s) { return s; }
 at::Tensor arange(std::int64_t n) { return at::arange(n, at::kLong); }
 std::string whoami() { return get_worker_info().name; }
-int pid() { return static_cast<int>(::getpid()); }
-int stop_whole_process() {
-  std::raise(SIGSTOP);  // every thread stops, the TLS sessions stay open: nothing answers, nothing is closed
-  return 0;
-}
 
 // Coordination counters on rank 0 for tests that end without a graceful shutdown.
 // Phase k counts the ranks that reached it.
@@ -244,52 +238,15 @@ TEST_CASE("a TLS worker refuses plain peers, untrusted and expired certificates,
 }
 
 TEST_CASE("over TLS a stopped worker misses its deadlines, then is declared unreachable; the others go on") {
-  // Heartbeats and deadlines share the connections' write path with calls; over TLS every write goes through the
-  // I/O thread and the SSL stream (src/transport.hpp), so liveness has its own case here beside the plain one in
-  // test_flow.
   ThrowawayPki pki;
   auto options = tls_options(pki.issue("worker"));
   options.liveness_timeout = 1s;  // short for the test; the default is 15 s
   options.rpc_timeout = 60s;      // longer than the test allows: only a deadline or the liveness check ends a call
-  try {
-    launch_processes(3, [&](int rank) {
-      init_rpc(worker_name(rank), rank, 3, options);
-      if (rank == 2) {
-        for (;;) std::this_thread::sleep_for(1s);  // stopped by rank 0's call, then killed
-      }
-      if (rank == 0) {
-        const int victim = rpc_sync<&pid>(2);
-        auto stop = rpc_async<&stop_whole_process>(2);
-        // A call with its own deadline ends at it, naming the worker; then the liveness check fails the rest.
-        auto late = EXPECT_THROWS_AS(rpc_async<&add>(2, with_timeout(300ms), 1, 2).wait(20s), TimeoutError);
-        EXPECT_CONTAINS(late, "worker2");
-        auto gone = EXPECT_THROWS_AS(stop.wait(20s), ConnectionError);
-        EXPECT_CONTAINS(gone, "worker2");
-        EXPECT_CONTAINS(gone, "unreachable");
-        EXPECT(!Runtime::get().is_alive(2));
-        EXPECT_EQ(rpc_sync<&add>(1, 2, 2), 4);  // the other TLS link is untouched
-        shutdown(true);
-        ::kill(victim, SIGKILL);  // nothing left behind
-        return;
-      }
-      for (;;) {  // rank 1 keeps calling the stopped worker until its own liveness check gives up on it
-        try {
-          rpc_sync<&pid>(2);
-          std::this_thread::sleep_for(10ms);
-        } catch (const ConnectionError& e) {
-          EXPECT(std::string(e.what()).find("worker2") != std::string::npos);
-          break;
-        }
-      }
-      shutdown(true);
-    }, launch_options(50s));
-    FAIL("worker2 was not killed");
-  } catch (const LaunchError& e) {
-    INFO(std::string(e.what()));
-    REQUIRE(e.failures().size() == 1);  // the others' graceful shutdowns completed
-    CHECK(e.failures()[0].rank == 2);
-    CHECK(e.failures()[0].reason.find("Killed") != std::string::npos);
-  }
+  expect_stopped_worker2_declared_unreachable(options, [] {
+    // A call with its own deadline ends at it, naming the worker, before the liveness check fails the rest.
+    auto late = EXPECT_THROWS_AS(rpc_async<&add>(2, with_timeout(300ms), 1, 2).wait(20s), TimeoutError);
+    EXPECT_CONTAINS(late, "worker2");
+  });
 }
 
 TEST_CASE("ranks that disagree about TLS fail init_rpc with a typed error, never hang") {
