@@ -82,6 +82,21 @@ inline RpcOptions quick_options() {
   return o;
 }
 
+// Runs `job` (a launch of ranks) that must end with exactly one rank reported failed: `rank`, with `reason` in its
+// failure (empty: any). The survivors must have ended by themselves: a graceful shutdown that hung on the lost rank
+// would have them killed at the launcher's bound and reported too. Include after doctest.
+inline void expect_only_rank_lost(int rank, const std::string& reason, const std::function<void()>& job) {
+  try {
+    job();
+    FAIL("rank " << rank << " was expected to fail");
+  } catch (const LaunchError& e) {
+    INFO(std::string(e.what()));
+    REQUIRE(e.failures().size() == 1);
+    CHECK(e.failures()[0].rank == rank);
+    CHECK(e.failures()[0].reason.find(reason) != std::string::npos);
+  }
+}
+
 // Runs `body(rank)` on `world` ranks, each inside init_rpc / graceful shutdown.
 inline void run_world(int world, const std::function<void(int)>& body, RpcOptions options = quick_options(),
                       std::chrono::seconds timeout = std::chrono::seconds(120)) {

@@ -36,15 +36,9 @@ at::Tensor scaled_sum(RRef<at::Tensor> p, at::Tensor x) { return (p.local_value(
 // Runs a 3-rank job in which rank 2 is expected to be killed: the survivors must end by themselves, and only rank 2
 // may be reported failed, by a signal.
 void run_world_losing_rank2(const std::function<void(int)>& body) {
-  try {
+  expect_only_rank_lost(2, "signal", [&] {
     run_world(3, body, quick_options(), 60s);
-    FAIL("worker2 was expected to be killed");
-  } catch (const LaunchError& e) {
-    INFO(std::string(e.what()));
-    REQUIRE(e.failures().size() == 1);
-    CHECK(e.failures()[0].rank == 2);
-    CHECK(e.failures()[0].reason.find("signal") != std::string::npos);
-  }
+  });
 }
 
 }  // namespace
