@@ -8,24 +8,14 @@
 #   bench/flow_cost.sh [path/to/rpc_bench] [rounds] [seconds per run]
 set -euo pipefail
 
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-bench=${1:-$root/build/bench/rpc_bench}
-rounds=${2:-6}
-seconds=${3:-2}
-if [[ ! -x $bench ]]; then
-  echo "flow_cost.sh: no rpc_bench at '$bench' (build it, or pass its path)" >&2
-  exit 2
-fi
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+source "$(dirname "${BASH_SOURCE[0]}")/ab_runs.sh"
+ab_init flow_cost.sh 6 "$@"
 
 run() {  # run <on|off> <round>
   timeout 300 "$bench" --cases async64 --cancel-samples 0 --seconds-per-case "$seconds" --flow-control "$1" \
     --json "$tmp/$1.$2.json" > "$tmp/$1.$2.txt"
 }
-for ((r = 0; r < rounds; ++r)); do
-  if ((r % 2 == 0)); then run on "$r"; run off "$r"; else run off "$r"; run on "$r"; fi
-done
+ab_alternate on off
 
 /usr/bin/python3 - "$tmp" "$rounds" <<'PY'
 import json, statistics, sys

@@ -8,17 +8,12 @@
 #   bench/tls_cost.sh [path/to/rpc_bench] [rounds] [seconds per case]
 set -euo pipefail
 
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-bench=${1:-$root/build/bench/rpc_bench}
-rounds=${2:-4}
-seconds=${3:-2}
+source "$(dirname "${BASH_SOURCE[0]}")/ab_runs.sh"
+ab_init tls_cost.sh 4 "$@"
 cases=noop,4KiB,16MiB
-if [[ ! -x $bench ]]; then
-  echo "tls_cost.sh: no rpc_bench at '$bench' (build it, or pass its path)" >&2
-  exit 2
-fi
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+# TLS is for links that leave the host: both sides go over TCP. (On one host the same-host channel would carry the
+# 16 MiB tensors of both, outside TLS, and the comparison would measure the ring twice.)
+export CORPC_SAME_HOST_CHANNEL=0
 
 run() {  # run <plain|tls> <round>
   local extra=()
@@ -26,9 +21,7 @@ run() {  # run <plain|tls> <round>
   timeout 600 "$bench" --cases "$cases" --cancel-samples 0 --seconds-per-case "$seconds" "${extra[@]}" \
     --json "$tmp/$1.$2.json" > "$tmp/$1.$2.txt"
 }
-for ((r = 0; r < rounds; ++r)); do
-  if ((r % 2 == 0)); then run plain "$r"; run tls "$r"; else run tls "$r"; run plain "$r"; fi
-done
+ab_alternate plain tls
 
 /usr/bin/python3 - "$tmp" "$rounds" "$cases" <<'PY'
 import json, statistics, sys
