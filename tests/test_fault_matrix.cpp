@@ -17,6 +17,7 @@
 #include "corpc/autograd/optimizer.hpp"
 #include "corpc/rref/rref.hpp"
 #include "leak_checks.hpp"
+#include "stop_process.hpp"
 #include "support.hpp"
 
 using namespace corpc;
@@ -47,7 +48,7 @@ TEST_CASE("a worker stopped mid-call: TimeoutError naming it at the deadline, an
   run_world(3, [](int rank) {
     if (rank != 0) return;
     const pid_t pid = rpc_sync<&pid_of>(2);
-    ::kill(pid, SIGSTOP);
+    stop_process(pid);
     auto what = EXPECT_THROWS_AS(rpc_async<&add>(2, with_timeout(500ms), 1, 2).wait(20s), TimeoutError);
     EXPECT(what.find("worker2") != std::string::npos);
     EXPECT_EQ(rpc_sync<&add>(1, 2, 2), 4);  // the others are not held up
@@ -64,7 +65,7 @@ TEST_CASE("a worker killed during a distributed backward: the backward fails nam
     {
       da::Context ctx;
       auto loss = rpc_sync<&times_three_sum>(1, w * 2) + rpc_sync<&times_three_sum>(2, w * 2);
-      ::kill(pid, SIGSTOP);
+      stop_process(pid);
       auto pass = ctx.backward({loss});
       ::kill(pid, SIGKILL);
       auto what = EXPECT_THROWS_AS(pass.wait(20s), ConnectionError);
@@ -81,7 +82,7 @@ TEST_CASE("an RRef owner killed during to_here: ConnectionError naming it; the s
     {
       auto r = remote<&ones>("worker2", std::int64_t{1 << 20});
       EXPECT_EQ(r.to_here().wait(20s).numel(), 1 << 20);  // created and confirmed
-      ::kill(pid, SIGSTOP);
+      stop_process(pid);
       auto fetch = r.to_here();
       ::kill(pid, SIGKILL);
       auto what = EXPECT_THROWS_AS(fetch.wait(20s), ConnectionError);
@@ -98,7 +99,7 @@ TEST_CASE("an RRef owner stopped during to_here: TimeoutError at the deadline, a
     {
       auto r = remote<&ones>("worker2", std::int64_t{16});
       EXPECT_EQ(r.to_here().wait(20s).numel(), 16);
-      ::kill(pid, SIGSTOP);
+      stop_process(pid);
       auto what = EXPECT_THROWS_AS(r.to_here(with_timeout(500ms)).wait(20s), TimeoutError);
       EXPECT(what.find("worker2") != std::string::npos);
       ::kill(pid, SIGCONT);
@@ -122,7 +123,7 @@ TEST_CASE("an owner killed during a DistributedOptimizer step: the step fails na
       auto x = at::rand({4});
       auto loss = rpc_sync<&scaled_sum>(1, params[0], x) + rpc_sync<&scaled_sum>(2, params[1], x);
       ctx.backward({loss}).wait(20s);
-      ::kill(pid, SIGSTOP);
+      stop_process(pid);
       auto step = opt.step(ctx);
       ::kill(pid, SIGKILL);
       auto what = EXPECT_THROWS_AS(step.wait(20s), ConnectionError);

@@ -9,6 +9,7 @@
 
 #include "corpc/pipeline/pipeline.hpp"
 #include "resnet_shards.hpp"
+#include "stop_process.hpp"
 #include "support.hpp"
 
 using namespace corpc;
@@ -205,7 +206,7 @@ TEST_CASE("a stage's worker stopped mid-step (SIGSTOP): the step fails with Pipe
       if (rank != 0) return;
       auto pipe = Pipeline::create<&tiny_resnet, &mse, &make_sgd>(layout(Schedule::OneFOneB, 2, 4), std::uint64_t{1});
       const pid_t pid = rpc_sync<&pid_of>(2);
-      ::kill(pid, SIGSTOP);
+      stop_process(pid);
       auto msg = EXPECT_THROWS_AS(sync_wait(pipe.train_step(random_images(kBatch, kImage, 7),
                                                             one_hot_labels(kBatch, kClasses, 8))), PipelineError);
       EXPECT(msg.find("worker2") != std::string::npos);
