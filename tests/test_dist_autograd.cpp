@@ -2,6 +2,7 @@
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
+#include <mutex>
 #include <torch/autograd.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -172,12 +173,19 @@ TEST_CASE("gradients flow through to_here and through RRef proxies to the owners
 }
 
 namespace {
+// Both trainers ask for the weight at once, on two of the master's pool threads: the lazy
+// creation is guarded so that they share one parameter (TSan caught the unguarded version).
+std::mutex g_ps_mutex;
 RRef<at::Tensor> g_ps_weight;
 RRef<at::Tensor> ps_weight() {
+  std::lock_guard lock(g_ps_mutex);
   if (!g_ps_weight.valid()) g_ps_weight = RRef<at::Tensor>(at::ones({2}).set_requires_grad(true));
   return g_ps_weight;
 }
-void ps_forget() { g_ps_weight = RRef<at::Tensor>(); }
+void ps_forget() {
+  std::lock_guard lock(g_ps_mutex);
+  g_ps_weight = RRef<at::Tensor>();
+}
 
 // A trainer: its own context, its own gradient k * ones on the parameter server.
 at::Tensor train_once(std::int64_t k) {
