@@ -188,7 +188,10 @@ void Runtime::Impl::on_frame(const std::shared_ptr<detail::Connection>& conn, Me
   if (!msg.devices.empty()) [[unlikely]] return deliver_on_devices(conn, std::move(msg));
   switch (msg.head.kind) {
     case FrameKind::Hello: return on_hello(conn, std::move(msg));
-    case FrameKind::World: return on_world(std::move(msg));
+    case FrameKind::World:
+      // Only rank 0 publishes the table, on the connection we registered through.
+      if (!conn->outgoing || conn->peer_rank != 0) return conn->close("protocol error: a world table not from rank 0");
+      return on_world(std::move(msg));
     case FrameKind::Request: return on_request(conn, std::move(msg));
     case FrameKind::Response:
     case FrameKind::Error: {
@@ -242,7 +245,10 @@ void Runtime::Impl::deliver_on_devices(const std::shared_ptr<detail::Connection>
 
 void Runtime::Impl::on_request(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
   if (conn->peer_rank < 0) return conn->close("protocol error: a request before hello");
-  if (!world_known) return early_requests.emplace_back(conn, std::move(msg)), void();
+  if (!world_known) {
+    std::lock_guard lock(conn_mutex);
+    if (!world_known) return early_requests.emplace_back(conn, std::move(msg)), void();
+  }
   // A cancel frame: stops request `id` if its handler is still running (or queued); no reply, no count.
   if (msg.head.flags & kFlagCancel) return conn->inbound.cancel(msg.head.id);
   const HandlerEntry* entry = global_registry().find(msg.head.function);

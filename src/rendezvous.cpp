@@ -225,15 +225,16 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Me
   publish_world_if_complete();
 }
 
-// Rank 0, network thread: once every rank has registered, sends each the table and takes it itself.
+// Rank 0, the I/O thread of the last registration: once every rank has registered, sends each the table and takes
+// it itself. Two registrations completing at once on two I/O threads both get here; only one publishes.
 void Runtime::Impl::publish_world_if_complete() {
-  if (world_known) return;
   std::vector<WorkerInfo> table;
   std::vector<std::string> configs;
   std::vector<std::shared_ptr<detail::Connection>> conns;
   {
     std::lock_guard lock(conn_mutex);
-    if (static_cast<int>(registrations.size()) < world_size) return;
+    if (world_published || static_cast<int>(registrations.size()) < world_size) return;
+    world_published = true;
     for (auto& [rank, reg] : registrations) {
       table.push_back(reg.first);
       configs.push_back(device_configs[rank]);
@@ -254,7 +255,7 @@ void Runtime::Impl::publish_world_if_complete() {
 }
 
 void Runtime::Impl::on_world(Message&& msg) {
-  if (world_known) return;
+  if (world_taken.exchange(true)) return;  // a second table (only a broken or hostile rank 0 sends one) changes nothing
   std::vector<WorkerInfo> table;
   std::vector<detail::DeviceConfig> configs;
   try {
@@ -285,9 +286,13 @@ void Runtime::Impl::on_world(Message&& msg) {
   }
   workers = std::move(table);
   self = workers[self.rank];
-  world_known = true;
-  for (auto& [conn, m] : early_requests) on_frame(conn, std::move(m));
-  early_requests.clear();
+  std::vector<std::pair<std::shared_ptr<detail::Connection>, Message>> parked;
+  {
+    std::lock_guard lock(conn_mutex);
+    world_known = true;
+    parked.swap(early_requests);
+  }
+  for (auto& [conn, m] : parked) on_frame(conn, std::move(m));
   world_ready.set_value();
 }
 

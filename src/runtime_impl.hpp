@@ -39,7 +39,8 @@ struct Runtime::Impl {
   std::unordered_map<std::string, int> rank_by_name;
 
   // I/O threads: connection k (in order of creation) belongs to io_threads[k % n]. io_threads[0] also runs the
-  // acceptor and rendezvous.
+  // acceptor. The rendezvous frames (Hello, World) are handled on the thread of the connection that carried them,
+  // so with several I/O threads two registrations can complete at once: see world_published below.
   struct IoThread {
     asio::io_context io;
     asio::executor_work_guard<asio::io_context::executor_type> work{io.get_executor()};
@@ -104,8 +105,10 @@ struct Runtime::Impl {
   // Declared after what its tasks' wake-ups touch; joined by shutdown() before the Impl goes.
   TaskScope background;
 
-  // Rendezvous (main I/O thread). On rank 0: registrations so far. Elsewhere: the answer.
+  // Rendezvous (any I/O thread). On rank 0: registrations so far. Elsewhere: the answer.
   std::map<int, std::pair<WorkerInfo, std::shared_ptr<detail::Connection>>> registrations;  // conn_mutex
+  bool world_published = false;  // rank 0: the table went out once (the last two registrations may race); conn_mutex
+  std::atomic<bool> world_taken{false};  // on_world ran (its tables are written by one thread only)
   std::map<int, std::string> device_configs;  // rank 0: each registrant's encoded DeviceConfig; conn_mutex
   // The device map used with each rank, in both directions (device_map.hpp), and our CUDA devices that RPC uses;
   // written once by on_world before init_rpc returns.
@@ -114,7 +117,8 @@ struct Runtime::Impl {
   std::string own_device_config() const;  // what we announce when registering
   Promise<void> world_ready;
   std::atomic<bool> world_known{false};
-  // Requests that arrive before we have the world table (a peer heard from rank 0 first); main I/O thread.
+  // Requests that arrive before we have the world table (a peer heard from rank 0 first), from any I/O thread;
+  // conn_mutex. on_world sets world_known under the same lock, so a request is either parked here or sees the table.
   std::vector<std::pair<std::shared_ptr<detail::Connection>, Message>> early_requests;
 
   // Graceful shutdown bookkeeping on rank 0, guarded by barrier_mutex.
