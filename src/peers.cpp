@@ -41,14 +41,16 @@ std::shared_ptr<detail::Connection> Runtime::Impl::connection_to(int rank) {
   if (!c) {
     if (rank == self.rank) {
       c = detail::make_loopback_connection(pick_io(), options.limits, frame_handler());
+      c->peer_rank = rank;
+      c->outgoing = true;
     } else {
+      // peer_rank and outgoing are set by the dialer before the dial starts: from then on the connection's I/O thread
+      // reads them (the peer's Hello answer), so writing them here again would race with it (TSan, under load).
       c = detail::dial_tcp_connection(pick_io(), rank, workers[rank].host, workers[rank].port, connection_settings(),
                                       frame_handler(), close_handler(), auth);
       // Every dialed connection starts with who we are and what we accept.
       c->send(prepare(hello_message(our_hello(false))));
     }
-    c->peer_rank = rank;
-    c->outgoing = true;
     c->pending.set_limit(options.max_calls_in_flight_per_peer);
   }
   return c;

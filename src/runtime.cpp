@@ -246,11 +246,13 @@ void shutdown(bool graceful) {
   std::lock_guard lock(g_runtime_mutex);
   if (!g_runtime) return;
   auto& impl = runtime_impl(*g_runtime);
-  if (graceful) impl.graceful_shutdown();
-  else if (trace::enabled()) impl.finish_trace(false);
-  // A worker whose rank 0 died (rather than shut down) must not look like a success to its launcher.
+  const bool agreed = graceful && impl.graceful_shutdown();
+  if (!graceful && trace::enabled()) impl.finish_trace(false);
+  // A worker whose rank 0 died (rather than shut down) must not look like a success to its launcher. Once the job
+  // agreed that it is quiet, rank 0 may close first: a write that then meets its closed socket is not a death (seen
+  // under load: "write failed: Broken pipe" recorded before rank 0's goodbye was read).
   std::string master_lost;
-  if (graceful && impl.self.rank != 0) {
+  if (graceful && !agreed && impl.self.rank != 0) {
     std::lock_guard conn_lock(impl.conn_mutex);
     if (!impl.dead[0].empty() && impl.dead[0] != Runtime::Impl::kShutDownReason) master_lost = impl.dead[0];
   }

@@ -205,7 +205,9 @@ struct Runtime::Impl {
   // Fails the rounds peers still wait on (they shut down gracefully while this process does not), while the I/O
   // threads that answer them still run; a continuation queued on a stopped thread would never run (and leak).
   void fail_pending_rounds();
-  void graceful_shutdown();
+  // True once every live rank agreed, with rank 0, that the job is quiet; false if rank 0 was lost or the
+  // shutdown timeout passed first.
+  bool graceful_shutdown();
   // Waits until locally_idle() or `deadline`; true if idle.
   bool wait_locally_idle(std::chrono::steady_clock::time_point deadline);
   // Writes this worker's part of the trace (corpc/rpc/trace.hpp); `meet`: then waits in one more round for every

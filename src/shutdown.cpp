@@ -101,7 +101,7 @@ void Runtime::Impl::fail_pending_rounds() {
   for (auto& [round, r] : pending) r.done.set_error(ShutdownError("rank 0 shut down without waiting for the others"));
 }
 
-void Runtime::Impl::graceful_shutdown() {
+bool Runtime::Impl::graceful_shutdown() {
   const auto limit = options.shutdown_timeout.count() > 0 ? options.shutdown_timeout
                                                            : std::chrono::milliseconds(std::chrono::hours(24 * 365));
   const auto deadline = std::chrono::steady_clock::now() + limit;
@@ -127,6 +127,7 @@ void Runtime::Impl::graceful_shutdown() {
     // Rank 0 is gone or the deadline passed: close anyway rather than hang.
   }
   if (trace::enabled()) finish_trace(quiet);
+  return quiet;
 }
 
 void Runtime::Impl::finish_trace(bool meet) {
