@@ -15,8 +15,6 @@ root=$(pwd)
 # code and little of ours (and whose example-running cases need the examples, not built here). The soak runs under
 # TSan only: ASan's quarantine of freed memory grows RSS by design, which is what the soak checks stays flat.
 tests=(core rpc rref core_faults dist_autograd tls shm_channel cancel flow fault_matrix multihost)
-asan_tests=("${tests[@]}")
-tsan_tests=("${tests[@]}" soak)
 which=("${@:-asan}")
 [[ $# -eq 0 ]] && which=(asan tsan)
 
@@ -34,8 +32,8 @@ total_pass=0
 total_fail=0
 for kind in "${which[@]}"; do
   case "$kind" in
-    asan) sanitize=address,undefined; chosen=("${asan_tests[@]}") ;;
-    tsan) sanitize=thread; chosen=("${tsan_tests[@]}") ;;
+    asan) sanitize=address,undefined; chosen=("${tests[@]}") ;;
+    tsan) sanitize=thread; chosen=("${tests[@]}" soak) ;;
     *) echo "sanitize: unknown build '$kind' (asan or tsan)" >&2; exit 2 ;;
   esac
   dir=build-$kind

@@ -30,15 +30,21 @@ inline bool all_threads_stopped(pid_t pid) {
   return !ec && seen > 0;
 }
 
-// Sends SIGSTOP to `pid` and returns once all its threads have stopped (throws after 10 s).
-inline void stop_process(pid_t pid) {
-  ::kill(pid, SIGSTOP);
+// Returns once every thread of `pid` has stopped (throws after 10 s): for a stop sent by someone else, e.g. the
+// process raising SIGSTOP itself from a pool thread.
+inline void wait_until_stopped(pid_t pid) {
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   while (!all_threads_stopped(pid)) {
     if (std::chrono::steady_clock::now() > give_up)
       throw std::runtime_error("process " + std::to_string(pid) + " did not stop within 10 s of SIGSTOP");
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
+}
+
+// Sends SIGSTOP to `pid` and returns once all its threads have stopped (throws after 10 s).
+inline void stop_process(pid_t pid) {
+  ::kill(pid, SIGSTOP);
+  wait_until_stopped(pid);
 }
 
 }  // namespace corpc::test

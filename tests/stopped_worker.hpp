@@ -38,7 +38,7 @@ inline void expect_stopped_worker2_declared_unreachable(const RpcOptions& option
         const int victim = rpc_sync<&pid_of_rank>(2);
         auto stop = rpc_async<&stop_whole_process>(2);
         // The call above stops it from a pool thread; until every thread has stopped, others could still answer.
-        while (!all_threads_stopped(victim)) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        wait_until_stopped(victim);
         if (while_stopped) while_stopped();
         auto gone = EXPECT_THROWS_AS(stop.wait(std::chrono::seconds(20) * time_scale()), ConnectionError);
         EXPECT_CONTAINS(gone, "worker2");
