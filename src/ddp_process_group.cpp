@@ -14,6 +14,7 @@
 
 #include "corpc/ddp/ddp.hpp"
 #include "corpc/ddp/rpc_store.hpp"
+#include "corpc/detail/torch_compat.hpp"
 #include "corpc/rpc/runtime.hpp"
 #include "host_allocator.hpp"
 
@@ -56,6 +57,7 @@ c10::intrusive_ptr<c10d::Store> make_store(const std::string& addr, int port, in
   o.numWorkers = agent_store ? c10::nullopt : c10::optional<std::size_t>(world);
   o.waitWorkers = false;
   o.timeout = timeout;
+  corpc::detail::use_classic_tcpstore(o);
   return c10::make_intrusive<c10d::TCPStore>(addr, o);
 }
 
@@ -92,7 +94,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const ProcessGroupOpti
   gloo_options->devices = {loopback ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
                                     : c10d::ProcessGroupGloo::createDefaultDevice()};
   gloo_options->threads = 2;
-  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, gloo_options);
+  auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, gloo_options);
+  return corpc::detail::as_process_group<c10d::ProcessGroup>(std::move(gloo), store, rank, world);
 }
 
 }  // namespace corpc::ddp

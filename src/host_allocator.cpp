@@ -5,9 +5,11 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstring>
 #include <mutex>
 #include <new>
 
+#include "corpc/detail/torch_compat.hpp"
 #include "host_block_cache.hpp"
 
 namespace corpc::detail {
@@ -26,11 +28,11 @@ void sub(std::int64_t bytes) { live.fetch_sub(bytes, std::memory_order_relaxed);
 
 // Every pointer it hands out has context == data and the counts balance whichever way it is freed: through its
 // DataPtr, or through raw_deallocate (oneDNN's scratch buffers take that route).
-class HostAllocator final : public c10::Allocator {
+class HostAllocator final : public CpuAllocatorBase<> {
  public:
   explicit HostAllocator(c10::Allocator* inner) : inner_(inner), inner_deleter_(inner->raw_deleter()) {}
 
-  c10::DataPtr allocate(size_t n) const override {
+  c10::DataPtr allocate_bytes(size_t n) const override {
     void* block = nullptr;
     if (n >= HostBlockCache::kMinBytes && caching.load(std::memory_order_relaxed)) {
       // Out of memory even after the cache dropped its blocks: the previous allocator tries, and fails with the
@@ -54,6 +56,7 @@ class HostAllocator final : public c10::Allocator {
     return {data, data, &release_small, p.device()};
   }
   c10::DeleterFnPtr raw_deleter() const override { return inner_deleter_ ? &release_any : nullptr; }
+  void copy_bytes(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
 
   static inline HostAllocator* instance = nullptr;
 

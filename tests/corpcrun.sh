@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# corpcrun and torchrun launching real corpc programs on this host.
+# corpcrun launching real corpc programs on this host (torchrun: tests/torchrun.sh).
 #   tests/corpcrun.sh CORPCRUN RPC_HELLO
 set -uo pipefail
 corpcrun=$1 hello=$2
@@ -30,13 +30,4 @@ grep -q '^\[rank 0\] corpc warn \[master, init_rpc\]: no shared secret' "$work/o
 CORPC_LOG=error "$corpcrun" -n 1 --timeout 60 sh -c 'CORPC_SECRET= exec "$0"' "$hello" >"$work/out" 2>&1
 ! grep -q 'corpc warn' "$work/out" || { cat "$work/out"; fail "CORPC_LOG=error still prints warnings"; }
 
-# Debian's torchrun (python3-torch) launches a corpc binary too; its stream settings crash on Python 3.11 unless
-# -r/-t are given (see ../shared/TIPS.md).
-if command -v torchrun >/dev/null && [[ "$(command -v torchrun)" == /usr/bin/torchrun ]]; then
-  CORPC_SECRET=$RANDOM$RANDOM timeout 120 torchrun --standalone --nproc_per_node 3 -r 1 -t 1 --no_python "$hello" >"$work/out" 2>&1 ||
-    { cat "$work/out"; fail "rpc_hello under torchrun"; }
-  grep -q 'counter on worker2: 15' "$work/out" || { cat "$work/out"; fail "torchrun run's output"; }
-  echo "corpcrun test: corpcrun and torchrun passed"
-else
-  echo "corpcrun test: corpcrun passed (no /usr/bin/torchrun: torchrun launch skipped)"
-fi
+echo "corpcrun test: passed"

@@ -2,9 +2,10 @@
 /// The small torch value types that functions and module options take: c10::Scalar,
 /// c10::Device, at::ScalarType, c10::optional, c10::variant, and the option tags (torch::kSum, torch::kMean, ...).
 ///
-/// libtorch 1.13 has its own optional and variant (not std's), and options hold them:
+/// Options hold optionals and variants of torch's tags: libtorch 1.13's own c10::optional and c10::variant, or from 2.x
+/// std's (which codec.hpp covers; see corpc/detail/torch_compat.hpp):
 /// ```cpp
-///   torch::nn::EmbeddingBagOptions(10, 3).mode(torch::kSum).max_norm(1.0)   // a c10::variant and a c10::optional
+///   torch::nn::EmbeddingBagOptions(10, 3).mode(torch::kSum).max_norm(1.0)   // a variant and an optional
 /// ```
 /// so with these a Codec for an options struct is a list of its fields (see tests/test_porting.cpp for one).
 ///
@@ -14,13 +15,12 @@
 #include <c10/core/Device.h>
 #include <c10/core/Scalar.h>
 #include <c10/core/ScalarType.h>
-#include <c10/util/Optional.h>
-#include <c10/util/variant.h>
 
 #include <complex>
 #include <string_view>
 
 #include "corpc/core/type_name.hpp"
+#include "corpc/detail/torch_compat.hpp"
 #include "corpc/wire/codec.hpp"
 
 namespace corpc {
@@ -95,6 +95,7 @@ struct Codec<c10::Scalar> {
 };
 
 template <class T>
+  requires detail::c10_optional_is_own_type<T>
 struct Codec<c10::optional<T>> {
   static void write(Writer& w, const c10::optional<T>& o) {
     w.put(o.has_value());
@@ -107,6 +108,7 @@ struct Codec<c10::optional<T>> {
 };
 
 namespace detail {
+#if CORPC_C10_HAS_OWN_VARIANT
 template <class V>
 struct C10VariantOps {
   template <std::size_t I>
@@ -114,6 +116,7 @@ struct C10VariantOps {
   template <std::size_t I>
   static V make(Reader& r) { return V(c10::in_place_index_t<I>(), r.get<c10::variant_alternative_t<I, V>>()); }
 };
+#endif
 
 // torch::kSum, torch::kMean, ...: empty tag types that options hold in variants; they encode to nothing (the
 // variant's index says which one it is).
@@ -124,9 +127,11 @@ constexpr bool is_torch_enum_tag() {
 }
 }  // namespace detail
 
+#if CORPC_C10_HAS_OWN_VARIANT
 template <class... T>
 struct Codec<c10::variant<T...>>
     : detail::VariantCodec<c10::variant<T...>, detail::C10VariantOps<c10::variant<T...>>, sizeof...(T)> {};
+#endif
 
 template <class T>
 struct Codec<T, std::enable_if_t<detail::is_torch_enum_tag<T>()>> {

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# A Debian 13 (trixie) root with libtorch 2.6 and g++ 14, made with mmdebstrap from the Debian mirror this machine's
+# apt is configured with, and a way to run commands in it with this repository mounted at /corpc.
+#   scripts/debian13.sh make [--cuda]       make the root if it is missing or its package list changed (idempotent)
+#   scripts/debian13.sh run [--cuda] CMD…   run CMD in the root, in /corpc (the repository), as root
+# The plain root has Debian's CPU libtorch-dev; --cuda makes a second root with libtorch-cuda-dev (contrib, built on
+# CUDA 12.4 from non-free: about 2.3 GB installed), for compiling and linking corpc's CUDA path without a GPU. The two
+# cannot share a root: libtorch-cuda-dev conflicts with libtorch-dev.
+# Roots live under $CORPC_ROOTS (default /var/tmp/corpc-roots), outside any clone, so that later runs on the same
+# machine reuse them. Needs root (mmdebstrap's chroot mode, mounts in a private mount namespace).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$PWD
+roots=${CORPC_ROOTS:-/var/tmp/corpc-roots}
+
+verb=${1:-}; shift || true
+flavour=cpu
+if [[ "${1:-}" == "--cuda" ]]; then flavour=cuda; shift; fi
+root=$roots/trixie-$flavour
+
+common=(build-essential meson ninja-build pkg-config cmake git python3 ca-certificates
+        libasio-dev libfmt-dev doctest-dev libssl-dev libopenblas0-pthread)
+if [[ $flavour == cpu ]]; then
+  packages=("${common[@]}" libtorch-dev libgloo-dev iproute2)  # iproute2: test_multihost's network namespaces
+  components="main"
+else
+  # libtorch-cuda-2.6 depends on nvidia-cudnn, an installer that downloads cuDNN from NVIDIA's servers at install
+  # time, which cannot be reached from here. A placeholder package of that name stands in for it: this root compiles
+  # and links corpc against libtorch_cuda (linking with --allow-shlib-undefined for libtorch's own cuDNN symbols, see
+  # scripts/cuda_build.sh); it never runs CUDA code.
+  packages=("${common[@]}" libtorch-cuda-dev libgloo-cuda-dev)
+  components="main contrib non-free"
+fi
+stamp="trixie $components: ${packages[*]##*/}"
+
+mirror() {  # the URI of the Debian archive apt uses here (deb822 or one-line sources)
+  local uri
+  uri=$(grep -hE '^URIs:' /etc/apt/sources.list.d/*.sources 2>/dev/null | awk '{print $2}' | grep -v security | head -1 || true)
+  [[ -z $uri ]] && uri=$(grep -hE '^deb ' /etc/apt/sources.list 2>/dev/null | awk '{print $2}' | grep -v security | head -1 || true)
+  echo "${uri:-http://deb.debian.org/debian}"
+}
+
+make_root() {
+  if [[ -f $root/.corpc-stamp && "$(cat "$root/.corpc-stamp")" == "$stamp" ]]; then
+    echo "debian13: reusing $root"
+    return
+  fi
+  if ! command -v mmdebstrap >/dev/null; then
+    echo "debian13: installing mmdebstrap"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends mmdebstrap >/dev/null
+  fi
+  local uri
+  uri=$(mirror)
+  echo "debian13: making $root from $uri ($components; $(date +%T))"
+  rm -rf "$root.tmp"
+  mkdir -p "$roots"
+  if [[ $flavour == cuda ]]; then
+    local pkg=$roots/nvidia-cudnn-placeholder
+    mkdir -p "$pkg/DEBIAN"
+    printf '%s\n' 'Package: nvidia-cudnn' 'Version: 9.0.0.312~cuda12+corpc' 'Architecture: amd64' \
+      'Maintainer: corpc <corpc@localhost>' 'Description: placeholder for the cuDNN downloader (no cuDNN inside)' \
+      >"$pkg/DEBIAN/control"
+    dpkg-deb --build "$pkg" "$pkg.deb" >/dev/null
+  fi
+  local include hooks=()
+  include=$(IFS=,; echo "${packages[*]}")
+  if [[ $flavour == cuda ]]; then
+    # The placeholder goes in first, from inside the root (mmdebstrap resolves .deb paths there), then the rest.
+    include=$(IFS=,; echo "${common[*]}")
+    hooks=(--customize-hook="copy-in $roots/nvidia-cudnn-placeholder.deb /tmp"
+           --customize-hook="chroot \"\$1\" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends /tmp/nvidia-cudnn-placeholder.deb ${packages[*]:${#common[@]}}")
+  fi
+  mmdebstrap ${CORPC_MMDEBSTRAP_QUIET---quiet} --variant=apt --components="${components// /,}" --include="$include" \
+    --aptopt='APT::Install-Recommends "false"' "${hooks[@]}" trixie "$root.tmp" "$uri"
+  echo "$stamp" >"$root.tmp/.corpc-stamp"
+  rm -rf "$root"
+  mv "$root.tmp" "$root"
+  echo "debian13: $root ready ($(date +%T), $(du -sh "$root" | cut -f1))"
+}
+
+run_in_root() {
+  [[ -f $root/.corpc-stamp ]] || { echo "debian13: no root at $root (scripts/debian13.sh make${flavour/cpu/})"; exit 2; }
+  mkdir -p "$root/corpc"
+  # A private mount namespace: the mounts vanish with the command, whatever way it ends. The network namespace is
+  # the host's, so 127.0.0.1 is the same loopback.
+  unshare --mount --propagation private -- bash -c '
+    set -e
+    root=$1; repo=$2; shift 2
+    mount -t proc proc "$root/proc"
+    mount --rbind /dev "$root/dev"
+    mount --rbind /sys "$root/sys"
+    mount -t tmpfs tmpfs "$root/tmp"
+    mount --bind "$repo" "$root/corpc"
+    [[ -d /run/netns ]] && mkdir -p "$root/run/netns" && mount --rbind /run/netns "$root/run/netns"
+    exec chroot "$root" /usr/bin/env -i HOME=/root PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin LANG=C.UTF-8 \
+      CI="${CI:-}" CORPC_TEST_TIME_SCALE="${CORPC_TEST_TIME_SCALE:-}" bash -c "cd /corpc && $*"
+  ' bash "$root" "$repo" "$@"
+}
+
+case $verb in
+  make) make_root ;;
+  run) run_in_root "$@" ;;
+  *) echo "usage: scripts/debian13.sh make|run [--cuda] [command…]"; exit 2 ;;
+esac

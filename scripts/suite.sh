@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Configures (once), builds and runs the plain test suite in one build directory, then prints one line
+#   suite NAME: N passed, N failed, N skipped
+# counting test cases: doctest's own summary of each test binary ("[doctest] test cases: 12 | 11 passed | 1 failed |
+# 0 skipped", the last one in its output: forked ranks print none), and one case for a test without one (scripts, or
+# a binary that crashed or timed out before its summary, which counts as failed). Exits non-zero if anything failed.
+#   scripts/suite.sh NAME BUILD_DIR [meson setup arguments…]
+# scripts/test.sh runs it for Debian 12's libtorch 1.13 on this machine (build/) and for Debian 13's libtorch 2.6 in
+# the root that scripts/debian13.sh makes (build-debian13/).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+name=$1 dir=$2
+shift 2
+if [[ ! -f $dir/build.ninja ]]; then
+  meson setup "$dir" --buildtype=release "$@" >/dev/null
+fi
+ninja -C "$dir"
+set +e
+meson test -C "$dir" --no-rebuild --print-errorlogs --num-processes 2
+status=$?
+set -e
+read -r ok fail skipped < <(python3 - "$dir/meson-logs/testlog.json" <<'PY'
+import json, re, sys
+passed = failed = skipped = 0
+for line in open(sys.argv[1]):
+    test = json.loads(line)
+    out = re.sub(r"\x1b\[[0-9;]*m", "", test.get("stdout") or "")
+    cases = re.findall(r"\[doctest\] test cases:\s*(\d+) \|\s*(\d+) passed \|\s*(\d+) failed(?: \|\s*(\d+) skipped)?", out)
+    result = test["result"]
+    if cases and result in ("OK", "FAIL"):
+        _, p, f, s = cases[-1]
+        passed, failed, skipped = passed + int(p), failed + int(f), skipped + int(s or 0)
+        failed += result == "FAIL" and int(f) == 0  # failed outside any test case (exit status, leak report)
+    elif result in ("OK", "EXPECTEDFAIL"):
+        passed += 1
+    elif result == "SKIP":
+        skipped += 1
+    else:
+        failed += 1
+print(passed, failed, skipped)
+PY
+)
+echo "suite $name: $ok passed, $fail failed, $skipped skipped"
+[[ $status -eq 0 && $fail -eq 0 ]]
