@@ -7,9 +7,18 @@
 //   pipeline_bench --compare-pytorch        # after each split, the same split through torch.distributed.rpc
 //   pipeline_bench --schedules gpipe,1f1b,interleaved,zbh1 --balance measured|time|tutorial|11,12 --workers 2
 //   pipeline_bench --trace pipeline_trace.json --gantt pipeline_gantt.png   # the last timed step of every run
+//   pipeline_bench --device cuda:0          # every stage on that device (workers "workerN/cuda:0"), the reference too
 //
 // Prints, per schedule and split: the time of the timed batches, the bubble measured from the workers' timelines
 // beside the schedule's formula, each worker's peak activation memory and micro-batches held, and PyTorch's time.
+//
+// With --device cuda:N the workers share that GPU: activations and gradients go from stage to stage through device
+// maps (cuda:N -> cuda:N between every two workers; the master sends only CPU inputs and targets), the balance is
+// profiled on the device, and the timed batches end with a synchronize of every worker's device. Timelines (the
+// bubble column) record host time, which on a GPU is when kernels were queued, not when they ran; the peak column
+// counts the CPU allocator only. PyTorch's side gets --device too (bench/pytorch_pipeline.py: the tutorial's shards
+// on the device, tensors crossing RPC on the CPU).
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/sgd.h>
 
@@ -39,7 +48,23 @@ struct Config {
   std::vector<Schedule> schedules;
   std::string balance;
   long batch, image, batches, threads, width, classes, warmup, workers;
+  std::string device = "cpu";  // of every stage: "cpu" or "cuda:N"
+  std::string python = "/usr/bin/python3";
 };
+
+// "workerN/<device>": worker w's name and its stages' device, as PipelineOptions::workers takes them.
+std::string worker_spec(const Config& c, long w) { return "worker" + std::to_string(w) + "/" + c.device; }
+
+// Waits for everything queued on `device` (a string, to travel as an RPC argument); nothing to wait for on the CPU.
+void synchronize_device(std::string device) {
+  const c10::Device d(device);
+  if (d.is_cuda()) at::detail::getCUDAHooks().deviceSynchronize(d.index());
+}
+// The same on every worker of the pipeline, so that a timed batch's clock stops after its last kernel.
+void synchronize_workers(const Config& c) {
+  if (c.device == "cpu") return;
+  for (long w = 1; w <= c.workers; ++w) rpc_sync<&synchronize_device>("worker" + std::to_string(w), c.device);
+}
 
 const std::vector<std::int64_t> kBlocks{3, 4, 6, 3};
 long g_classes = 1000;
@@ -82,7 +107,7 @@ std::vector<int> refine_by_steps(const Config& c, int stages, std::vector<double
   PipelineOptions o;
   o.schedule = stages > c.workers ? Schedule::Interleaved1F1B : Schedule::OneFOneB;
   o.micro_batches = 4;
-  for (long w = 1; w <= c.workers; ++w) o.workers.push_back("worker" + std::to_string(w) + "/cpu");
+  for (long w = 1; w <= c.workers; ++w) o.workers.push_back(worker_spec(c, w));
   std::vector<int> best = balance;
   double best_pace = INFINITY;
   for (int round = 1; round <= 3; ++round) {
@@ -103,13 +128,40 @@ std::vector<int> refine_by_steps(const Config& c, int stages, std::vector<double
   return best;
 }
 
+// profile_layers (corpc/pipeline/balance.hpp) on c.device: on a GPU every timed run ends with a synchronize of the
+// device, or the clock would read how long the kernels took to queue.
+std::vector<double> profile_on_device(const Config& c, torch::nn::Sequential net, const at::Tensor& sample, int repeats) {
+  if (c.device == "cpu") return profile_layers(net, sample, repeats);
+  const c10::Device device(c.device);
+  net->to(device);
+  std::vector<double> times;
+  at::Tensor x = sample.to(device);
+  for (auto& layer : *net) {
+    std::vector<double> runs;
+    at::Tensor y;
+    for (int i = 0; i <= repeats; ++i) {
+      at::Tensor in = x.detach().requires_grad_(x.is_floating_point());
+      synchronize_device(c.device);
+      const auto t0 = Clock::now();
+      y = layer.forward(in);
+      if (y.requires_grad()) torch::autograd::backward({y}, {at::ones_like(y)});
+      synchronize_device(c.device);
+      if (i > 0) runs.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    std::nth_element(runs.begin(), runs.begin() + static_cast<long>(runs.size() / 2), runs.end());
+    times.push_back(runs[runs.size() / 2]);
+    x = y.detach();
+  }
+  return times;
+}
+
 // Layers per stage: "tutorial" (after layer2, 2 stages), "time" (balance-by-time on a micro-batch-sized sample),
 // "measured" (balance-by-time refined by the stage times of real steps), or a list.
 std::vector<int> make_balance(const Config& c, int stages, const std::vector<std::pair<at::Tensor, at::Tensor>>& data) {
   if (c.balance == "tutorial" && stages == 2) return tutorial_balance(kBlocks);
   if (c.balance == "time" || c.balance == "measured" || c.balance == "tutorial") {
     auto net = resnet50(c.width, c.classes);
-    auto costs = profile_layers(net, random_images(std::max<long>(2, c.batch / 4), c.image, 5), 2);
+    auto costs = profile_on_device(c, net, random_images(std::max<long>(2, c.batch / 4), c.image, 5), 2);
     auto balance = partition_by_cost(costs, stages);
     if (c.balance == "measured") balance = refine_by_steps(c, stages, std::move(costs), std::move(balance), data);
     return balance;
@@ -132,10 +184,11 @@ RunResult run_pipeline(const Config& c, Schedule schedule, long splits, const st
   PipelineOptions o;
   o.schedule = schedule;
   o.micro_batches = static_cast<int>(splits);
-  for (long w = 1; w <= c.workers; ++w) o.workers.push_back("worker" + std::to_string(w) + "/cpu");
+  for (long w = 1; w <= c.workers; ++w) o.workers.push_back(worker_spec(c, w));
   o.balance = balance;
   auto pipe = Pipeline::create<&resnet50, &mse, &make_sgd>(o, std::int64_t{c.width}, std::int64_t{c.classes});
   for (long w = 0; w < c.warmup; ++w) sync_wait(pipe.train_step(data[0].first, data[0].second));
+  synchronize_workers(c);
   RunResult r;
   r.peak_bytes.assign(c.workers, 0);
   r.held.assign(c.workers, 0);
@@ -153,31 +206,39 @@ RunResult run_pipeline(const Config& c, Schedule schedule, long splits, const st
     }
     r.last = std::move(step.workers);
   }
+  synchronize_workers(c);
   r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return r;
 }
 
-// The same batches through the unsplit model in this process, no RPC, whole batches: the floor to beat.
+// The same batches through the unsplit model in this process, no RPC, whole batches: the floor to beat. On the stages'
+// device, the batches copied there inside the timed steps (as the pipeline's first stage does).
 double run_single_process(const Config& c, const std::vector<std::pair<at::Tensor, at::Tensor>>& data) {
+  const c10::Device device(c.device);
   auto net = resnet50(c.width, c.classes);
+  net->to(device);
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05));
   auto step = [&](const at::Tensor& x, const at::Tensor& y) {
     opt.zero_grad();
-    mse(net->forward(x), y).backward();
+    mse(net->forward(x.to(device)), y.to(device)).backward();
     opt.step();
   };
   for (long w = 0; w < c.warmup; ++w) step(data[0].first, data[0].second);
+  synchronize_device(c.device);
   auto t0 = Clock::now();
   for (auto& [x, y] : data) step(x, y);
+  synchronize_device(c.device);
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
 // bench/pytorch_pipeline.py for one split; seconds, or NAN if it did not run.
 double run_pytorch(const Config& c, long split, const std::string& script) {
   std::ostringstream cmd;
-  cmd << "/usr/bin/python3 " << script << " --batch-size " << c.batch << " --image-size " << c.image
+  cmd << c.python << " " << script << " --batch-size " << c.batch << " --image-size " << c.image
       << " --num-batches " << c.batches << " --threads " << c.threads << " --base-width " << c.width
-      << " --num-classes " << c.classes << " --warmup " << c.warmup << " --splits " << split << " 2>/dev/null";
+      << " --num-classes " << c.classes << " --warmup " << c.warmup << " --splits " << split;
+  if (c.device != "cpu") cmd << " --device " << c.device;
+  cmd << " 2>/dev/null";
   std::fprintf(stderr, "# running PyTorch: %s\n", cmd.str().c_str());
   double out = NAN;
   FILE* p = ::popen(cmd.str().c_str(), "r");
@@ -228,7 +289,9 @@ int main(int argc, char** argv) {
               "               [--workers 2] [--batch-size 32] [--image-size 64] [--num-batches 3] [--threads 1] [--warmup 1]\n"
               "               [--base-width 64] [--num-classes 1000] [--tutorial] [--compare-pytorch]\n"
               "               [--pytorch-script bench/pytorch_pipeline.py] [--trace FILE.json] [--gantt FILE.png]\n"
-              "               [--host-cache on|off]   (off: libtorch's own CPU allocator in every process, reference included)");
+              "               [--host-cache on|off]   (off: libtorch's own CPU allocator in every process, reference included)\n"
+              "               [--device cpu|cuda:N]   (every stage there, and the one-process reference; PyTorch's too)\n"
+              "               [--python /usr/bin/python3]   (the interpreter that runs --pytorch-script)");
     return 0;
   }
   const bool tutorial = flags.has("tutorial");
@@ -247,17 +310,31 @@ int main(int argc, char** argv) {
   c.classes = g_classes = flags.get_int("num-classes", 1000);
   c.warmup = flags.get_int("warmup", 1);
   c.workers = flags.get_int("workers", 2);
+  c.device = flags.get("device", "cpu");
+  c.python = flags.get("python", c.python);
+  try {  // parsing a device string touches no driver: this process forks the ranks and must not start CUDA
+    const c10::Device d(c.device);
+    if (!d.is_cpu() && !(d.is_cuda() && d.has_index())) throw std::invalid_argument("not cpu or cuda:N");
+    c.device = d.str();
+  } catch (const std::exception&) {
+    std::fprintf(stderr, "pipeline_bench: --device %s: expected cpu or cuda:N\n", c.device.c_str());
+    return 2;
+  }
   const bool compare = flags.has("compare-pytorch");
   const std::string script = flags.get("pytorch-script", "bench/pytorch_pipeline.py");
   const std::string trace_path = flags.get("trace", ""), gantt_path = flags.get("gantt", "");
 
   bench::print_machine();
   const std::string host_cache = flags.get("host-cache", "on");
-  std::printf("# ResNet50 (base width %ld) as a Sequential of %d layers on %ld worker processes + master (CPU); batch %ld of "
-              "%ldx%ld images, %ld timed batches after %ld warm-up, %ld intra-op thread(s) per process; balance: %s; "
-              "host cache: %s\n",
-              c.width, 4 + 16 + 3, c.workers, c.batch, c.image, c.image, c.batches, c.warmup, c.threads,
-              c.balance.c_str(), host_cache.c_str());
+  std::printf("# ResNet50 (base width %ld) as a Sequential of %d layers on %ld worker processes + master, stages on %s; "
+              "batch %ld of %ldx%ld images, %ld timed batches after %ld warm-up, %ld intra-op thread(s) per process; "
+              "balance: %s; host cache: %s\n",
+              c.width, 4 + 16 + 3, c.workers, c.device.c_str(), c.batch, c.image, c.image, c.batches, c.warmup,
+              c.threads, c.balance.c_str(), host_cache.c_str());
+  if (c.device != "cpu")
+    std::printf("# corpc: activations and gradients between the workers through device maps %s -> %s; PyTorch: "
+                "torch.distributed.rpc (TensorPipe), the tutorial's shards on %s, tensors crossing RPC on the CPU\n",
+                c.device.c_str(), c.device.c_str(), c.device.c_str());
   std::fflush(stdout);
 
   // Results cross from rank 0 to this process through a file (ranks are forked processes).
@@ -276,7 +353,12 @@ int main(int argc, char** argv) {
     launch_processes(world, [&](int rank) {
       at::set_num_threads(threads);
       bench::set_blas_threads(threads);
-      init_rpc(rank == 0 ? "master" : "worker" + std::to_string(rank), rank, world, options);
+      RpcOptions o = options;
+      if (c.device != "cpu") {  // stage to stage on the device: a map between every two workers, one side sets it
+        const c10::Device d(c.device);
+        for (long w = rank + 1; rank >= 1 && w <= c.workers; ++w) o.set_device_map("worker" + std::to_string(w), {{d, d}});
+      }
+      init_rpc(rank == 0 ? "master" : "worker" + std::to_string(rank), rank, world, o);
       if (rank == 0) {
         auto data = make_data(c);
         std::ofstream out(path);
@@ -394,5 +476,8 @@ int main(int argc, char** argv) {
   std::printf("Bubble measured: idle share of each worker between the step's first and last action (waits for inputs,\n"
               "messages, the step's start and end), averaged over workers and timed steps. Peak activations: the CPU\n"
               "allocator's peak during a step above what was live at its start (parameters, gradients, optimizer state).\n");
+  if (c.device != "cpu")
+    std::printf("On %s: the bubble is measured in host time (kernels are queued asynchronously) and the peak counts\n"
+                "the CPU allocator only (device memory is not counted).\n", c.device.c_str());
   return rows.empty() ? 1 : 0;
 }

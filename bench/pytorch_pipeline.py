@@ -13,8 +13,13 @@ Differences from the tutorial, on purpose:
     examples/resnet/resnet_shards.cpp, with a --base-width knob;
   * --warmup batches (default 1) run untimed first, then exactly --num-batches batches are timed, like the C++ bench.
 
-Run with /usr/bin/python3 (Debian's python3-torch). The last line of output is
-"JSON: {...}" for drivers.
+--device cuda:N puts both shards on that device, as the tutorial's GPU version does: each shard moves its input
+there and returns its output on the CPU, so tensors cross RPC (TensorPipe) on the CPU and no device map is needed;
+the timed batches end with a synchronize of each worker's device. The backend is torch.distributed.rpc's TensorPipe
+either way: no c10d process group (Gloo or NCCL) is involved.
+
+Run with /usr/bin/python3 (Debian's python3-torch), or the Python of a CUDA build of torch for --device cuda:N.
+The last line of output is "JSON: {...}" for drivers.
 """
 import argparse
 import json
@@ -69,23 +74,24 @@ def make_layer(inplanes, planes, blocks, stride):
 class Shard(nn.Module):
     """Runs on a worker; the master holds an RRef to it."""
 
-    def __init__(self, body):
+    def __init__(self, body, device):
         super().__init__()
-        self.body = body
+        self.device = torch.device(device)
+        self.body = body.to(self.device)
         # RPC threads deliver micro-batches concurrently; one at a time per
         # shard is what a pipeline stage means (and what the tutorial does).
         self._lock = threading.Lock()
 
     def forward(self, x_rref):
-        x = x_rref.to_here()
+        x = x_rref.to_here().to(self.device)  # no copy on the CPU
         with self._lock:
-            return self.body(x)
+            return self.body(x).cpu()
 
     def parameter_rrefs(self):
         return [RRef(p) for p in self.parameters()]
 
 
-def make_shard(index, base_width, num_classes, seed):
+def make_shard(index, base_width, num_classes, seed, device):
     # Seed on the worker so both split counts start from the same weights.
     torch.manual_seed(seed)
     w = base_width
@@ -99,15 +105,21 @@ def make_shard(index, base_width, num_classes, seed):
                              make_layer(4 * w * EXPANSION, 8 * w, 3, 2),
                              nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                              nn.Linear(8 * w * EXPANSION, num_classes))
-    return Shard(body)
+    return Shard(body, device)
+
+
+def synchronize(device):
+    """Waits for the kernels queued on this worker's `device` (nothing to wait for on the CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class DistResNet50(nn.Module):
-    def __init__(self, num_splits, base_width, num_classes, seed):
+    def __init__(self, num_splits, base_width, num_classes, seed, device):
         super().__init__()
         self.num_splits = num_splits
-        self.p1_rref = rpc.remote("worker1", make_shard, args=(1, base_width, num_classes, seed))
-        self.p2_rref = rpc.remote("worker2", make_shard, args=(2, base_width, num_classes, seed + 1))
+        self.p1_rref = rpc.remote("worker1", make_shard, args=(1, base_width, num_classes, seed, device))
+        self.p2_rref = rpc.remote("worker2", make_shard, args=(2, base_width, num_classes, seed + 1, device))
 
     def forward(self, xs):
         futs = []
@@ -140,7 +152,15 @@ def too_small_micro_batch(batch, image_size, splits):
     return smallest if smallest * hw * hw < 2 else 0
 
 
+def sync_workers(device):
+    if torch.device(device).type != "cpu":
+        for worker in ("worker1", "worker2"):
+            rpc.rpc_sync(worker, synchronize, args=(device,))
+
+
 def run_master(args):
+    print(f"# torch {torch.__version__}: torch.distributed.rpc, TensorPipe backend; shards on {args.device}",
+          flush=True)
     data = [make_batch(args.batch_size, args.image_size, args.num_classes, b)
             for b in range(args.num_batches)]
     loss_fn = nn.MSELoss()
@@ -152,18 +172,20 @@ def run_master(args):
                   f"{args.image_size}px leaves one value per BatchNorm channel "
                   "in layer4", flush=True)
             continue
-        model = DistResNet50(splits, args.base_width, args.num_classes, 0)
+        model = DistResNet50(splits, args.base_width, args.num_classes, 0, args.device)
         opt = DistributedOptimizer(torch.optim.SGD, model.parameter_rrefs(), lr=0.05)
         for images, labels in data[:1] * args.warmup:  # untimed, like the C++ bench
             with dist_autograd.context() as ctx:
                 dist_autograd.backward(ctx, [loss_fn(model(images), labels)])
                 opt.step(ctx)
+        sync_workers(args.device)
         t0 = time.perf_counter()
         for images, labels in data:
             with dist_autograd.context() as ctx:
                 loss = loss_fn(model(images), labels)
                 dist_autograd.backward(ctx, [loss])
                 opt.step(ctx)
+        sync_workers(args.device)
         seconds = time.perf_counter() - t0
         results[str(splits)] = seconds
         ips = args.batch_size * args.num_batches / seconds
@@ -203,6 +225,7 @@ def main():
     p.add_argument("--warmup", type=int, default=1, help="untimed batches before timing each split")
     p.add_argument("--base-width", type=int, default=64)
     p.add_argument("--num-classes", type=int, default=1000)
+    p.add_argument("--device", default="cpu", help="the shards' device: cpu or cuda:N")
     p.add_argument("--port", type=int, default=0, help="0: ask the OS")
     p.add_argument("--timeout", type=float, default=600,
                    help="seconds for each RPC and for the whole run")

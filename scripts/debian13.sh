@@ -10,6 +10,7 @@
 # machine reuse them. Needs root (mmdebstrap's chroot mode, mounts in a private mount namespace).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [[ $(id -u) -ne 0 ]]; then exec sudo -E "$0" "$@"; fi
 repo=$PWD
 roots=${CORPC_ROOTS:-/var/tmp/corpc-roots}
 
@@ -28,7 +29,7 @@ else
   # time, which cannot be reached from here. A placeholder package of that name stands in for it: this root compiles
   # and links corpc against libtorch_cuda (linking with --allow-shlib-undefined for libtorch's own cuDNN symbols, see
   # scripts/cuda_build.sh); it never runs CUDA code.
-  packages=("${common[@]}" libtorch-cuda-dev libgloo-cuda-dev)
+  packages=("${common[@]}" libtorch-cuda-dev libgloo-cuda-dev nvidia-cuda-dev)  # nvidia-cuda-dev: cudart headers
   components="main contrib non-free"
 fi
 stamp="trixie $components: ${packages[*]##*/}"
@@ -87,6 +88,7 @@ run_in_root() {
   unshare --mount --propagation private -- bash -c '
     set -e
     root=$1; repo=$2; shift 2
+    mount --bind "$root" "$root"  # "/" inside is a mount point: `ip -n` makes it a slave mount there
     mount -t proc proc "$root/proc"
     mount --rbind /dev "$root/dev"
     mount --rbind /sys "$root/sys"

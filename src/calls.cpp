@@ -72,7 +72,7 @@ void Runtime::Impl::start_call(detail::OutboundCall&& call) {
   m.head.deadline_ms = static_cast<std::uint32_t>(std::clamp<std::int64_t>(timeout.count(), 1, 0xffffffffLL));
   auto conn = connection_to(dst);  // throws for a dead peer or a closing runtime
   stamp_autograd(m, dst);
-  OutFrame frame = prepare_for(std::move(m), dst);
+  OutFrame frame = prepare_for(std::move(m), dst, conn.get());
   check_limits(frame, conn->peer_limits, name_of(dst));
   check_request_budget(frame, conn->peer_limits, name_of(dst));
 
@@ -132,10 +132,12 @@ void Runtime::Impl::finish_without_reply(detail::PendingCall& p, std::exception_
   p.finish(nullptr, std::move(error));
 }
 
-OutFrame Runtime::Impl::prepare_for(Message&& m, int rank) const {
+OutFrame Runtime::Impl::prepare_for(Message&& m, int rank, detail::Connection* conn) const {
   if (rank < 0 || rank >= static_cast<int>(device_maps.size()) || rank >= static_cast<int>(workers.size()))
     return prepare(std::move(m));
-  return prepare(std::move(m), device_maps[rank], workers[rank].name);
+  // Only frames with CUDA tensors mapped to the peer can be lent anything: the others skip the link's lock.
+  const bool lendable = conn && !device_maps[rank].empty() && !m.tensors.empty();
+  return prepare(std::move(m), device_maps[rank], workers[rank].name, lendable ? conn->cuda_ipc_for_lending() : nullptr);
 }
 
 void Runtime::Impl::when_staged(const std::shared_ptr<detail::Connection>& conn, OutFrame&& frame,

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "cuda_ipc.hpp"
 #include "shm_transfer.hpp"
 #include "trace_recorder.hpp"
 
@@ -80,6 +81,7 @@ class TcpConnection final : public Connection {
         tensor_bytes >= trace::kLargeTransferBytes);
     std::unique_lock lock(wmutex_);
     if (closed_) return;
+    if (f.lent) f.lent->commit();  // in the wire's order now: out until the peer's IpcDone or this connection's loss
     if (shm_ && tensor_bytes >= kShmMinBytes) shm_send(*shm_, f);  // the data goes through the ring if it has room
     if (!connected_ || flush_owned_ || corked_here() || f.tensors.size() + 3 > kMaxIov || transport_.encrypted()) {
       stage(f, 0);
@@ -116,6 +118,27 @@ class TcpConnection final : public Connection {
   void attach_shm(std::shared_ptr<ShmChannel> channel) override {
     std::lock_guard lock(wmutex_);
     if (!closed_) shm_ = std::move(channel);
+  }
+
+  void attach_cuda_ipc(std::shared_ptr<CudaIpcLink> link) override {
+    {
+      std::lock_guard lock(wmutex_);
+      if (!closed_) {
+        ipc_ = std::move(link);
+        ipc_attached_.store(true, std::memory_order_release);
+        return;
+      }
+    }
+    link->close();
+  }
+  std::shared_ptr<CudaIpcLink> cuda_ipc() override {
+    std::lock_guard lock(wmutex_);
+    return ipc_;
+  }
+  std::shared_ptr<CudaIpcLink> cuda_ipc_for_lending() override {
+    if (!ipc_attached_.load(std::memory_order_acquire)) return nullptr;
+    std::lock_guard lock(wmutex_);
+    return ipc_ && shm_ && shm_->can_send() && ipc_->lending() ? ipc_ : nullptr;
   }
 
   void close(std::string why) override {
@@ -395,7 +418,7 @@ class TcpConnection final : public Connection {
         while (rend_ - rbeg_ < head_len) co_await read_more();
         const char* meta = rbuf_.data() + rbeg_;
         msg.body.assign(meta + h.meta_len, h.body_len);
-        if (h.num_tensors || h.meta_len) msg.tensors = decode_tensors(h, meta, h.meta_len, &msg.devices);
+        if (h.num_tensors || h.meta_len) msg.tensors = decode_tensors(h, meta, h.meta_len, msg);
         rbeg_ += head_len;
       } else {
         // Too large to buffer: straight into its own storage, without a copy through the buffer.
@@ -407,7 +430,7 @@ class TcpConnection final : public Connection {
                                                  asio::buffer(msg.body.data() + b, msg.body.size() - b)};
         batch_end();
         co_await asio::async_read(transport_, rest, counting_progress(), asio::use_awaitable);
-        msg.tensors = decode_tensors(h, meta.data(), meta.size(), &msg.devices);
+        msg.tensors = decode_tensors(h, meta.data(), meta.size(), msg);
       }
       if (h.tensor_bytes && !(h.flags & kFlagShm)) {
         std::vector<asio::mutable_buffer> rest;
@@ -440,16 +463,27 @@ class TcpConnection final : public Connection {
     }
   }
 
-  // The frame's tensors: to be read from the socket, or already in the same-host ring.
-  std::vector<at::Tensor> decode_tensors(const FrameHeader& h, const char* meta, std::size_t len,
-                                         std::vector<std::int8_t>* devices) {
-    if (!(h.flags & kFlagShm)) return decode_tensor_meta(meta, len, h.num_tensors, h.tensor_bytes, limits_, devices);
-    if (!shm_rx_) {
+  // The frame's tensors: to be read from the socket, or already in the same-host ring; those lent by CUDA IPC are
+  // accepted once the link is attached (before the peer could send any).
+  std::vector<at::Tensor> decode_tensors(const FrameHeader& h, const char* meta, std::size_t len, Message& msg) {
+    if (!ipc_rx_ && ipc_attached_.load(std::memory_order_acquire)) {
       std::lock_guard lock(wmutex_);
-      shm_rx_ = shm_;
+      ipc_rx_ = ipc_;
     }
-    if (!shm_rx_) throw ProtocolError("tensor data announced in a same-host channel that was never set up");
-    return shm_receive(shm_rx_, h, meta, len, limits_, devices);
+    auto* ipc = ipc_rx_ ? &msg.ipc : nullptr;
+    std::vector<at::Tensor> tensors;
+    if (!(h.flags & kFlagShm)) {
+      tensors = decode_tensor_meta(meta, len, h.num_tensors, h.tensor_bytes, limits_, &msg.devices, ipc);
+    } else {
+      if (!shm_rx_) {
+        std::lock_guard lock(wmutex_);
+        shm_rx_ = shm_;
+      }
+      if (!shm_rx_) throw ProtocolError("tensor data announced in a same-host channel that was never set up");
+      tensors = shm_receive(shm_rx_, h, meta, len, limits_, &msg.devices, ipc);
+    }
+    if (msg.ipc) msg.ipc->link = ipc_rx_;
+    return tensors;
   }
 
   // Reserves `need` bytes of the receive budget, pausing (reading nothing) until there is room and this
@@ -552,6 +586,7 @@ class TcpConnection final : public Connection {
   void fail(const std::string& why) {
     room_timer_.cancel();  // a reader paused for room ends
     liveness_timer_.cancel();
+    std::shared_ptr<CudaIpcLink> ipc;
     {
       std::lock_guard lock(wmutex_);
       if (closed_) return;
@@ -563,7 +598,10 @@ class TcpConnection final : public Connection {
       keep_bodies_.clear();
       segs_.clear();
       shm_.reset();  // its mapping goes once the tensors received through it are freed too
+      ipc = std::move(ipc_);
     }
+    // What we lent is released (no IpcDone will come), what we mapped is closed once the copies using it are done.
+    if (ipc) ipc->close();
     auto handler = std::move(on_close_);
     on_frame_ = nullptr;
     if (handler) handler(shared_from_this(), why);
@@ -588,9 +626,12 @@ class TcpConnection final : public Connection {
   int silent_checks_ = 0;
 
   std::shared_ptr<ShmChannel> shm_rx_;  // I/O thread: shm_, once a frame needed it
+  std::shared_ptr<CudaIpcLink> ipc_rx_;  // I/O thread: ipc_, once attached
+  std::atomic<bool> ipc_attached_{false};  // ipc_ was set (spares senders and readers the lock until then)
 
   std::mutex wmutex_;  // guards everything below, and the socket's descriptor against close while a sender writes
   std::shared_ptr<ShmChannel> shm_;  // the same-host channel, once set up
+  std::shared_ptr<CudaIpcLink> ipc_;  // CUDA IPC with the peer, once agreed and attached
   std::string stage_;
   std::vector<Seg> segs_;
   std::size_t seg_i_ = 0, seg_done_ = 0;

@@ -26,6 +26,7 @@
 namespace corpc::detail {
 
 class Connection;
+class CudaIpcLink;
 class ShmChannel;
 
 // How the runtime's TCP connections behave (from RpcOptions).
@@ -111,6 +112,15 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // From now on, the tensor data of large messages may travel through this same-host channel (src/shm_channel.hpp)
   // in both directions. Any thread; ignored by connections that have no use for one.
   virtual void attach_shm(std::shared_ptr<ShmChannel>) {}
+  // CUDA IPC with the peer (src/cuda_ipc.hpp), agreed in the handshake: attached just before the same-host channel
+  // (whose set-up is what lets the peer send), and closed with the connection. Any thread; ignored by connections
+  // that have no use for one.
+  virtual void attach_cuda_ipc(std::shared_ptr<CudaIpcLink>) {}
+  // The link, once attached (the IpcDone frames it receives return its loans). Any thread.
+  virtual std::shared_ptr<CudaIpcLink> cuda_ipc() { return nullptr; }
+  // The link if CUDA tensors may be lent on this connection now: attached, the same-host channel sends (so the peer
+  // has its link too), lending not refused. Any thread.
+  virtual std::shared_ptr<CudaIpcLink> cuda_ipc_for_lending() { return nullptr; }
 
   int peer_rank = -1;          // known after the Hello (or at once for dialed connections); I/O thread
   bool said_goodbye = false;   // the peer announced an orderly close

@@ -1,4 +1,5 @@
-// The CUDA data path in a build without the CUDA toolkit: no devices, and a clear error if a tensor asks for one.
+// The CUDA data path in a build without the CUDA toolkit: no devices, no CUDA IPC, and a clear error if a tensor asks
+// for a device.
 #include <ATen/ATen.h>
 
 #include "corpc/core/errors.hpp"
@@ -18,9 +19,13 @@ at::Tensor stage_to_host(const at::Tensor&, const std::shared_ptr<DeviceTransfer
 at::Tensor host_receive_buffer(at::IntArrayRef sizes, at::IntArrayRef strides, at::ScalarType dtype) {
   return at::empty_strided(sizes, strides, at::TensorOptions().dtype(dtype));
 }
-void upload(std::vector<at::Tensor>&, const std::vector<std::int8_t>&, const std::shared_ptr<DeviceTransfer>&) {
+void upload(std::vector<at::Tensor>&, const std::vector<std::int8_t>&, const std::shared_ptr<DeviceTransfer>&,
+            const CudaIpcArrivals*) {
   unavailable();
 }
+// No CUDA, no CUDA IPC: the handshake never agrees to it, so nothing is lent or borrowed here.
+bool ipc_capable() noexcept { return false; }
+std::optional<CudaIpcRef> lend(const at::Tensor&, CudaIpcLink&) { return std::nullopt; }
 at::Tensor copy_to_device(const at::Tensor&, int) { unavailable(); }
 at::Tensor copy_to_host(const at::Tensor&) { unavailable(); }
 

@@ -4,6 +4,7 @@
 // registered in the connection's InboundCalls, which a cancel frame (or the connection's loss) stops; a request
 // stopped before it started is answered with CancelledError without running.
 #include "corpc/core/type_name.hpp"
+#include "cuda_ipc.hpp"
 #include "cuda_transfer.hpp"
 #include "device_transfer.hpp"
 #include "runtime_impl.hpp"
@@ -46,7 +47,8 @@ class RequestScope {
         CallContextScope scope(rt_.handler_context(ctx_));
         rt_.stamp_autograd(out, src_);
       }
-      OutFrame frame = rt_.prepare_for(std::move(out), src_);  // a result that cannot be encoded becomes an error frame
+      // A result that cannot be encoded becomes an error frame.
+      OutFrame frame = rt_.prepare_for(std::move(out), src_, conn_.get());
       check_limits(frame, conn_->peer_limits, rt_.name_of(src_));
       if (frame.staged) [[unlikely]] {  // CUDA tensors still being copied out: replied from the copy's completion
         auto self = std::make_shared<RequestScope>(std::move(*this));
@@ -207,6 +209,7 @@ void Runtime::Impl::on_frame(const std::shared_ptr<detail::Connection>& conn, Me
       }
       return deliver_reply(conn, std::move(msg));
     }
+    case FrameKind::IpcDone: return on_ipc_done(conn, std::move(msg));
     case FrameKind::Goodbye:
     case FrameKind::Ping:  // answered by the transport
     case FrameKind::Pong: return;
@@ -221,7 +224,7 @@ void Runtime::Impl::deliver_on_devices(const std::shared_ptr<detail::Connection>
   auto transfer = std::make_shared<detail::DeviceTransfer>();
   auto held = std::make_shared<Message>(std::move(msg));
   try {
-    detail::cuda::upload(held->tensors, held->devices, transfer);
+    detail::cuda::upload(held->tensors, held->devices, transfer, held->ipc.get());
   } catch (...) {
     transfer->fail(std::current_exception());
   }
@@ -231,6 +234,14 @@ void Runtime::Impl::deliver_on_devices(const std::shared_ptr<detail::Connection>
     asio::post(io, [this, conn = std::move(conn), held = std::move(held), credit = std::move(credit),
                     error = std::move(error)]() mutable {
       held->devices.clear();
+      if (held->ipc) {
+        // Every copy out of the lender's memory is done (or never started): its tensors may go back. A connection
+        // lost meanwhile released them on the lender's side, which may have reused the memory under the copy.
+        return_ipc_loans(conn, *held->ipc);
+        if (!error && held->ipc->link && held->ipc->link->closed())
+          error = std::make_exception_ptr(ConnectionError("the connection was lost while a CUDA IPC tensor was copied"));
+        held->ipc.reset();
+      }
       if (!error) return on_frame(conn, std::move(*held));
       const FrameHeader& h = held->head;
       if (h.kind == FrameKind::Request) {

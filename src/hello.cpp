@@ -19,6 +19,7 @@ std::string encode_hello(const Hello& hello) {
   w.put(hello.host);
   w.put(hello.shm_socket);
   w.put(hello.shm_cookie);
+  w.put(hello.cuda_ipc);
   return body;
 }
 
@@ -41,6 +42,7 @@ Hello decode_hello(const char* body, std::size_t size) {
   h.host = r.get<std::string>();
   h.shm_socket = r.get<std::string>();
   h.shm_cookie = r.get<std::string>();
+  h.cuda_ipc = r.get<bool>();
   return h;
 }
 

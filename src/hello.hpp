@@ -22,6 +22,8 @@ struct Hello {
   std::string host;
   std::string shm_socket;
   std::string shm_cookie;
+  // CUDA IPC (src/cuda_ipc.hpp): the sender can lend and borrow CUDA tensors, should the same-host channel be set up.
+  bool cuda_ipc = false;
 };
 
 std::string encode_hello(const Hello& hello);

@@ -33,7 +33,7 @@ Message hello_message(const detail::Hello& hello) {
 }
 
 Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits) {
-  return hello_message(detail::Hello{kProtocolVersion, self, world_size, rendezvous, limits, {}, {}, {}, {}});
+  return hello_message(detail::Hello{kProtocolVersion, self, world_size, rendezvous, limits, {}, {}, {}, {}, false});
 }
 
 detail::Hello Runtime::Impl::our_hello(bool registering) const {
@@ -45,6 +45,7 @@ detail::Hello Runtime::Impl::our_hello(bool registering) const {
   h.limits = options.limits;
   if (registering) h.devices = own_device_config();  // rank 0 checks every worker's maps against the others'
   h.host = same_host_id;
+  h.cuda_ipc = cuda_ipc_offered;
   return h;
 }
 

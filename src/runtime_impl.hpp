@@ -57,6 +57,10 @@ struct Runtime::Impl {
   std::string same_host_id;
   std::unique_ptr<detail::ShmListener> shm_listener;
   std::atomic<bool> same_host_warned{false};
+  // CUDA IPC (src/cuda_ipc.hpp), on connections whose same-host channel is set up: whether we announce it (set with
+  // same_host_id, before any Hello), and whether a failure was logged at warn already.
+  bool cuda_ipc_offered = false;
+  std::atomic<bool> cuda_ipc_warned{false};
   std::unique_ptr<ThreadPool> pool;
 
   // Connections, guarded by conn_mutex.
@@ -166,8 +170,9 @@ struct Runtime::Impl {
   // Lets distributed autograd record a send function for an outbound message; fills its header's autograd ids.
   void stamp_autograd(Message& m, int dst) const;
   void attach_autograd(const FrameHeader& h, int src, std::vector<at::Tensor>& tensors) const;
-  // `frame` framed with the device map to `rank` (an empty map before the world is known).
-  OutFrame prepare_for(Message&& m, int rank) const;
+  // `frame` framed with the device map to `rank` (an empty map before the world is known), for `conn` (whose CUDA IPC
+  // link, if it lends, carries CUDA tensors).
+  OutFrame prepare_for(Message&& m, int rank, detail::Connection* conn = nullptr) const;
   // Runs `send(frame)` on `conn`'s I/O thread once the frame's CUDA tensors are staged (now if it has none), or
   // `failed(error)` there if staging failed.
   void when_staged(const std::shared_ptr<detail::Connection>& conn, OutFrame&& frame,
@@ -230,6 +235,13 @@ struct Runtime::Impl {
   void offer_same_host(const std::shared_ptr<detail::Connection>& conn, const detail::Hello& theirs, detail::Hello& answer);
   void dial_same_host(const std::shared_ptr<detail::Connection>& conn, const detail::Hello& answer);
   void same_host_failed(int rank, const std::string& why);
+  // The CUDA IPC link for a connection to `rank` whose Hellos agreed to it (null otherwise).
+  std::shared_ptr<detail::CudaIpcLink> cuda_ipc_link(int rank, bool theirs, const std::string& their_host);
+  void cuda_ipc_failed(int rank, const std::string& why);
+  // An IpcDone frame: the peer is done with tensors we lent it.
+  void on_ipc_done(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
+  // Tells the lender of `msg`'s CUDA IPC tensors (on `conn`) that their copies are done.
+  void return_ipc_loans(const std::shared_ptr<detail::Connection>& conn, const detail::CudaIpcArrivals& arrivals);
 };
 
 Runtime::Impl& runtime_impl(Runtime& rt) noexcept;

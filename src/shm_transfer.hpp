@@ -18,8 +18,10 @@ bool shm_send(ShmChannel& channel, OutFrame& f);
 // Receiver, on the I/O thread, for a frame with kFlagShm: its tensors, from the ring. While the receiver holds less
 // than half the ring they are views of it (their region is released when the last of them is freed); otherwise they
 // are copied out at once, so that a receiver that keeps what it gets cannot hold up its sender for long.
-// `devices` as for decode_tensor_meta: tensors bound for a CUDA device are copied out into their staging buffers.
+// `devices` and `ipc` as for decode_tensor_meta: tensors bound for a CUDA device are copied out into their staging
+// buffers; tensors lent by CUDA IPC have no bytes in the ring.
 std::vector<at::Tensor> shm_receive(const std::shared_ptr<ShmChannel>& channel, const FrameHeader& h, const char* meta,
-                                    std::size_t meta_len, const WireLimits& limits, std::vector<std::int8_t>* devices);
+                                    std::size_t meta_len, const WireLimits& limits, std::vector<std::int8_t>* devices,
+                                    std::shared_ptr<CudaIpcArrivals>* ipc = nullptr);
 
 }  // namespace corpc::detail

@@ -7,6 +7,7 @@
 
 #include "corpc/wire/codec.hpp"
 #include "corpc/wire/message.hpp"
+#include "cuda_ipc.hpp"
 #include "cuda_transfer.hpp"
 #include "device_map.hpp"
 #include "host_block_cache.hpp"
@@ -50,6 +51,24 @@ at::Tensor receive_for_device(const detail::TensorMeta& m, std::size_t i, std::s
   return detail::cuda::host_receive_buffer(m.sizes, m.strides, static_cast<at::ScalarType>(m.dtype));
 }
 
+// What stands in a message's tensor list for a tensor lent by CUDA IPC until it is copied to its device: no bytes (the
+// frame carries none for it), its dtype and number of dimensions (what the limits check).
+at::Tensor lent_placeholder(std::uint8_t dtype, std::size_t dim) {
+  return at::empty(std::vector<std::int64_t>(dim, 0), at::TensorOptions().dtype(static_cast<at::ScalarType>(dtype)));
+}
+
+// A tensor lent by CUDA IPC (m.ipc): recorded as tensor `i` of `count` in `devices` and in `*ipc` (made on the first),
+// a placeholder in the message meanwhile.
+at::Tensor receive_lent(const detail::TensorMeta& m, std::size_t i, std::size_t count, std::vector<std::int8_t>* devices,
+                        std::shared_ptr<detail::CudaIpcArrivals>* ipc) {
+  if (!devices || !ipc) throw ProtocolError("a CUDA IPC tensor where none is accepted");
+  devices->resize(count, -1);
+  (*devices)[i] = m.device;
+  if (!*ipc) *ipc = std::make_shared<detail::CudaIpcArrivals>();
+  (*ipc)->tensors.emplace_back(i, m);
+  return lent_placeholder(m.dtype, m.sizes.size());
+}
+
 bool differentiable(std::uint8_t raw) {
   const auto dtype = static_cast<at::ScalarType>(raw);
   return at::isFloatingType(dtype) || at::isComplexType(dtype);
@@ -58,7 +77,9 @@ bool differentiable(std::uint8_t raw) {
 
 std::vector<at::Tensor> encode_tensor_meta(const std::vector<at::Tensor>& tensors, std::string& meta,
                                            std::uint64_t& total_bytes, const DeviceMap& map, std::string_view receiver,
-                                           std::shared_ptr<detail::DeviceTransfer>* staged) {
+                                           std::shared_ptr<detail::DeviceTransfer>* staged,
+                                           const std::shared_ptr<detail::CudaIpcLink>& ipc,
+                                           std::shared_ptr<detail::CudaIpcLoans>* lent) {
   std::vector<at::Tensor> wire;
   wire.reserve(tensors.size());
   Writer w(meta);
@@ -71,7 +92,13 @@ std::vector<at::Tensor> encode_tensor_meta(const std::vector<at::Tensor>& tensor
     if (!t.is_cuda() && !t.device().is_cpu()) t = t.to(at::kCPU);
     // Dense layouts (contiguous, transposed, channels-last...) go as they are; views with gaps send their elements.
     if (!t.is_non_overlapping_and_dense()) t = t.contiguous();
-    if (device >= 0) {
+    // Lent by CUDA IPC where the connection agreed to it and this tensor can be; staged through host memory otherwise.
+    std::optional<detail::CudaIpcRef> loan;
+    if (device >= 0 && ipc && lent && ipc->lending()) loan = detail::cuda::lend(t, *ipc);
+    if (loan) {
+      if (!*lent) *lent = std::make_shared<detail::CudaIpcLoans>(ipc);
+      (*lent)->add(loan->id, dense_bytes(t));
+    } else if (device >= 0) {
       if (!staged) throw UsageError("a CUDA tensor in a message that cannot wait for its copy");
       if (!*staged) *staged = std::make_shared<detail::DeviceTransfer>();
       t = detail::cuda::stage_to_host(t, *staged);
@@ -81,10 +108,15 @@ std::vector<at::Tensor> encode_tensor_meta(const std::vector<at::Tensor>& tensor
     for (auto s : t.sizes()) w.put(static_cast<std::int64_t>(s));
     for (auto s : t.strides()) w.put(static_cast<std::int64_t>(s));
     w.put(static_cast<std::uint8_t>((original.requires_grad() ? detail::kTensorRequiresGrad : 0) |
-                                    (device >= 0 ? detail::kTensorOnDevice : 0)));
+                                    (device >= 0 ? detail::kTensorOnDevice : 0) | (loan ? detail::kTensorCudaIpc : 0)));
     if (device >= 0) w.put(device);
     std::uint64_t n = dense_bytes(t);
     w.put(n);
+    if (loan) {
+      detail::write_cuda_ipc_ref(meta, *loan);
+      wire.push_back(lent_placeholder(static_cast<std::uint8_t>(t.scalar_type()), static_cast<std::size_t>(t.dim())));
+      continue;  // its bytes stay on the device: none in the frame
+    }
     total_bytes += n;
     wire.push_back(t.detach());
   }
@@ -93,24 +125,30 @@ std::vector<at::Tensor> encode_tensor_meta(const std::vector<at::Tensor>& tensor
 
 std::vector<at::Tensor> decode_tensor_meta(const char* meta, std::size_t meta_len, std::uint32_t num_tensors,
                                            std::uint64_t total_bytes, const WireLimits& limits,
-                                           std::vector<std::int8_t>* devices) {
-  auto table = detail::parse_tensor_meta(meta, meta_len, num_tensors, total_bytes, limits, {&item_size, &differentiable});
+                                           std::vector<std::int8_t>* devices,
+                                           std::shared_ptr<detail::CudaIpcArrivals>* ipc) {
+  auto table = detail::parse_tensor_meta(meta, meta_len, num_tensors, total_bytes, limits, {&item_size, &differentiable},
+                                         ipc != nullptr);
   std::vector<at::Tensor> out;
   out.reserve(table.size());
   for (std::size_t i = 0; i < table.size(); ++i) {
     const auto& m = table[i];
-    at::Tensor t = m.device >= 0 ? receive_for_device(m, i, table.size(), devices) : receive_tensor(m);
+    at::Tensor t = m.ipc               ? receive_lent(m, i, table.size(), devices, ipc)
+                   : m.device >= 0 ? receive_for_device(m, i, table.size(), devices)
+                                   : receive_tensor(m);
     if (m.requires_grad) t.set_requires_grad(true);
     out.push_back(std::move(t));
   }
   return out;
 }
 
-OutFrame prepare(Message&& msg, const DeviceMap& map, std::string_view receiver) {
+OutFrame prepare(Message&& msg, const DeviceMap& map, std::string_view receiver,
+                 const std::shared_ptr<detail::CudaIpcLink>& ipc) {
   OutFrame f;
   f.head = msg.head;
   std::uint64_t total = 0;
-  if (!msg.tensors.empty()) f.tensors = encode_tensor_meta(msg.tensors, f.meta, total, map, receiver, &f.staged);
+  if (!msg.tensors.empty())
+    f.tensors = encode_tensor_meta(msg.tensors, f.meta, total, map, receiver, &f.staged, ipc, &f.lent);
   if (f.staged) f.staged->seal();
   f.head.meta_len = static_cast<std::uint32_t>(f.meta.size());
   f.head.body_len = static_cast<std::uint32_t>(msg.body.size());
@@ -141,7 +179,9 @@ void check_limits(const OutFrame& f, const WireLimits& lim, const std::string& r
   if (f.tensors.size() > lim.max_tensors)
     throw MessageTooLargeError(std::to_string(f.tensors.size()) + " tensors are more than worker '" + receiver +
                                "' accepts in one message (" + std::to_string(lim.max_tensors) + ")");
-  if (f.head.tensor_bytes > lim.max_tensor_bytes) refuse("tensor data", f.head.tensor_bytes, lim.max_tensor_bytes);
+  // Tensors lent by CUDA IPC count as if they travelled: the receiver allocates them all the same.
+  const std::uint64_t tensor_bytes = f.head.tensor_bytes + (f.lent ? f.lent->bytes() : 0);
+  if (tensor_bytes > lim.max_tensor_bytes) refuse("tensor data", tensor_bytes, lim.max_tensor_bytes);
   for (const auto& t : f.tensors)
     if (static_cast<std::uint32_t>(t.dim()) > lim.max_dims)
       throw MessageTooLargeError("a tensor of " + std::to_string(t.dim()) + " dimensions is more than worker '" +
@@ -189,14 +229,16 @@ bool shm_send(ShmChannel& channel, OutFrame& f) {
 }
 
 std::vector<at::Tensor> shm_receive(const std::shared_ptr<ShmChannel>& channel, const FrameHeader& h, const char* meta,
-                                    std::size_t meta_len, const WireLimits& limits, std::vector<std::int8_t>* devices) {
+                                    std::size_t meta_len, const WireLimits& limits, std::vector<std::int8_t>* devices,
+                                    std::shared_ptr<CudaIpcArrivals>* ipc) {
   if (meta_len < sizeof(std::uint64_t)) throw ProtocolError("a same-host frame without its ring position");
   meta_len -= sizeof(std::uint64_t);
   std::uint64_t offset;
   std::memcpy(&offset, meta + meta_len, sizeof offset);
-  auto table = parse_tensor_meta(meta, meta_len, h.num_tensors, h.tensor_bytes, limits, {&item_size, &differentiable});
+  auto table = parse_tensor_meta(meta, meta_len, h.num_tensors, h.tensor_bytes, limits, {&item_size, &differentiable},
+                                 ipc != nullptr);
   std::uint64_t len = 0;
-  for (const auto& m : table) len += aligned(m.nbytes);
+  for (const auto& m : table) len += aligned(m.wire_bytes());
   char* data = channel->receive(offset, len);
   const bool in_place = channel->held_bytes() <= channel->ring_bytes() / 2;
   auto lease = in_place ? std::make_shared<RingLease>(channel, offset) : nullptr;
@@ -206,7 +248,9 @@ std::vector<at::Tensor> shm_receive(const std::shared_ptr<ShmChannel>& channel, 
   for (std::size_t i = 0; i < table.size(); ++i) {
     const auto& m = table[i];
     at::Tensor t;
-    if (m.device >= 0) {  // bound for a device: copied out of the ring into its staging buffer
+    if (m.ipc) {  // lent by CUDA IPC: nothing in the ring
+      t = receive_lent(m, i, table.size(), devices, ipc);
+    } else if (m.device >= 0) {  // bound for a device: copied out of the ring into its staging buffer
       t = receive_for_device(m, i, table.size(), devices);
       if (m.nbytes) std::memcpy(t.data_ptr(), data + off, static_cast<std::size_t>(m.nbytes));
     } else if (in_place) {
@@ -221,7 +265,7 @@ std::vector<at::Tensor> shm_receive(const std::shared_ptr<ShmChannel>& channel, 
       if (m.nbytes) std::memcpy(t.data_ptr(), data + off, static_cast<std::size_t>(m.nbytes));
     }
     if (m.requires_grad) t.set_requires_grad(true);
-    off += aligned(m.nbytes);
+    off += aligned(m.wire_bytes());
     out.push_back(std::move(t));
   }
   if (!in_place) channel->release(offset);

@@ -3,18 +3,25 @@
 // must still carry CPU tensors unchanged (calls, RRefs, distributed autograd); bad maps fail init_rpc everywhere with
 // UsageError; a CUDA tensor without an entry fails at the caller. "CUDA tensors" here are host memory labelled as a
 // CUDA device (all Debian's CPU libtorch can make), which reaches every check that happens before a copy; the copies
-// themselves need a GPU (the last test case, skipped without one).
+// themselves need a GPU (the last test cases, skipped without one). CUDA IPC's decisions, wire format and bookkeeping
+// are tested here too; its copies need a GPU and a CUDA build of libtorch.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <ATen/ATen.h>
 
+#include <cstdlib>
+
+#include "../src/cuda_ipc.hpp"
 #include "../src/cuda_transfer.hpp"
 #include "../src/device_map.hpp"
 #include "../src/device_transfer.hpp"
+#include "../src/hello.hpp"
 #include "../src/tensor_meta.hpp"
 #include "corpc/autograd/dist_autograd.hpp"
 #include "corpc/rref/rref.hpp"
+#include "gpu_probe.hpp"
+#include "raw_peer.hpp"
 #include "support.hpp"
 
 using namespace corpc;
@@ -51,6 +58,12 @@ std::string send_labelled_to_master(int index) {
   }
   return "";
 }
+
+// Whether a CUDA device is there, asked in a child (tests/gpu_probe.hpp): this process never touches CUDA itself.
+// For the same reason the cases that would (host staging buffers, tensors labelled as CUDA in a CUDA libtorch) run
+// only where no GPU is.
+bool gpu_present() { return cuda_usable_in_child(/*with_torch_kernels=*/false); }
+const bool g_gpu = gpu_present();  // before the test cases below: their registration reads it
 
 // Every worker of these jobs pretends to have two CUDA devices, so that maps naming cuda:0 and cuda:1 validate.
 void pretend_two_devices() { cd::set_cuda_device_count_for_testing(2); }
@@ -176,7 +189,8 @@ TEST_CASE("device transfers: the continuation runs once, after every part and th
   DOCTEST_CHECK(failed.done());
 }
 
-TEST_CASE("device maps on the wire: a tensor bound for a device is announced, parsed, received in host memory") {
+TEST_CASE("device maps on the wire: a tensor bound for a device is announced, parsed, received in host memory" *
+          doctest::skip(g_gpu)) {
   at::Tensor cpu = at::arange(6, at::kFloat);
   std::string meta;
   std::uint64_t total = 0;
@@ -292,13 +306,310 @@ TEST_CASE("device maps: bad maps fail init_rpc on every worker with UsageError")
   }, "not a worker of this job");
 }
 
+// ---- CUDA IPC (src/cuda_ipc.hpp): everything but the copies ------------------------------------------------------
+
+namespace {
+// A CUDA IPC entry as a sender writes it: float, 1 dim of `numel`, on device 1, lent as `ref`.
+std::string ipc_entry(const cd::CudaIpcRef& ref, std::int64_t numel = 6, std::uint8_t flags = cd::kTensorOnDevice | cd::kTensorCudaIpc) {
+  std::string meta;
+  Writer w(meta);
+  w.put(static_cast<std::uint8_t>(at::kFloat));
+  w.put(std::uint8_t{1});
+  w.put(numel);
+  w.put(std::int64_t{1});
+  w.put(flags);
+  if (flags & cd::kTensorOnDevice) w.put(std::int8_t{1});
+  w.put(static_cast<std::uint64_t>(numel * 4));
+  cd::write_cuda_ipc_ref(meta, ref);
+  return meta;
+}
+cd::CudaIpcRef some_ref() {
+  cd::CudaIpcRef ref;
+  ref.id = 42;
+  for (std::size_t i = 0; i < ref.memory.size(); ++i) ref.memory[i] = static_cast<char>(i * 3 + 1);
+  for (std::size_t i = 0; i < ref.event.size(); ++i) ref.event[i] = static_cast<char>(255 - i);
+  ref.offset = 512;
+  ref.allocation_bytes = 2 << 20;
+  return ref;
+}
+std::size_t float_size(std::uint8_t dtype) { return dtype == static_cast<std::uint8_t>(at::kFloat) ? 4 : 0; }
+bool any_differentiable(std::uint8_t) { return true; }
+constexpr cd::DtypeRules kFloatOnly{&float_size, &any_differentiable};
+
+// Counts how many of the loans it made were released.
+struct Released {
+  std::shared_ptr<std::atomic<int>> n = std::make_shared<std::atomic<int>>(0);
+  std::shared_ptr<void> loan() const {
+    auto counter = n;
+    return std::shared_ptr<void>(new int(0), [counter](void* p) {
+      delete static_cast<int*>(p);
+      ++*counter;
+    });
+  }
+};
+}  // namespace
+
+TEST_CASE("CUDA IPC: a pair uses it only when both can and share a host") {
+  DOCTEST_CHECK(cd::cuda_ipc_agreed(true, "boot/net", true, "boot/net"));
+  DOCTEST_CHECK_FALSE(cd::cuda_ipc_agreed(false, "boot/net", true, "boot/net"));   // we cannot
+  DOCTEST_CHECK_FALSE(cd::cuda_ipc_agreed(true, "boot/net", false, "boot/net"));   // they cannot
+  DOCTEST_CHECK_FALSE(cd::cuda_ipc_agreed(true, "boot/net", true, "other/net"));   // across hosts
+  DOCTEST_CHECK_FALSE(cd::cuda_ipc_agreed(true, "boot/net", true, "boot/net2"));  // another network namespace
+  DOCTEST_CHECK_FALSE(cd::cuda_ipc_agreed(true, "", true, ""));                   // unknown hosts are not one host
+  // What a worker announces: capable (a CUDA libtorch with a device) and the same-host channel on, unless turned off.
+  ::unsetenv("CORPC_CUDA_IPC");
+  DOCTEST_CHECK(cd::cuda_ipc_offered(true, true));
+  DOCTEST_CHECK_FALSE(cd::cuda_ipc_offered(false, true));
+  DOCTEST_CHECK_FALSE(cd::cuda_ipc_offered(true, false));
+  ::setenv("CORPC_CUDA_IPC", "0", 1);
+  DOCTEST_CHECK_FALSE(cd::cuda_ipc_offered(true, true));
+  ::unsetenv("CORPC_CUDA_IPC");
+  // The Hello carries it, and a Hello of the previous protocol is refused.
+  cd::Hello h;
+  h.self = WorkerInfo{"w1", 1, "127.0.0.1", 1234};
+  h.host = "boot/net";
+  h.cuda_ipc = true;
+  const std::string bytes = cd::encode_hello(h);
+  DOCTEST_CHECK(cd::decode_hello(bytes.data(), bytes.size()).cuda_ipc);
+  h.cuda_ipc = false;
+  const std::string off = cd::encode_hello(h);
+  DOCTEST_CHECK_FALSE(cd::decode_hello(off.data(), off.size()).cuda_ipc);
+  DOCTEST_CHECK_THROWS_AS(cd::decode_hello(bytes.data(), bytes.size() - 1), ProtocolError);
+  h.version = 4;
+  const std::string old = cd::encode_hello(h);
+  DOCTEST_CHECK_THROWS_AS(cd::decode_hello(old.data(), old.size()), ProtocolError);
+}
+
+TEST_CASE("CUDA IPC metadata: round-trips; refused from a peer that did not agree; malformed is ProtocolError") {
+  const cd::CudaIpcRef ref = some_ref();
+  const std::string meta = ipc_entry(ref);
+  // Accepted: the entry's bytes are not in the frame (total 0), its reference comes back whole.
+  auto table = cd::parse_tensor_meta(meta.data(), meta.size(), 1, 0, WireLimits{}, kFloatOnly, true);
+  DOCTEST_REQUIRE(table.size() == 1);
+  DOCTEST_REQUIRE(table[0].ipc);
+  DOCTEST_CHECK(table[0].device == 1);
+  DOCTEST_CHECK(table[0].nbytes == 24);
+  DOCTEST_CHECK(table[0].wire_bytes() == 0);
+  DOCTEST_CHECK(table[0].ipc->id == ref.id);
+  DOCTEST_CHECK(table[0].ipc->memory == ref.memory);
+  DOCTEST_CHECK(table[0].ipc->event == ref.event);
+  DOCTEST_CHECK(table[0].ipc->offset == ref.offset);
+  DOCTEST_CHECK(table[0].ipc->allocation_bytes == ref.allocation_bytes);
+  // Announcing its 24 bytes as frame data is a mismatch: they never travel.
+  DOCTEST_CHECK_THROWS_AS(cd::parse_tensor_meta(meta.data(), meta.size(), 1, 24, WireLimits{}, kFloatOnly, true), ProtocolError);
+  // A receiver that did not agree to CUDA IPC refuses the entry, however well formed.
+  DOCTEST_CHECK_THROWS_WITH_AS(cd::parse_tensor_meta(meta.data(), meta.size(), 1, 0, WireLimits{}, kFloatOnly, false),
+                               doctest::Contains("did not agree"), ProtocolError);
+  DOCTEST_CHECK_THROWS_AS(decode_tensor_meta(meta.data(), meta.size(), 1, 0, WireLimits{}), ProtocolError);
+  std::vector<std::int8_t> devices;
+  DOCTEST_CHECK_THROWS_AS(decode_tensor_meta(meta.data(), meta.size(), 1, 0, WireLimits{}, &devices), ProtocolError);
+  // Truncated anywhere, or with bytes left over: ProtocolError.
+  for (std::size_t cut = 0; cut < meta.size(); ++cut)
+    DOCTEST_CHECK_THROWS_AS(cd::parse_tensor_meta(meta.data(), cut, 1, 0, WireLimits{}, kFloatOnly, true), ProtocolError);
+  const std::string longer = meta + "x";
+  DOCTEST_CHECK_THROWS_AS(cd::parse_tensor_meta(longer.data(), longer.size(), 1, 0, WireLimits{}, kFloatOnly, true), ProtocolError);
+  // Lent without a device to deliver on; unknown flags.
+  const std::string no_device = ipc_entry(ref, 6, cd::kTensorCudaIpc);
+  DOCTEST_CHECK_THROWS_AS(cd::parse_tensor_meta(no_device.data(), no_device.size(), 1, 0, WireLimits{}, kFloatOnly, true), ProtocolError);
+  const std::string unknown = ipc_entry(ref, 6, cd::kTensorOnDevice | cd::kTensorCudaIpc | 64);
+  DOCTEST_CHECK_THROWS_AS(cd::parse_tensor_meta(unknown.data(), unknown.size(), 1, 0, WireLimits{}, kFloatOnly, true), ProtocolError);
+  // The tensor must lie inside the allocation it names (the receiver copies exactly that range of the mapping).
+  auto outside = [&](std::uint64_t offset, std::uint64_t allocation, std::int64_t numel) {
+    cd::CudaIpcRef r = ref;
+    r.offset = offset;
+    r.allocation_bytes = allocation;
+    const std::string m = ipc_entry(r, numel);
+    return cd::parse_tensor_meta(m.data(), m.size(), 1, 0, WireLimits{}, kFloatOnly, true);
+  };
+  DOCTEST_CHECK_NOTHROW(outside(1000, 1024, 6));  // exactly at the end
+  DOCTEST_CHECK_THROWS_AS(outside(1001, 1024, 6), ProtocolError);
+  DOCTEST_CHECK_THROWS_AS(outside(0, 0, 6), ProtocolError);
+  DOCTEST_CHECK_THROWS_AS(outside(~std::uint64_t{0} - 8, ~std::uint64_t{0}, 6), ProtocolError);  // wraps around
+  DOCTEST_CHECK_THROWS_AS(outside(2048, 1024, 6), ProtocolError);
+  // Beside a tensor whose bytes do travel, only those count towards the frame's total.
+  std::string mixed = meta;
+  {
+    Writer w(mixed);
+    w.put(static_cast<std::uint8_t>(at::kFloat));
+    w.put(std::uint8_t{1});
+    w.put(std::int64_t{3});
+    w.put(std::int64_t{1});
+    w.put(std::uint8_t{0});
+    w.put(std::uint64_t{12});
+  }
+  DOCTEST_CHECK(cd::parse_tensor_meta(mixed.data(), mixed.size(), 2, 12, WireLimits{}, kFloatOnly, true).size() == 2);
+  DOCTEST_CHECK_THROWS_AS(cd::parse_tensor_meta(mixed.data(), mixed.size(), 2, 36, WireLimits{}, kFloatOnly, true), ProtocolError);
+  // As the transport decodes it: a placeholder without bytes, its device recorded, its entry handed to the runtime.
+  std::shared_ptr<cd::CudaIpcArrivals> arrivals;
+  devices.clear();
+  auto tensors = decode_tensor_meta(mixed.data(), mixed.size(), 2, 12, WireLimits{}, &devices, &arrivals);
+  DOCTEST_REQUIRE(tensors.size() == 2);
+  DOCTEST_CHECK(tensors[0].nbytes() == 0);
+  DOCTEST_CHECK(tensors[0].dim() == 1);
+  DOCTEST_CHECK(tensors[1].nbytes() == 12);
+  DOCTEST_CHECK((devices == std::vector<std::int8_t>{1, -1}));
+  DOCTEST_REQUIRE(arrivals);
+  DOCTEST_REQUIRE(arrivals->tensors.size() == 1);
+  DOCTEST_CHECK(arrivals->tensors[0].first == 0);
+  DOCTEST_CHECK((arrivals->ids() == std::vector<std::uint64_t>{42}));
+  // A frame without IPC entries leaves the arrivals null even where they would be accepted.
+  arrivals.reset();
+  const std::string plain = mixed.substr(meta.size());
+  decode_tensor_meta(plain.data(), plain.size(), 1, 12, WireLimits{}, &devices, &arrivals);
+  DOCTEST_CHECK(!arrivals);
+}
+
+TEST_CASE("CUDA IPC loans: kept until the peer returns them, the connection is lost, or their frame is dropped") {
+  Released released;
+  std::vector<std::string> reports;
+  auto link = std::make_shared<cd::CudaIpcLink>([&](const std::string& why) { reports.push_back(why); });
+  DOCTEST_CHECK(link->lending());
+  const auto a = link->lend(released.loan());
+  const auto b = link->lend(released.loan());
+  const auto c = link->lend(released.loan());
+  DOCTEST_CHECK((a != b && b != c && a != c));
+  DOCTEST_CHECK(link->on_loan() == 3);
+  link->returned({b, 12345});  // an unknown id is ignored
+  DOCTEST_CHECK(*released.n == 1);
+  link->returned({b});  // returned twice: nothing more
+  DOCTEST_CHECK(*released.n == 1);
+  // A frame's loans go back when the frame is dropped before the connection takes it; committed ones stay out.
+  {
+    auto dropped = std::make_shared<cd::CudaIpcLoans>(link);
+    dropped->add(link->lend(released.loan()), 8);
+    auto sent = std::make_shared<cd::CudaIpcLoans>(link);
+    sent->add(link->lend(released.loan()), 8);
+    sent->commit();
+  }
+  DOCTEST_CHECK(*released.n == 2);
+  DOCTEST_CHECK(link->on_loan() == 3);  // a, c and the committed one
+  // Lending failures: once reported; a per-tensor one leaves lending on, a lasting one turns it off.
+  link->lending_failed("not from the caching allocator", false);
+  DOCTEST_CHECK(link->lending());
+  link->lending_failed("cudaIpcGetMemHandle: not supported", true);
+  DOCTEST_CHECK_FALSE(link->lending());
+  DOCTEST_CHECK(reports.size() == 1);
+  // Borrowing: a handle is opened once and kept; a failure asks the peer to stop.
+  int opened = 0;
+  auto open = [&] {
+    ++opened;
+    return released.loan();
+  };
+  cd::CudaIpcHandle h1{}, h2{};
+  h2[0] = 1;
+  auto m1 = link->mapping(h1, open);
+  DOCTEST_CHECK(link->mapping(h1, open) == m1);
+  link->mapping(h2, open);
+  DOCTEST_CHECK(opened == 2);
+  DOCTEST_CHECK_THROWS_AS(link->mapping(cd::CudaIpcHandle{'x'}, []() -> std::shared_ptr<void> { throw RpcError("refused"); }),
+                          RpcError);
+  DOCTEST_CHECK_FALSE(link->ask_peer_to_stop());
+  link->borrowing_failed("cudaIpcOpenMemHandle: invalid handle");
+  DOCTEST_CHECK(link->ask_peer_to_stop());
+  // The connection is lost: every loan and mapping is released (a mapping still used by a copy stays until it ends).
+  const int before = *released.n;
+  link->close();
+  DOCTEST_CHECK(*released.n == before + 3 + 1);  // a, c, the committed loan; h2's mapping (m1 is still held here)
+  m1.reset();
+  DOCTEST_CHECK(*released.n == before + 5);
+  DOCTEST_CHECK(link->closed());
+  DOCTEST_CHECK_FALSE(link->lending());
+  link->lend(released.loan());  // after the loss: released at once
+  DOCTEST_CHECK(*released.n == before + 6);
+  DOCTEST_CHECK(link->on_loan() == 0);
+}
+
+// Without a GPU the staging copy itself fails (typed); what matters here is that nothing was lent.
+TEST_CASE("CUDA IPC: a tensor that cannot be lent is staged instead (no CUDA libtorch here, or not its allocator's)" *
+          doctest::skip(g_gpu)) {
+  auto link = std::make_shared<cd::CudaIpcLink>();
+  std::string meta;
+  std::uint64_t total = 0;
+  std::shared_ptr<cd::DeviceTransfer> staged;
+  std::shared_ptr<cd::CudaIpcLoans> lent;
+  DOCTEST_CHECK_THROWS_AS(encode_tensor_meta({labelled_cuda(at::ones({4}), 0)}, meta, total, {{cuda(0), cuda(0)}}, "w1",
+                                             &staged, link, &lent),
+                          RpcError);
+  DOCTEST_CHECK(!lent);
+  DOCTEST_CHECK(link->on_loan() == 0);
+}
+
+TEST_CASE("CUDA IPC: lent bytes count against the receiver's tensor limit, as if they travelled") {
+  auto link = std::make_shared<cd::CudaIpcLink>();
+  OutFrame f;
+  f.head.tensor_bytes = 600;
+  f.lent = std::make_shared<cd::CudaIpcLoans>(link);
+  f.lent->add(link->lend(std::make_shared<int>(0)), 500);
+  WireLimits limits;
+  limits.max_tensor_bytes = 1000;
+  DOCTEST_CHECK_THROWS_AS(check_limits(f, limits, "w1"), MessageTooLargeError);
+  limits.max_tensor_bytes = 1100;
+  DOCTEST_CHECK_NOTHROW(check_limits(f, limits, "w1"));
+  f = OutFrame{};  // dropped before it was sent: its loan goes back
+  DOCTEST_CHECK(link->on_loan() == 0);
+}
+
+TEST_CASE("CUDA IPC: IpcDone bodies round-trip; malformed ones are ProtocolError") {
+  const cd::IpcDone done{true, {1, 2, 0xffffffffffffull}};
+  const std::string body = cd::encode_ipc_done(done);
+  const cd::IpcDone back = cd::decode_ipc_done(body.data(), body.size());
+  DOCTEST_CHECK(back.stop_lending);
+  DOCTEST_CHECK((back.ids == done.ids));
+  DOCTEST_CHECK(cd::decode_ipc_done(cd::encode_ipc_done({}).data(), 5).ids.empty());
+  for (std::size_t cut = 0; cut < body.size(); ++cut)
+    DOCTEST_CHECK_THROWS_AS(cd::decode_ipc_done(body.data(), cut), ProtocolError);
+  DOCTEST_CHECK_THROWS_AS(cd::decode_ipc_done((body + "x").data(), body.size() + 1), ProtocolError);
+  std::string bad_flag = body;
+  bad_flag[0] = 2;
+  DOCTEST_CHECK_THROWS_AS(cd::decode_ipc_done(bad_flag.data(), bad_flag.size()), ProtocolError);
+  std::string huge_count = body;
+  huge_count[1] = huge_count[2] = huge_count[3] = huge_count[4] = '\xff';
+  DOCTEST_CHECK_THROWS_AS(cd::decode_ipc_done(huge_count.data(), huge_count.size()), ProtocolError);
+}
+
+namespace {
+int plus_one(int x) { return x + 1; }
+// Writes `frame` (a header, then `meta`) to worker 1 on a raw authenticated connection; true if it hung up.
+bool worker1_hangs_up_on(FrameHeader h, const std::string& meta, const std::string& body = {}) {
+  asio::io_context io;
+  auto s = authenticated_socket(io, get_worker_info(1));
+  h.meta_len = static_cast<std::uint32_t>(meta.size());
+  h.body_len = static_cast<std::uint32_t>(body.size());
+  std::string bytes(reinterpret_cast<const char*>(&h), sizeof h);
+  bytes += meta;
+  bytes += body;
+  asio::error_code ec;
+  asio::write(s, asio::buffer(bytes), ec);
+  return hung_up(s);
+}
+}  // namespace
+
+TEST_CASE("CUDA IPC on the wire: a worker that did not agree hangs up on IPC entries and IpcDone, and carries on") {
+  run_world(2, [](int rank) {
+    if (rank != 0) return;
+    // A request with a tensor lent by CUDA IPC, on a connection that never agreed to it (no Hello, no channel).
+    FrameHeader request;
+    request.kind = FrameKind::Request;
+    request.id = 1;
+    request.num_tensors = 1;
+    request.tensor_bytes = 0;
+    EXPECT(worker1_hangs_up_on(request, ipc_entry(some_ref())));
+    // An IpcDone frame where nothing was lent.
+    FrameHeader done;
+    done.kind = FrameKind::IpcDone;
+    EXPECT(worker1_hangs_up_on(done, {}, cd::encode_ipc_done({false, {1}})));
+    EXPECT(Runtime::get().is_alive(1));
+    EXPECT_EQ(rpc_sync<&plus_one>(1, 41), 42);
+  });
+}
+
 // On a GPU: the master's cuda:0 goes to worker1's cuda:0 (one device is enough), the echo comes back on cuda:0 with
 // the same bytes, for a contiguous and a transposed layout. Skipped without a CUDA device (these machines): the CUDA
 // copies are compiled here, not run.
 bool on_cuda0(at::Tensor t) { return t.device() == cuda(0); }
 
 TEST_CASE("device maps with a GPU (skipped without one): tensors arrive on the mapped device, the reply on the original" *
-          doctest::skip(cd::cuda::device_count() == 0)) {
+          doctest::skip(!g_gpu)) {
   launch_processes(2, [](int rank) {
     auto options = quick_options();
     if (rank == 0) options.set_device_map("worker1", {{cuda(0), cuda(0)}});
@@ -315,4 +626,57 @@ TEST_CASE("device maps with a GPU (skipped without one): tensors arrive on the m
     }
     shutdown(true);
   }, LaunchOptions{120s, 10s});
+}
+
+// On a GPU, between two workers on this host: CUDA tensors are lent by CUDA IPC where this corpc can (a CUDA build of
+// libtorch), and staged through host memory where it cannot or CORPC_CUDA_IPC=0 says not to; the bytes arrive the
+// same either way, requests and replies, a view at an offset inside its allocation included, and every loan comes
+// back. Skipped without a CUDA device (these machines).
+std::vector<std::uint64_t> ipc_counts() {
+  auto& c = cd::cuda_ipc_counters();
+  return {c.lent.load(), c.returned.load(), c.borrowed.load(), c.refused.load()};
+}
+
+TEST_CASE("CUDA IPC with a GPU (skipped without one): lent where it can be, staged otherwise, the same bytes arrive" *
+          doctest::skip(!g_gpu)) {
+  for (const char* setting : {"1", "0"}) {
+    ::setenv("CORPC_CUDA_IPC", setting, 1);  // inherited by the ranks
+    launch_processes(2, [&](int rank) {
+      auto options = quick_options();
+      if (rank == 0) options.set_device_map("worker1", {{cuda(0), cuda(0)}});
+      init_rpc(worker_name(rank), rank, 2, options);
+      if (rank == 0) {
+        const bool lends = cd::cuda::ipc_capable() && std::string(setting) == "1";
+        const auto before = ipc_counts();
+        // IPC rides on the same-host channel, set up just after the Hellos alongside the first calls: call until a
+        // tensor was lent (once, where none can be).
+        const auto deadline = std::chrono::steady_clock::now() + 20s;
+        const at::Tensor probe = cd::cuda::copy_to_device(at::ones({4}), 0);
+        do {
+          EXPECT(std::chrono::steady_clock::now() < deadline);
+          rpc_sync<&echo>("worker1", probe);
+        } while (lends && ipc_counts()[0] == before[0]);
+        const auto start = ipc_counts();
+        at::Tensor host = at::arange(1 << 20, at::kFloat).reshape({1024, 1024});
+        at::Tensor dev = cd::cuda::copy_to_device(host, 0);
+        for (const at::Tensor& d : {dev, dev.t(), dev.narrow(0, 3, 100)}) {
+          EXPECT(rpc_sync<&on_cuda0>("worker1", d));
+          at::Tensor back = rpc_sync<&echo>("worker1", d);
+          EXPECT(back.device() == cuda(0));
+          EXPECT(at::equal(cd::cuda::copy_to_host(back), cd::cuda::copy_to_host(d)));
+        }
+        const auto after = ipc_counts();
+        if (lends) {
+          EXPECT(after[0] - start[0] == 6);   // every request's tensor
+          EXPECT(after[2] - start[2] == 3);   // every echo's, lent back
+          EXPECT(after[3] == before[3]);      // nothing refused
+        } else {
+          EXPECT(after[0] == before[0] && after[2] == before[2]);
+        }
+        EXPECT(after[1] - before[1] == after[0] - before[0]);  // every loan returned (IpcDone precedes each reply)
+      }
+      shutdown(true);
+    }, LaunchOptions{120s, 10s});
+  }
+  ::unsetenv("CORPC_CUDA_IPC");
 }

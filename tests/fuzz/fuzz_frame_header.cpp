@@ -16,7 +16,7 @@ void check(const corpc::FrameHeader& h, const corpc::WireLimits& lim) {
   }
   if (h.body_len > lim.max_body_bytes || h.meta_len > lim.max_meta_bytes || h.num_tensors > lim.max_tensors ||
       h.tensor_bytes > lim.max_tensor_bytes || h.magic != corpc::kFrameMagic || h.version != corpc::kProtocolVersion ||
-      h.kind < corpc::FrameKind::Hello || h.kind > corpc::FrameKind::Pong)
+      h.kind < corpc::FrameKind::Hello || h.kind > corpc::FrameKind::IpcDone)
     std::abort();
 }
 }  // namespace

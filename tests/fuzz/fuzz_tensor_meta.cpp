@@ -1,6 +1,8 @@
-// libFuzzer target: the tensor table of a frame. Input: num_tensors (u32) | total_bytes (u64) | metadata. Property:
-// parse_tensor_meta throws ProtocolError or returns entries whose bytes add up to the header's total, each within
-// the limits, each laid out densely, i.e. the storage empty_strided would allocate for it spans exactly its bytes.
+// libFuzzer target: the tensor table of a frame. Input: num_tensors (u32; its top bit: the receiver agreed to CUDA IPC)
+// | total_bytes (u64) | metadata. Property: parse_tensor_meta throws ProtocolError or returns entries whose bytes in
+// the frame add up to the header's total, each within the limits, each laid out densely, i.e. the storage
+// empty_strided would allocate for it spans exactly its bytes; entries lent by CUDA IPC only where agreed, on a
+// device, inside the allocation they name.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -22,12 +24,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   std::uint64_t total;
   std::memcpy(&num_tensors, data, 4);
   std::memcpy(&total, data + 4, 8);
+  const bool accept_ipc = num_tensors & 0x80000000u;
+  num_tensors &= 0x7fffffffu;
   corpc::WireLimits limits;
   limits.max_dims = 8;
   std::vector<corpc::detail::TensorMeta> table;
   try {
     table = corpc::detail::parse_tensor_meta(reinterpret_cast<const char*>(data + 12), size - 12, num_tensors, total,
-                                             limits, {&item_size, &differentiable});
+                                             limits, {&item_size, &differentiable}, accept_ipc);
   } catch (const corpc::ProtocolError&) {
     return 0;
   }
@@ -43,7 +47,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     if (numel * item_size(m.dtype) != m.nbytes || m.nbytes > limits.max_tensor_bytes) std::abort();
     if (numel > 0 && span != numel) std::abort();  // dense: no gaps, no overlap, nothing beyond the announced bytes
     if (m.requires_grad && !differentiable(m.dtype)) std::abort();
-    sum += m.nbytes;
+    if (m.ipc && (!accept_ipc || m.device < 0 || m.ipc->offset > m.ipc->allocation_bytes ||
+                  m.nbytes > m.ipc->allocation_bytes - m.ipc->offset || m.wire_bytes() != 0))
+      std::abort();
+    sum += m.wire_bytes();
   }
   if (sum != total) std::abort();
   return 0;

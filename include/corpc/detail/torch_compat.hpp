@@ -18,8 +18,10 @@
 // c10::variant: libtorch 1.13 has its own; 2.1 removed it (options hold std::variant, which codec.hpp covers).
 #if __has_include(<c10/util/variant.h>)
 #include <c10/util/variant.h>
+/// 1 where libtorch has its own c10::variant (up to 2.0), 0 where options hold std::variant (2.1 on).
 #define CORPC_C10_HAS_OWN_VARIANT 1
 #else
+/// 1 where libtorch has its own c10::variant (up to 2.0), 0 where options hold std::variant (2.1 on).
 #define CORPC_C10_HAS_OWN_VARIANT 0
 #endif
 
@@ -71,9 +73,9 @@ c10::intrusive_ptr<ProcessGroup> as_process_group(c10::intrusive_ptr<Backend> ba
   } else {
     c10::intrusive_ptr<ProcessGroup> group;
     if constexpr (requires { ProcessGroup(store, rank, size); }) {
-      group = c10::make_intrusive<ProcessGroup>(store, rank, size);  // 2.5 on
+      group = c10::make_intrusive<ProcessGroup>(store, rank, size);  // 2.6
     } else {
-      // 2.0–2.4: the group takes options naming its backend.
+      // Earlier 2.x: the group takes options naming its backend.
       group = c10::make_intrusive<ProcessGroup>(store, rank, size,
                                                 c10::make_intrusive<typename ProcessGroup::Options>(std::string("gloo")));
     }

@@ -21,7 +21,7 @@
 namespace corpc {
 
 inline constexpr std::uint32_t kFrameMagic = 0x43505243;  ///< "CRPC"
-inline constexpr std::uint8_t kProtocolVersion = 4;  ///< 4: the same-host channel (host identity in the Hello, kFlagShm), device maps (Hello, World, tensors bound for a device); 3: cancel frames, heartbeats, the receive budget in the Hello
+inline constexpr std::uint8_t kProtocolVersion = 5;  ///< 5: CUDA IPC (the Hello says whether its sender can, IPC entries in the tensor table, IpcDone); 4: the same-host channel (host identity in the Hello, kFlagShm), device maps (Hello, World, tensors bound for a device); 3: cancel frames, heartbeats, the receive budget in the Hello
 
 /// What a frame is (FrameHeader::kind).
 enum class FrameKind : std::uint8_t {
@@ -33,6 +33,7 @@ enum class FrameKind : std::uint8_t {
   Goodbye = 6,   ///< orderly close: the peer is leaving on purpose
   Ping = 7,      ///< heartbeat of a quiet connection: answer with Pong (no payload; handled by the transport)
   Pong = 8,      ///< the answer to a Ping
+  IpcDone = 9,   ///< the receiver of CUDA tensors lent by CUDA IPC is done copying them: the body lists their loans
 };
 
 // Header flags (FrameHeader::flags).
@@ -81,7 +82,7 @@ inline void validate_header(const FrameHeader& h, const WireLimits& lim) {
   if (h.magic != kFrameMagic) throw ProtocolError("bad frame magic (not a corpc peer?)");
   if (h.version != kProtocolVersion)
     throw ProtocolError("protocol version " + std::to_string(h.version) + " != ours " + std::to_string(kProtocolVersion));
-  if (h.kind < FrameKind::Hello || h.kind > FrameKind::Pong)
+  if (h.kind < FrameKind::Hello || h.kind > FrameKind::IpcDone)
     throw ProtocolError("unknown frame kind " + std::to_string(static_cast<int>(h.kind)));
   if (h.body_len > lim.max_body_bytes) throw ProtocolError("frame body of " + std::to_string(h.body_len) + " bytes over the limit");
   if (h.meta_len > lim.max_meta_bytes) throw ProtocolError("tensor metadata of " + std::to_string(h.meta_len) + " bytes over the limit");
