@@ -1,4 +1,4 @@
-// CUDA IPC between two workers on one host (issue 24): a CUDA tensor bound for such a peer travels as a handle to its
+// CUDA IPC between two workers on one host: a CUDA tensor bound for such a peer travels as a handle to its
 // device memory instead of its bytes, and the peer copies it device to device. This header is the bookkeeping of one
 // connection's IPC, torch- and CUDA-free so that it is unit-tested without a GPU; the CUDA calls are in the last part
 // of src/cuda_transfer.cpp (lending needs a CUDA libtorch: c10's caching allocator tells an allocation's base).

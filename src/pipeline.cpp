@@ -82,9 +82,15 @@ Task<StepResult> Pipeline::train_step(at::Tensor inputs, at::Tensor targets) {
   auto state = state_;  // the pipeline may be moved while the step runs
   const std::int64_t step = ++state->steps;
   const std::uint64_t id = state->placement.pipeline_id;
+  // Checked on the whole batch, before anything is sent: chunk() of two different sizes can still give equal counts
+  // (4 inputs against 8 targets would train on broadcast targets).
+  if (inputs.dim() == 0 || targets.dim() == 0 || inputs.size(0) != targets.size(0)) {
+    auto batch = [](const at::Tensor& t) { return t.dim() == 0 ? std::string("a scalar") : std::to_string(t.size(0)); };
+    throw UsageError("train_step: inputs and targets differ in batch size (dimension 0): " + batch(inputs) +
+                     " inputs, " + batch(targets) + " targets");
+  }
   auto xs = inputs.chunk(options_.micro_batches);
   auto ys = targets.chunk(options_.micro_batches);
-  if (xs.size() != ys.size()) throw UsageError("inputs and targets differ in batch size");
   const int micro = static_cast<int>(xs.size());  // chunk() gives fewer pieces for a batch smaller than M
   auto lists = plan(micro);
   const int last_rank = state->placement.stage_ranks.back();

@@ -4,6 +4,10 @@
 
 #include <signal.h>
 #include <unistd.h>
+
+#include <cmath>
+#include <utility>
+
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/sgd.h>
 
@@ -93,6 +97,24 @@ TEST_CASE("every schedule, with 2 and 4 stages and 1, 2, 4, 8 micro-batches, equ
           for (std::size_t w = 0; w < result.workers.size(); ++w) EXPECT_EQ(result.workers[w].records.size(), plan[w].size());
         }
   }, quick_options(), std::chrono::seconds(300));
+}
+
+TEST_CASE("inputs and targets of different batch sizes are a UsageError naming both, before anything is sent") {
+  run_world(3, [](int rank) {
+    if (rank != 0) return;
+    auto pipe = Pipeline::create<&tiny_resnet, &mse, &make_sgd>(layout(Schedule::GPipe, 2, 4), std::uint64_t{1});
+    // 4 against 8 chunks into 4 micro-batches each: counting micro-batches alone would train on broadcast targets.
+    for (auto [n_in, n_out] : {std::pair<long, long>{4, 8}, {kBatch, kBatch - 1}}) {
+      try {
+        sync_wait(pipe.train_step(random_images(n_in, kImage, 7), one_hot_labels(n_out, kClasses, 8)));
+        EXPECT(!"train_step accepted mismatched batches");
+      } catch (const UsageError& e) {
+        EXPECT_CONTAINS(std::string(e.what()), std::to_string(n_in) + " inputs, " + std::to_string(n_out) + " targets");
+      }
+    }
+    auto result = sync_wait(pipe.train_step(random_images(kBatch, kImage, 7), one_hot_labels(kBatch, kClasses, 8)));
+    EXPECT(std::isfinite(result.loss.item<double>()));  // refusals sent nothing: the pipeline still steps
+  }, quick_options(), std::chrono::seconds(120));
 }
 
 TEST_CASE("1F1B frees each micro-batch's activations: at 8 micro-batches and 2 stages, a quarter of GPipe's peak") {
