@@ -83,8 +83,7 @@ Task<void> train(DistResNet50& model, const DistributedOptimizer<torch::optim::S
     dist_autograd::Context ctx;
     auto out = co_await model.forward(inputs);
     auto loss = torch::nn::functional::mse_loss(out, labels);
-    std::vector<at::Tensor> roots{loss};
-    co_await ctx.backward(std::move(roots));
+    co_await ctx.backward(loss);
     co_await opt.step(ctx);
     std::printf("batch %ld: loss %.5f, %.2f s\n", b + 1, loss.item<double>(),
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());

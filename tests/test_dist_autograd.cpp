@@ -91,7 +91,7 @@ void train_mlp_and_compare(const Options& options) {
     auto h = s1.forward(x);
     auto out = s2.forward(h);
     auto loss = torch::nn::functional::mse_loss(out, y);
-    ctx.backward({loss}).wait(30s);
+    ctx.backward(loss).wait(30s);  // one root
 
     lopt.zero_grad();
     auto lloss = torch::nn::functional::mse_loss(l2->forward(l1->forward(x)), y);

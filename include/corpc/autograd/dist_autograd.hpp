@@ -78,6 +78,11 @@ class Context {
   std::int64_t id() const noexcept { return id_; }
   /// dist_autograd::backward(id(), roots, retain_graph).
   Future<void> backward(std::vector<at::Tensor> roots, bool retain_graph = false) const;
+  /// The same from one root, the usual loss: `co_await ctx.backward(loss)` (GCC 12 miscompiles a braced list
+  /// inside `co_await`, so `co_await ctx.backward({loss})` fails to build there).
+  Future<void> backward(const at::Tensor& root, bool retain_graph = false) const {
+    return backward(std::vector<at::Tensor>{root}, retain_graph);
+  }
   /// This worker's gradients in this context (get_gradients(id())).
   GradientMap gradients() const;
 
