@@ -8,6 +8,7 @@
 # cannot share a root: libtorch-cuda-dev conflicts with libtorch-dev.
 # Roots live under $CORPC_ROOTS (default /var/tmp/corpc-roots), outside any clone, so that later runs on the same
 # machine reuse them. Needs root (mmdebstrap's chroot mode, mounts in a private mount namespace).
+# CORPC_MMDEBSTRAP_QUIET= (set, empty) shows mmdebstrap's own output: why a package set cannot be installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ $(id -u) -ne 0 ]]; then exec sudo -E "$0" "$@"; fi
