@@ -35,6 +35,7 @@ void batch_end();
 
 constexpr std::size_t kReadBuffer = 64 * 1024;   // frames whose header, metadata and body fit are parsed in place
 constexpr std::size_t kCopyBodyBelow = 4 * 1024; // smaller bodies are copied into the staging buffer
+constexpr std::size_t kCommitStep = 1 << 20;     // how far a large body's memory is committed ahead of its bytes
 constexpr int kMaxIov = 64;
 
 class TcpConnection final : public Connection {
@@ -422,14 +423,9 @@ class TcpConnection final : public Connection {
         rbeg_ += head_len;
       } else {
         // Too large to buffer: straight into its own storage, without a copy through the buffer.
-        std::string meta(h.meta_len, '\0');
-        msg.body.resize(h.body_len);
-        const std::size_t m = take_buffered(meta.data(), meta.size());
-        const std::size_t b = take_buffered(msg.body.data(), msg.body.size());
-        std::array<asio::mutable_buffer, 2> rest{asio::buffer(meta.data() + m, meta.size() - m),
-                                                 asio::buffer(msg.body.data() + b, msg.body.size() - b)};
-        batch_end();
-        co_await asio::async_read(transport_, rest, counting_progress(), asio::use_awaitable);
+        std::string meta;
+        co_await read_growing(meta, h.meta_len);
+        co_await read_growing(msg.body, h.body_len);
         msg.tensors = decode_tensors(h, meta.data(), meta.size(), msg);
       }
       if (h.tensor_bytes && !(h.flags & kFlagShm)) {
@@ -460,6 +456,22 @@ class TcpConnection final : public Connection {
         throw;
       }
       delivering_ = nullptr;
+    }
+  }
+
+  // Reads `len` bytes into `dst` (the buffered ones first, the rest straight from the socket), committing memory only
+  // as they arrive: what commits pages is the zero fill of a resize, so `dst` grows by at most kCommitStep ahead of the
+  // bytes read. A peer that announces a large frame and sends nothing holds address space, not memory.
+  asio::awaitable<void> read_growing(std::string& dst, std::size_t len) {
+    dst.reserve(len);  // one allocation, its pages untouched until written
+    while (dst.size() < len) {
+      const std::size_t at = dst.size();
+      dst.resize(std::min(len, at + kCommitStep));
+      const std::size_t got = take_buffered(dst.data() + at, dst.size() - at);
+      if (at + got == dst.size()) continue;
+      batch_end();
+      co_await asio::async_read(transport_, asio::buffer(dst.data() + at + got, dst.size() - at - got),
+                                counting_progress(), asio::use_awaitable);
     }
   }
 

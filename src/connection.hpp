@@ -124,6 +124,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   int peer_rank = -1;          // known after the Hello (or at once for dialed connections); I/O thread
   bool said_goodbye = false;   // the peer announced an orderly close
+  bool hello_refused = false;  // its Hello was refused: nothing more it sends is acted on; I/O thread
   bool outgoing = false;       // we dialed it: our requests to peer_rank go here, and only its replies are accepted
   std::string remote_address;  // the peer's IP as we see it
   SharedLimits peer_limits;    // what the peer accepts (from its Hello; ours until then)

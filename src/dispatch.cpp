@@ -186,6 +186,7 @@ CallContext Runtime::Impl::handler_context(std::int64_t context_id, std::stop_to
 }
 
 void Runtime::Impl::on_frame(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
+  if (conn->hello_refused) return;  // closing once our refusal is out: nothing it says counts
   if (conn->delivering_refused()) return refuse_too_large(conn, msg.head);
   if (!msg.devices.empty()) [[unlikely]] return deliver_on_devices(conn, std::move(msg));
   switch (msg.head.kind) {

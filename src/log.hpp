@@ -1,6 +1,8 @@
 // Leveled logging for the library's own messages (internal header). CORPC_LOG=debug|info|warn|error|off chooses what
 // is printed to stderr; the default is warn. Each line names the worker and the function it comes from:
 //   corpc warn [worker1, init_rpc]: no shared secret ...
+// Logging never blocks an I/O thread: its lines go through a bounded queue to a logger thread (dropped, and counted,
+// when stderr does not keep up). Messages a peer can trigger at will belong behind a RefusalLog (refusal_log.hpp).
 #pragma once
 
 #include <fmt/format.h>

@@ -87,17 +87,19 @@ void Runtime::Impl::mark_dead(int rank, const std::string& why) {
 
 void Runtime::Impl::on_close(const std::shared_ptr<detail::Connection>& conn, const std::string& why) {
   const int rank = conn->peer_rank;
-  bool was_closing;
+  bool was_closing, speaks_for_rank;
   {
     std::lock_guard lock(conn_mutex);
     was_closing = closing;
     incoming.erase(conn);
     if (rank >= 0 && rank < static_cast<int>(outgoing.size()) && outgoing[rank] == conn) outgoing[rank] = nullptr;
+    // Only the loss of a connection that speaks for the rank is the rank's: a refused claimant's is its own.
+    speaks_for_rank = conn->outgoing || release_rank(rank, conn);
   }
   const std::string reason = conn->said_goodbye ? std::string(kShutDownReason) : why;
   // The death is recorded before anyone learns of it through a failed call: a caller woken by that failure (e.g.
   // shutdown() on a worker whose master died) must find the rank already dead.
-  if (world_known && rank >= 0 && !was_closing) mark_dead(rank, reason);
+  if (world_known && rank >= 0 && speaks_for_rank && !was_closing) mark_dead(rank, reason);
   // Our requests on this connection cannot be answered any more, whatever the reason.
   auto error = was_closing ? std::make_exception_ptr(ShutdownError("corpc runtime shut down"))
                            : std::make_exception_ptr(ConnectionError(
@@ -150,7 +152,7 @@ void Runtime::Impl::accept_loop() {
       }
       if (!refused.empty()) {
         refused_connections++;
-        detail::log(detail::LogLevel::warn, self.name, "accept", "refused a connection from {}: {}", peer, refused);
+        refused_handshakes.refused(main_io(), self.name, fmt::format("refused a connection from {}: {}", peer, refused));
         co_return;
       }
       auto conn = detail::make_tcp_connection(std::move(transport), connection_settings(), frame_handler(), close_handler());

@@ -3,6 +3,7 @@
 #include "corpc/rpc/call.hpp"
 #include "device_map.hpp"
 #include "hello.hpp"
+#include "log.hpp"
 #include "runtime_impl.hpp"
 
 namespace corpc {
@@ -169,10 +170,41 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
   }
 }
 
-// Turns a dialer away: an Error frame with id 0 (the connection itself), then close.
+// Turns a dialer away: an Error frame with id 0 (the connection itself), then close. Until it closes, nothing else it
+// sends is acted on.
 void Runtime::Impl::refuse(const std::shared_ptr<detail::Connection>& conn, const std::string& why) {
+  conn->hello_refused = true;
   send_error(conn, 0, std::make_exception_ptr(ProtocolError(why)), "rendezvous", /*traced=*/false);
   conn->close_when_flushed();
+}
+
+std::optional<std::string> Runtime::Impl::hello_refusal(int rank) const {
+  auto held = rank_holders.find(rank);
+  if (held == rank_holders.end()) return std::nullopt;
+  return "rank " + std::to_string(rank) + " is already connected here (from " + held->second->remote_address +
+         "); one connection speaks for a rank at a time";
+}
+
+void Runtime::Impl::take_rank(int rank, const std::shared_ptr<detail::Connection>& conn) {
+  rank_holders[rank] = conn;
+  conn->peer_rank = rank;
+}
+
+bool Runtime::Impl::release_rank(int rank, const std::shared_ptr<detail::Connection>& conn) {
+  auto held = rank_holders.find(rank);
+  if (held == rank_holders.end() || held->second != conn) return false;
+  rank_holders.erase(held);
+  return true;
+}
+
+// A Hello for a rank that another connection speaks for: refused, with a line in our log (rate-bounded: whoever holds
+// the secret may repeat it at will).
+void Runtime::Impl::refuse_claim(const std::shared_ptr<detail::Connection>& conn, const WorkerInfo& claimed,
+                                 const std::string& why) {
+  refused_hellos.refused(conn->io(), self.name,
+                         fmt::format("refused a hello from {} as '{}': {}; its connection is closed",
+                                     conn->remote_address, claimed.name, why));
+  refuse(conn, why);
 }
 
 void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
@@ -186,6 +218,7 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Me
   const int their_world = hello.world_size;
   const bool registering = hello.registering;
   const WireLimits& theirs = hello.limits;
+  if (!conn->outgoing && conn->peer_rank >= 0) return conn->close("protocol error: a second hello on one connection");
   if (conn->outgoing) {
     // The answer to our own Hello: what the peer accepts. Until it arrives we assume our own limits.
     if (info.rank != conn->peer_rank) return conn->close("protocol error: hello from rank " + std::to_string(info.rank));
@@ -201,7 +234,13 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Me
   if (!registering) {
     if (world_known && workers[info.rank].name != info.name)
       return refuse(conn, "rank " + std::to_string(info.rank) + " is '" + workers[info.rank].name + "', not '" + info.name + "'");
-    conn->peer_rank = info.rank;
+    std::optional<std::string> refusal;
+    {
+      std::lock_guard lock(conn_mutex);
+      refusal = hello_refusal(info.rank);
+      if (!refusal) take_rank(info.rank, conn);
+    }
+    if (refusal) return refuse_claim(conn, info, *refusal);
     conn->peer_limits = theirs;
     offer_same_host(conn, hello, answer);
     conn->send(prepare(hello_message(answer)));
@@ -209,20 +248,25 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Me
   }
   if (self.rank != 0) return refuse(conn, "registration sent to rank " + std::to_string(self.rank));
   if (world_known) return refuse(conn, "the world is already complete");
+  std::optional<std::string> refusal;
   {
     std::lock_guard lock(conn_mutex);
     if (registrations.count(info.rank))
       return refuse(conn, "rank " + std::to_string(info.rank) + " already registered by '" + registrations[info.rank].first.name + "'");
     for (auto& [rank, reg] : registrations)
       if (reg.first.name == info.name) return refuse(conn, "worker name '" + info.name + "' is already taken by rank " + std::to_string(rank));
-    if (info.host.empty()) info.host = conn->remote_address;
-    conn->peer_rank = info.rank;
-    conn->peer_limits = theirs;
-    offer_same_host(conn, hello, answer);
-    conn->send(prepare(hello_message(answer)));
-    registrations[info.rank] = {info, conn};
-    device_configs[info.rank] = std::move(hello.devices);
+    refusal = hello_refusal(info.rank);
+    if (!refusal) {
+      if (info.host.empty()) info.host = conn->remote_address;
+      take_rank(info.rank, conn);
+      conn->peer_limits = theirs;
+      offer_same_host(conn, hello, answer);
+      conn->send(prepare(hello_message(answer)));
+      registrations[info.rank] = {info, conn};
+      device_configs[info.rank] = std::move(hello.devices);
+    }
   }
+  if (refusal) return refuse_claim(conn, info, *refusal);
   publish_world_if_complete();
 }
 

@@ -24,6 +24,7 @@
 #include "auth.hpp"
 #include "connection.hpp"
 #include "hello.hpp"
+#include "refusal_log.hpp"
 #include "shm_channel.hpp"
 #include "corpc/rpc/registry.hpp"
 #include "corpc/rpc/runtime.hpp"
@@ -68,9 +69,15 @@ struct Runtime::Impl {
   std::vector<std::shared_ptr<detail::Connection>> outgoing;  // by rank: where our requests to that rank go
   std::set<std::shared_ptr<detail::Connection>> incoming;      // accepted connections
   std::vector<std::string> dead;                               // by rank: why it is gone ("" = alive)
+  // By rank: the accepted connection that speaks for it here (its Hello took the rank), until it closes. Only that
+  // connection's requests count for the rank, and only its loss (or our own connection's) makes the rank dead.
+  std::map<int, std::shared_ptr<detail::Connection>> rank_holders;
   bool closing = false;
 
   std::atomic<std::uint64_t> accepted{0}, accept_errors{0}, refused_connections{0};  // diagnostics for rendezvous failures
+  // What strangers and impostors provoke at will is logged at a bounded rate (after io_threads: its timer runs there).
+  detail::RefusalLog refused_handshakes{"accept", "connections refused"};
+  detail::RefusalLog refused_hellos{"hello", "hellos refused"};
   std::atomic<std::uint64_t> requests_sent{0}, requests_handled{0}, calls_in_flight{0}, handlers_running{0};
   // Per peer, for graceful shutdown: user requests we sent to rank j / finished handling from rank i.
   std::unique_ptr<std::atomic<std::uint64_t>[]> sent_to, handled_from;
@@ -226,6 +233,16 @@ struct Runtime::Impl {
   void rendezvous(const std::string& master_host, std::uint16_t master_port, int listen_fd);
   void on_hello(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
   void refuse(const std::shared_ptr<detail::Connection>& conn, const std::string& why);
+  // Whether a Hello may take rank `rank` here: nullopt if it may, else why not. The one place that decides who speaks
+  // for a rank: one connection at a time, so a rank whose connection is alive is refused (a reconnect path for
+  // restarted ranks would admit one here). conn_mutex held.
+  std::optional<std::string> hello_refusal(int rank) const;
+  // `conn` speaks for `rank` from now on (its Hello was admitted). conn_mutex held.
+  void take_rank(int rank, const std::shared_ptr<detail::Connection>& conn);
+  // `conn` no longer speaks for `rank`; true if it did. conn_mutex held.
+  bool release_rank(int rank, const std::shared_ptr<detail::Connection>& conn);
+  // Refuses a Hello that claimed `claimed`, whose rank is taken (`why`), and says so in our log.
+  void refuse_claim(const std::shared_ptr<detail::Connection>& conn, const WorkerInfo& claimed, const std::string& why);
   void on_world(Message&& msg);
   void publish_world_if_complete();
   detail::Hello our_hello(bool registering) const;

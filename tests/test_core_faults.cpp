@@ -1,14 +1,24 @@
 // The holes issue 8 found in the first runtime core, one test each. On that core each of these hung (bounded here by
-// the launcher's timeout) or gave a wrong result; the run-to-completion core must pass them all.
+// the launcher's timeout) or gave a wrong result; the run-to-completion core must pass them all. After them, issue 25's:
+// peers that hold the secret and claim a rank that is taken, strangers flooding a worker whose stderr nobody reads,
+// and a peer announcing a large frame and sending nothing.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <ATen/ATen.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <unistd.h>
 
 #include <asio.hpp>
+#include <cstdio>
+#include <fstream>
+#include <optional>
 #include <thread>
 
+#include "../src/runtime_impl.hpp"
 #include "corpc/autograd/dist_autograd.hpp"
 #include "raw_peer.hpp"
 #include "support.hpp"
@@ -50,9 +60,185 @@ int block_on_io_thread() { return rpc_sync<&add>(0, 1, 2); }
 int nested_blocking(int i) { return rpc_sync<&sleep_ms>(2, 20) + i; }
 std::uint64_t pool_threads_started() { return Runtime::get().stats().pool_threads_started; }
 
+// ---- issue 25 ----
+
+std::string whoami() { return get_worker_info().name; }
+std::string whoami_via(int rank) { return rpc_sync<&whoami>(rank); }
+bool is_alive_here(int rank) { return Runtime::get().is_alive(rank); }
+std::string echo(std::string s) { return s; }
+
+// Runs `io` until `finished` is set by the handler of what was started on `s`, for 20 s at most (then that is
+// cancelled: its handler sees operation_aborted). Returns false if the 20 s passed.
+bool run_until(asio::io_context& io, asio::ip::tcp::socket& s, const bool& finished) {
+  bool expired = false;
+  asio::steady_timer timer(io, 20s);
+  timer.async_wait([&](const asio::error_code& ec) {
+    if (!ec) {
+      expired = true;
+      s.cancel();
+    }
+  });
+  io.restart();
+  while (!finished && io.run_one()) {
+  }
+  timer.cancel();
+  io.run();  // the timer's handler
+  return !expired;
+}
+
+// Reads exactly `len` bytes into `p` within 20 s; false on a close, an error or the limit.
+bool read_within(asio::io_context& io, asio::ip::tcp::socket& s, void* p, std::size_t len) {
+  bool finished = false;
+  asio::error_code result;
+  asio::async_read(s, asio::buffer(p, len), [&](const asio::error_code& ec, std::size_t) {
+    result = ec;
+    finished = true;
+  });
+  return run_until(io, s, finished) && !result;
+}
+
+// The header of the next frame the worker sends on `s` (its payload read and dropped), or nothing if the worker closed
+// the connection or sent nothing within the limit.
+std::optional<FrameHeader> next_frame(asio::io_context& io, asio::ip::tcp::socket& s) {
+  FrameHeader h;
+  if (!read_within(io, s, &h, sizeof h)) return std::nullopt;
+  std::string payload(std::size_t{h.meta_len} + h.body_len + h.tensor_bytes, '\0');
+  if (!read_within(io, s, payload.data(), payload.size())) return std::nullopt;
+  return h;
+}
+
+// True once the worker has closed `s` (what arrives is dropped); false if it is still open after 20 s.
+bool hung_up_within(asio::io_context& io, asio::ip::tcp::socket& s) {
+  char buf[4096];
+  bool finished = false;
+  asio::error_code result;
+  std::function<void()> read_on = [&] {
+    s.async_read_some(asio::buffer(buf), [&](const asio::error_code& ec, std::size_t) {
+      if (!ec) return read_on();
+      result = ec;
+      finished = true;
+    });
+  };
+  read_on();
+  return run_until(io, s, finished) && (result == asio::error::eof || result == asio::error::connection_reset);
+}
+
+std::string frame_bytes(const FrameHeader& h, const std::string& body = {}) {
+  return std::string(reinterpret_cast<const char*>(&h), sizeof h) + body;
+}
+
+// What a process holding the job's secret sends when it claims to be `who`: its Hello, then `after`.
+std::string claim(const WorkerInfo& who, int world_size, const std::string& after) {
+  OutFrame hello = prepare(hello_message(who, world_size, false, WireLimits{}));
+  return frame_bytes(hello.head, hello.body) + after;
+}
+
+// Expects the worker behind `s` to refuse the claim it was sent: an Error for the connection itself (id 0) as the very
+// first frame (no Hello answer, no reply to anything sent after the claim), then the connection closed.
+void expect_claim_refused(asio::io_context& io, asio::ip::tcp::socket& s) {
+  auto first = next_frame(io, s);
+  EXPECT(first.has_value());
+  EXPECT_EQ(static_cast<int>(first->kind), static_cast<int>(FrameKind::Error));
+  EXPECT_EQ(first->id, 0u);
+  EXPECT(hung_up_within(io, s));
+}
+
+std::int64_t rss_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string key;
+  std::int64_t kib = 0;
+  while (status >> key) {
+    if (key == "VmRSS:") {
+      status >> kib;
+      break;
+    }
+  }
+  return kib * 1024;
+}
+
+// On the I/O thread that reads every connection of the worker (one I/O thread): a frame header it had read is acted
+// on by then, so the budget it reserved and the memory it took are both in this answer. {bytes reserved, RSS}
+std::vector<std::int64_t> held_and_rss() {
+  auto& budget = *runtime_impl(Runtime::get()).receive_budget;
+  return {static_cast<std::int64_t>(budget.bytes_used()), rss_bytes()};
+}
+
+// stderr as a pipe that nobody reads, full before the worker starts: any write to it would block.
+class UnreadStderr {
+ public:
+  UnreadStderr() {
+    int p[2];
+    EXPECT(::pipe(p) == 0);
+    read_end_ = p[0];
+    saved_ = ::dup(STDERR_FILENO);
+    ::dup2(p[1], STDERR_FILENO);
+    ::close(p[1]);
+    const int flags = ::fcntl(STDERR_FILENO, F_GETFL);
+    ::fcntl(STDERR_FILENO, F_SETFL, flags | O_NONBLOCK);
+    const std::string filler(4096, '\0');  // told apart from the log's lines when it is drained
+    while (::write(STDERR_FILENO, filler.data(), filler.size()) > 0) {
+    }
+    ::fcntl(STDERR_FILENO, F_SETFL, flags);
+  }
+  // The launcher's own lines (a failure) go where they always went. The pipe stays open: a write still blocked on it
+  // would otherwise end the process with SIGPIPE.
+  ~UnreadStderr() {
+    ::dup2(saved_, STDERR_FILENO);
+    ::close(saved_);
+  }
+  int read_end() const { return read_end_; }
+
+ private:
+  int read_end_ = -1, saved_ = -1;
+};
+std::optional<UnreadStderr> g_unread_stderr;
+
+// Reads the worker's stderr pipe until the refusals' summary shows up (at most 20 s); returns the corpc lines.
+std::string drain_stderr_until_summary() {
+  const int fd = g_unread_stderr->read_end();
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+  std::string text;
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (text.find("more connections refused") == std::string::npos && std::chrono::steady_clock::now() < deadline) {
+    char buf[4096];
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n > 0) {
+      for (ssize_t i = 0; i < n; ++i)
+        if (buf[i] != '\0') text += buf[i];
+    } else {
+      std::this_thread::sleep_for(10ms);
+    }
+  }
+  return text;
+}
+
+// Opens `n` connections to `target` and closes each at once: each fails the handshake there. Returns how many connected.
+int flood_with_strangers(const WorkerInfo& target, int n) {
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(target.port);
+  addr.sin_addr.s_addr = htonl(asio::ip::make_address_v4(target.host).to_uint());
+  int connected = 0;
+  for (int i = 0; i < n; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    timeval limit{2, 0};  // a connect that would wait for a full backlog gives up
+    ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof limit);
+    connected += ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0;
+    ::close(fd);
+  }
+  return connected;
+}
+
+std::size_t count_of(const std::string& text, const std::string& part) {
+  std::size_t n = 0;
+  for (auto at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) ++n;
+  return n;
+}
+
 }  // namespace
 
 CORPC_IO_THREAD_FUNCTION(&block_on_io_thread);
+CORPC_IO_THREAD_FUNCTION(&held_and_rss);
 
 TEST_CASE("1: a call whose arguments fail to encode fails alone, and graceful shutdown still completes") {
   run_world(2, [](int rank) {
@@ -170,4 +356,128 @@ TEST_CASE("7: handlers blocking on nested calls cannot starve the worker pool") 
     for (int i = 0; i < 32; ++i) EXPECT_EQ(calls[i].wait(60s), 20 + i);
     EXPECT(rpc_sync<&pool_threads_started>(1) > 4u);  // worker1 replaced its blocked threads
   });
+}
+
+// ---- issue 25 ----
+
+TEST_CASE("25.7a: a second connection claiming a connected rank is refused; the real rank and shutdown are untouched") {
+  run_world(3, [](int rank) {
+    if (rank != 0) return;
+    EXPECT_EQ(rpc_sync<&whoami_via>(2, 1), worker_name(1));  // the real worker2 is connected to worker1
+    // A process with the secret claims to be worker2, asks for a function nobody has, and leaves politely.
+    asio::io_context io;
+    auto s = authenticated_socket(io, get_worker_info(1));
+    FrameHeader unknown;
+    unknown.kind = FrameKind::Request;
+    unknown.id = 1;
+    unknown.function = 0x5eed;
+    FrameHeader goodbye;
+    goodbye.kind = FrameKind::Goodbye;
+    asio::write(s, asio::buffer(claim(get_worker_info(2), 3, frame_bytes(unknown) + frame_bytes(goodbye))));
+    expect_claim_refused(io, s);
+    s.close();
+    EXPECT(rpc_sync<&is_alive_here>(1, 2));  // worker1 still counts the real worker2 alive ...
+    EXPECT_EQ(rpc_sync<&whoami_via>(1, 2), worker_name(2));  // ... and reaches it
+    EXPECT_EQ(rpc_sync<&whoami_via>(2, 1), worker_name(1));  // the real worker2's own connection still works
+  }, quick_options(), 60s);  // and the graceful shutdown balances: the refused request counted for nobody
+}
+
+TEST_CASE("25.7b: replies forged on a claimed rank's behalf close only the claimant; the real rank's calls go on") {
+  run_world(2, [](int rank) {
+    if (rank != 0) return;
+    auto slow = rpc_async<&held_until_released>(1);  // the real worker1 has a call of ours in flight
+    // A process with the secret claims to be worker1 to us and answers request ids it was never sent.
+    asio::io_context io;
+    auto s = authenticated_socket(io, get_worker_info(0));
+    Message forged = corpc::detail::encode_reply(7, 0);
+    std::string replies;
+    for (std::uint64_t idx = 0; idx < 64; ++idx) {
+      FrameHeader h;
+      h.kind = FrameKind::Response;
+      h.id = idx;
+      h.body_len = static_cast<std::uint32_t>(forged.body.size());
+      replies += frame_bytes(h, forged.body);
+    }
+    asio::write(s, asio::buffer(claim(get_worker_info(1), 2, replies)));
+    expect_claim_refused(io, s);
+    s.close();
+    EXPECT(Runtime::get().is_alive(1));
+    EXPECT(!slow.done());
+    rpc_sync<&release>(1);
+    EXPECT_EQ(slow.wait(30s), 500);  // the real answer, from the real peer
+    EXPECT_EQ(rpc_sync<&add>(1, 2, 3), 5);
+  }, quick_options(), 60s);
+}
+
+TEST_CASE("25.8: strangers flooding a worker whose stderr nobody reads: it answers, summarises, and shuts down") {
+  constexpr int kStrangers = 2000;
+  launch_processes(2, [](int rank) {
+    if (rank == 1) g_unread_stderr.emplace();
+    init_rpc(worker_name(rank), rank, 2, quick_options());
+    if (rank == 0) {
+      EXPECT(flood_with_strangers(get_worker_info(1), kStrangers) > kStrangers / 2);
+      // A worker whose I/O thread blocked on its log misses this deadline (and, 15 s on, is declared unreachable).
+      EXPECT_EQ(rpc_async<&add>(1, with_timeout(10s), 2, 3).wait(20s), 5);
+      EXPECT_EQ(rpc_async<&whoami>(1, with_timeout(10s)).wait(20s), worker_name(1));
+      // Its log: a few refusals in full, the rest in a summary.
+      const auto log = rpc_async<&drain_stderr_until_summary>(1, with_timeout(40s)).wait(60s);
+      EXPECT(count_of(log, "refused a connection") <= 5);  // RefusalLog::kInFull (src/refusal_log.hpp)
+      EXPECT_CONTAINS(log, "more connections refused");
+    }
+    shutdown(true);
+    g_unread_stderr.reset();
+  }, launch_options(120s));
+}
+
+TEST_CASE("25.9: a peer announcing a large frame and sending nothing commits no memory on the receiver") {
+  constexpr std::int64_t kMiB = 1 << 20;
+  constexpr std::uint32_t kBody = 512 * kMiB;
+  constexpr std::uint32_t kMeta = 60 * kMiB;
+  constexpr std::int64_t kTensor = 512 * kMiB;
+  auto options = quick_options();
+  options.num_io_threads = 1;  // held_and_rss sees every connection's reads in order
+  run_world(2, [&](int rank) {
+    if (rank != 0) return;
+    const auto before = rpc_sync<&held_and_rss>(1);
+    asio::io_context io;
+    // Each announces a large request and sends none of what it announced: a body, a tensor table, tensor data.
+    auto body_only = authenticated_socket(io, get_worker_info(1));
+    FrameHeader h;
+    h.kind = FrameKind::Request;
+    h.id = 1;
+    h.body_len = kBody;
+    asio::write(body_only, asio::buffer(frame_bytes(h)));
+    auto meta_only = authenticated_socket(io, get_worker_info(1));
+    h = FrameHeader{};
+    h.kind = FrameKind::Request;
+    h.id = 1;
+    h.num_tensors = 1;
+    h.meta_len = kMeta;
+    h.tensor_bytes = 4;
+    asio::write(meta_only, asio::buffer(frame_bytes(h)));
+    auto data_only = authenticated_socket(io, get_worker_info(1));
+    Message m;
+    m.head.id = 1;
+    m.tensors.push_back(at::empty({kTensor / 4}));  // never touched here either
+    OutFrame tensor_frame = prepare(std::move(m));
+    asio::write(data_only, std::array<asio::const_buffer, 2>{asio::buffer(&tensor_frame.head, sizeof tensor_frame.head),
+                                                             asio::buffer(tensor_frame.meta)});
+    const std::int64_t announced = kBody + kMeta + kTensor;
+    std::vector<std::int64_t> now;
+    const auto deadline = std::chrono::steady_clock::now() + 30s;
+    do {
+      now = rpc_sync<&held_and_rss>(1);
+    } while (now[0] - before[0] < announced && std::chrono::steady_clock::now() < deadline);
+    MESSAGE("announced " << announced / kMiB << " MiB, reserved " << (now[0] - before[0]) / kMiB
+                         << " MiB, the receiver's RSS grew by " << (now[1] - before[1]) / kMiB << " MiB");
+    EXPECT(now[0] - before[0] >= announced);  // all three headers were read and acted on
+    EXPECT(now[1] - before[1] < 32 * kMiB);
+    // The real traffic still works, large bodies and tensors included, byte for byte.
+    std::string large(5 * kMiB + 17, 'x');
+    for (std::size_t i = 0; i < large.size(); i += 4093) large[i] = static_cast<char>('a' + i % 26);
+    EXPECT(rpc_sync<&echo>(1, large) == large);
+    const auto t = at::arange(4 * kMiB, at::kFloat);
+    EXPECT(at::equal(rpc_sync<&twice>(1, t), t * 2));
+    EXPECT_EQ(rpc_sync<&add>(1, 2, 3), 5);
+  }, options, 90s);
 }
