@@ -114,6 +114,7 @@ int main(int argc, char** argv) {
   options.init_timeout = std::chrono::seconds(60);
   options.rpc_timeout = std::chrono::seconds(120);
   LaunchOptions launch;
+  launch.start = StartMethod::fork;  // the ranks share the parsed options; this process has started no thread
   launch.timeout = std::chrono::minutes(15);
   try {
     launch_processes(2, [&](int rank) {

@@ -156,7 +156,9 @@ int main(int argc, char** argv) {
   const int steps = argc > 3 && argv[3][0] != '-' ? std::atoi(argv[3]) : 20;
   const bool phases = corpc::bench::Flags(argc, argv).has("phases");
   try {
-    corpc::launch_processes(2, [&](int rank) { run(model, mode, steps, phases, rank); });
+    corpc::LaunchOptions fork_ranks;
+    fork_ranks.start = corpc::StartMethod::fork;  // the ranks share the parsed options; no thread has started here
+    corpc::launch_processes(2, [&](int rank) { run(model, mode, steps, phases, rank); }, fork_ranks);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ddp_bench: %s\n", e.what());
     return 1;

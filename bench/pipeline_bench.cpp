@@ -337,7 +337,7 @@ int main(int argc, char** argv) {
                 c.device.c_str(), c.device.c_str(), c.device.c_str());
   std::fflush(stdout);
 
-  // Results cross from rank 0 to this process through a file (ranks are forked processes).
+  // Results cross from rank 0 to this process through a file (ranks are separate processes).
   char path[] = "/tmp/corpc_pipeline_bench_XXXXXX";
   ::close(::mkstemp(path));
   RpcOptions options;
@@ -348,6 +348,8 @@ int main(int argc, char** argv) {
   options.cache_cpu_allocations = host_cache != "off";
   LaunchOptions so;
   so.timeout = std::chrono::minutes(60);
+  // Forked: rank 0 writes the results file this process made and reads back, and nothing here has started a thread.
+  so.start = StartMethod::fork;
   const int world = static_cast<int>(c.workers) + 1;
   try {
     launch_processes(world, [&](int rank) {

@@ -786,6 +786,7 @@ void client_rank(const Options& o, int world) {
 int main(int argc, char** argv) {
   Options o = parse(argc, argv);
   corpc::LaunchOptions so;
+  so.start = corpc::StartMethod::fork;  // the ranks share the parsed options; this process has started no thread
   // Everything must end by itself: a generous bound on the whole run; launch_processes kills the ranks past it.
   so.timeout = std::chrono::seconds(60 + static_cast<long>(o.cases.size() * (3 * o.seconds_per_case + 15)));
   so.grace = std::chrono::seconds(5);

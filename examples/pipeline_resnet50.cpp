@@ -109,11 +109,7 @@ int main(int argc, char** argv) {
     shutdown();
   };
   try {
-    if (const char* rank = std::getenv("RANK")) {
-      body(std::atoi(rank));  // one rank of a launcher's world (torchrun, Slurm); WORLD_SIZE must be 3
-    } else {
-      launch_processes(3, body);
-    }
+    launch_processes(3, body);  // three local processes, or this rank of a launcher's world (WORLD_SIZE must be 3)
   } catch (const std::exception& e) {  // a dead peer, a timeout: one line and a non-zero status, not std::terminate
     std::fprintf(stderr, "pipeline_resnet50: %s\n", e.what());
     return 1;

@@ -2,8 +2,8 @@
 //
 //   build/examples/rpc_hello
 //
-// Run under a launcher instead (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set, as torchrun or Slurm do) and each
-// process becomes that one rank; started alone, it spawns all three ranks on this machine.
+// Started alone, it starts all three ranks on this machine. Under a launcher (RANK, WORLD_SIZE=3, MASTER_ADDR,
+// MASTER_PORT set, as torchrun, corpcrun or Slurm do) each process runs its one rank.
 #include <ATen/ATen.h>
 
 #include <cstdio>
@@ -50,12 +50,9 @@ void run(int rank, int world) {
 
 int main() {
   try {
-    if (const char* rank = std::getenv("RANK")) {
-      const char* world = std::getenv("WORLD_SIZE");
-      run(std::atoi(rank), world ? std::atoi(world) : -1);
-    } else {
-      launch_processes(3, [](int rank) { run(rank, 3); });
-    }
+    // Three local processes, each running this program again up to here; under a launcher (torchrun, corpcrun: RANK
+    // and WORLD_SIZE=3 set) just this process's rank.
+    launch_processes(3, [](int rank) { run(rank, 3); });
   } catch (const std::exception& e) {  // a dead peer, a timeout: one line and a non-zero status, not std::terminate
     std::fprintf(stderr, "rpc_hello: %s\n", e.what());
     return 1;

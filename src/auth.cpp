@@ -4,8 +4,10 @@
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 #include <openssl/rand.h>
+#include <openssl/ssl.h>
 
 #include <array>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 
@@ -48,6 +50,7 @@ asio::awaitable<void> authenticate(Transport& socket, const AuthConfig& config, 
   if (config.secret.empty() && !config.tls) co_return;
   // A peer that stops talking is dropped: the timer closes the socket, which aborts the pending read.
   asio::steady_timer timer(socket.get_executor(), config.timeout);
+  const auto started = std::chrono::steady_clock::now();
   bool timed_out = false;
   // The timer's handler may already be queued when the handshake ends (the peer gave up at the same moment): it must
   // then touch nothing of this frame or of `socket`, which may be gone by the time it runs.
@@ -109,12 +112,20 @@ asio::awaitable<void> authenticate(Transport& socket, const AuthConfig& config, 
     *running = false;
     timer.cancel();
     if (dynamic_cast<const ConnectionError*>(&e) && !timed_out) throw;
-    // One side waiting for a TLS handshake and the other for the challenge ends like this (a timeout, or the other
-    // side's timeout closing the connection).
-    const char* hint = config.tls && !tls_up                   ? " (does the peer use TLS?)"
-                       : !config.tls && role == AuthRole::dialer ? " (does the peer expect TLS?)"
-                                                                 : "";
-    throw ConnectionError((timed_out ? std::string("authentication timed out") : std::string("authentication: ") + e.what()) + hint);
+    // A plain dialer and a TLS acceptor both wait (the one for the challenge, the other for a ClientHello) until
+    // one side's timeout; a TLS dialer meeting a plain acceptor fails its handshake. A connection the peer closed
+    // at once is neither: a peer that left (or crashed) must not read as a TLS mismatch. The acceptor's timeout is
+    // its own setting, so "waited" is anything past a quarter second.
+    const bool closed = !timed_out && dynamic_cast<const asio::system_error*>(&e) &&
+                        static_cast<const asio::system_error&>(e).code() == asio::error::eof;
+    const bool waited = std::chrono::steady_clock::now() - started >= std::chrono::milliseconds(250);
+    const char* hint = config.tls && !tls_up                                       ? " (does the peer use TLS?)"
+                       : !config.tls && role == AuthRole::dialer && (timed_out || (closed && waited)) ? " (does the peer expect TLS?)"
+                                                                                  : "";
+    throw ConnectionError((timed_out ? std::string("authentication timed out")
+                           : closed  ? std::string("the peer closed the connection during authentication")
+                                     : std::string("authentication: ") + e.what()) +
+                          hint);
   }
   *running = false;
   timer.cancel();
@@ -124,6 +135,8 @@ std::string secret_from_environment() {
   const char* s = std::getenv("CORPC_SECRET");
   return s ? std::string(s) : std::string();
 }
+
+void initialize_openssl() { OPENSSL_init_ssl(0, nullptr); }
 
 std::string random_secret() {
   std::array<unsigned char, 32> bytes;

@@ -37,4 +37,8 @@ std::string secret_from_environment();
 // A fresh random secret (hex), for launchers that start all the ranks of a job.
 std::string random_secret();
 
+// Initializes OpenSSL now, so that its exit-time cleanup is registered before what the caller registers next: exit
+// handlers run in reverse order, and a runtime shut down at exit still authenticates connections.
+void initialize_openssl();
+
 }  // namespace corpc::detail

@@ -84,6 +84,7 @@ void Runtime::Impl::start_call(detail::OutboundCall&& call) {
   } else {
     p.owned_name.assign(call.function);
   }
+  p.sent_types = call.sent_types;
   p.deadline = detail::Clock::now() + timeout;
   p.timeout = timeout;
   p.dst = dst;
@@ -259,7 +260,19 @@ void Runtime::Impl::deliver_reply(const std::shared_ptr<detail::Connection>& con
                            .bytes = trace::detail::frame_bytes(msg.head), .name = std::string(function)});
   }
   if (p.counted) call_done();
-  if (msg.head.kind == FrameKind::Error) return p.finish(nullptr, decode_error(msg, name_of(p.dst), function));
+  if (msg.head.kind == FrameKind::Error) {
+    auto error = decode_error(msg, name_of(p.dst), function);
+    // The callee knows only a hash of what was sent: the types themselves are known here.
+    if (!p.sent_types.empty()) {
+      try {
+        std::rethrow_exception(error);
+      } catch (const ArgumentTypeError& e) {
+        error = std::make_exception_ptr(ArgumentTypeError(std::string(e.what()) + "; this call sent " + std::string(p.sent_types)));
+      } catch (...) {
+      }
+    }
+    return p.finish(nullptr, std::move(error));
+  }
   try {
     attach_autograd(msg.head, p.dst, msg.tensors);
   } catch (...) {

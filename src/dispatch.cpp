@@ -211,7 +211,15 @@ void Runtime::Impl::on_frame(const std::shared_ptr<detail::Connection>& conn, Me
       return deliver_reply(conn, std::move(msg));
     }
     case FrameKind::IpcDone: return on_ipc_done(conn, std::move(msg));
-    case FrameKind::Goodbye:
+    case FrameKind::Goodbye: {
+      // A body says the peer stops after an error; on_close words its departure with it. Bounded: it is only words.
+      const int rank = conn->peer_rank;
+      if (!msg.body.empty() && rank >= 0 && rank < world_size) {
+        std::lock_guard lock(conn_mutex);
+        farewells[rank] = msg.body.substr(0, 4096);
+      }
+      return;
+    }
     case FrameKind::Ping:  // answered by the transport
     case FrameKind::Pong: return;
   }

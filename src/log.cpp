@@ -56,6 +56,11 @@ class LogQueue {
     return *queue;
   }
 
+  bool logger_started() {
+    std::lock_guard lock(mutex_);
+    return started_;
+  }
+
   void push(std::string&& line) noexcept {
     std::lock_guard lock(mutex_);
     if (!started_ && !start_logger()) return;
@@ -126,6 +131,8 @@ LogLevel log_level() {
   static const LogLevel level = parse_level();
   return level;
 }
+
+int fork_safe_threads() noexcept { return LogQueue::instance().logger_started() ? 1 : 0; }
 
 void log_line(LogLevel level, std::string_view worker, std::string_view function, std::string_view message) {
   std::string line = fmt::format("corpc {} [{}{}{}]: {}\n", kNames[static_cast<int>(level)], worker,

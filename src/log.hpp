@@ -17,6 +17,10 @@ enum class LogLevel { debug, info, warn, error, off };
 // From CORPC_LOG, read once; an unknown value means the default (warn), with one warning saying so.
 LogLevel log_level();
 
+// corpc's own threads that fork leaves harmless (the logger: a forked child starts its own): launch_processes' fork
+// check does not count them.
+int fork_safe_threads() noexcept;
+
 void log_line(LogLevel level, std::string_view worker, std::string_view function, std::string_view message);
 
 template <class... Args>

@@ -96,7 +96,12 @@ void Runtime::Impl::on_close(const std::shared_ptr<detail::Connection>& conn, co
     // Only the loss of a connection that speaks for the rank is the rank's: a refused claimant's is its own.
     speaks_for_rank = conn->outgoing || release_rank(rank, conn);
   }
-  const std::string reason = conn->said_goodbye ? std::string(kShutDownReason) : why;
+  std::string reason = why;
+  if (conn->said_goodbye) {
+    std::lock_guard lock(conn_mutex);
+    const bool failed = rank >= 0 && rank < world_size && !farewells[rank].empty();
+    reason = failed ? "it stopped after an error: " + farewells[rank] : std::string(kShutDownReason);
+  }
   // The death is recorded before anyone learns of it through a failed call: a caller woken by that failure (e.g.
   // shutdown() on a worker whose master died) must find the rank already dead.
   if (world_known && rank >= 0 && speaks_for_rank && !was_closing) mark_dead(rank, reason);
@@ -167,7 +172,7 @@ void Runtime::Impl::accept_loop() {
   });
 }
 
-void Runtime::Impl::close_everything(bool say_goodbye) {
+void Runtime::Impl::close_everything(bool say_goodbye, const std::string& failure) {
   std::vector<std::shared_ptr<detail::Connection>> conns;
   {
     std::lock_guard lock(conn_mutex);
@@ -176,6 +181,16 @@ void Runtime::Impl::close_everything(bool say_goodbye) {
       if (c) conns.push_back(c);
     conns.insert(conns.end(), incoming.begin(), incoming.end());
   }
+  auto goodbye = [&] {
+    Message bye;
+    bye.head.kind = FrameKind::Goodbye;
+    bye.body = failure;
+    return prepare(std::move(bye));
+  };
+  // A rank that stops after an error says so first: a peer whose call or shutdown round fails next must already
+  // know why (it reads the Goodbye before that reply).
+  if (say_goodbye && !failure.empty())
+    for (auto& c : conns) c->send(goodbye());
   // Before any connection closes, so that calls in flight fail as shut down, not as lost peers.
   fail_all_calls(std::make_exception_ptr(ShutdownError("corpc runtime shut down")));
   fail_pending_rounds();
@@ -183,11 +198,7 @@ void Runtime::Impl::close_everything(bool say_goodbye) {
   // graceful shutdown the scope is empty already; otherwise its tasks unwind at their next await.
   join_background();
   for (auto& c : conns) {
-    if (say_goodbye) {
-      Message bye;
-      bye.head.kind = FrameKind::Goodbye;
-      c->send(prepare(std::move(bye)));
-    }
+    if (say_goodbye && failure.empty()) c->send(goodbye());
     c->close_when_flushed();
   }
   asio::post(main_io(), [this] {

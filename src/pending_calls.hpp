@@ -30,6 +30,7 @@ struct PendingCall {
   void* target = nullptr;
   std::string_view function;   // for error messages: static storage (function_name<F>), or `owned_name`
   std::string owned_name;      // by-name calls
+  std::string_view sent_types;  // OutboundCall::sent_types
   Clock::time_point deadline;
   std::chrono::milliseconds timeout{0};
   int dst = -1;

@@ -100,7 +100,8 @@ Task<StepResult> Pipeline::train_step(at::Tensor inputs, at::Tensor targets) {
     const int rank = state->worker_ranks[w];
     parts.push_back(rpc_async<&detail::run_step>(rank, id, step, lists[w],
                                                  w == 0 ? xs : std::vector<at::Tensor>{},
-                                                 rank == last_rank ? ys : std::vector<at::Tensor>{}, inputs.size(0)));
+                                                 rank == last_rank ? ys : std::vector<at::Tensor>{},
+                                                 options_.loss_reduction == LossReduction::mean ? inputs.size(0) : 0));
   }
   // The first failure aborts the step everywhere, so that no stage waits for a message that will never come.
   struct Watch {

@@ -191,7 +191,7 @@ std::vector<std::pair<std::int32_t, std::vector<at::Tensor>>> stage_parameters(s
 }
 
 Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Action> actions,
-                            std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets, std::int64_t batch_size) {
+                            std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets, std::int64_t mean_over) {
   auto host = host_or_throw(id);
   host->forget_before(step);
   const int last = static_cast<int>(host->placement.stage_ranks.size()) - 1;
@@ -238,7 +238,8 @@ Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Act
       }
       if (last_stage) {
         const at::Tensor& target = targets.at(a.micro);
-        const double share = static_cast<double>(target.size(0)) / static_cast<double>(batch_size);
+        // A mean over the batch is the sum of the micro-batches' means weighted by their shares; a sum needs none.
+        const double share = mean_over > 0 ? static_cast<double>(target.size(0)) / static_cast<double>(mean_over) : 1.0;
         h.output = host->loss(y, target.to(st.device)) * share;
         report.losses[a.micro] = h.output.item<double>();
       } else {

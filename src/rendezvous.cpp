@@ -249,13 +249,20 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Me
   if (self.rank != 0) return refuse(conn, "registration sent to rank " + std::to_string(self.rank));
   if (world_known) return refuse(conn, "the world is already complete");
   std::optional<std::string> refusal;
+  std::string duplicate;  // a name two ranks claim: the job is misconfigured, and every rank learns it now
+  std::vector<std::shared_ptr<detail::Connection>> registered;
   {
     std::lock_guard lock(conn_mutex);
     if (registrations.count(info.rank))
       return refuse(conn, "rank " + std::to_string(info.rank) + " already registered by '" + registrations[info.rank].first.name + "'");
-    for (auto& [rank, reg] : registrations)
-      if (reg.first.name == info.name) return refuse(conn, "worker name '" + info.name + "' is already taken by rank " + std::to_string(rank));
-    refusal = hello_refusal(info.rank);
+    for (auto& [rank, reg] : registrations) {
+      if (reg.first.name != info.name) continue;
+      duplicate = "worker name '" + info.name + "' is already taken by rank " + std::to_string(rank) + " (rank " +
+                  std::to_string(info.rank) + " claims it too): every worker needs its own name";
+      for (auto& [r, other] : registrations)
+        if (other.second && r != self.rank) registered.push_back(other.second);
+    }
+    if (duplicate.empty()) refusal = hello_refusal(info.rank);
     if (!refusal) {
       if (info.host.empty()) info.host = conn->remote_address;
       take_rank(info.rank, conn);
@@ -265,6 +272,14 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Me
       registrations[info.rank] = {info, conn};
       device_configs[info.rank] = std::move(hello.devices);
     }
+  }
+  if (!duplicate.empty()) {
+    // Not a claim to turn away but a job that cannot start: the ranks waiting for the world fail at once instead of
+    // at their init timeout.
+    refuse(conn, duplicate);
+    for (auto& c : registered) refuse(c, duplicate);
+    if (!world_ready.get_future().done()) world_ready.set_error(UsageError("rendezvous failed: " + duplicate));
+    return;
   }
   if (refusal) return refuse_claim(conn, info, *refusal);
   publish_world_if_complete();

@@ -4,6 +4,7 @@
 #include "corpc/rpc/call.hpp"
 #include "device_map.hpp"
 #include "log.hpp"
+#include "runtime_exit.hpp"
 #include "runtime_impl.hpp"
 #include "trace_recorder.hpp"
 
@@ -14,6 +15,8 @@ namespace {
 std::mutex g_runtime_mutex;
 std::unique_ptr<Runtime> g_runtime;
 std::atomic<Runtime*> g_runtime_ptr{nullptr};
+
+void close_runtime_at_exit();
 
 int env_int(std::initializer_list<const char*> names, int fallback) {
   for (const char* n : names) {
@@ -192,6 +195,12 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
 
   std::lock_guard lock(g_runtime_mutex);
   if (g_runtime) throw UsageError("init_rpc called twice: this process already runs a corpc runtime");
+  // After OpenSSL's own handler, so that ours runs first (exit handlers run in reverse order).
+  static const bool at_exit_registered = [] {
+    detail::initialize_openssl();
+    return std::atexit(close_runtime_at_exit) == 0;
+  }();
+  (void)at_exit_registered;
   auto impl = std::make_unique<Runtime::Impl>();
   impl->options = options;
   impl->init_flow_control();
@@ -212,6 +221,7 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   impl->self.rank = rank;
   impl->world_size = world_size;
   impl->dead.assign(world_size, "");
+  impl->farewells.assign(world_size, "");
   impl->outgoing.assign(world_size, nullptr);
   impl->sent_to = std::make_unique<std::atomic<std::uint64_t>[]>(world_size);
   impl->handled_from = std::make_unique<std::atomic<std::uint64_t>[]>(world_size);
@@ -242,27 +252,91 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   }
 }
 
-void shutdown(bool graceful) {
-  std::lock_guard lock(g_runtime_mutex);
-  if (!g_runtime) return;
+namespace {
+
+// Ends the running runtime; the caller holds g_runtime_mutex. Returns what the job lost, in words ("" if nothing).
+std::string close_runtime(bool graceful, const std::string& failure) {
   auto& impl = runtime_impl(*g_runtime);
-  const bool agreed = graceful && impl.graceful_shutdown();
-  if (!graceful && trace::enabled()) impl.finish_trace(false);
-  // A worker whose rank 0 died (rather than shut down) must not look like a success to its launcher. Once the job
+  Runtime::Impl::ShutdownOutcome outcome;
+  if (graceful) outcome = impl.graceful_shutdown();
+  else if (trace::enabled()) impl.finish_trace(false);
+  // A rank of a job that lost a rank (it died, or stopped after an error) must not exit as a success. Once the job
   // agreed that it is quiet, rank 0 may close first: a write that then meets its closed socket is not a death (seen
   // under load: "write failed: Broken pipe" recorded before rank 0's goodbye was read).
-  std::string master_lost;
-  if (graceful && !agreed && impl.self.rank != 0) {
+  std::string lost;
+  if (graceful && !outcome.quiet && impl.self.rank != 0) {
     std::lock_guard conn_lock(impl.conn_mutex);
-    if (!impl.dead[0].empty() && impl.dead[0] != Runtime::Impl::kShutDownReason) master_lost = impl.dead[0];
+    if (!impl.farewells[0].empty())
+      lost = "rank 0 stopped after an error (" + impl.farewells[0] + ")";
+    else if (!impl.dead[0].empty() && impl.dead[0] != Runtime::Impl::kShutDownReason)
+      lost = "rank 0 died before the job ended (" + impl.dead[0] + ")";
   }
-  impl.close_everything(true);
+  if (graceful && lost.empty() && !outcome.lost.empty()) lost = "the job lost " + outcome.lost;
+  impl.close_everything(true, failure);
   g_runtime_ptr.store(nullptr, std::memory_order_release);
   g_runtime.reset();
   trace::detail::stop();
-  if (!master_lost.empty())
-    throw ConnectionError("shutdown: rank 0 died before the job ended (" + master_lost + "); this worker stopped");
+  return lost;
 }
+
+// Whether this thread belongs to the runtime (a handler, an I/O thread): a graceful shutdown from it would wait for
+// itself.
+bool on_runtime_thread(Runtime::Impl& impl) {
+  if (impl.pool->running_here()) return true;
+  for (auto& t : impl.io_threads)
+    if (t->thread.get_id() == std::this_thread::get_id()) return true;
+  return false;
+}
+
+// Registered by init_rpc: a process that exits with its runtime still running (main returned without shutdown())
+// would destroy it under its running threads. Shut it down instead, and say so.
+void close_runtime_at_exit() {
+  try {
+    (void)detail::close_runtime_left_open("");
+  } catch (...) {
+  }
+}
+
+}  // namespace
+
+void shutdown(bool graceful) {
+  std::lock_guard lock(g_runtime_mutex);
+  if (!g_runtime) return;
+  const std::string lost = close_runtime(graceful, "");
+  if (!lost.empty()) throw ConnectionError("shutdown: " + lost + "; this worker stopped");
+}
+
+void shutdown_after_error(std::string_view what) {
+  std::lock_guard lock(g_runtime_mutex);
+  if (!g_runtime) return;
+  (void)close_runtime(false, what.empty() ? std::string("unspecified error") : std::string(what));
+}
+
+namespace detail {
+
+std::string close_runtime_left_open(const std::string& error) {
+  std::lock_guard lock(g_runtime_mutex);
+  if (!g_runtime) return {};
+  auto& impl = runtime_impl(*g_runtime);
+  const std::string name = impl.self.name;
+  if (!error.empty()) {
+    (void)close_runtime(false, error);
+    return {};
+  }
+  const std::string lost = impl.lost_ranks();
+  if (!lost.empty() || on_runtime_thread(impl)) {
+    const std::string why = !lost.empty() ? "left without calling corpc::shutdown() after the job lost " + lost
+                                          : "left without calling corpc::shutdown(), from one of the runtime's threads";
+    log(LogLevel::error, name, "exit", "{}", why);
+    (void)close_runtime(false, why);
+    return why;
+  }
+  log(LogLevel::warn, name, "exit", "left without calling corpc::shutdown(): shutting down gracefully for it");
+  const std::string job_lost = close_runtime(true, "");
+  return job_lost.empty() ? std::string() : "shutdown: " + job_lost;
+}
+
+}  // namespace detail
 
 WorkerInfo get_worker_info() { return Runtime::get().self(); }
 WorkerInfo get_worker_info(const WorkerRef& worker) { return Runtime::get().worker(worker); }

@@ -19,6 +19,7 @@
 #include <optional>
 #include <set>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 
 #include "auth.hpp"
@@ -133,10 +134,12 @@ struct Runtime::Impl {
   std::vector<std::pair<std::shared_ptr<detail::Connection>, Message>> early_requests;
 
   // Graceful shutdown bookkeeping on rank 0, guarded by barrier_mutex.
+  // A round's answer: (requests between live ranks, balanced and idle, the ranks the job lost: "" if none).
+  using RoundResult = std::tuple<std::uint64_t, bool, std::string>;
   struct Round {
     std::map<int, std::pair<std::vector<std::uint64_t>, std::vector<std::uint64_t>>> reports;  // rank -> (sent_to, handled_from)
     bool all_idle = true;
-    Promise<std::pair<std::uint64_t, bool>> done;  // (requests between live ranks, balanced and idle)
+    Promise<RoundResult> done;
   };
   std::mutex barrier_mutex;
   std::map<std::int64_t, Round> rounds;
@@ -149,6 +152,9 @@ struct Runtime::Impl {
   // The CallContext a request's handler runs with: the caller's context id in the hooks' slot.
   // Why a peer that said goodbye is gone (as opposed to one that died): compared against by shutdown().
   static constexpr const char* kShutDownReason = "it shut down";
+  // Why each rank stopped, as its Goodbye said: "" for an orderly shutdown, else the error it stopped after
+  // (shutdown_after_error). By rank; conn_mutex.
+  std::vector<std::string> farewells;
   CallContext handler_context(std::int64_t context_id) const noexcept;
   // The same, for a request's handler: with its stop token and its deadline (issue 10).
   CallContext handler_context(std::int64_t context_id, std::stop_token stop, detail::Clock::time_point deadline) const noexcept;
@@ -210,16 +216,22 @@ struct Runtime::Impl {
   void mark_dead(int rank, const std::string& why);
   void fail_all_calls(std::exception_ptr error);
   void accept_loop();
-  void close_everything(bool say_goodbye);
+  // Fails what is in flight, says Goodbye if asked (carrying `failure`, the error this rank stops after: "" for an
+  // orderly shutdown), closes every connection and stops the threads.
+  void close_everything(bool say_goodbye, const std::string& failure = {});
 
   // ---- shutdown.cpp ----
   void check_rounds();
   // Fails the rounds peers still wait on (they shut down gracefully while this process does not), while the I/O
   // threads that answer them still run; a continuation queued on a stopped thread would never run (and leak).
   void fail_pending_rounds();
-  // True once every live rank agreed, with rank 0, that the job is quiet; false if rank 0 was lost or the
-  // shutdown timeout passed first.
-  bool graceful_shutdown();
+  struct ShutdownOutcome {
+    bool quiet = false;  // every live rank agreed, with rank 0, that the job is quiet (not: rank 0 lost, timeout)
+    std::string lost;    // the ranks the job lost (rank 0's account once quiet, else this rank's own): "" if none
+  };
+  ShutdownOutcome graceful_shutdown();
+  // The ranks this runtime saw die or leave after an error, in words ("" if none). Takes conn_mutex.
+  std::string lost_ranks();
   // Waits until locally_idle() or `deadline`; true if idle.
   bool wait_locally_idle(std::chrono::steady_clock::time_point deadline);
   // Writes this worker's part of the trace (corpc/rpc/trace.hpp); `meet`: then waits in one more round for every

@@ -4,6 +4,8 @@
 // rounds themselves travel as control calls (kFlagControl), which are not counted. "Idle" includes the runtime's
 // background scope (library work nobody awaits: RRef control messages, values being created), so a worker whose
 // background work may still talk to a peer keeps that peer up; shutdown() joins the scope afterwards.
+// Each round's answer also carries rank 0's account of the ranks the job lost (died, or left after an error): every
+// rank learns that the job failed, including one that never talked to the lost rank itself.
 #include <cstdio>
 
 #include "corpc/rpc/call.hpp"
@@ -14,7 +16,8 @@ namespace corpc {
 
 namespace {
 
-using RoundResult = std::pair<std::uint64_t, bool>;
+// (requests between live ranks, balanced and idle, the ranks the job lost in words: "" if none)
+using RoundResult = Runtime::Impl::RoundResult;
 
 Future<RoundResult> shutdown_round(std::int64_t round, int rank, std::vector<std::uint64_t> sent_to,
                                    std::vector<std::uint64_t> handled_from, bool idle) {
@@ -66,6 +69,7 @@ constexpr std::int64_t kTraceRound = -2;
 
 void Runtime::Impl::check_rounds() {
   std::vector<bool> alive(world_size);
+  const std::string lost = lost_ranks();
   {
     std::lock_guard lock(conn_mutex);
     for (int k = 0; k < world_size; ++k) alive[k] = dead[k].empty();
@@ -86,7 +90,7 @@ void Runtime::Impl::check_rounds() {
         balanced = balanced && ri.first[j] == rj.second[i];
       }
     }
-    r.done.set_value(RoundResult{total, balanced});
+    r.done.set_value(RoundResult{total, balanced, lost});
   }
 }
 
@@ -101,7 +105,17 @@ void Runtime::Impl::fail_pending_rounds() {
   for (auto& [round, r] : pending) r.done.set_error(ShutdownError("rank 0 shut down without waiting for the others"));
 }
 
-bool Runtime::Impl::graceful_shutdown() {
+std::string Runtime::Impl::lost_ranks() {
+  std::string out;
+  std::lock_guard lock(conn_mutex);
+  for (int k = 0; k < world_size; ++k) {
+    if (dead[k].empty() || dead[k] == kShutDownReason) continue;
+    out += (out.empty() ? "" : "; ") + ("worker '" + name_of(k) + "' (rank " + std::to_string(k) + "): " + dead[k]);
+  }
+  return out;
+}
+
+Runtime::Impl::ShutdownOutcome Runtime::Impl::graceful_shutdown() {
   const auto limit = options.shutdown_timeout.count() > 0 ? options.shutdown_timeout
                                                            : std::chrono::milliseconds(std::chrono::hours(24 * 365));
   const auto deadline = std::chrono::steady_clock::now() + limit;
@@ -110,15 +124,16 @@ bool Runtime::Impl::graceful_shutdown() {
         std::chrono::milliseconds(1),
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()));
   };
-  bool quiet = false;
+  ShutdownOutcome outcome;
   try {
     ask_round(*this, -1, true, remaining());  // everyone has reached shutdown
     std::optional<RoundResult> previous;
     for (std::int64_t round = 0; std::chrono::steady_clock::now() < deadline; ++round) {
       wait_locally_idle(deadline);
       auto result = ask_round(*this, round, locally_idle(), remaining());
-      if (result.second && previous == result) {  // quiet, and nothing moved since the last round
-        quiet = true;
+      outcome.lost = std::get<2>(result);
+      if (std::get<1>(result) && previous == result) {  // quiet, and nothing moved since the last round
+        outcome.quiet = true;
         break;
       }
       previous = result;
@@ -126,8 +141,9 @@ bool Runtime::Impl::graceful_shutdown() {
   } catch (const RpcError&) {
     // Rank 0 is gone or the deadline passed: close anyway rather than hang.
   }
-  if (trace::enabled()) finish_trace(quiet);
-  return quiet;
+  if (!outcome.quiet) outcome.lost = lost_ranks();  // what this rank saw itself
+  if (trace::enabled()) finish_trace(outcome.quiet);
+  return outcome;
 }
 
 void Runtime::Impl::finish_trace(bool meet) {

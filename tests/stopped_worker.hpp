@@ -2,8 +2,9 @@
 // write, heartbeats included, goes through the I/O thread and the SSL stream): rank 0 stops worker2 with SIGSTOP from
 // inside a call to it (every thread stops; its sockets stay open and answer nothing). Rank 0's call must fail with
 // ConnectionError naming worker2 as unreachable once the liveness check gives up on it; rank 1, calling worker2 in a
-// loop, must see the same; both still reach each other and shut down gracefully; rank 0 then kills worker2. Only
-// worker2 may be reported failed, by that SIGKILL. Include after doctest.
+// loop, must see the same; both still reach each other; rank 0 kills worker2, and both shut down, which fails for
+// the job lost worker2. worker2 must be reported killed, the others failed by their shutdown only. Include after
+// doctest.
 #pragma once
 
 #include <signal.h>
@@ -45,8 +46,8 @@ inline void expect_stopped_worker2_declared_unreachable(const RpcOptions& option
         EXPECT_CONTAINS(gone, "unreachable");
         EXPECT(!Runtime::get().is_alive(2));
         EXPECT(rpc_sync<&pid_of_rank>(1) != victim);  // the other link is untouched
-        shutdown(true);
         ::kill(victim, SIGKILL);  // nothing left behind
+        shutdown(true);           // throws: the job lost worker2
         return;
       }
       for (;;) {  // rank 1 calls the stopped worker until its own liveness check gives up on it

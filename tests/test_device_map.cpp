@@ -268,7 +268,7 @@ TEST_CASE("device maps end to end: CPU tensors unchanged with maps configured; u
     EXPECT(!inverse.empty() && !contains(inverse, "device map"));
     EXPECT(at::equal(rpc_sync<&echo>("worker1", at::ones({2})), at::ones({2})));
     shutdown(true);
-  }, LaunchOptions{120s, 10s});
+  }, launch_options(120s, 10s));
 }
 
 TEST_CASE("device maps: bad maps fail init_rpc on every worker with UsageError") {
@@ -283,7 +283,7 @@ TEST_CASE("device maps: bad maps fail init_rpc on every worker with UsageError")
       configure(rank, options);
       const std::string why = EXPECT_THROWS_AS(init_rpc(worker_name(rank), rank, 2, options), UsageError);
       if (!contains(why, expected)) throw std::runtime_error("unexpected message: " + why);
-    }, LaunchOptions{60s, 10s});
+    }, launch_options(60s, 10s));
   };
   // Devices that this machine does not have (no override of the device count: no GPU here).
   expect_init_fails([](int rank, RpcOptions& o) {
@@ -625,7 +625,7 @@ TEST_CASE("device maps with a GPU (skipped without one): tensors arrive on the m
       }
     }
     shutdown(true);
-  }, LaunchOptions{120s, 10s});
+  }, launch_options(120s, 10s));
 }
 
 // On a GPU, between two workers on this host: CUDA tensors are lent by CUDA IPC where this corpc can (a CUDA build of
@@ -676,7 +676,7 @@ TEST_CASE("CUDA IPC with a GPU (skipped without one): lent where it can be, stag
         EXPECT(after[1] - before[1] == after[0] - before[0]);  // every loan returned (IpcDone precedes each reply)
       }
       shutdown(true);
-    }, LaunchOptions{120s, 10s});
+    }, launch_options(120s, 10s));
   }
   ::unsetenv("CORPC_CUDA_IPC");
 }

@@ -29,6 +29,9 @@ const std::vector<std::int64_t> kBlocks{1, 1, 1, 1};
 const double kLr = 0.05;
 
 at::Tensor mse(const at::Tensor& out, const at::Tensor& target) { return torch::nn::functional::mse_loss(out, target); }
+at::Tensor summed_mse(const at::Tensor& out, const at::Tensor& target) {
+  return torch::nn::functional::mse_loss(out, target, torch::nn::functional::MSELossFuncOptions(torch::kSum));
+}
 std::unique_ptr<torch::optim::Optimizer> make_sgd(std::vector<at::Tensor> params) {
   return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(kLr));
 }
@@ -41,11 +44,12 @@ torch::nn::Sequential tiny_resnet(std::uint64_t seed) { return make_resnet_seque
 bool close(const at::Tensor& a, const at::Tensor& b) { return at::allclose(a, b, 1e-4, 1e-6); }
 
 // One SGD step of the unsplit model in this process; returns (loss, parameters after the step).
-std::pair<at::Tensor, std::vector<at::Tensor>> reference_step(const at::Tensor& x, const at::Tensor& y) {
+std::pair<at::Tensor, std::vector<at::Tensor>> reference_step(const at::Tensor& x, const at::Tensor& y,
+                                                              at::Tensor (*loss_fn)(const at::Tensor&, const at::Tensor&) = &mse) {
   auto net = tiny_resnet(1);
   net->eval();
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(kLr));
-  auto loss = mse(net->forward(x), y);
+  auto loss = loss_fn(net->forward(x), y);
   loss.backward();
   opt.step();
   return {loss.detach(), net->parameters()};
@@ -97,6 +101,27 @@ TEST_CASE("every schedule, with 2 and 4 stages and 1, 2, 4, 8 micro-batches, equ
           for (std::size_t w = 0; w < result.workers.size(); ++w) EXPECT_EQ(result.workers[w].records.size(), plan[w].size());
         }
   }, quick_options(), std::chrono::seconds(300));
+}
+
+TEST_CASE("a sum-reduced loss, declared as such, gives the one-process loss and gradients (not divided by M)") {
+  run_world(3, [](int rank) {
+    if (rank != 0) return;
+    auto x = random_images(kBatch, kImage, 7);
+    auto y = one_hot_labels(kBatch, kClasses, 8);
+    auto [ref_loss, ref_params] = reference_step(x, y, &summed_mse);
+    for (auto schedule : {Schedule::GPipe, Schedule::OneFOneB, Schedule::ZeroBubbleH1}) {
+      PipelineOptions o = layout(schedule, 2, 4);
+      o.loss_reduction = LossReduction::sum;
+      auto pipe = Pipeline::create<&tiny_resnet, &summed_mse, &make_sgd>(o, std::uint64_t{1});
+      pipe.train(false);
+      auto result = sync_wait(pipe.train_step(x, y));
+      auto params = pipe.parameters();
+      INFO(to_string(schedule) << ": loss " << result.loss.item<double>() << ", one process " << ref_loss.item<double>());
+      EXPECT(close(result.loss, ref_loss));
+      EXPECT_EQ(params.size(), ref_params.size());
+      for (std::size_t i = 0; i < params.size(); ++i) EXPECT(close(params[i], ref_params[i]));
+    }
+  }, quick_options(), std::chrono::seconds(120));
 }
 
 TEST_CASE("inputs and targets of different batch sizes are a UsageError naming both, before anything is sent") {

@@ -285,18 +285,19 @@ TEST_CASE("ranks may start in any order; bad registrations are refused clearly")
     EXPECT_EQ(rpc_sync<&whoami>((rank + 1) % 3), worker_name((rank + 1) % 3));
     shutdown(true);
   }, so);
+  // Two ranks with one name: every rank fails at once with the reason, none waits for its init timeout or the
+  // launcher's grace (they used to, and were then reported as killed).
   try {
-    launch_processes(2, [](int rank) {
-      auto options = quick_options();
-      options.init_timeout = 3s;
-      init_rpc("same_name", rank, 2, options);
+    launch_processes(3, [](int rank) {
+      if (rank == 2) std::this_thread::sleep_for(300ms);  // registers second
+      init_rpc(rank == 0 ? "master" : "same_name", rank, 3, quick_options());
       shutdown();
-    }, so);
+    }, launch_options(120s, 60s));
     FAIL("duplicate names must fail");
   } catch (const LaunchError& e) {
-    bool named = false;
-    for (auto& f : e.failures()) named = named || f.reason.find("already taken") != std::string::npos;
-    CHECK(named);
+    INFO(e.what());
+    CHECK(e.failures().size() == 3);
+    for (auto& f : e.failures()) CHECK(f.reason.find("'same_name' is already taken") != std::string::npos);
   }
   CHECK_THROWS_AS(init_rpc("bad name!", 0, 1), UsageError);
 }

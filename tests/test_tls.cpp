@@ -173,7 +173,7 @@ TEST_CASE("a job over TLS: calls with tensors both ways, large transfers, remote
       EXPECT(at::equal(r.to_here().wait(30s), at::arange(5000, at::kLong)));
     }
     shutdown(true);
-  }, LaunchOptions{std::chrono::seconds(120)});
+  }, launch_options(std::chrono::seconds(120)));
 }
 
 TEST_CASE("a TLS worker refuses plain peers, untrusted and expired certificates, and keeps serving") {
@@ -267,7 +267,7 @@ TEST_CASE("ranks that disagree about TLS fail init_rpc with a typed error, never
         const std::string why = EXPECT_THROWS_AS(init_rpc(worker_name(rank), rank, 2, options), ConnectionError);
         EXPECT(why.find("TLS") != std::string::npos);
       }
-    }, LaunchOptions{std::chrono::seconds(60)});
+    }, launch_options(std::chrono::seconds(60)));
   }
 }
 
@@ -304,7 +304,7 @@ TEST_CASE("a lazily dialed peer whose certificate is not trusted fails the call 
       rpc_sync<&mark_reached>(0, 1);
     }
     shutdown(false);
-  }, LaunchOptions{std::chrono::seconds(60)});
+  }, launch_options(std::chrono::seconds(60)));
 }
 
 TEST_CASE("without certificate checks the secret still stops a relay that terminates TLS on both sides") {

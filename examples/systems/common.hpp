@@ -25,23 +25,15 @@ inline corpc::RpcOptions single_threaded(corpc::RpcOptions options = {}) {
   return options;
 }
 
-// Runs body(rank) on `world` local processes, or once when a launcher (torchrun --no_python, Slurm) set RANK; then
-// WORLD_SIZE must equal `world`. Returns the process exit status, with one line on stderr on failure.
+// Runs body(rank) on `world` local processes, or this process's rank only when a launcher (torchrun --no_python,
+// corpcrun, Slurm) set RANK and WORLD_SIZE (which must equal `world`): launch_processes decides. A rank that throws
+// leaves with shutdown_after_error, so the others fail too. Returns the process exit status, with one line on stderr
+// on failure.
 inline int run_program(const char* program, int world, const std::function<void(int rank)>& body) {
   try {
-    if (const char* rank = std::getenv("RANK")) {
-      const char* size = std::getenv("WORLD_SIZE");
-      if (size == nullptr || std::atoi(size) != world) {
-        std::fprintf(stderr, "%s: this configuration needs WORLD_SIZE=%d\n", program, world);
-        return 2;
-      }
-      body(std::atoi(rank));
-    } else {
-      corpc::launch_processes(world, body);
-    }
+    corpc::launch_processes(world, body);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "%s: %s\n", program, e.what());
-    if (corpc::Runtime::try_get() != nullptr) corpc::shutdown(false);  // a rank that failed mid-run: close, then exit
     return 1;
   }
   return 0;

@@ -29,8 +29,12 @@
 /// input and of each layer's output, graph kept) and W (each layer's weight gradients from its output's gradient).
 /// When every action is done, each stage's optimizer steps on its worker. No distributed autograd is involved.
 ///
-/// Losses must be means over the batch (MSE, cross-entropy with the default reduction). BatchNorm in training mode
-/// normalizes each micro-batch by itself, so results equal the unsplit model's only in eval mode (`train(false)`).
+/// The loss: say how Loss reduces over the batch (PipelineOptions::loss_reduction). A mean (libtorch's default
+/// reduction: MSE, cross-entropy) is the default, and each micro-batch's loss is scaled by its share of the batch; a
+/// sum (`torch::kSum`) is not scaled. Either way StepResult::loss and the gradients are those of the whole batch in
+/// one process. A wrong setting scales both by the number of micro-batches (or its inverse) without an error.
+/// BatchNorm in training mode normalizes each micro-batch by itself, so results equal the unsplit model's only in
+/// eval mode (`train(false)`).
 ///
 /// Failure: if a stage's worker dies or a stage throws, the caller tells every other worker to abort the step (their
 /// pending receives fail at once), and train_step fails with PipelineError naming the stage and worker.
@@ -54,10 +58,14 @@
 
 namespace corpc::pipeline {
 
-/// The loss as the last stage's worker computes it from the model's output and the targets: a mean over the batch.
+/// The loss as the last stage's worker computes it from the model's output and the targets, reduced over the batch
+/// as PipelineOptions::loss_reduction says.
 using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
 /// Makes one stage's optimizer, on its worker, over that stage's parameters.
 using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor> params)>;
+
+/// How the Loss function reduces over a batch: a mean (libtorch's default reduction) or a sum.
+enum class LossReduction { mean, sum };
 
 /// Where the stages go and how a step is scheduled; checked by Pipeline::create.
 struct PipelineOptions {
@@ -67,11 +75,12 @@ struct PipelineOptions {
   std::vector<int> balance;  ///< consecutive layers per stage; its size is the number of stages
   Schedule schedule = Schedule::OneFOneB;  ///< the order of each worker's actions (corpc/pipeline/schedule.hpp)
   int micro_batches = 4;  ///< M: the batch is cut into this many micro-batches (fewer if the batch is smaller)
+  LossReduction loss_reduction = LossReduction::mean;  ///< how Loss reduces over the batch (see the top of this header)
 };
 
 /// What Pipeline::train_step returns.
 struct StepResult {
-  at::Tensor loss;                     ///< the batch's loss (sum of the micro-batches' scaled losses)
+  at::Tensor loss;                     ///< the whole batch's loss, as one process computes it
   std::vector<WorkerReport> workers;   ///< one per worker, in stage order of their first stage
 };
 
@@ -90,8 +99,9 @@ namespace detail {
 
 // Worker side (src/pipeline_stages.cpp).
 void host_stages(const StagePlacement& placement, torch::nn::Sequential model, LossFn loss, OptimizerFactory optimizer);
+// mean_over: the batch size when the loss is a mean (each micro-batch's loss is scaled by its share), 0 for a sum.
 Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Action> actions,
-                            std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets, std::int64_t batch_size);
+                            std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets, std::int64_t mean_over);
 void deliver(std::uint64_t id, std::int64_t step, std::int32_t stage, std::int32_t micro, bool gradient, at::Tensor value);
 void abort_step(std::uint64_t id, std::int64_t step, std::string reason);
 void drop_stages(std::uint64_t id);

@@ -243,6 +243,7 @@ Future<R> call_remote(const WorkerRef& to, std::string_view function, bool funct
     call.function_is_static = function_is_static;
     call.function_id = id;
     call.signature = signature;
+    call.sent_types = type_name<ArgsTuple>();
     call.timeout = options.timeout;
     encode_args<ArgsTuple>(call.message, call.dst, std::forward<A>(a)...);
     call.complete = &complete_call<R>;

@@ -2,22 +2,43 @@
 /// Run N ranks of this program as local processes (like torch.multiprocessing.spawn).
 ///
 /// ```cpp
-///   corpc::launch_processes(3, [](int rank) {
-///     corpc::init_rpc("worker" + std::to_string(rank));   // env:// is set up for each child
-///     ...
-///     corpc::shutdown();
-///   });
+///   int main(int argc, char** argv) {
+///     // Runs again in every rank (see below): keep what comes before launch_processes cheap.
+///     corpc::launch_processes(3, [](int rank) {
+///       corpc::init_rpc("worker" + std::to_string(rank));   // env:// is set up for each rank
+///       ...
+///       corpc::shutdown();
+///     });
+///   }
 /// ```
 ///
-/// Each rank is a fork of the calling process with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK and
-/// LOCAL_WORLD_SIZE set, as torchrun sets them; rank 0 inherits an already-bound listening socket, so concurrent
-/// launches never collide on a port. Call it before the process starts threads of its own (as with any fork). If a rank
-/// fails (throws, exits non-zero, dies on a signal, or the timeout passes) the others get a grace period to finish, are
-/// then killed, and launch_processes throws LaunchError naming each failed rank and why. Children die with the parent.
+/// **How ranks start.** By default (StartMethod::spawn, as Python's `spawn` start method) each rank is a new process
+/// that runs this program again, with the same arguments, and with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
+/// LOCAL_RANK and LOCAL_WORLD_SIZE set as torchrun sets them. In that process `main` runs up to the same
+/// launch_processes call, which then runs only `fn(rank)` and ends the process. The rules that follow:
+///   - every rank must reach the call the same way (the same arguments, no decision on randomness or time); a rank
+///     that exits before reaching it is reported as failed;
+///   - code before the call runs in every rank: keep it cheap, or skip it where `launched_rank()` has a value;
+///   - a program that launches several times: in a rank, the calls before its own return at once, running nothing.
+/// StartMethod::fork forks the calling process instead (no `main` again, `fn` may capture anything), but only from a
+/// process that has not started threads: a forked child inherits other threads' locks but not the threads (libtorch's
+/// OpenMP pool, its autograd workers, an RPC runtime) and hangs in them. It refuses with UsageError otherwise (threads
+/// that shared libraries start as they load, such as OpenBLAS's pool, are not counted: they handle fork).
+///
+/// **Under a launcher** (torchrun, corpcrun, Slurm via RANK/WORLD_SIZE): when RANK and WORLD_SIZE are already set and
+/// this process was not started by launch_processes, it runs `fn(RANK)` in this process only; WORLD_SIZE must equal
+/// `world_size`. So one program serves both `./prog` and `corpcrun -n 3 ./prog`.
+///
+/// Rank 0 inherits an already-bound listening socket, so concurrent launches never collide on a port. If a rank
+/// fails (throws, exits non-zero, dies on a signal, or the timeout passes) the others get a grace period to finish,
+/// are then killed, and launch_processes throws LaunchError naming each failed rank and why. A rank whose `fn`
+/// returns or throws with its RPC runtime still running is shut down for it (corpc/rpc/runtime.hpp: `shutdown`,
+/// `shutdown_after_error`). Children die with the parent.
 #pragma once
 
 #include <chrono>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,10 +46,17 @@
 
 namespace corpc {
 
-/// How long launch_processes lets its ranks run.
+/// How launch_processes starts a rank (see the top of this header).
+enum class StartMethod {
+  spawn,  ///< run this program again, up to the same launch_processes call (the default)
+  fork,   ///< fork this process; refused once it runs more than one thread
+};
+
+/// How launch_processes starts its ranks and how long it lets them run.
 struct LaunchOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};  ///< For all ranks together.
   std::chrono::milliseconds grace{std::chrono::seconds(10)};   ///< After a first failure, before killing the rest.
+  StartMethod start = StartMethod::spawn;                      ///< How each rank's process starts.
 };
 
 /// One rank that did not finish cleanly, and why (its exception's message, exit code or signal).
@@ -49,8 +77,13 @@ class LaunchError : public RpcError {
   std::vector<RankFailure> failures_;
 };
 
-/// Runs `fn(rank)` for ranks 0 to world_size-1, each in a forked process with the env:// variables set (see the top
-/// of this header); returns when all ranks have finished and throws LaunchError if any failed.
+/// Runs `fn(rank)` for ranks 0 to world_size-1, each in its own process with the env:// variables set (see the top
+/// of this header); returns when all ranks have finished and throws LaunchError if any failed. Under a launcher, runs
+/// this process's rank only and lets its exception through.
 void launch_processes(int world_size, const std::function<void(int rank)>& fn, LaunchOptions options = {});
+
+/// In a process that launch_processes started (StartMethod::spawn) to run a rank, that rank: code before the
+/// launch_processes call may skip work only the caller needs. Empty in the caller and everywhere else.
+std::optional<int> launched_rank();
 
 }  // namespace corpc

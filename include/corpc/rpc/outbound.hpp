@@ -29,6 +29,7 @@ struct OutboundCall {
   bool function_is_static = false;  // `function` points to static storage (function_name<F>): no copy is kept
   std::uint64_t function_id = 0;
   std::uint64_t signature = 0;
+  std::string_view sent_types;  // the argument types as encoded (static storage), added to an argument-type refusal
   std::optional<std::chrono::milliseconds> timeout;  // unset: RpcOptions::rpc_timeout
   bool control = false;  // corpc's own shutdown protocol: not counted as work in flight
   Message message;       // body and tensors; the runtime fills in the header

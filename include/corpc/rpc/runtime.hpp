@@ -13,6 +13,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <typeindex>
 #include <vector>
 
@@ -120,15 +121,24 @@ class Runtime {
 /// all arrive in time, and ConnectionError if it cannot listen or a peer fails authentication (RpcOptions::secret).
 void init_rpc(std::string name, int rank = -1, int world_size = -1, RpcOptions options = {});
 
-/// Stops this process's runtime.
+/// Stops this process's runtime. Every rank calls it (or shutdown_after_error) before it leaves; a process that exits
+/// with its runtime running is shut down for it at exit, gracefully and with a warning, or as after an error if the
+/// job had lost a rank.
 /// graceful: waits until every worker has called shutdown and no worker has work in flight, then closes every
 /// connection. Never waits for a dead peer; gives up on live ones after RpcOptions::shutdown_timeout (if set).
-/// On a worker whose rank 0 died (rather than shut down), it closes everything and then throws ConnectionError, so
-/// that the process does not exit as a success.
-/// non-graceful: fails everything in flight with ShutdownError and closes at once.
+/// If the job lost a rank (it died, or left with shutdown_after_error), it closes everything and then throws
+/// ConnectionError naming the lost ranks, so that no rank of a failed job exits as a success.
+/// non-graceful: fails everything in flight with ShutdownError and closes at once; the peers see this rank as shut
+/// down, not failed.
 /// Does nothing if no runtime is running; afterwards init_rpc may start a new one. Call it from a plain thread (not
 /// from an RPC handler).
 void shutdown(bool graceful = true);
+
+/// Stops this process's runtime at once because this rank failed with `what` (what a catch block calls): everything
+/// in flight fails with ShutdownError, and every peer learns why this rank left: its calls to this rank fail with
+/// ConnectionError carrying `what`, and its shutdown() throws. launch_processes calls it for a rank whose function
+/// throws with the runtime still running. Does nothing if no runtime is running.
+void shutdown_after_error(std::string_view what);
 
 /// Runs `init` on every runtime this process starts, before it exchanges any message. For layers that must be active
 /// on every worker (distributed autograd's hooks), registered from a static initialiser.

@@ -58,6 +58,14 @@ static_assert(std::endian::native == std::endian::little, "corpc's wire format a
 template <class T, class Enable = void>
 struct Codec;
 
+/// @cond INTERNAL
+namespace detail {
+// Whether Codec<T> is defined (checked at the use, where a missing one gets one clear error instead of dozens).
+template <class T>
+inline constexpr bool has_codec = requires { sizeof(Codec<T>); };
+}  // namespace detail
+/// @endcond
+
 /// Appends the encoding of values to a byte string; what a Codec's `write` receives.
 class Writer {
  public:
@@ -68,7 +76,10 @@ class Writer {
   /// Appends `v` with its Codec (a compile error if `T` has none).
   template <class T>
   void put(const T& v) {
-    Codec<T>::write(*this, v);
+    static_assert(detail::has_codec<T>,
+                  "corpc cannot send this type (T, in the instantiation above): give it a codec with CORPC_FIELDS(...) "
+                  "in its definition, or specialise corpc::Codec<T> (corpc/wire/codec.hpp)");
+    if constexpr (detail::has_codec<T>) Codec<T>::write(*this, v);
   }
   /// The bytes written so far.
   std::string& bytes() noexcept { return out_; }
@@ -112,7 +123,11 @@ class Reader {
   /// Reads a `T` with its Codec.
   template <class T>
   T get() {
-    return Codec<T>::read(*this);
+    static_assert(detail::has_codec<T>,
+                  "corpc cannot receive this type (T, in the instantiation above): give it a codec with CORPC_FIELDS(...) "
+                  "in its definition, or specialise corpc::Codec<T> (corpc/wire/codec.hpp)");
+    if constexpr (detail::has_codec<T>) return Codec<T>::read(*this);
+    else return T{};
   }
   /// A count of elements that each take at least `min_bytes`: rejected if the rest of the payload cannot hold them.
   std::uint32_t count(std::size_t min_bytes = 1) {

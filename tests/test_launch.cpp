@@ -1,0 +1,218 @@
+// How ranks start and how they end: launch_processes' start methods (spawn runs this binary again, so every case
+// here also runs, replayed, in the ranks of the cases after it), a launcher's RANK, and ranks that leave without
+// shutdown() or after an error. Each exit path must end without a signal, and no rank of a failed job may exit 0.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <optional>
+
+#include "support.hpp"
+
+using namespace corpc;
+using namespace corpc::test;
+using namespace std::chrono_literals;
+
+namespace {
+
+int add(int a, int b) { return a + b; }
+
+LaunchOptions spawned(std::chrono::seconds timeout = 120s) {
+  LaunchOptions o = launch_options(timeout, 10s);
+  o.start = StartMethod::spawn;
+  return o;
+}
+
+// The kernel's count ("Threads:" in /proc/self/status).
+int threads_here() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("Threads:", 0) == 0) return std::stoi(line.substr(8));
+  return 0;
+}
+
+// Parallel ATen work and a backward: what starts libtorch's intra-op threads and autograd workers.
+double train_a_little() {
+  at::set_num_threads(2);
+  auto a = at::randn({512, 512});
+  auto w = at::randn({512, 512}).requires_grad_(true);
+  for (int i = 0; i < 4; ++i) a = at::tanh(a.mm(w));
+  auto loss = a.pow(2).mean();
+  torch::autograd::backward({loss});
+  return w.grad().abs().sum().item<double>();
+}
+
+// A failure's reason for `rank` (empty if that rank did not fail).
+std::string reason_of(const LaunchError& e, int rank) {
+  for (auto& f : e.failures())
+    if (f.rank == rank) return f.reason;
+  return {};
+}
+
+// Set by the first case when its failed launch threw: a spawned rank of a later case must have replayed that.
+bool g_first_launch_failed = false;
+
+}  // namespace
+
+TEST_CASE("spawned ranks run this program again; a failed rank is named with its error") {
+  try {
+    launch_processes(2, [](int rank) {
+      if (rank == 1) throw std::runtime_error("boom from rank 1");
+    }, spawned());
+    FAIL("rank 1 was expected to fail");
+  } catch (const LaunchError& e) {
+    g_first_launch_failed = true;
+    REQUIRE(e.failures().size() == 1);
+    CHECK(e.failures()[0].rank == 1);
+    CHECK(e.failures()[0].reason == "boom from rank 1");
+  }
+  launch_processes(3, [](int rank) {
+    // A new process that started from main (a fork would not know a launched rank), told its rank.
+    if (launched_rank() != rank) throw std::runtime_error("launched_rank() does not say this rank");
+    if (!g_first_launch_failed) throw std::runtime_error("the earlier launch's failure was not replayed");
+    init_rpc(worker_name(rank), -1, -1, quick_options());
+    if (rpc_sync<&add>((rank + 1) % 3, rank, 10) != rank + 10) throw std::runtime_error("wrong sum");
+    shutdown();
+  }, spawned());
+}
+
+TEST_CASE("a caller whose libtorch runs threads still launches; fork refuses it with a clear error") {
+  // In the ranks of later cases this runs again: skip the work, keep the launches (they are replayed).
+  double expected = 0;
+  if (!launched_rank()) {
+    const int before = threads_here();
+    expected = train_a_little();
+    REQUIRE(threads_here() > before);  // the situation this case is about: libtorch has started its threads
+  }
+  // With fork, each rank hung in the parent's OpenMP pool (libtorch 1.13) or autograd (2.6) until the timeout.
+  launch_processes(2, [](int) {
+    if (!(train_a_little() > 0)) throw std::runtime_error("no gradient");
+  }, spawned(120s));
+  LaunchOptions forked = launch_options(60s, 5s);
+  CHECK_THROWS_WITH_AS(launch_processes(2, [](int) {}, forked), doctest::Contains("StartMethod::fork refused"),
+                       UsageError);
+  if (!launched_rank()) CHECK(expected > 0);
+}
+
+TEST_CASE("a rank that leaves without shutdown() is shut down gracefully for it, without a signal") {
+  // Rank 1 returns from its function; rank 2 exits the process (as a main that returns) with the runtime running.
+  launch_processes(3, [](int rank) {
+    init_rpc(worker_name(rank), -1, -1, quick_options());
+    if (rank == 0) {
+      for (int r = 1; r < 3; ++r)
+        if (rpc_sync<&add>(r, r, 1) != r + 1) throw std::runtime_error("wrong sum");
+      shutdown();
+    } else if (rank == 2) {
+      std::exit(0);
+    }
+  }, spawned());
+}
+
+TEST_CASE("a job that lost a rank fails on every rank, and the rank that leaves after the error exits cleanly") {
+  try {
+    launch_processes(3, [](int rank) {
+      init_rpc(worker_name(rank), -1, -1, quick_options());
+      if (rank == 1) ::raise(SIGKILL);
+      if (rank == 0) {
+        try {
+          (void)rpc_sync<&add>(1, 1, 1);
+        } catch (const ConnectionError&) {
+          std::exit(1);  // what a main that catches, reports and returns 1 does, without shutdown()
+        }
+      }
+      shutdown();  // rank 2: the job lost rank 1, so this must not end as a success
+    }, spawned());
+    FAIL("the job was expected to fail");
+  } catch (const LaunchError& e) {
+    INFO(e.what());
+    CHECK(reason_of(e, 1).find("killed by signal") != std::string::npos);
+    CHECK(reason_of(e, 0) == "exited with code 1");
+    const std::string survivor = reason_of(e, 2);
+    CHECK(survivor.find("worker1") != std::string::npos);
+    CHECK(survivor.find("signal") == std::string::npos);
+  }
+}
+
+TEST_CASE("a rank that stops after an error tells the others why; their shutdown() fails with it") {
+  try {
+    launch_processes(2, [](int rank) {
+      init_rpc(worker_name(rank), -1, -1, quick_options());
+      if (rank == 0) {
+        shutdown_after_error("bad batch 7");
+        return;
+      }
+      shutdown();
+    }, spawned());
+    FAIL("rank 1 was expected to fail");
+  } catch (const LaunchError& e) {
+    INFO(e.what());
+    REQUIRE(e.failures().size() == 1);
+    CHECK(e.failures()[0].rank == 1);
+    CHECK(e.failures()[0].reason.find("bad batch 7") != std::string::npos);
+  }
+  // The same when the rank's function throws with its runtime running: launch_processes stops it after the error.
+  try {
+    launch_processes(2, [](int rank) {
+      init_rpc(worker_name(rank), -1, -1, quick_options());
+      if (rank == 0) throw std::runtime_error("loss is NaN");
+      shutdown();
+    }, spawned());
+    FAIL("both ranks were expected to fail");
+  } catch (const LaunchError& e) {
+    INFO(e.what());
+    CHECK(reason_of(e, 0) == "loss is NaN");
+    CHECK(reason_of(e, 1).find("loss is NaN") != std::string::npos);
+  }
+}
+
+TEST_CASE("under a launcher (RANK and WORLD_SIZE set) launch_processes runs this process's rank only") {
+  struct SavedEnv {
+    std::vector<std::pair<std::string, std::optional<std::string>>> saved;
+    explicit SavedEnv(std::initializer_list<const char*> names) {
+      for (const char* n : names) {
+        const char* v = std::getenv(n);
+        saved.emplace_back(n, v ? std::optional<std::string>(v) : std::nullopt);
+      }
+    }
+    ~SavedEnv() {
+      for (auto& [n, v] : saved) v ? ::setenv(n.c_str(), v->c_str(), 1) : ::unsetenv(n.c_str());
+    }
+  } restore{"RANK", "WORLD_SIZE", "CORPC_LAUNCHED"};
+  ::unsetenv("CORPC_LAUNCHED");
+  ::setenv("RANK", "1", 1);
+  ::setenv("WORLD_SIZE", "2", 1);
+  const pid_t here = ::getpid();
+  int ran = -1;
+  pid_t ran_in = 0;
+  launch_processes(2, [&](int rank) {
+    ran = rank;
+    ran_in = ::getpid();
+  }, spawned());
+  if (!launched_rank()) {  // a replay returns without running anything
+    CHECK(ran == 1);
+    CHECK(ran_in == here);
+  }
+  ::setenv("WORLD_SIZE", "3", 1);
+  CHECK_THROWS_WITH_AS(launch_processes(2, [](int) {}, spawned()), doctest::Contains("WORLD_SIZE=3"), UsageError);
+}
+
+// Last: its ranks leave before reaching the launch, which the cases above would then never replay.
+TEST_CASE("a spawned rank that exits before reaching its launch_processes call is reported, even with status 0") {
+  if (launched_rank()) std::exit(0);
+  try {
+    launch_processes(2, [](int) {}, spawned());
+    FAIL("the ranks were expected to fail");
+  } catch (const LaunchError& e) {
+    INFO(e.what());
+    REQUIRE(e.failures().size() == 2);
+    for (auto& f : e.failures()) CHECK(f.reason.find("before reaching launch_processes") != std::string::npos);
+  }
+}
