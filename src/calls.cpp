@@ -233,13 +233,16 @@ void Runtime::Impl::arm_deadline_timer(const std::shared_ptr<detail::Connection>
     for (auto& f : ready) send_request(c, std::move(f), true);
     for (auto& p : expired) {
       send_cancel(*c, p.id);  // expiry stops the work on the callee too
-      finish_without_reply(p, std::make_exception_ptr(TimeoutError(
-                                  "call to '" + std::string(p.function.empty() ? p.owned_name : p.function) +
-                                  "' on worker '" + name_of(p.dst) + "' timed out after " +
-                                  std::to_string(p.timeout.count()) + " ms")));
+      finish_without_reply(p, timed_out(p));
     }
     arm_deadline_timer(c);
   });
+}
+
+std::exception_ptr Runtime::Impl::timed_out(const detail::PendingCall& p) const {
+  return std::make_exception_ptr(TimeoutError("call to '" + std::string(p.function.empty() ? p.owned_name : p.function) +
+                                              "' on worker '" + name_of(p.dst) + "' timed out after " +
+                                              std::to_string(p.timeout.count()) + " ms"));
 }
 
 void Runtime::Impl::deliver_reply(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
@@ -261,6 +264,9 @@ void Runtime::Impl::deliver_reply(const std::shared_ptr<detail::Connection>& con
   }
   if (p.counted) call_done();
   if (msg.head.kind == FrameKind::Error) {
+    // Past its deadline the call has timed out, whatever the error: with an inherited deadline the callee's own
+    // nested call fails at the same moment, and its error may arrive before our deadline timer has run.
+    if (detail::Clock::now() >= p.deadline) return p.finish(nullptr, timed_out(p));
     auto error = decode_error(msg, name_of(p.dst), function);
     // The callee knows only a hash of what was sent: the types themselves are known here.
     if (!p.sent_types.empty()) {

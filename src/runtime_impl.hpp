@@ -174,6 +174,7 @@ struct Runtime::Impl {
   void arm_deadline_timer(const std::shared_ptr<detail::Connection>& conn);  // conn's I/O thread
   void fail_calls(detail::Connection& conn, std::exception_ptr error);
   void finish_without_reply(detail::PendingCall& p, std::exception_ptr error) noexcept;
+  std::exception_ptr timed_out(const detail::PendingCall& p) const;  // the TimeoutError of a call past its deadline
   void fail_pending(const std::shared_ptr<detail::Connection>& conn, std::uint64_t id, std::exception_ptr error);
   // ---- calls.cpp: cancellation and deadlines (issue 10) ----
   std::chrono::milliseconds effective_timeout(std::optional<std::chrono::milliseconds> asked) const;
