@@ -2,6 +2,7 @@
 #include "corpc/rpc/launch.hpp"
 
 #include "auth.hpp"
+#include "exception_text.hpp"
 #include "log.hpp"
 #include "runtime_exit.hpp"
 
@@ -71,20 +72,25 @@ const std::optional<SpawnTarget> g_spawn_target = read_spawn_target();
 std::atomic<int> g_launch_calls{0};
 bool g_running_spawned_rank = false;
 
+// The pieces of `s` between `separator`s (one empty piece for an empty `s`).
+std::vector<std::string_view> split(std::string_view s, char separator) {
+  std::vector<std::string_view> pieces;
+  for (std::size_t pos = 0;;) {
+    const std::size_t end = std::min(s.find(separator, pos), s.size());
+    pieces.push_back(s.substr(pos, end - pos));
+    if (end == s.size()) return pieces;
+    pos = end + 1;
+  }
+}
+
 // The outcome of each finished launch_processes call of this process, in order, encoded for kSpawnHistory:
 //   "ok" | "usage:<hex what>" | "error:<hex what>" | "failed" then ",<rank>:<hex reason>" per failed rank
 // joined by ';'. Reasons are cut to 256 bytes: a replay needs the control flow, not the whole text.
 std::mutex g_history_mutex;
 std::vector<std::string> g_history = [] {
   std::vector<std::string> h;
-  if (const char* v = std::getenv(kSpawnHistory); v && *v) {
-    std::string_view all(v);
-    for (std::size_t pos = 0; pos <= all.size();) {
-      const std::size_t end = std::min(all.find(';', pos), all.size());
-      h.emplace_back(all.substr(pos, end - pos));
-      pos = end + 1;
-    }
-  }
+  if (const char* v = std::getenv(kSpawnHistory); v && *v)
+    for (std::string_view outcome : split(v, ';')) h.emplace_back(outcome);
   return h;
 }();
 
@@ -128,13 +134,10 @@ std::string encode_environment(const std::vector<std::pair<std::string, std::str
 }
 
 void apply_environment(std::string_view encoded) {
-  for (std::size_t pos = 0; pos < encoded.size();) {
-    const std::size_t end = std::min(encoded.find(';', pos), encoded.size());
-    const std::string_view item = encoded.substr(pos, end - pos);
+  for (std::string_view item : split(encoded, ';')) {
     const std::size_t eq = item.find('=');
     if (eq != std::string_view::npos)
       ::setenv(std::string(item.substr(0, eq)).c_str(), unhex(item.substr(eq + 1)).c_str(), 1);
-    pos = end + 1;
   }
 }
 
@@ -142,16 +145,6 @@ std::string describe(const std::vector<RankFailure>& failures) {
   std::string s = "launch_processes: " + std::to_string(failures.size()) + " rank(s) failed";
   for (auto& f : failures) s += "\n  rank " + std::to_string(f.rank) + ": " + f.reason;
   return s;
-}
-
-std::string what_of(std::exception_ptr e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-    return "unknown exception";
-  }
 }
 
 // A listening socket on 127.0.0.1 with a port the OS chose; inherited by rank 0.
@@ -193,13 +186,13 @@ std::string run_rank(int rank, const std::function<void(int)>& fn) {
   try {
     fn(rank);
   } catch (...) {
-    error = what_of(std::current_exception());
+    error = detail::exception_text(std::current_exception());
   }
   try {
     std::string left = detail::close_runtime_left_open(error);
     if (error.empty()) error = std::move(left);
   } catch (...) {
-    if (error.empty()) error = what_of(std::current_exception());
+    if (error.empty()) error = detail::exception_text(std::current_exception());
   }
   return error;
 }
@@ -325,6 +318,15 @@ int threads_in_this_process() {
 // there before any code of the program runs: fork's check counts only the threads started after them.
 const int g_threads_at_start = threads_in_this_process();
 
+// The threads this process started since it loaded that a fork would leave behind locked (corpc's logger is not one).
+int threads_fork_would_strand() {
+#if defined(__SANITIZE_THREAD__)
+  return 0;  // ThreadSanitizer starts a thread of its own at the first pthread_create, and reports such a fork itself
+#else
+  return threads_in_this_process() - g_threads_at_start - detail::fork_safe_threads();
+#endif
+}
+
 // Under a launcher that set RANK and WORLD_SIZE (not launch_processes itself): this process's rank.
 std::optional<int> launcher_rank(int world_size) {
   const char* rank = std::getenv("RANK");
@@ -361,13 +363,10 @@ void replay_outcome(int call) {
   if (outcome.rfind("usage:", 0) == 0) throw UsageError(unhex(outcome.substr(6)));
   if (outcome.rfind("error:", 0) == 0) throw RpcError(unhex(outcome.substr(6)));
   std::vector<RankFailure> failures;
-  std::string_view rest(outcome);
-  for (std::size_t pos = rest.find(','); pos != std::string_view::npos;) {
-    const std::size_t end = std::min(rest.find(',', pos + 1), rest.size());
-    const std::string_view item = rest.substr(pos + 1, end - pos - 1);
-    const std::size_t colon = item.find(':');
-    failures.push_back({std::atoi(std::string(item.substr(0, colon)).c_str()), unhex(item.substr(colon + 1))});
-    pos = end < rest.size() ? end : std::string_view::npos;
+  const auto items = split(outcome, ',');  // "failed", then "<rank>:<hex reason>" each
+  for (std::size_t i = 1; i < items.size(); ++i) {
+    const std::size_t colon = items[i].find(':');
+    failures.push_back({std::atoi(std::string(items[i].substr(0, colon)).c_str()), unhex(items[i].substr(colon + 1))});
   }
   throw LaunchError(std::move(failures));
 }
@@ -424,13 +423,7 @@ void launch_group(int world_size, int call, const std::function<void(int rank)>&
     throw UsageError("launch_processes: a rank that StartMethod::spawn started cannot spawn ranks of its own (they "
                      "would run the program from its start); use StartMethod::fork there");
   if (options.start == StartMethod::fork) {
-    const int started = threads_in_this_process() - g_threads_at_start - detail::fork_safe_threads();
-#if defined(__SANITIZE_THREAD__)
-    // ThreadSanitizer starts a thread of its own at the first pthread_create, and reports a fork after threads itself.
-    if (false)
-#else
-    if (started > 0)
-#endif
+    if (const int started = threads_fork_would_strand(); started > 0)
       throw UsageError("launch_processes: StartMethod::fork refused: this process has started " +
                        std::to_string(started) + " thread(s) (libtorch's intra-op pool after a parallel operation, its "
                        "autograd workers after a backward, an RPC runtime), and a forked rank would hang in them. Use "

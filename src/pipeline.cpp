@@ -4,22 +4,11 @@
 #include <algorithm>
 
 #include "corpc/rref/remote_module.hpp"  // split_remote_device
+#include "exception_text.hpp"
 
 namespace corpc::pipeline {
 
-namespace {
-
-std::string describe(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-    return "unknown error";
-  }
-}
-
-}  // namespace
+using corpc::detail::exception_text;
 
 Pipeline::Pipeline(const PipelineOptions& options) : options_(options), state_(std::make_shared<State>()) {
   const int stages = static_cast<int>(options.balance.size()), workers = static_cast<int>(options.workers.size());
@@ -130,7 +119,7 @@ Task<StepResult> Pipeline::train_step(at::Tensor inputs, at::Tensor targets) {
     } catch (const std::exception&) {
     }
     throw PipelineError("pipeline step " + std::to_string(step) + " failed at stage " + stages + " on worker '" + name +
-                        "': " + describe(done[w].error()));
+                        "': " + exception_text(done[w].error()));
   }
   StepResult result;
   double loss = 0;

@@ -1,5 +1,7 @@
 // Rendezvous: every rank registers with rank 0, which answers with the full table once all are there.
 // Ranks may start in any order: the others retry reaching rank 0 until RpcOptions::init_timeout.
+#include <algorithm>
+
 #include "corpc/rpc/call.hpp"
 #include "device_map.hpp"
 #include "hello.hpp"
@@ -255,10 +257,11 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Me
     std::lock_guard lock(conn_mutex);
     if (registrations.count(info.rank))
       return refuse(conn, "rank " + std::to_string(info.rank) + " already registered by '" + registrations[info.rank].first.name + "'");
-    for (auto& [rank, reg] : registrations) {
-      if (reg.first.name != info.name) continue;
-      duplicate = "worker name '" + info.name + "' is already taken by rank " + std::to_string(rank) + " (rank " +
-                  std::to_string(info.rank) + " claims it too): every worker needs its own name";
+    const auto taken = std::find_if(registrations.begin(), registrations.end(),
+                                    [&](const auto& reg) { return reg.second.first.name == info.name; });
+    if (taken != registrations.end()) {
+      duplicate = "worker name '" + info.name + "' is already taken by rank " + std::to_string(taken->first) +
+                  " (rank " + std::to_string(info.rank) + " claims it too): every worker needs its own name";
       for (auto& [r, other] : registrations)
         if (other.second && r != self.rank) registered.push_back(other.second);
     }
