@@ -1,5 +1,6 @@
 # Sourced by the A/B cost scripts (flow_cost.sh, tls_cost.sh): the arguments they share, and the alternating order
-# of their runs. Only ratios taken in one run, interleaved, mean anything on these VMs (../shared/DESIGN.md §4):
+# of their runs. Only ratios taken in one run, interleaved, mean anything on a VM whose vCPUs move between fast and
+# slow placements:
 # A, B in even rounds and B, A in odd ones, so neither side always runs first.
 #
 # ab_init <script name> <default rounds> "$@" sets bench, rounds, seconds (from [path/to/rpc_bench] [rounds]

@@ -8,7 +8,7 @@
 #
 # Default binary: build/bench/rpc_bench. PYTORCH_BENCH_ARGS adds arguments to the Python benchmark (e.g.
 # "--iters-scale 0.5"). Needs Debian's python3-torch for /usr/bin/python3.
-# The two runs are sequential (corpc first, then PyTorch), not interleaved: this VM's vCPUs move between fast and slow
+# The two runs are sequential (corpc first, then PyTorch), not interleaved: a VM's vCPUs move between fast and slow
 # placements, so treat the cross-framework speedups as approximate; corpc's own floor ratios (rpc_bench) are
 # interleaved.
 set -euo pipefail
@@ -71,7 +71,7 @@ for c in cases:
 print("-" * len(hdr))
 print("PyTorch/corpc > 1: corpc is faster (latency: PyTorch median / corpc median; async64: corpc calls/s / PyTorch's).")
 print("PyTorch (med, p99): TensorPipe over TCP only; PyT default: its default same-host configuration (shm + CMA).")
-print("Not interleaved: PyTorch ran after corpc, minutes apart, and this VM's vCPUs switch between fast and slow")
+print("Not interleaved: PyTorch ran after corpc, minutes apart, and a VM's vCPUs switch between fast and slow")
 print("placements, so these cross-framework ratios are approximate. corpc/raw is rpc_bench's interleaved ratio to a")
 print("raw Asio TCP echo (median of per-block ratios), the reliable measure of corpc's own overhead.")
 EOF

@@ -32,7 +32,7 @@
 #include <string>
 #include <vector>
 
-#include "../src/cuda_transfer.hpp"
+#include "../src/memory/cuda_transfer.hpp"
 #include "bench_util.hpp"
 #include "corpc/corpc.hpp"
 

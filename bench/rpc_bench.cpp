@@ -12,7 +12,7 @@
 // reuses one receive buffer; corpc receives each reply into a fresh tensor, whose memory comes from its receive pool
 // from 1 MiB on (--host-cache-mib 0: from the default allocator, fresh pages each time). raw async64 keeps 64 header-only messages in flight on the one connection.
 //
-// This VM's vCPUs move between fast and slow placements (../shared/DESIGN.md §4), so each case alternates short blocks
+// A VM's vCPUs move between fast and slow placements, so each case alternates short blocks
 // of raw and corpc (ABBA order) and reports the ratio per block pair; the headline ratio is the median of those.
 // Ratio = corpc time per call / raw time per call (for async64: raw calls/s / corpc calls/s); > 1: corpc is slower.
 #include <sched.h>
@@ -46,10 +46,10 @@
 
 #include <fmt/core.h>
 
-#include "../tests/tls_certs.hpp"
+#include "../tools/tls_certs.hpp"
 #include "corpc/corpc.hpp"
 #include "corpc/rref/rref.hpp"
-#include "../src/shm_channel.hpp"
+#include "../src/transport/shm_channel.hpp"
 
 using asio::ip::tcp;
 using Clock = std::chrono::steady_clock;
@@ -505,7 +505,7 @@ CaseResult run_case(const Options& o, const CaseSpec& c, RawClient& raw, RawClie
 }
 
 // ---- --transfers: one echo, four ways ----------------------------------------------------------------------------
-// Blocks of each way in a rotating order, so that each sees the same share of this VM's fast and slow phases.
+// Blocks of each way in a rotating order, so that each sees the same share of the VM's fast and slow phases.
 void run_transfers(const Options& o, RawClient& raw) {
   const char* names[] = {"corpc shm", "corpc tcp", "raw tcp", "memcpy"};
   fmt::print("{:>8} | {:>10} {:>10} {:>10} {:>10} | {:>9} {:>9} | {:>12} {:>12}\n", "echo", "shm ms", "tcp ms",

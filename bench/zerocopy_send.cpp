@@ -1,4 +1,4 @@
-// Does MSG_ZEROCOPY make large TCP sends faster here? (issue 14, part 2: "MSG_ZEROCOPY or similar for large sends if
+// Does MSG_ZEROCOPY make large TCP sends faster here? ("MSG_ZEROCOPY or similar for large sends if
 // it measures faster"). A standalone experiment, no corpc: one process sends a buffer of N bytes over 127.0.0.1 to a
 // reader thread, which acknowledges each buffer with one byte; a transfer is timed from the first send to the ack.
 // Plain send() and send(MSG_ZEROCOPY) alternate transfer by transfer (interleaved, DESIGN.md section 4); the zero-copy

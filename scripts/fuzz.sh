@@ -12,14 +12,14 @@ seconds=${FUZZ_SECONDS:-15}
 targets=("$@")
 [[ $# -eq 0 ]] && targets=(fuzz_frame_header fuzz_hello fuzz_codec fuzz_tensor_meta)
 # The library sources each target needs besides its own file (all torch-free).
-declare -A sources=([fuzz_hello]=src/hello.cpp [fuzz_tensor_meta]=src/tensor_meta.cpp)
+declare -A sources=([fuzz_hello]=src/rpc/hello.cpp [fuzz_tensor_meta]=src/wire/tensor_meta.cpp)
 mkdir -p build-fuzz
 pass=0
 fail=0
 for t in "${targets[@]}"; do
   exe=build-fuzz/$t
   srcs=(tests/fuzz/$t.cpp ${sources[$t]:-})
-  if [[ ! -x $exe ]] || [[ -n $(find "${srcs[@]}" include src/*.hpp -newer "$exe" -print -quit) ]]; then
+  if [[ ! -x $exe ]] || [[ -n $(find "${srcs[@]}" include src -name "*.hpp" -newer "$exe" -print -quit) ]]; then
     clang++ -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -Iinclude -Isrc \
       "${srcs[@]}" -o "$exe"
   fi

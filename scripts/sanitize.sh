@@ -20,7 +20,7 @@ which=("${@:-asan}")
 
 # Reports go to stderr of the failing process; a child rank's report reaches the test log through its launcher.
 # UBSan by default reports and carries on: make every finding fatal. LeakSanitizer runs at the test process's exit
-# (ranks leave through _exit, see src/launch.cpp, and are checked by launch.cpp's explicit leak check).
+# (ranks leave through _exit, see src/rpc/launch.cpp, and are checked by launch.cpp's explicit leak check).
 export ASAN_OPTIONS="halt_on_error=1:abort_on_error=0:detect_leaks=1:strict_init_order=1:detect_stack_use_after_return=0"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:suppressions=$root/tests/sanitizers/ubsan.supp"
 export LSAN_OPTIONS="suppressions=$root/tests/sanitizers/lsan.supp:print_suppressions=0"

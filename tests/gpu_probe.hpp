@@ -10,7 +10,7 @@
 
 #include <cerrno>
 
-#include "../src/cuda_transfer.hpp"
+#include "../src/memory/cuda_transfer.hpp"
 
 namespace corpc::test {
 

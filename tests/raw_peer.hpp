@@ -5,12 +5,13 @@
 #include <chrono>
 #include <exception>
 
-#include "../src/auth.hpp"
+#include "../src/rpc/environment.hpp"
+#include "../src/transport/auth.hpp"
 #include "corpc/rpc/worker_info.hpp"
 #include "corpc/wire/message.hpp"
 
 namespace corpc {
-// The Hello a dialing worker sends first (src/rendezvous.cpp), for tests that impersonate one.
+// The Hello a dialing worker sends first (src/rpc/rendezvous.cpp), for tests that impersonate one.
 Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits);
 }  // namespace corpc
 

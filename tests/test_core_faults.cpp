@@ -1,5 +1,5 @@
-// The holes issue 8 found in the first runtime core, one test each. On that core each of these hung (bounded here by
-// the launcher's timeout) or gave a wrong result; the run-to-completion core must pass them all. After them, issue 25's:
+// Faults found in earlier runtime cores, one test each. On that core each of these hung (bounded here by
+// the launcher's timeout) or gave a wrong result; the run-to-completion core must pass them all. Then exits and ranks:
 // peers that hold the secret and claim a rank that is taken, strangers flooding a worker whose stderr nobody reads,
 // and a peer announcing a large frame and sending nothing.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
@@ -19,7 +19,7 @@
 #include <optional>
 #include <thread>
 
-#include "../src/runtime_impl.hpp"
+#include "../src/rpc/runtime_impl.hpp"
 #include "corpc/autograd/dist_autograd.hpp"
 #include "raw_peer.hpp"
 #include "support.hpp"
@@ -61,7 +61,7 @@ int block_on_io_thread() { return rpc_sync<&add>(0, 1, 2); }
 int nested_blocking(int i) { return rpc_sync<&sleep_ms>(2, 20) + i; }
 std::uint64_t pool_threads_started() { return Runtime::get().stats().pool_threads_started; }
 
-// ---- issue 25 ----
+// ---- exits, duplicate names, late replies ----
 
 std::string whoami() { return get_worker_info().name; }
 std::string whoami_via(int rank) { return rpc_sync<&whoami>(rank); }
@@ -124,14 +124,14 @@ bool hung_up_within(asio::io_context& io, asio::ip::tcp::socket& s) {
   return run_until(io, s, finished) && (result == asio::error::eof || result == asio::error::connection_reset);
 }
 
-std::string frame_bytes(const FrameHeader& h, const std::string& body = {}) {
+std::string serialized(const FrameHeader& h, const std::string& body = {}) {
   return std::string(reinterpret_cast<const char*>(&h), sizeof h) + body;
 }
 
 // What a process holding the job's secret sends when it claims to be `who`: its Hello, then `after`.
 std::string claim(const WorkerInfo& who, int world_size, const std::string& after) {
   OutFrame hello = prepare(hello_message(who, world_size, false, WireLimits{}));
-  return frame_bytes(hello.head, hello.body) + after;
+  return serialized(hello.head, hello.body) + after;
 }
 
 // Expects the worker behind `s` to refuse the claim it was sent: an Error for the connection itself (id 0) as the very
@@ -241,7 +241,7 @@ std::size_t count_of(const std::string& text, const std::string& part) {
 CORPC_IO_THREAD_FUNCTION(&block_on_io_thread);
 CORPC_IO_THREAD_FUNCTION(&held_and_rss);
 
-TEST_CASE("1: a call whose arguments fail to encode fails alone, and graceful shutdown still completes") {
+TEST_CASE("a call whose arguments fail to encode fails alone, and graceful shutdown still completes") {
   run_world(2, [](int rank) {
     if (rank != 0) return;
     auto sparse = at::eye(3).to_sparse();
@@ -252,7 +252,7 @@ TEST_CASE("1: a call whose arguments fail to encode fails alone, and graceful sh
   });  // run_world's graceful shutdown hangs (until the launcher's timeout) if the failed call stayed counted
 }
 
-TEST_CASE("2: an asynchronous handler whose reply fails to encode answers with an error, not a timeout") {
+TEST_CASE("an asynchronous handler whose reply fails to encode answers with an error, not a timeout") {
   auto options = quick_options();
   options.rpc_timeout = 120s;  // longer than the launcher allows: only a prompt error passes
   run_world(2, [](int rank) {
@@ -263,7 +263,7 @@ TEST_CASE("2: an asynchronous handler whose reply fails to encode answers with a
   }, options, 90s);  // and worker1's running-handler count came back to zero, or shutdown would hang
 }
 
-TEST_CASE("3: a task spawned on main that blocks after its first co_await does not block the I/O thread") {
+TEST_CASE("a task spawned on main that blocks after its first co_await does not block the I/O thread") {
   run_world(2, [](int rank) {
     if (rank != 0) return;
     auto task = []() -> Task<int> {
@@ -279,7 +279,7 @@ TEST_CASE("3: a task spawned on main that blocks after its first co_await does n
   });
 }
 
-TEST_CASE("4: replies are accepted only from the connection that carried the request") {
+TEST_CASE("replies are accepted only from the connection that carried the request") {
   run_world(2, [](int rank) {
     if (rank != 0) return;
     auto slow = rpc_async<&held_until_released>(1);  // in flight for as long as the forging takes
@@ -307,7 +307,7 @@ TEST_CASE("4: replies are accepted only from the connection that carried the req
   });
 }
 
-TEST_CASE("5: the sender checks the receiver's limits before anything is sent; the peer stays alive") {
+TEST_CASE("the sender checks the receiver's limits before anything is sent; the peer stays alive") {
   auto options = quick_options();
   options.limits.max_tensor_bytes = 1 << 20;
   options.limits.max_body_bytes = 1 << 16;
@@ -326,7 +326,7 @@ TEST_CASE("5: the sender checks the receiver's limits before anything is sent; t
   }, options);
 }
 
-TEST_CASE("6: a distributed-autograd context opened in a coroutine stays with the coroutine") {
+TEST_CASE("a distributed-autograd context opened in a coroutine stays with the coroutine") {
   run_world(2, [](int rank) {
     if (rank != 0) return;
     auto in_context = []() -> Task<std::int64_t> {
@@ -349,7 +349,7 @@ TEST_CASE("6: a distributed-autograd context opened in a coroutine stays with th
   });
 }
 
-TEST_CASE("7: handlers blocking on nested calls cannot starve the worker pool") {
+TEST_CASE("handlers blocking on nested calls cannot starve the worker pool") {
   run_world(3, [](int rank) {
     if (rank != 0) return;
     std::vector<Future<int>> calls;
@@ -359,9 +359,9 @@ TEST_CASE("7: handlers blocking on nested calls cannot starve the worker pool") 
   });
 }
 
-// ---- issue 25 ----
+// ---- exits, duplicate names, late replies ----
 
-TEST_CASE("25.7a: a second connection claiming a connected rank is refused; the real rank and shutdown are untouched") {
+TEST_CASE("a second connection claiming a connected rank is refused; the real rank and shutdown are untouched") {
   run_world(3, [](int rank) {
     if (rank != 0) return;
     EXPECT_EQ(rpc_sync<&whoami_via>(2, 1), worker_name(1));  // the real worker2 is connected to worker1
@@ -374,7 +374,7 @@ TEST_CASE("25.7a: a second connection claiming a connected rank is refused; the 
     unknown.function = 0x5eed;
     FrameHeader goodbye;
     goodbye.kind = FrameKind::Goodbye;
-    asio::write(s, asio::buffer(claim(get_worker_info(2), 3, frame_bytes(unknown) + frame_bytes(goodbye))));
+    asio::write(s, asio::buffer(claim(get_worker_info(2), 3, serialized(unknown) + serialized(goodbye))));
     expect_claim_refused(io, s);
     s.close();
     EXPECT(rpc_sync<&is_alive_here>(1, 2));  // worker1 still counts the real worker2 alive ...
@@ -383,7 +383,7 @@ TEST_CASE("25.7a: a second connection claiming a connected rank is refused; the 
   }, quick_options(), 60s);  // and the graceful shutdown balances: the refused request counted for nobody
 }
 
-TEST_CASE("25.7b: replies forged on a claimed rank's behalf close only the claimant; the real rank's calls go on") {
+TEST_CASE("replies forged on a claimed rank's behalf close only the claimant; the real rank's calls go on") {
   run_world(2, [](int rank) {
     if (rank != 0) return;
     auto slow = rpc_async<&held_until_released>(1);  // the real worker1 has a call of ours in flight
@@ -397,7 +397,7 @@ TEST_CASE("25.7b: replies forged on a claimed rank's behalf close only the claim
       h.kind = FrameKind::Response;
       h.id = idx;
       h.body_len = static_cast<std::uint32_t>(forged.body.size());
-      replies += frame_bytes(h, forged.body);
+      replies += serialized(h, forged.body);
     }
     asio::write(s, asio::buffer(claim(get_worker_info(1), 2, replies)));
     expect_claim_refused(io, s);
@@ -410,7 +410,7 @@ TEST_CASE("25.7b: replies forged on a claimed rank's behalf close only the claim
   }, quick_options(), 60s);
 }
 
-TEST_CASE("25.8: strangers flooding a worker whose stderr nobody reads: it answers, summarises, and shuts down") {
+TEST_CASE("strangers flooding a worker whose stderr nobody reads: it answers, summarises, and shuts down") {
   constexpr int kStrangers = 2000;
   launch_processes(2, [](int rank) {
     if (rank == 1) g_unread_stderr.emplace();
@@ -422,7 +422,7 @@ TEST_CASE("25.8: strangers flooding a worker whose stderr nobody reads: it answe
       EXPECT_EQ(rpc_async<&whoami>(1, with_timeout(10s)).wait(20s), worker_name(1));
       // Its log: a few refusals in full, the rest in a summary.
       const auto log = rpc_async<&drain_stderr_until_summary>(1, with_timeout(40s)).wait(60s);
-      EXPECT(count_of(log, "refused a connection") <= 5);  // RefusalLog::kInFull (src/refusal_log.hpp)
+      EXPECT(count_of(log, "refused a connection") <= 5);  // RefusalLog::kInFull (src/core/refusal_log.hpp)
       EXPECT_CONTAINS(log, "more connections refused");
     }
     shutdown(true);
@@ -430,7 +430,7 @@ TEST_CASE("25.8: strangers flooding a worker whose stderr nobody reads: it answe
   }, launch_options(120s));
 }
 
-TEST_CASE("25.9: a peer announcing a large frame and sending nothing commits no memory on the receiver") {
+TEST_CASE("a peer announcing a large frame and sending nothing commits no memory on the receiver") {
   constexpr std::int64_t kMiB = 1 << 20;
   constexpr std::uint32_t kBody = 512 * kMiB;
   constexpr std::uint32_t kMeta = 60 * kMiB;
@@ -450,7 +450,7 @@ TEST_CASE("25.9: a peer announcing a large frame and sending nothing commits no 
     h.kind = FrameKind::Request;
     h.id = 1;
     h.body_len = kBody;
-    asio::write(body_only, asio::buffer(frame_bytes(h)));
+    asio::write(body_only, asio::buffer(serialized(h)));
     auto meta_only = authenticated_socket(io, get_worker_info(1));
     h = FrameHeader{};
     h.kind = FrameKind::Request;
@@ -458,7 +458,7 @@ TEST_CASE("25.9: a peer announcing a large frame and sending nothing commits no 
     h.num_tensors = 1;
     h.meta_len = kMeta;
     h.tensor_bytes = 4;
-    asio::write(meta_only, asio::buffer(frame_bytes(h)));
+    asio::write(meta_only, asio::buffer(serialized(h)));
     auto data_only = authenticated_socket(io, get_worker_info(1));
     Message m;
     m.head.id = 1;

@@ -19,7 +19,7 @@
 
 #include <cstdio>
 
-#include "../src/cuda_transfer.hpp"
+#include "../src/memory/cuda_transfer.hpp"
 #include "corpc/autograd/dist_autograd.hpp"
 #include "corpc/autograd/optimizer.hpp"
 #include "corpc/rref/remote_module.hpp"

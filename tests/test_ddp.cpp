@@ -462,7 +462,7 @@ at::Tensor remote_part(at::Tensor h) {
   return torch::tanh(h.matmul(w));
 }
 
-// DDP inside a distributed autograd context (issue 12's hybrid): two trainers, each with a DDP-wrapped dense part
+// DDP inside a distributed autograd context (the DDP + RPC hybrid): two trainers, each with a DDP-wrapped dense part
 // whose output goes through worker 2; backward runs through dist_autograd, so gradients are captured into the
 // context rather than .grad; DDP must average them there, and DistributedOptimizer steps from the context.
 TEST_CASE("ddp: inside a distributed autograd context, trainers' dense parameters equal one process on the whole batch") {

@@ -1,4 +1,4 @@
-// Device maps (issue 14, part 3): the checks, the exchange at init_rpc and the mapping of a tensor's device, on
+// Device maps: the checks, the exchange at init_rpc and the mapping of a tensor's device, on
 // machines without a GPU. The maps are plain functions over c10::Device, tested directly; a job with maps configured
 // must still carry CPU tensors unchanged (calls, RRefs, distributed autograd); bad maps fail init_rpc everywhere with
 // UsageError; a CUDA tensor without an entry fails at the caller. "CUDA tensors" here are host memory labelled as a
@@ -12,12 +12,13 @@
 
 #include <cstdlib>
 
-#include "../src/cuda_ipc.hpp"
-#include "../src/cuda_transfer.hpp"
-#include "../src/device_map.hpp"
-#include "../src/device_transfer.hpp"
-#include "../src/hello.hpp"
-#include "../src/tensor_meta.hpp"
+#include "../src/memory/cuda_ipc.hpp"
+#include "../src/memory/cuda_transfer.hpp"
+#include "../src/wire/device_map.hpp"
+#include "../src/memory/device_transfer.hpp"
+#include "../src/rpc/environment.hpp"
+#include "../src/rpc/hello.hpp"
+#include "../src/wire/tensor_meta.hpp"
 #include "corpc/autograd/dist_autograd.hpp"
 #include "corpc/rref/rref.hpp"
 #include "gpu_probe.hpp"
@@ -306,7 +307,7 @@ TEST_CASE("device maps: bad maps fail init_rpc on every worker with UsageError")
   }, "not a worker of this job");
 }
 
-// ---- CUDA IPC (src/cuda_ipc.hpp): everything but the copies ------------------------------------------------------
+// ---- CUDA IPC (src/memory/cuda_ipc.hpp): everything but the copies ------------------------------------------------------
 
 namespace {
 // A CUDA IPC entry as a sender writes it: float, 1 dim of `numel`, on device 1, lent as `ref`.
@@ -356,13 +357,11 @@ TEST_CASE("CUDA IPC: a pair uses it only when both can and share a host") {
   DOCTEST_CHECK_FALSE(cd::cuda_ipc_agreed(true, "boot/net", true, "other/net"));   // across hosts
   DOCTEST_CHECK_FALSE(cd::cuda_ipc_agreed(true, "boot/net", true, "boot/net2"));  // another network namespace
   DOCTEST_CHECK_FALSE(cd::cuda_ipc_agreed(true, "", true, ""));                   // unknown hosts are not one host
-  // What a worker announces: capable (a CUDA libtorch with a device) and the same-host channel on, unless turned off.
+  // What a worker announces: RpcOptions::cuda_ipc, which CORPC_CUDA_IPC=0 turns off unless the program set it.
   ::unsetenv("CORPC_CUDA_IPC");
-  DOCTEST_CHECK(cd::cuda_ipc_offered(true, true));
-  DOCTEST_CHECK_FALSE(cd::cuda_ipc_offered(false, true));
-  DOCTEST_CHECK_FALSE(cd::cuda_ipc_offered(true, false));
+  DOCTEST_CHECK(cd::with_environment(RpcOptions{}).cuda_ipc);
   ::setenv("CORPC_CUDA_IPC", "0", 1);
-  DOCTEST_CHECK_FALSE(cd::cuda_ipc_offered(true, true));
+  DOCTEST_CHECK_FALSE(cd::with_environment(RpcOptions{}).cuda_ipc);
   ::unsetenv("CORPC_CUDA_IPC");
   // The Hello carries it, and a Hello of the previous protocol is refused.
   cd::Hello h;
@@ -679,4 +678,44 @@ TEST_CASE("CUDA IPC with a GPU (skipped without one): lent where it can be, stag
     }, launch_options(120s, 10s));
   }
   ::unsetenv("CORPC_CUDA_IPC");
+}
+
+TEST_CASE("the environment fills the options a program left at their defaults, and nothing it set") {
+  struct Restore {
+    ~Restore() {
+      for (const char* v : {"CORPC_SECRET", "CORPC_TRACE", "CORPC_SAME_HOST_CHANNEL", "CORPC_TLS_CERT", "CORPC_TLS_KEY",
+                            "CORPC_TLS_CA", "CORPC_TLS_VERIFY"})
+        ::unsetenv(v);
+    }
+  } restore;
+  ::setenv("CORPC_SECRET", "from-env", 1);
+  ::setenv("CORPC_TRACE", "/tmp/env-trace.json", 1);
+  ::setenv("CORPC_SAME_HOST_CHANNEL", "0", 1);
+  ::setenv("CORPC_TLS_CERT", "cert.pem", 1);
+  ::setenv("CORPC_TLS_KEY", "key.pem", 1);
+  ::setenv("CORPC_TLS_VERIFY", "0", 1);
+  const RpcOptions filled = cd::with_environment(RpcOptions{});
+  DOCTEST_CHECK(filled.secret == "from-env");
+  DOCTEST_CHECK(filled.trace_path == "/tmp/env-trace.json");
+  DOCTEST_CHECK_FALSE(filled.same_host_channel);
+  DOCTEST_REQUIRE(filled.tls.has_value());
+  DOCTEST_CHECK(filled.tls->certificate_chain_file == "cert.pem");
+  DOCTEST_CHECK(filled.tls->private_key_file == "key.pem");
+  DOCTEST_CHECK_FALSE(filled.tls->verify_peer);
+
+  RpcOptions set;
+  set.secret = "from-program";
+  set.trace_path = "/tmp/program-trace.json";
+  set.tls = TlsOptions{};
+  set.tls->certificate_chain_file = "program.pem";
+  const RpcOptions kept = cd::with_environment(set);
+  DOCTEST_CHECK(kept.secret == "from-program");
+  DOCTEST_CHECK(kept.trace_path == "/tmp/program-trace.json");
+  DOCTEST_CHECK(kept.tls->certificate_chain_file == "program.pem");
+  DOCTEST_CHECK(kept.tls->verify_peer);
+  // A switch the program turned off stays off whatever the environment says.
+  ::setenv("CORPC_SAME_HOST_CHANNEL", "1", 1);
+  RpcOptions off;
+  off.same_host_channel = false;
+  DOCTEST_CHECK_FALSE(cd::with_environment(off).same_host_channel);
 }

@@ -1,4 +1,4 @@
-// Flow control and liveness (issue 10): a slow consumer's memory stays within its receive budget while a producer
+// Flow control and liveness: a slow consumer's memory stays within its receive budget while a producer
 // floods it, oversized requests fail typed, calls to one peer wait for room, and a silent peer is declared gone.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>

@@ -1,4 +1,4 @@
-// The same-host channel (issue 14): between two workers on one host, large tensor data goes through a shared ring.
+// The same-host channel: between two workers on one host, large tensor data goes through a shared ring.
 // Every check runs on the channel and on TCP (the option off), compares element for element, and asserts through
 // the process's counters which path each message took, so that a silent fall-back to TCP fails the test.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
@@ -14,7 +14,7 @@
 #include <cstring>
 #include <thread>
 
-#include "../src/shm_channel.hpp"
+#include "../src/transport/shm_channel.hpp"
 #include "support.hpp"
 
 using namespace corpc;

@@ -2,7 +2,7 @@
 // backward passes for a while, sampling their resident memory. Passes if, after a warm-up, no worker's RSS keeps
 // growing, and at the end no reference and no context is left anywhere.
 //   build/tests/test_soak                          ~20 s (CI)
-//   CORPC_SOAK_SECONDS=600 build/tests/test_soak   the long run (README)
+//   CORPC_SOAK_SECONDS=600 build/tests/test_soak   the long run (docs/testing.md)
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 

@@ -1,5 +1,5 @@
 // TLS on every connection (RpcOptions::tls / CORPC_TLS_*): jobs over TLS, peers that must be refused, and what an
-// observer on the wire sees. Certificates are made fresh for each test (tests/tls_certs.hpp).
+// observer on the wire sees. Certificates are made fresh for each test (tools/tls_certs.hpp).
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
@@ -19,7 +19,7 @@
 #include "raw_peer.hpp"
 #include "stopped_worker.hpp"
 #include "support.hpp"
-#include "tls_certs.hpp"
+#include "../tools/tls_certs.hpp"
 
 using namespace corpc;
 using namespace corpc::test;

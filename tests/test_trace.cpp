@@ -1,4 +1,4 @@
-// Job traces (corpc/rpc/trace.hpp): a real 3-worker run with tracing on leaves one merged Chrome trace that parses as
+// Job traces (corpc/core/trace.hpp): a real 3-worker run with tracing on leaves one merged Chrome trace that parses as
 // JSON, has a track per worker, the events of what was done, and a matching end for every flow start.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>  // its macros spelled DOCTEST_*: torch's headers bring glog's CHECK
@@ -15,7 +15,7 @@
 
 #include "../tools/mini_json.hpp"
 #include "corpc/autograd/dist_autograd.hpp"
-#include "corpc/rpc/trace.hpp"
+#include "corpc/core/trace.hpp"
 #include "corpc/rref/rref.hpp"
 #include "support.hpp"
 

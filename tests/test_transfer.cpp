@@ -1,4 +1,4 @@
-// Tensor transfer paths (issue 14): large receives reuse pooled memory (no page faults in steady state), and every
+// Tensor transfer paths: large receives reuse pooled memory (no page faults in steady state), and every
 // path carries the same bytes, element for element.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
@@ -7,7 +7,7 @@
 #include <ATen/Parallel.h>
 #include <sys/resource.h>
 
-#include "../src/host_block_cache.hpp"
+#include "../src/memory/host_block_cache.hpp"
 #include "support.hpp"
 
 using namespace corpc;

@@ -1,4 +1,4 @@
-// corpc-trace: merges trace parts by hand, and draws a job trace as a PNG (corpc/rpc/trace.hpp).
+// corpc-trace: merges trace parts by hand, and draws a job trace as a PNG (corpc/core/trace.hpp).
 //
 //   corpc-trace merge OUT.json PART.json...            e.g. the parts of a run whose rank 0 died
 //   corpc-trace plot TRACE.json OUT.png [--from MS] [--to MS]
@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "corpc/rpc/trace.hpp"
+#include "corpc/core/trace.hpp"
 #include "gantt.hpp"
 #include "mini_json.hpp"
 

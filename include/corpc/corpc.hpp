@@ -12,7 +12,7 @@
 /// ```
 #pragma once
 
-#include "corpc/core/errors.hpp"
+#include "corpc/rpc/errors.hpp"
 #include "corpc/core/future.hpp"
 #include "corpc/core/scope.hpp"
 #include "corpc/core/sync_wait.hpp"
@@ -22,4 +22,4 @@
 #include "corpc/rpc/call.hpp"
 #include "corpc/rpc/runtime.hpp"
 #include "corpc/rpc/launch.hpp"
-#include "corpc/rpc/trace.hpp"
+#include "corpc/core/trace.hpp"

@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "tensor_meta.hpp"
+#include "wire/tensor_meta.hpp"
 
 namespace {
 // c10::ScalarType's element sizes in libtorch 1.13 (Byte .. QUInt2x4); anything else is refused like the real table.

@@ -64,7 +64,7 @@ class CpuAllocatorBase<Base, false> : public Base {
 
 // c10d's Gloo group: a c10d::ProcessGroup itself up to 1.13; from 2.0 a c10d::Backend that a ProcessGroup carries
 // per device type. Returns the group to hand users either way. (Templates so that this header needs no c10d header:
-// only src/ddp_process_group.cpp, built with Gloo, instantiates them.)
+// only src/ddp/process_group.cpp, built with Gloo, instantiates them.)
 template <class ProcessGroup, class Backend, class Store>
 c10::intrusive_ptr<ProcessGroup> as_process_group(c10::intrusive_ptr<Backend> backend,
                                                   const c10::intrusive_ptr<Store>& store, int rank, int size) {

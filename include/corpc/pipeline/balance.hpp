@@ -31,7 +31,7 @@
 #include <limits>
 #include <vector>
 
-#include "corpc/core/errors.hpp"
+#include "corpc/rpc/errors.hpp"
 
 namespace corpc::pipeline {
 

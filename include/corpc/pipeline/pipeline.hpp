@@ -97,7 +97,7 @@ struct StagePlacement {
 
 namespace detail {
 
-// Worker side (src/pipeline_stages.cpp).
+// Worker side (src/pipeline/pipeline_stages.cpp).
 void host_stages(const StagePlacement& placement, torch::nn::Sequential model, LossFn loss, OptimizerFactory optimizer);
 // mean_over: the batch size when the loss is a mean (each micro-batch's loss is scaled by its share), 0 for a sum.
 Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Action> actions,

@@ -34,7 +34,7 @@
 #include <string>
 #include <vector>
 
-#include "corpc/core/errors.hpp"
+#include "corpc/rpc/errors.hpp"
 #include "corpc/wire/codec.hpp"
 
 namespace corpc::pipeline {
@@ -238,12 +238,12 @@ inline double simulate_schedule(const std::vector<std::vector<Action>>& plan, in
     for (int r = 0; r < K; ++r) {
       while (next[r] < plan[r].size()) {
         const Action& a = plan[r][next[r]];
-        if (a.stage < 0 || a.stage >= S || a.micro < 0 || a.micro >= M) throw std::logic_error("action out of range");
+        if (a.stage < 0 || a.stage >= S || a.micro < 0 || a.micro >= M) throw UsageError("action out of range");
         double ready = 0;
         if (a.kind == ActionKind::Forward) {
           if (a.stage > 0 && (ready = fwd[a.stage - 1][a.micro]) < 0) break;
         } else if (a.kind != ActionKind::BackwardWeight) {
-          if (fwd[a.stage][a.micro] < 0) throw std::logic_error("backward before forward on one worker");
+          if (fwd[a.stage][a.micro] < 0) throw UsageError("backward before forward on one worker");
           if (a.stage + 1 < S && (ready = grad[a.stage + 1][a.micro]) < 0) break;
         }
         const double cost = a.kind == ActionKind::Backward ? 2 : 1;
@@ -255,11 +255,11 @@ inline double simulate_schedule(const std::vector<std::vector<Action>>& plan, in
         progressed = true;
       }
     }
-    if (!progressed && remaining) throw std::logic_error("pipeline schedule deadlocks");
+    if (!progressed && remaining) throw UsageError("pipeline schedule deadlocks");
   }
   for (auto& g : grad)
     for (double t : g)
-      if (t < 0) throw std::logic_error("pipeline schedule misses a backward");
+      if (t < 0) throw UsageError("pipeline schedule misses a backward");
   return *std::max_element(clock.begin(), clock.end());
 }
 

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "corpc/pipeline/schedule.hpp"
-#include "corpc/rpc/trace.hpp"
+#include "corpc/core/trace.hpp"
 #include "corpc/wire/codec.hpp"
 
 namespace corpc::pipeline {
@@ -70,7 +70,7 @@ inline std::vector<double> stage_busy_seconds(const std::vector<WorkerReport>& w
 
 /// Appends one step's actions to a Chrome trace ("traceEvents" of complete events): pid = `process` (one per
 /// schedule), tid = worker rank, times in microseconds from `origin_ns`. `name` labels the process. The events are
-/// formatted as the job traces of corpc/rpc/trace.hpp are, so the two files merge (trace::merge_chrome_traces).
+/// formatted as the job traces of corpc/core/trace.hpp are, so the two files merge (trace::merge_chrome_traces).
 class ChromeTrace {
  public:
   /// Adds the records of `workers` (one step, e.g. StepResult::workers) as a process named `name`.

@@ -42,7 +42,7 @@
 #include <string>
 #include <vector>
 
-#include "corpc/core/errors.hpp"
+#include "corpc/rpc/errors.hpp"
 
 namespace corpc {
 

@@ -10,27 +10,15 @@
 #include <string>
 #include <vector>
 
+#include "corpc/transport/tls.hpp"
 #include "corpc/wire/device_map.hpp"
 #include "corpc/wire/frame.hpp"
 
 namespace corpc {
 
-/// TLS on every connection between workers, for links that leave the host (RpcOptions::tls). Every rank of a job
-/// must use it (a plain peer is refused), with certificates signed by one CA that stands for the job: any certificate
-/// it signed is accepted as a rank (host names are not checked; ranks are found by address).
-struct TlsOptions {
-  /// PEM file: this worker's certificate, then any intermediates. It is presented to every peer.
-  std::string certificate_chain_file;
-  /// PEM file: the private key of that certificate.
-  std::string private_key_file;
-  /// PEM file: the CA certificate(s) a peer's certificate must chain to.
-  std::string ca_file;
-  /// Verify the peer's certificate on both sides of every connection (mutual TLS 1.3). false: encryption only;
-  /// peers are then authenticated by the shared secret alone (bound to the TLS session, so a relay that terminates
-  /// TLS still fails it), and ca_file may be empty.
-  bool verify_peer = true;
-};
-
+/// The environment fills what a program leaves at its default, never what it set: CORPC_SECRET (secret),
+/// CORPC_TLS_CERT/KEY/CA/VERIFY (tls), CORPC_TRACE (trace_path), CORPC_SAME_HOST_CHANNEL=0 and CORPC_CUDA_IPC=0
+/// (same_host_channel, cuda_ipc). init_rpc applies it; each field's comment says which variable fills it.
 /// How init_rpc starts this process's runtime: rendezvous, threads, timeouts, security, limits and flow control.
 /// Every worker of a job should use compatible values (limits are announced to peers; timeouts are per worker).
 struct RpcOptions {
@@ -70,7 +58,7 @@ struct RpcOptions {
   /// MessageTooLargeError before sending). Larger frames are a ProtocolError and close the connection.
   WireLimits limits;
 
-  // ---- Flow control and liveness (README: "Flow control and liveness") ----
+  // ---- Flow control and liveness (docs/flow-control.md) ----
   /// Memory that requests from peers may hold here while they wait for a thread or run (their metadata, body and
   /// tensor data, reserved from each request's header before anything is allocated, given back once it is answered).
   /// While a connection's share or the process's total is spent, that connection is not read, so TCP slows its sender.
@@ -95,12 +83,16 @@ struct RpcOptions {
   /// alone does not notice. Detected within 1.25x this. 0: never.
   std::chrono::milliseconds liveness_timeout{15'000};
 
-  // ---- Same-host channel (README: "Transfers") ----
+  // ---- Same-host channel (docs/transfers.md) ----
   /// Whether connections between two workers on one host move large tensors (64 KiB of tensor data per message and
   /// more) through shared memory instead of the socket. Same host is decided during the handshake (boot id and
   /// network namespace, compared by both ends); a channel that cannot be set up leaves the connection on TCP, with one
-  /// warning. The CORPC_SAME_HOST_CHANNEL environment variable (0 or 1) overrides this.
+  /// warning. Left true: CORPC_SAME_HOST_CHANNEL=0 turns it off.
   bool same_host_channel = true;
+  /// Whether CUDA tensors bound for a worker on this host travel as CUDA IPC handles (a CUDA build of libtorch, a
+  /// device, and the same-host channel on both ends) instead of through host memory. Left true: CORPC_CUDA_IPC=0
+  /// turns it off.
+  bool cuda_ipc = true;
   /// The shared ring of each direction of each such connection. A message whose tensors do not fit in the free part
   /// goes by TCP; received tensors are views of the ring while they hold less than half of it, copies beyond.
   /// Pages are touched only as the ring is used; a steady exchange reuses the same ones.
@@ -120,13 +112,13 @@ struct RpcOptions {
   /// for the life of the process, and follows host_cache_bytes of the latest init_rpc). false: only received ones.
   bool cache_cpu_allocations = true;
 
-  // ---- Traces (corpc/rpc/trace.hpp) ----
+  // ---- Traces (corpc/core/trace.hpp) ----
   /// Where the job's Chrome trace goes (calls, executions, replies, large transfers, backward passes of every worker,
   /// merged by rank 0 at graceful shutdown); empty: the CORPC_TRACE environment variable; neither: no trace, and no
   /// cost beyond one branch per place that could record.
   std::string trace_path;
 
-  // ---- CUDA tensors (README: "CUDA tensors and device maps"; corpc/wire/device_map.hpp) ----
+  // ---- CUDA tensors (docs/cuda.md; corpc/wire/device_map.hpp) ----
   /// device_maps[worker]: where this worker's CUDA tensors arrive on `worker` (and, inverted, where that worker's
   /// arrive here). Without an entry for a tensor's device, sending it to `worker` fails with UsageError. Checked at
   /// init_rpc against every worker's devices and maps; a bad one fails init_rpc on every worker with UsageError.

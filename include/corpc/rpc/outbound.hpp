@@ -14,6 +14,7 @@
 #include <optional>
 #include <string_view>
 
+#include "corpc/rpc/errors.hpp"
 #include "corpc/core/future.hpp"
 #include "corpc/wire/message.hpp"
 

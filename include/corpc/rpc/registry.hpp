@@ -31,6 +31,7 @@
 #include <string_view>
 #include <vector>
 
+#include "corpc/rpc/errors.hpp"
 #include "corpc/core/future.hpp"
 #include "corpc/core/type_name.hpp"
 #include "corpc/wire/codec.hpp"

@@ -17,6 +17,7 @@
 #include <typeindex>
 #include <vector>
 
+#include "corpc/rpc/errors.hpp"
 #include "corpc/core/executor.hpp"
 #include "corpc/core/scope.hpp"
 #include "corpc/rpc/options.hpp"
@@ -101,7 +102,7 @@ class Runtime {
   }
 
   /// @cond INTERNAL
-  struct Impl;  // src/runtime_impl.hpp
+  struct Impl;  // src/rpc/runtime_impl.hpp
   explicit Runtime(std::unique_ptr<Impl> impl);
   /// @endcond
   ~Runtime();

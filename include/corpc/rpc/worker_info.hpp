@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "corpc/wire/codec.hpp"
 
@@ -44,5 +45,14 @@ class WorkerRef {
   int rank_ = -1;
   std::string name_;
 };
+
+namespace detail {
+// "worker/device" (RemoteModule's and the pipeline's remote_device) as {worker, device}; no slash: the CPU.
+inline std::pair<std::string, std::string> split_remote_device(const std::string& spec) {
+  auto slash = spec.find('/');
+  if (slash == std::string::npos) return {spec, "cpu"};
+  return {spec.substr(0, slash), spec.substr(slash + 1)};
+}
+}  // namespace detail
 
 }  // namespace corpc

@@ -24,17 +24,12 @@
 #include <utility>
 #include <vector>
 
+#include "corpc/rpc/worker_info.hpp"
 #include "corpc/rref/rref.hpp"
 
 namespace corpc {
 
 namespace detail {
-
-inline std::pair<std::string, std::string> split_remote_device(const std::string& spec) {
-  auto slash = spec.find('/');
-  if (slash == std::string::npos) return {spec, "cpu"};
-  return {spec.substr(0, slash), spec.substr(slash + 1)};
-}
 
 template <class M, class... A>
 M build_module(std::string device, A... args) {

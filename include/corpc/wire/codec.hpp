@@ -35,7 +35,7 @@
 #include <variant>
 #include <vector>
 
-#include "corpc/core/errors.hpp"
+#include "corpc/wire/errors.hpp"
 
 namespace at {
 class Tensor;

@@ -16,7 +16,7 @@
 #include <cstdint>
 #include <string>
 
-#include "corpc/core/errors.hpp"
+#include "corpc/wire/errors.hpp"
 
 namespace corpc {
 
@@ -61,6 +61,11 @@ struct FrameHeader {
   std::uint64_t tensor_bytes = 0;  ///< sum of the tensors' data
 };
 static_assert(sizeof(FrameHeader) == 72);
+
+/// What a frame with header `h` weighs on the wire.
+inline std::uint64_t frame_bytes(const FrameHeader& h) noexcept {
+  return sizeof h + std::uint64_t{h.meta_len} + h.body_len + h.tensor_bytes;
+}
 
 /// Upper bounds for what a peer may announce; anything above is a ProtocolError and the connection is closed. Each
 /// side announces its limits in its Hello, and senders refuse (with MessageTooLargeError) what the receiver would.

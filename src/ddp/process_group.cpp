@@ -1,0 +1,102 @@
+// The env:// rendezvous for DDP: a store (see init_process_group's comment for which) and a Gloo group on it.
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <initializer_list>
+#include <stdexcept>
+#include <string>
+
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "corpc/ddp/ddp.hpp"
+#include "corpc/ddp/rpc_store.hpp"
+#include "corpc/detail/torch_compat.hpp"
+#include "corpc/rpc/runtime.hpp"
+#include "memory/host_allocator.hpp"
+#include "corpc/rpc/errors.hpp"
+
+namespace corpc::ddp {
+namespace {
+
+std::string env_or(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') {
+    if (fallback == nullptr) throw UsageError(std::string("init_process_group: ") + name + " is not set");
+    return fallback;
+  }
+  return v;
+}
+
+// The first of `names` that is set, as init_rpc reads them (torchrun / Slurm / Open MPI / PMI).
+int env_int(std::initializer_list<const char*> names, int fallback, const char* what) {
+  for (const char* n : names) {
+    const char* v = std::getenv(n);
+    if (v != nullptr && *v != '\0') return std::stoi(v);
+  }
+  if (fallback >= 0) return fallback;
+  throw UsageError(std::string("init_process_group: ") + what + " is not set (" + *names.begin() + ")");
+}
+
+c10::intrusive_ptr<c10d::Store> make_store(const std::string& addr, int port, int rank, int world,
+                                           std::chrono::milliseconds timeout) {
+  const bool agent_store = env_or("TORCHELASTIC_USE_AGENT_STORE", "") == "True";
+  if (!agent_store && std::getenv("CORPC_SECRET") != nullptr) {
+    // corpc::launch_processes: rank 0 holds MASTER_PORT's listening socket for RPC, so no TCPStore can bind it.
+    // All ranks are forks of one launcher (same parent, same port): a file named after both is unique to this run.
+    auto path = "/tmp/corpc-ddp-store-" + std::to_string(::getppid()) + "-" + std::to_string(port);
+    auto store = c10::make_intrusive<c10d::FileStore>(path, world);
+    store->setTimeout(timeout);
+    return store;
+  }
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<std::uint16_t>(port);
+  o.isServer = !agent_store && rank == 0;  // torchrun's agent already serves a store on MASTER_PORT
+  o.numWorkers = agent_store ? c10::nullopt : c10::optional<std::size_t>(world);
+  o.waitWorkers = false;
+  o.timeout = timeout;
+  corpc::detail::use_classic_tcpstore(o);
+  return c10::make_intrusive<c10d::TCPStore>(addr, o);
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const ProcessGroupOptions& options) {
+  Runtime* rpc = Runtime::try_get();
+  if (!rpc) corpc::detail::configure_host_memory(options.host_cache_bytes, options.cache_cpu_allocations);
+  // The environment first (a launcher's, or a program presenting a subset of the workers as a world of its own),
+  // then RPC's rank and size.
+  int rank = options.rank, world = options.world_size;
+  if (rank < 0) rank = env_int({"RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"}, rpc ? rpc->rank() : -1, "RANK");
+  if (world < 0) {
+    world = env_int({"WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}, rpc ? rpc->world_size() : -1,
+                    "WORLD_SIZE");
+  }
+  if (rank >= world) {
+    throw UsageError("init_process_group: rank " + std::to_string(rank) + " is not below the group size " +
+                                std::to_string(world));
+  }
+  const std::string addr = env_or("MASTER_ADDR", "127.0.0.1");
+  // Groups made one after another in a process (on every rank in the same order, as in PyTorch) get their own keys.
+  static std::atomic<int> groups_made{0};
+  const std::string prefix = options.store_prefix + std::to_string(groups_made++) + "/";
+  c10::intrusive_ptr<c10d::Store> base;
+  if (rpc != nullptr) {
+    base = c10::make_intrusive<RpcStore>(0, options.timeout);  // one rendezvous: the keys live on RPC's rank 0
+  } else {
+    base = make_store(addr, std::stoi(env_or("MASTER_PORT", "29500")), rank, world, options.timeout);
+  }
+  auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, base);
+  auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
+  const bool loopback = addr == "127.0.0.1" || addr == "localhost";
+  gloo_options->devices = {loopback ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                                    : c10d::ProcessGroupGloo::createDefaultDevice()};
+  gloo_options->threads = 2;
+  auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, gloo_options);
+  return corpc::detail::as_process_group<c10d::ProcessGroup>(std::move(gloo), store, rank, world);
+}
+
+}  // namespace corpc::ddp

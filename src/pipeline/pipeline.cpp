@@ -1,0 +1,134 @@
+// The caller side of corpc::pipeline: placing stages, driving a step, aborting it when a stage fails.
+#include "corpc/pipeline/pipeline.hpp"
+
+#include <algorithm>
+
+#include "corpc/rpc/worker_info.hpp"
+#include "core/exception_text.hpp"
+
+namespace corpc::pipeline {
+
+using corpc::detail::exception_text;
+
+Pipeline::Pipeline(const PipelineOptions& options) : options_(options), state_(std::make_shared<State>()) {
+  const int stages = static_cast<int>(options.balance.size()), workers = static_cast<int>(options.workers.size());
+  if (workers < 1) throw UsageError("a pipeline needs at least one worker");
+  if (stages < workers || stages % workers != 0)
+    throw UsageError("a pipeline needs a whole number of stages per worker: " + std::to_string(stages) +
+                     " stages on " + std::to_string(workers) + " workers");
+  if (options.micro_batches < 1) throw UsageError("a pipeline needs at least one micro-batch");
+  for (int b : options.balance)
+    if (b < 1) throw UsageError("every pipeline stage needs at least one layer");
+  make_schedule(options.schedule, workers, stages / workers, 1);  // rejects a schedule that does not fit the layout
+  auto& p = state_->placement;
+  p.pipeline_id = detail::next_pipeline_id();
+  for (auto& w : options.workers) {
+    auto [name, device] = corpc::detail::split_remote_device(w);
+    const int rank = get_worker_info(name).rank;
+    if (std::find(state_->worker_ranks.begin(), state_->worker_ranks.end(), rank) != state_->worker_ranks.end())
+      throw UsageError("worker '" + name + "' named twice in a pipeline");
+    state_->worker_ranks.push_back(rank);
+  }
+  for (int s = 0; s < stages; ++s) {
+    p.stage_ranks.push_back(state_->worker_ranks[s % workers]);
+    p.balance.push_back(options.balance[s]);
+    p.stage_devices.push_back(corpc::detail::split_remote_device(options.workers[s % workers]).second);
+  }
+}
+
+Pipeline::State::~State() {
+  std::vector<Future<void>> drops;
+  for (int rank : worker_ranks) {
+    try {
+      drops.push_back(rpc_async<&detail::drop_stages>(rank, placement.pipeline_id));
+    } catch (const std::exception&) {  // the runtime is gone: so are the stages
+    }
+  }
+  for (auto& f : drops) {
+    try {
+      f.wait();
+    } catch (const std::exception&) {  // a dead worker holds nothing any more
+    }
+  }
+}
+
+void Pipeline::train(bool on) const {
+  std::vector<Future<void>> all;
+  for (int rank : state_->worker_ranks) all.push_back(rpc_async<&detail::set_training>(rank, state_->placement.pipeline_id, on));
+  wait_all(std::move(all)).wait();
+}
+
+std::vector<at::Tensor> Pipeline::parameters() const {
+  std::map<std::int32_t, std::vector<at::Tensor>> by_stage;
+  for (int rank : state_->worker_ranks)
+    for (auto& [s, ps] : rpc_sync<&detail::stage_parameters>(rank, state_->placement.pipeline_id)) by_stage[s] = ps;
+  std::vector<at::Tensor> all;
+  for (auto& [s, ps] : by_stage) all.insert(all.end(), ps.begin(), ps.end());
+  return all;
+}
+
+Task<StepResult> Pipeline::train_step(at::Tensor inputs, at::Tensor targets) {
+  auto state = state_;  // the pipeline may be moved while the step runs
+  const std::int64_t step = ++state->steps;
+  const std::uint64_t id = state->placement.pipeline_id;
+  // Checked on the whole batch, before anything is sent: chunk() of two different sizes can still give equal counts
+  // (4 inputs against 8 targets would train on broadcast targets).
+  if (inputs.dim() == 0 || targets.dim() == 0 || inputs.size(0) != targets.size(0)) {
+    auto batch = [](const at::Tensor& t) { return t.dim() == 0 ? std::string("a scalar") : std::to_string(t.size(0)); };
+    throw UsageError("train_step: inputs and targets differ in batch size (dimension 0): " + batch(inputs) +
+                     " inputs, " + batch(targets) + " targets");
+  }
+  auto xs = inputs.chunk(options_.micro_batches);
+  auto ys = targets.chunk(options_.micro_batches);
+  const int micro = static_cast<int>(xs.size());  // chunk() gives fewer pieces for a batch smaller than M
+  auto lists = plan(micro);
+  const int last_rank = state->placement.stage_ranks.back();
+
+  std::vector<Future<WorkerReport>> parts;
+  for (std::size_t w = 0; w < state->worker_ranks.size(); ++w) {
+    const int rank = state->worker_ranks[w];
+    parts.push_back(rpc_async<&detail::run_step>(rank, id, step, lists[w],
+                                                 w == 0 ? xs : std::vector<at::Tensor>{},
+                                                 rank == last_rank ? ys : std::vector<at::Tensor>{},
+                                                 options_.loss_reduction == LossReduction::mean ? inputs.size(0) : 0));
+  }
+  // The first failure aborts the step everywhere, so that no stage waits for a message that will never come.
+  struct Watch {
+    std::atomic<int> first_failure{-1};
+  };
+  auto watch = std::make_shared<Watch>();
+  const auto ranks = state->worker_ranks;
+  for (std::size_t w = 0; w < parts.size(); ++w) {
+    corpc::detail::on_ready_inline(parts[w], [watch, w, ranks, id, step, f = parts[w]] {
+      int none = -1;
+      if (!f.error() || !watch->first_failure.compare_exchange_strong(none, static_cast<int>(w))) return;
+      const std::string reason = "pipeline step aborted: worker rank " + std::to_string(ranks[w]) + " failed";
+      for (std::size_t o = 0; o < ranks.size(); ++o)
+        if (o != w) (void)rpc_async<&detail::abort_step>(ranks[o], id, step, reason);
+    });
+  }
+  auto done = co_await collect_all(std::move(parts));
+  if (const int w = watch->first_failure.load(); w >= 0) {
+    const int rank = ranks[w];
+    std::string stages;
+    for (std::size_t s = 0; s < state->placement.stage_ranks.size(); ++s)
+      if (state->placement.stage_ranks[s] == rank) stages += (stages.empty() ? "" : ",") + std::to_string(s);
+    std::string name = "rank " + std::to_string(rank);
+    try {
+      name = get_worker_info(rank).name;
+    } catch (const std::exception&) {
+    }
+    throw PipelineError("pipeline step " + std::to_string(step) + " failed at stage " + stages + " on worker '" + name +
+                        "': " + exception_text(done[w].error()));
+  }
+  StepResult result;
+  double loss = 0;
+  for (auto& f : done) {
+    result.workers.push_back(f.value());
+    for (double l : result.workers.back().losses) loss += l;
+  }
+  result.loss = at::scalar_tensor(loss, at::kFloat);
+  co_return result;
+}
+
+}  // namespace corpc::pipeline

@@ -1,0 +1,322 @@
+// The worker side of corpc::pipeline: the stages a worker hosts, the mailbox of activations and gradients sent to
+// them, and the interpreter of a step's action list.
+#include <torch/autograd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "corpc/pipeline/pipeline.hpp"
+#include "memory/host_allocator.hpp"
+#include "core/trace_recorder.hpp"
+
+namespace corpc::pipeline::detail {
+using corpc::detail::host_live_bytes;
+using corpc::detail::host_peak_bytes;
+using corpc::detail::install_host_allocator;
+using corpc::detail::reset_host_peak_bytes;
+
+namespace {
+
+// ---- what a worker hosts --------------------------------------------------------------------------------------------
+struct HostedStage {
+  torch::nn::Sequential layers;
+  c10::Device device{c10::kCPU};
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  std::vector<std::vector<at::Tensor>> layer_parameters;  // per layer, for zero bubble's W
+};
+
+// One micro-batch on one stage, from its forward to the end of its backward.
+struct Held {
+  at::Tensor input;                        // a leaf that requires grad, except on the first stage
+  at::Tensor output;                       // the stage's output; on the last stage, the scaled loss
+  std::vector<at::Tensor> layer_outputs;   // zero bubble only: each layer's output ...
+  std::vector<at::Tensor> layer_grads;     // ... and its gradient, computed by I, consumed by W
+};
+
+struct Host {
+  StagePlacement placement;
+  int rank = -1;
+  LossFn loss;
+  std::map<int, HostedStage> stages;
+
+  // Mailbox: what other stages sent, keyed by (step, stage, micro-batch, gradient?). Filled by deliver (I/O thread),
+  // taken by the step's interpreter; whichever comes second removes the entry.
+  struct Slot {
+    Promise<at::Tensor> promise;
+    Future<at::Tensor> future = promise.get_future();
+    bool taken = false, filled = false;
+  };
+  using Key = std::tuple<std::int64_t, int, int, bool>;
+  std::mutex mutex;
+  std::map<Key, Slot> slots;
+  std::int64_t aborted_step = -1;
+  std::string abort_reason;
+
+  Future<at::Tensor> receive(const Key& key) {
+    std::lock_guard lock(mutex);
+    if (std::get<0>(key) == aborted_step) {
+      Promise<at::Tensor> failed;
+      failed.set_error(PipelineError(abort_reason));
+      return failed.get_future();
+    }
+    auto it = slots.try_emplace(key).first;
+    auto f = it->second.future;
+    if (it->second.filled) slots.erase(it);
+    else it->second.taken = true;
+    return f;
+  }
+  void fill(const Key& key, at::Tensor value) {
+    std::lock_guard lock(mutex);
+    if (std::get<0>(key) == aborted_step) return;
+    auto it = slots.try_emplace(key).first;
+    it->second.promise.set_value(std::move(value));
+    if (it->second.taken) slots.erase(it);
+    else it->second.filled = true;
+  }
+  void abort(std::int64_t step, std::string reason) {
+    std::lock_guard lock(mutex);
+    aborted_step = step;
+    abort_reason = std::move(reason);
+    for (auto it = slots.begin(); it != slots.end();) {
+      if (std::get<0>(it->first) != step) {
+        ++it;
+        continue;
+      }
+      it->second.promise.set_error(PipelineError(abort_reason));
+      it = slots.erase(it);
+    }
+  }
+  void forget_before(std::int64_t step) {  // leftovers of an aborted step
+    std::lock_guard lock(mutex);
+    for (auto it = slots.begin(); it != slots.end();) it = std::get<0>(it->first) < step ? slots.erase(it) : std::next(it);
+  }
+};
+
+std::mutex g_hosts_mutex;
+std::map<std::uint64_t, std::shared_ptr<Host>> g_hosts;
+
+std::shared_ptr<Host> find_host(std::uint64_t id) {
+  std::lock_guard lock(g_hosts_mutex);
+  auto it = g_hosts.find(id);
+  return it == g_hosts.end() ? nullptr : it->second;
+}
+std::shared_ptr<Host> host_or_throw(std::uint64_t id) {
+  auto h = find_host(id);
+  if (!h) throw UsageError("this worker hosts no stage of pipeline " + std::to_string(id));
+  return h;
+}
+
+using trace::now_ns;  // the job trace's clock, so that a stage's timeline and its trace slices agree
+
+// Sends `value` to `stage`'s worker (this one included: then straight into the mailbox).
+Future<void> send(Host& host, std::int64_t step, int stage, int micro, bool gradient, at::Tensor value) {
+  const int to = host.placement.stage_ranks.at(stage);
+  if (to == host.rank) {
+    host.fill({step, stage, micro, gradient}, std::move(value));
+    Promise<void> done;
+    done.set_value();
+    return done.get_future();
+  }
+  return rpc_async<&deliver>(to, host.placement.pipeline_id, step, stage, micro, gradient, std::move(value));
+}
+
+at::Tensor grad_or_zeros(const at::Tensor& leaf) { return leaf.grad().defined() ? leaf.grad() : at::zeros_like(leaf); }
+
+}  // namespace
+
+void host_stages(const StagePlacement& placement, torch::nn::Sequential model, LossFn loss, OptimizerFactory optimizer) {
+  // Peak activation memory: the host allocator counts what it hands out (libtorch's CPU allocator keeps no statistics).
+  install_host_allocator();
+  auto host = std::make_shared<Host>();
+  host->placement = placement;
+  host->rank = get_worker_info().rank;
+  host->loss = std::move(loss);
+  std::size_t begin = 0;
+  std::size_t total = 0;
+  for (auto b : placement.balance) total += static_cast<std::size_t>(b);
+  if (total != model->size())
+    throw UsageError("the balance covers " + std::to_string(total) + " layers; the model has " +
+                     std::to_string(model->size()));
+  for (std::size_t s = 0; s < placement.balance.size(); ++s) {
+    const std::size_t end = begin + static_cast<std::size_t>(placement.balance[s]);
+    if (placement.stage_ranks[s] == host->rank) {
+      HostedStage st;
+      st.device = c10::Device(placement.stage_devices[s]);
+      st.layers = slice_layers(model, begin, end);
+      st.layers->to(st.device);
+      for (auto& layer : *st.layers) {
+        std::vector<at::Tensor> ps;
+        for (auto& p : layer.ptr()->parameters())
+          if (p.requires_grad()) ps.push_back(p);
+        st.layer_parameters.push_back(std::move(ps));
+      }
+      if (optimizer) st.optimizer = optimizer(st.layers->parameters());
+      host->stages.emplace(static_cast<int>(s), std::move(st));
+    }
+    begin = end;
+  }
+  std::lock_guard lock(g_hosts_mutex);
+  g_hosts[placement.pipeline_id] = std::move(host);
+}
+
+void deliver(std::uint64_t id, std::int64_t step, std::int32_t stage, std::int32_t micro, bool gradient, at::Tensor value) {
+  if (auto host = find_host(id)) host->fill({step, stage, micro, gradient}, std::move(value));
+}
+
+void abort_step(std::uint64_t id, std::int64_t step, std::string reason) {
+  if (auto host = find_host(id)) host->abort(step, std::move(reason));
+}
+
+void drop_stages(std::uint64_t id) {
+  std::lock_guard lock(g_hosts_mutex);
+  g_hosts.erase(id);
+}
+
+void set_training(std::uint64_t id, bool on) {
+  for (auto& [s, st] : host_or_throw(id)->stages) st.layers->train(on);
+}
+
+std::vector<std::pair<std::int32_t, std::vector<at::Tensor>>> stage_parameters(std::uint64_t id) {
+  std::vector<std::pair<std::int32_t, std::vector<at::Tensor>>> out;
+  for (auto& [s, st] : host_or_throw(id)->stages) {
+    std::vector<at::Tensor> ps;
+    for (auto& p : st.layers->parameters()) ps.push_back(p.detach().to(c10::kCPU).clone());
+    out.emplace_back(s, std::move(ps));
+  }
+  return out;
+}
+
+Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Action> actions,
+                            std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets, std::int64_t mean_over) {
+  auto host = host_or_throw(id);
+  host->forget_before(step);
+  const int last = static_cast<int>(host->placement.stage_ranks.size()) - 1;
+  WorkerReport report;
+  report.rank = host->rank;
+  for (auto& [s, st] : host->stages) {
+    report.stages.push_back(s);
+    // This step's gradients only. Zeroed rather than dropped: they stay allocated from the first step on, so the
+    // activation peak below does not count them.
+    for (auto& p : st.layers->parameters())
+      if (p.grad().defined()) p.mutable_grad().zero_();
+  }
+  report.losses.assign(targets.size(), 0.0);
+  reset_host_peak_bytes();
+  const std::int64_t baseline = host_live_bytes();
+
+  const bool split_backward = std::any_of(actions.begin(), actions.end(),
+                                          [](const Action& a) { return a.kind == ActionKind::BackwardInput; });
+  std::map<std::pair<int, int>, Held> held;
+  std::vector<Future<void>> sends;
+  for (const Action& a : actions) {
+    auto found = host->stages.find(a.stage);
+    if (found == host->stages.end()) throw UsageError("action for stage " + std::to_string(a.stage) + " not hosted here");
+    HostedStage& st = found->second;
+    const std::pair<int, int> key{a.stage, a.micro};
+    const bool first_stage = a.stage == 0, last_stage = a.stage == last;
+    ActionRecord record;
+    record.action = a;
+    record.rank = host->rank;
+
+    if (a.kind == ActionKind::Forward) {
+      at::Tensor x;  // (no co_await inside ?: : GCC 12 miscompiles temporaries there)
+      if (first_stage) x = inputs.at(a.micro);
+      else x = co_await host->receive({step, a.stage, a.micro, false});
+      record.start_ns = now_ns();
+      Held h;
+      x = x.to(st.device).detach();
+      if (!first_stage && x.is_floating_point()) x.requires_grad_(true);
+      h.input = x;
+      at::Tensor y = x;
+      for (auto& layer : *st.layers) {
+        y = layer.forward(y);
+        if (split_backward) h.layer_outputs.push_back(y);
+      }
+      if (last_stage) {
+        const at::Tensor& target = targets.at(a.micro);
+        // A mean over the batch is the sum of the micro-batches' means weighted by their shares; a sum needs none.
+        const double share = mean_over > 0 ? static_cast<double>(target.size(0)) / static_cast<double>(mean_over) : 1.0;
+        h.output = host->loss(y, target.to(st.device)) * share;
+        report.losses[a.micro] = h.output.item<double>();
+      } else {
+        h.output = y;
+        sends.push_back(send(*host, step, a.stage + 1, a.micro, false, y.detach()));
+      }
+      held.emplace(key, std::move(h));
+      report.peak_micro_batches_held = std::max<std::int32_t>(report.peak_micro_batches_held, static_cast<std::int32_t>(held.size()));
+    } else if (a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardInput) {
+      at::Tensor g;
+      if (!last_stage) g = co_await host->receive({step, a.stage, a.micro, true});
+      record.start_ns = now_ns();
+      auto it = held.find(key);
+      if (it == held.end()) throw UsageError("backward before forward for stage " + std::to_string(a.stage));
+      Held& h = it->second;
+      torch::autograd::variable_list grad_out;
+      if (g.defined()) grad_out.push_back(g.to(st.device));
+      at::Tensor input_grad;
+      if (a.kind == ActionKind::Backward) {
+        if (h.output.requires_grad()) torch::autograd::backward({h.output}, grad_out);
+        if (!first_stage) input_grad = grad_or_zeros(h.input);
+        held.erase(it);
+      } else {
+        // I: gradients of the input and of every layer's output (the graph stays for W).
+        std::vector<at::Tensor> wrt;
+        std::vector<int> which;  // index into layer_outputs, -1 for the input
+        if (!first_stage) wrt.push_back(h.input), which.push_back(-1);
+        const int layers = static_cast<int>(h.layer_outputs.size());
+        h.layer_grads.assign(layers, at::Tensor());
+        for (int i = 0; i < layers; ++i) {
+          if (!last_stage && i == layers - 1) {  // the stage's output: its gradient is the one received
+            h.layer_grads[i] = grad_out.empty() ? at::Tensor() : grad_out[0];
+            continue;
+          }
+          if (h.layer_outputs[i].requires_grad()) wrt.push_back(h.layer_outputs[i]), which.push_back(i);
+        }
+        if (h.output.requires_grad() && !wrt.empty()) {
+          auto grads = torch::autograd::grad({h.output}, wrt, grad_out, /*retain_graph=*/true, /*create_graph=*/false,
+                                             /*allow_unused=*/true);
+          for (std::size_t j = 0; j < grads.size(); ++j) {
+            if (which[j] < 0) input_grad = grads[j].defined() ? grads[j] : at::zeros_like(h.input);
+            else h.layer_grads[which[j]] = grads[j];
+          }
+        }
+        if (!first_stage && !input_grad.defined()) input_grad = at::zeros_like(h.input);
+      }
+      if (!first_stage) sends.push_back(send(*host, step, a.stage - 1, a.micro, true, input_grad.detach()));
+    } else {  // W: each layer's weight gradients from its output's gradient; the layers' graphs are disjoint
+      record.start_ns = now_ns();
+      auto it = held.find(key);
+      if (it == held.end()) throw UsageError("W before I for stage " + std::to_string(a.stage));
+      Held& h = it->second;
+      for (std::size_t i = 0; i < h.layer_outputs.size(); ++i) {
+        const auto& params = st.layer_parameters[i];
+        if (params.empty() || !h.layer_grads[i].defined() || !h.layer_outputs[i].requires_grad()) continue;
+        torch::autograd::backward({h.layer_outputs[i]}, {h.layer_grads[i]}, /*retain_graph=*/false,
+                                  /*create_graph=*/false, params);
+      }
+      held.erase(it);
+    }
+    record.end_ns = now_ns();
+    report.records.push_back(record);
+    if (trace::enabled()) [[unlikely]] {
+      trace::detail::record({.kind = trace::detail::Kind::pipeline_action, .t0 = record.start_ns, .t1 = record.end_ns,
+                             .name = action_letter(a.kind) + std::to_string(a.micro) + "/s" + std::to_string(a.stage)});
+    }
+  }
+  co_await wait_all(std::move(sends));
+  for (auto& [s, st] : host->stages)
+    if (st.optimizer) st.optimizer->step();
+  report.peak_activation_bytes = host_peak_bytes() - baseline;
+  co_return report;
+}
+
+std::uint64_t next_pipeline_id() {
+  static std::atomic<std::uint32_t> counter{0};
+  return (static_cast<std::uint64_t>(get_worker_info().rank) << 32) | ++counter;
+}
+
+}  // namespace corpc::pipeline::detail

@@ -1,0 +1,30 @@
+// Every environment variable the RPC runtime reads, in one place and under one rule: a variable fills an option the
+// program left at its default, and an option the program set wins. The variables, by option:
+//   secret             CORPC_SECRET
+//   tls                CORPC_TLS_CERT (TLS on when set), CORPC_TLS_KEY, CORPC_TLS_CA, CORPC_TLS_VERIFY=0
+//   trace_path         CORPC_TRACE
+//   same_host_channel  CORPC_SAME_HOST_CHANNEL=0 (off)
+//   cuda_ipc           CORPC_CUDA_IPC=0 (off)
+// and what init_rpc is not given: the rank and world size (RANK/WORLD_SIZE, or Slurm's, Open MPI's, PMI's), rank 0's
+// address for env:// (MASTER_ADDR, MASTER_PORT) and a socket a launcher bound for rank 0 (CORPC_LISTEN_FD).
+// Outside this file, readers remain only for protocols of their own: CORPC_LOG (core/log.cpp: logging exists before
+// any runtime), the variables between a launcher and its ranks (rpc/launch.cpp), and init_process_group's env://
+// (ddp/process_group.cpp), which reads the launcher variables as torch.distributed does.
+#pragma once
+
+#include <string>
+
+#include "corpc/rpc/options.hpp"
+
+namespace corpc::detail {
+
+RpcOptions with_environment(RpcOptions options);
+
+std::string secret_from_environment();  // CORPC_SECRET, or empty
+int rank_from_environment();            // -1 if no launcher said
+int world_size_from_environment();      // -1 if no launcher said
+std::string master_address_from_environment();  // MASTER_ADDR, or empty
+int master_port_from_environment();             // MASTER_PORT, or -1
+int listen_fd_from_environment();               // CORPC_LISTEN_FD, or -1
+
+}  // namespace corpc::detail

@@ -1,0 +1,33 @@
+// The Hello frame's body: the first thing a dialer says after authenticating (who it is, the world it expects, and the
+// limits it accepts), and the acceptor's answer. Torch-free, so that it is fuzzed on its own (tests/fuzz/).
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "corpc/rpc/worker_info.hpp"
+#include "corpc/wire/frame.hpp"
+
+namespace corpc::detail {
+
+struct Hello {
+  std::uint32_t version = kProtocolVersion;
+  WorkerInfo self;
+  int world_size = 0;
+  bool registering = false;  // a rendezvous registration (to rank 0), not a lazy dial
+  WireLimits limits;         // what the sender accepts
+  std::string devices;       // registrations: the sender's encoded DeviceConfig (src/wire/device_map.hpp); empty: none
+  // The same-host channel (src/transport/shm_channel.hpp): the sender's host identity (empty: it wants no channel); in the
+  // acceptor's answer, when it offers one, the name of its Unix socket and the cookie that claims the offer.
+  std::string host;
+  std::string shm_socket;
+  std::string shm_cookie;
+  // CUDA IPC (src/memory/cuda_ipc.hpp): the sender can lend and borrow CUDA tensors, should the same-host channel be set up.
+  bool cuda_ipc = false;
+};
+
+std::string encode_hello(const Hello& hello);
+// Throws ProtocolError if malformed or if the version is not ours (checked first: a newer peer's layout may differ).
+Hello decode_hello(const char* body, std::size_t size);
+
+}  // namespace corpc::detail

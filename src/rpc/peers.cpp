@@ -1,0 +1,225 @@
+// Connections and peers: dialing, accepting, closing, and what a peer's death does.
+#include <algorithm>
+
+#include "core/log.hpp"
+#include "memory/host_allocator.hpp"
+#include "rpc/runtime_impl.hpp"
+
+namespace corpc {
+
+std::function<void(const std::shared_ptr<detail::Connection>&, Message&&)> Runtime::Impl::frame_handler() {
+  return [this](const std::shared_ptr<detail::Connection>& c, Message&& m) { on_frame(c, std::move(m)); };
+}
+std::function<void(const std::shared_ptr<detail::Connection>&, const std::string&)> Runtime::Impl::close_handler() {
+  return [this](const std::shared_ptr<detail::Connection>& c, const std::string& why) { on_close(c, why); };
+}
+
+void Runtime::Impl::init_flow_control() {
+  receive_budget = std::make_unique<detail::ReceiveBudget>(options.receive_budget_per_process, options.max_requests_held);
+  // Announced in our Hello: senders refuse what we could never hold, instead of it waiting here for ever.
+  options.limits.max_request_bytes = std::min({options.limits.max_request_bytes, options.receive_budget_per_connection,
+                                               options.receive_budget_per_process});
+  detail::configure_host_memory(options.host_cache_bytes, options.cache_cpu_allocations);
+}
+
+detail::ConnectionSettings Runtime::Impl::connection_settings() const {
+  detail::ConnectionSettings s;
+  s.limits = options.limits;
+  s.budget = receive_budget.get();
+  s.budget_per_connection = options.receive_budget_per_connection;
+  s.max_write_backlog = options.max_write_backlog_bytes;
+  s.liveness_timeout = options.liveness_timeout;
+  s.make_session = detail::ConnectionCalls::make;
+  return s;
+}
+
+std::shared_ptr<detail::Connection> Runtime::Impl::connection_to(int rank) {
+  std::lock_guard lock(conn_mutex);
+  if (closing) throw ShutdownError("corpc runtime is shutting down");
+  if (!dead[rank].empty())
+    throw ConnectionError("worker '" + workers[rank].name + "' (rank " + std::to_string(rank) + ") is gone: " + dead[rank]);
+  auto& c = outgoing[rank];
+  if (!c) {
+    if (rank == self.rank) {
+      c = detail::make_loopback_connection(pick_io(), options.limits, frame_handler(), detail::ConnectionCalls::make);
+      c->peer_rank = rank;
+      c->outgoing = true;
+    } else {
+      // peer_rank and outgoing are set by the dialer before the dial starts: from then on the connection's I/O thread
+      // reads them (the peer's Hello answer), so writing them here again would race with it (TSan, under load).
+      c = detail::dial_tcp_connection(pick_io(), rank, workers[rank].host, workers[rank].port, connection_settings(),
+                                      frame_handler(), close_handler(), auth);
+      // Every dialed connection starts with who we are and what we accept.
+      c->send(prepare(hello_message(our_hello(false))));
+    }
+    detail::calls_on(*c).pending.set_limit(options.max_calls_in_flight_per_peer);
+  }
+  return c;
+}
+
+void Runtime::Impl::fail_all_calls(std::exception_ptr error) {
+  std::vector<std::shared_ptr<detail::Connection>> conns;
+  {
+    std::lock_guard lock(conn_mutex);
+    for (auto& c : outgoing)
+      if (c) conns.push_back(c);
+  }
+  for (auto& c : conns) fail_calls(*c, error);
+}
+
+void Runtime::Impl::mark_dead(int rank, const std::string& why) {
+  std::vector<std::function<void(int, const std::string&)>> listeners;
+  std::shared_ptr<detail::Connection> ours;
+  {
+    std::lock_guard lock(conn_mutex);
+    if (!dead[rank].empty()) return;
+    dead[rank] = why;
+    ours = outgoing[rank];
+  }
+  // Whichever direction noticed first: our calls to it fail now, not when our own connection notices too.
+  if (ours) ours->close(why);
+  {
+    std::lock_guard lock(hooks_mutex);
+    listeners = failure_listeners;
+  }
+  for (auto& l : listeners) l(rank, why);
+  check_rounds();
+}
+
+void Runtime::Impl::on_close(const std::shared_ptr<detail::Connection>& conn, const std::string& why) {
+  const int rank = conn->peer_rank;
+  bool was_closing, speaks_for_rank;
+  {
+    std::lock_guard lock(conn_mutex);
+    was_closing = closing;
+    incoming.erase(conn);
+    if (rank >= 0 && rank < static_cast<int>(outgoing.size()) && outgoing[rank] == conn) outgoing[rank] = nullptr;
+    // Only the loss of a connection that speaks for the rank is the rank's: a refused claimant's is its own.
+    speaks_for_rank = conn->outgoing || release_rank(rank, conn);
+  }
+  std::string reason = why;
+  if (conn->said_goodbye) {
+    std::lock_guard lock(conn_mutex);
+    const bool failed = rank >= 0 && rank < world_size && !farewells[rank].empty();
+    reason = failed ? "it stopped after an error: " + farewells[rank] : std::string(kShutDownReason);
+  }
+  // The death is recorded before anyone learns of it through a failed call: a caller woken by that failure (e.g.
+  // shutdown() on a worker whose master died) must find the rank already dead.
+  if (world_known && rank >= 0 && speaks_for_rank && !was_closing) mark_dead(rank, reason);
+  // Our requests on this connection cannot be answered any more, whatever the reason.
+  auto error = was_closing ? std::make_exception_ptr(ShutdownError("corpc runtime shut down"))
+                           : std::make_exception_ptr(ConnectionError(
+                                 "worker '" + name_of(rank) + "' (rank " + std::to_string(rank) + ") is gone: " + reason));
+  fail_calls(*conn, error);
+  detail::calls_on(*conn).inbound.cancel_all();  // the peer's requests running here: nobody waits for their replies any more
+  if (!world_known) {
+    if (self.rank == 0) {
+      // A worker that registered and left before the world was complete: forget it, it may come back.
+      std::lock_guard lock(conn_mutex);
+      for (auto it = registrations.begin(); it != registrations.end(); ++it) {
+        if (it->second.second == conn) {
+          registrations.erase(it);
+          break;
+        }
+      }
+    } else if (conn->outgoing && rank == 0) {
+      world_ready.set_error(ConnectionError("lost rank 0 during rendezvous: " + why));
+    }
+    return;
+  }
+}
+
+void Runtime::Impl::accept_loop() {
+  acceptor->async_accept(pick_io(), [this](const asio::error_code& ec, asio::ip::tcp::socket socket) {
+    if (ec == asio::error::operation_aborted || !acceptor->is_open()) return;  // closed: shutting down
+    if (ec) {
+      // A transient failure (a client that reset before we accepted it, a descriptor limit) must not stop us
+      // accepting for good: try again shortly.
+      accept_errors++;
+      auto pause = std::make_shared<asio::steady_timer>(main_io(), std::chrono::milliseconds(10));
+      pause->async_wait([this, pause](const asio::error_code&) { accept_loop(); });
+      return;
+    }
+    accepted++;
+    accept_loop();
+    // Nothing is read as a frame before the peer has proved it knows the secret; a failure is logged and changes
+    // nothing else (no name is revealed, no rank is marked).
+    auto& io = static_cast<asio::io_context&>(socket.get_executor().context());
+    asio::co_spawn(io, [this, socket = std::move(socket)]() mutable -> asio::awaitable<void> {
+      std::string peer = "?";
+      asio::error_code ec;
+      if (auto ep = socket.remote_endpoint(ec); !ec) peer = ep.address().to_string() + ":" + std::to_string(ep.port());
+      std::string refused;
+      detail::Transport transport(std::move(socket));
+      try {
+        co_await detail::authenticate(transport, auth, detail::AuthRole::acceptor);
+      } catch (const std::exception& e) {
+        refused = e.what();
+      }
+      if (!refused.empty()) {
+        refused_connections++;
+        refused_handshakes.refused(main_io(), self.name, fmt::format("refused a connection from {}: {}", peer, refused));
+        co_return;
+      }
+      auto conn = detail::make_tcp_connection(std::move(transport), connection_settings(), frame_handler(), close_handler());
+      bool shutting_down;
+      {
+        std::lock_guard lock(conn_mutex);
+        shutting_down = closing;
+        if (!shutting_down) incoming.insert(conn);
+      }
+      if (shutting_down) conn->close("shutting down");
+    }, asio::detached);
+  });
+}
+
+void Runtime::Impl::close_everything(bool say_goodbye, const std::string& failure) {
+  std::vector<std::shared_ptr<detail::Connection>> conns;
+  {
+    std::lock_guard lock(conn_mutex);
+    closing = true;
+    for (auto& c : outgoing)
+      if (c) conns.push_back(c);
+    conns.insert(conns.end(), incoming.begin(), incoming.end());
+  }
+  auto goodbye = [&] {
+    Message bye;
+    bye.head.kind = FrameKind::Goodbye;
+    bye.body = failure;
+    return prepare(std::move(bye));
+  };
+  // A rank that stops after an error says so first: a peer whose call or shutdown round fails next must already
+  // know why (it reads the Goodbye before that reply).
+  if (say_goodbye && !failure.empty())
+    for (auto& c : conns) c->send(goodbye());
+  // Before any connection closes, so that calls in flight fail as shut down, not as lost peers.
+  fail_all_calls(std::make_exception_ptr(ShutdownError("corpc runtime shut down")));
+  fail_pending_rounds();
+  // While the threads still run (a stopped task resumes on them) and after its blocked calls have failed: after a
+  // graceful shutdown the scope is empty already; otherwise its tasks unwind at their next await.
+  join_background();
+  for (auto& c : conns) {
+    if (say_goodbye && failure.empty()) c->send(goodbye());
+    c->close_when_flushed();
+  }
+  asio::post(main_io(), [this] {
+    asio::error_code ec;
+    acceptor->close(ec);
+    if (shm_listener) shm_listener->close();
+  });
+  // Give queued frames (replies, goodbyes) a moment to leave, then stop the I/O threads.
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  for (;;) {
+    {
+      std::lock_guard lock(conn_mutex);
+      bool open = !incoming.empty();
+      for (auto& c : outgoing) open = open || (c && c->peer_rank != self.rank);
+      if (!open) break;
+    }
+    if (std::chrono::steady_clock::now() > deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  stop_threads();
+}
+
+}  // namespace corpc

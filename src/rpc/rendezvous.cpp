@@ -1,0 +1,363 @@
+// Rendezvous: every rank registers with rank 0, which answers with the full table once all are there.
+// Ranks may start in any order: the others retry reaching rank 0 until RpcOptions::init_timeout.
+#include <algorithm>
+
+#include "corpc/rpc/call.hpp"
+#include "memory/cuda_transfer.hpp"
+#include "wire/device_map.hpp"
+#include "rpc/hello.hpp"
+#include "core/log.hpp"
+#include "rpc/runtime_impl.hpp"
+
+namespace corpc {
+
+namespace {
+
+// The loopback address `host` names (a literal such as 127.0.0.2 or ::1, or a name that resolves only to loopback
+// addresses), or empty if it names anything else: a job whose rank 0 is on loopback stays on loopback.
+std::string loopback_address_of(asio::io_context& io, const std::string& host) {
+  asio::error_code ec;
+  auto literal = asio::ip::make_address(host, ec);
+  if (!ec) return literal.is_loopback() ? literal.to_string() : std::string();
+  asio::ip::tcp::resolver resolver(io);
+  auto results = resolver.resolve(host, "", ec);
+  if (ec || results.empty()) return {};
+  for (const auto& r : results)
+    if (!r.endpoint().address().is_loopback()) return {};
+  return results.begin()->endpoint().address().to_string();
+}
+
+}  // namespace
+
+Message hello_message(const detail::Hello& hello) {
+  Message m;
+  m.head.kind = FrameKind::Hello;
+  m.body = detail::encode_hello(hello);
+  return m;
+}
+
+Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits) {
+  return hello_message(detail::Hello{kProtocolVersion, self, world_size, rendezvous, limits, {}, {}, {}, {}, false});
+}
+
+detail::Hello Runtime::Impl::our_hello(bool registering) const {
+  detail::Hello h;
+  h.self = self;
+  h.world_size = world_size;
+  h.registering = registering;
+  // Our limits go with it, so that senders refuse oversized messages themselves instead of losing the connection.
+  h.limits = options.limits;
+  if (registering) h.devices = own_device_config();  // rank 0 checks every worker's maps against the others'
+  h.host = same_host_id;
+  h.cuda_ipc = cuda_ipc_offered;
+  return h;
+}
+
+std::string Runtime::Impl::own_device_config() const {
+  detail::DeviceConfig c;
+  c.device_count = detail::local_cuda_device_count();
+  c.devices = options.devices;
+  c.maps = options.device_maps;
+  return detail::encode_device_config(c);
+}
+
+void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t master_port, int listen_fd) {
+  std::string listen_host = options.listen_address;
+  if (listen_host.empty()) {
+    listen_host = loopback_address_of(main_io(), master_host);
+    if (listen_host.empty()) listen_host = "0.0.0.0";
+  }
+  if (self.rank == 0 && listen_fd >= 0) {
+    // A launcher (corpc::launch_processes) bound the port for us, so no other process can take it in between.
+    acceptor->assign(asio::ip::tcp::v4(), listen_fd);
+  } else {
+    asio::ip::tcp::resolver resolver(main_io());
+    auto endpoint = *resolver.resolve(listen_host, std::to_string(self.rank == 0 ? master_port : 0)).begin();
+    acceptor->open(endpoint.endpoint().protocol());
+    acceptor->set_option(asio::ip::tcp::acceptor::reuse_address(true));
+    try {
+      acceptor->bind(endpoint);
+    } catch (const std::system_error& e) {
+      throw ConnectionError("cannot listen on " + listen_host + ":" + std::to_string(endpoint.endpoint().port()) +
+                            ": " + e.what());
+    }
+    acceptor->listen();
+  }
+  self.port = acceptor->local_endpoint().port();
+  // Rank 0 is where everyone found it. The others: the address they listen on if it is a specific one, else the
+  // address rank 0 sees them at (filled in there).
+  const bool specific = listen_host != "0.0.0.0" && listen_host != "::";
+  self.host = self.rank == 0 ? master_host : specific ? listen_host : "";
+  if (self.rank == 0) {
+    // Registered before accepting anyone: a worker's registration may be processed the moment we accept it.
+    std::lock_guard lock(conn_mutex);
+    registrations[0] = {self, nullptr};
+    device_configs[0] = own_device_config();
+  }
+  // From here on the network thread owns `self` (on_world rewrites it with the table's entry): this thread reads
+  // only its own copy of the rank.
+  const int my_rank = self.rank;
+  start_same_host();
+  asio::post(main_io(), [this] {
+    accept_loop();
+    if (self.rank == 0) publish_world_if_complete();  // a world of one
+  });
+
+  const auto deadline = std::chrono::steady_clock::now() + options.init_timeout;
+  if (my_rank != 0) {
+    asio::co_spawn(main_io(), [this, master_host, master_port, deadline]() -> asio::awaitable<void> {
+      asio::steady_timer pause(main_io());
+      for (;;) {
+        detail::Transport transport{asio::ip::tcp::socket(main_io())};
+        std::string failure;
+        try {
+          asio::ip::tcp::resolver resolver(main_io());
+          auto endpoints = co_await resolver.async_resolve(master_host, std::to_string(master_port), asio::use_awaitable);
+          co_await asio::async_connect(transport.socket(), endpoints, asio::use_awaitable);
+        } catch (const std::exception& e) {
+          failure = e.what();
+        }
+        if (failure.empty()) {
+          std::string refused;
+          try {
+            co_await detail::authenticate(transport, auth, detail::AuthRole::dialer);
+          } catch (const std::exception& e) {
+            refused = e.what();
+          }
+          if (!refused.empty()) {  // a different secret does not get better by retrying
+            world_ready.set_error(ConnectionError("rank 0 at " + master_host + ":" + std::to_string(master_port) +
+                                                  " refused us: " + refused));
+            co_return;
+          }
+        }
+        if (!failure.empty()) {
+          if (std::chrono::steady_clock::now() >= deadline) {
+            world_ready.set_error(TimeoutError("could not reach rank 0 at " + master_host + ":" +
+                                               std::to_string(master_port) + " within the init timeout: " + failure));
+            co_return;
+          }
+          pause.expires_after(std::chrono::milliseconds(50));
+          co_await pause.async_wait(asio::use_awaitable);
+          continue;
+        }
+        auto conn = detail::make_tcp_connection(std::move(transport), connection_settings(), frame_handler(), close_handler());
+        conn->peer_rank = 0;
+        conn->outgoing = true;
+        {
+          std::lock_guard lock(conn_mutex);
+          outgoing[0] = conn;
+        }
+        conn->send(prepare(hello_message(our_hello(true))));
+        co_return;
+      }
+    }, asio::detached);
+  }
+
+  auto ready = world_ready.get_future();
+  try {
+    ready.wait(options.init_timeout + std::chrono::milliseconds(200));
+  } catch (const TimeoutError&) {
+    std::string missing;
+    {
+      std::lock_guard lock(conn_mutex);
+      for (int r = 0; r < world_size; ++r)
+        if (!registrations.count(r)) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+    }
+    throw TimeoutError("init_rpc: workers did not all arrive within " + std::to_string(options.init_timeout.count()) +
+                       " ms" +
+                       (my_rank == 0 ? " (missing ranks: " + missing + "; " + std::to_string(accepted.load()) +
+                                             " connections accepted, " + std::to_string(accept_errors.load()) +
+                                             " accept errors, " + std::to_string(refused_connections.load()) +
+                                             " refused by the handshake)"
+                                       : " (no answer from rank 0)"));
+  }
+}
+
+// Turns a dialer away: an Error frame with id 0 (the connection itself), then close. Until it closes, nothing else it
+// sends is acted on.
+void Runtime::Impl::refuse(const std::shared_ptr<detail::Connection>& conn, const std::string& why) {
+  conn->hello_refused = true;
+  send_error(conn, 0, std::make_exception_ptr(ProtocolError(why)), "rendezvous", /*traced=*/false);
+  conn->close_when_flushed();
+}
+
+std::optional<std::string> Runtime::Impl::hello_refusal(int rank) const {
+  auto held = rank_holders.find(rank);
+  if (held == rank_holders.end()) return std::nullopt;
+  return "rank " + std::to_string(rank) + " is already connected here (from " + held->second->remote_address +
+         "); one connection speaks for a rank at a time";
+}
+
+void Runtime::Impl::take_rank(int rank, const std::shared_ptr<detail::Connection>& conn) {
+  rank_holders[rank] = conn;
+  conn->peer_rank = rank;
+}
+
+bool Runtime::Impl::release_rank(int rank, const std::shared_ptr<detail::Connection>& conn) {
+  auto held = rank_holders.find(rank);
+  if (held == rank_holders.end() || held->second != conn) return false;
+  rank_holders.erase(held);
+  return true;
+}
+
+// A Hello for a rank that another connection speaks for: refused, with a line in our log (rate-bounded: whoever holds
+// the secret may repeat it at will).
+void Runtime::Impl::refuse_claim(const std::shared_ptr<detail::Connection>& conn, const WorkerInfo& claimed,
+                                 const std::string& why) {
+  refused_hellos.refused(conn->io(), self.name,
+                         fmt::format("refused a hello from {} as '{}': {}; its connection is closed",
+                                     conn->remote_address, claimed.name, why));
+  refuse(conn, why);
+}
+
+void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
+  detail::Hello hello;
+  try {
+    hello = detail::decode_hello(msg.body.data(), msg.body.size());
+  } catch (const ProtocolError& e) {
+    return refuse(conn, std::string("malformed hello: ") + e.what());
+  }
+  WorkerInfo& info = hello.self;
+  const int their_world = hello.world_size;
+  const bool registering = hello.registering;
+  const WireLimits& theirs = hello.limits;
+  if (!conn->outgoing && conn->peer_rank >= 0) return conn->close("protocol error: a second hello on one connection");
+  if (conn->outgoing) {
+    // The answer to our own Hello: what the peer accepts. Until it arrives we assume our own limits.
+    if (info.rank != conn->peer_rank) return conn->close("protocol error: hello from rank " + std::to_string(info.rank));
+    conn->peer_limits = theirs;
+    dial_same_host(conn, hello);
+    return;
+  }
+  if (their_world != world_size)
+    return refuse(conn, "world size " + std::to_string(their_world) + " != " + std::to_string(world_size));
+  if (info.rank < 0 || info.rank >= world_size || info.rank == self.rank)
+    return refuse(conn, "invalid rank " + std::to_string(info.rank));
+  auto answer = our_hello(false);
+  if (!registering) {
+    if (world_known && workers[info.rank].name != info.name)
+      return refuse(conn, "rank " + std::to_string(info.rank) + " is '" + workers[info.rank].name + "', not '" + info.name + "'");
+    std::optional<std::string> refusal;
+    {
+      std::lock_guard lock(conn_mutex);
+      refusal = hello_refusal(info.rank);
+      if (!refusal) take_rank(info.rank, conn);
+    }
+    if (refusal) return refuse_claim(conn, info, *refusal);
+    conn->peer_limits = theirs;
+    offer_same_host(conn, hello, answer);
+    conn->send(prepare(hello_message(answer)));
+    return;
+  }
+  if (self.rank != 0) return refuse(conn, "registration sent to rank " + std::to_string(self.rank));
+  if (world_known) return refuse(conn, "the world is already complete");
+  std::optional<std::string> refusal;
+  std::string duplicate;  // a name two ranks claim: the job is misconfigured, and every rank learns it now
+  std::vector<std::shared_ptr<detail::Connection>> registered;
+  {
+    std::lock_guard lock(conn_mutex);
+    if (registrations.count(info.rank))
+      return refuse(conn, "rank " + std::to_string(info.rank) + " already registered by '" + registrations[info.rank].first.name + "'");
+    const auto taken = std::find_if(registrations.begin(), registrations.end(),
+                                    [&](const auto& reg) { return reg.second.first.name == info.name; });
+    if (taken != registrations.end()) {
+      duplicate = "worker name '" + info.name + "' is already taken by rank " + std::to_string(taken->first) +
+                  " (rank " + std::to_string(info.rank) + " claims it too): every worker needs its own name";
+      for (auto& [r, other] : registrations)
+        if (other.second && r != self.rank) registered.push_back(other.second);
+    }
+    if (duplicate.empty()) refusal = hello_refusal(info.rank);
+    if (!refusal) {
+      if (info.host.empty()) info.host = conn->remote_address;
+      take_rank(info.rank, conn);
+      conn->peer_limits = theirs;
+      offer_same_host(conn, hello, answer);
+      conn->send(prepare(hello_message(answer)));
+      registrations[info.rank] = {info, conn};
+      device_configs[info.rank] = std::move(hello.devices);
+    }
+  }
+  if (!duplicate.empty()) {
+    // Not a claim to turn away but a job that cannot start: the ranks waiting for the world fail at once instead of
+    // at their init timeout.
+    refuse(conn, duplicate);
+    for (auto& c : registered) refuse(c, duplicate);
+    if (!world_ready.get_future().done()) world_ready.set_error(UsageError("rendezvous failed: " + duplicate));
+    return;
+  }
+  if (refusal) return refuse_claim(conn, info, *refusal);
+  publish_world_if_complete();
+}
+
+// Rank 0, the I/O thread of the last registration: once every rank has registered, sends each the table and takes
+// it itself. Two registrations completing at once on two I/O threads both get here; only one publishes.
+void Runtime::Impl::publish_world_if_complete() {
+  std::vector<WorkerInfo> table;
+  std::vector<std::string> configs;
+  std::vector<std::shared_ptr<detail::Connection>> conns;
+  {
+    std::lock_guard lock(conn_mutex);
+    if (world_published || static_cast<int>(registrations.size()) < world_size) return;
+    world_published = true;
+    for (auto& [rank, reg] : registrations) {
+      table.push_back(reg.first);
+      configs.push_back(device_configs[rank]);
+      if (reg.second) conns.push_back(reg.second);
+    }
+  }
+  Message world;
+  world.head.kind = FrameKind::World;
+  Writer w(world.body);
+  w.put(table);
+  w.put(configs);  // every worker checks the job's device maps itself, and reaches the same verdict
+  for (auto& c : conns) {
+    Message copy = world;
+    c->send(prepare(std::move(copy)));
+  }
+  Message self_world = std::move(world);
+  on_world(std::move(self_world));
+}
+
+void Runtime::Impl::on_world(Message&& msg) {
+  if (world_taken.exchange(true)) return;  // a second table (only a broken or hostile rank 0 sends one) changes nothing
+  std::vector<WorkerInfo> table;
+  std::vector<detail::DeviceConfig> configs;
+  try {
+    Reader r(msg.body.data(), msg.body.size());
+    table = r.get<std::vector<WorkerInfo>>();
+    for (const auto& c : r.get<std::vector<std::string>>()) configs.push_back(detail::decode_device_config(c));
+  } catch (const ProtocolError& e) {
+    world_ready.set_error(ProtocolError(std::string("malformed world table: ") + e.what()));
+    return;
+  }
+  if (static_cast<int>(table.size()) != world_size || static_cast<int>(configs.size()) != world_size) {
+    world_ready.set_error(ProtocolError("world table of the wrong size"));
+    return;
+  }
+  for (int r = 0; r < world_size; ++r) {
+    if (table[r].rank != r) return void(world_ready.set_error(ProtocolError("world table out of order")));
+    rank_by_name[table[r].name] = r;
+  }
+  try {
+    std::vector<std::string> names;
+    for (const auto& w : table) names.push_back(w.name);
+    auto resolved = detail::resolve_device_maps(self.rank, names, configs);
+    device_maps = std::move(resolved.by_rank);
+    rpc_devices = std::move(resolved.devices);
+  } catch (...) {
+    world_ready.set_exception(std::current_exception());
+    return;
+  }
+  workers = std::move(table);
+  self = workers[self.rank];
+  std::vector<std::pair<std::shared_ptr<detail::Connection>, Message>> parked;
+  {
+    std::lock_guard lock(conn_mutex);
+    world_known = true;
+    parked.swap(early_requests);
+  }
+  for (auto& [conn, m] : parked) on_frame(conn, std::move(m));
+  world_ready.set_value();
+}
+
+}  // namespace corpc

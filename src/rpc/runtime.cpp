@@ -1,0 +1,336 @@
+// The runtime's public surface, its threads, init_rpc, and the global pointer to the one runtime.
+#include <regex>
+
+#include "corpc/rpc/call.hpp"
+#include "wire/device_map.hpp"
+#include "core/log.hpp"
+#include "rpc/runtime_exit.hpp"
+#include "rpc/environment.hpp"
+#include "rpc/runtime_impl.hpp"
+#include "core/trace_recorder.hpp"
+
+namespace corpc {
+
+namespace {
+
+std::mutex g_runtime_mutex;
+std::unique_ptr<Runtime> g_runtime;
+std::atomic<Runtime*> g_runtime_ptr{nullptr};
+
+void close_runtime_at_exit();
+
+// An I/O thread as an executor: coroutines suspended there come back to it.
+class IoExecutor final : public Executor {
+ public:
+  explicit IoExecutor(asio::io_context& io) : io_(io) {}
+  void enqueue(WorkItem* item) noexcept override {
+    asio::post(io_, [item] { item->run(item); });
+  }
+  bool running_here() const noexcept override { return io_.get_executor().running_in_this_thread(); }
+
+ private:
+  asio::io_context& io_;
+};
+
+}  // namespace
+
+std::vector<std::function<void(Runtime&)>>& runtime_initializers() {
+  static std::vector<std::function<void(Runtime&)>> inits;
+  return inits;
+}
+
+void add_runtime_initializer(std::function<void(Runtime&)> init) { runtime_initializers().push_back(std::move(init)); }
+
+void validate_worker_name(const std::string& name) {
+  static const std::regex ok("[A-Za-z0-9_\\-:.]{1,128}");
+  if (!std::regex_match(name, ok))
+    throw UsageError("invalid worker name '" + name + "': use 1-128 characters of A-Z a-z 0-9 _ - : .");
+}
+
+Runtime::Impl& runtime_impl(Runtime& rt) noexcept { return *rt.impl_; }
+
+// ---- Runtime: public surface -------------------------------------------------------------------------------------
+
+Runtime::Runtime(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Runtime::~Runtime() = default;
+
+Runtime& Runtime::get() {
+  Runtime* rt = g_runtime_ptr.load(std::memory_order_acquire);
+  if (!rt) throw ShutdownError("corpc runtime is not running (call init_rpc first, and not after shutdown)");
+  return *rt;
+}
+Runtime* Runtime::try_get() noexcept { return g_runtime_ptr.load(std::memory_order_acquire); }
+
+const WorkerInfo& Runtime::self() const noexcept { return impl_->self; }
+int Runtime::world_size() const noexcept { return impl_->world_size; }
+const RpcOptions& Runtime::options() const noexcept { return impl_->options; }
+Executor& Runtime::executor() noexcept { return *impl_->pool; }
+std::vector<WorkerInfo> Runtime::workers() const { return impl_->workers; }
+
+const WorkerInfo& Runtime::worker(const WorkerRef& ref) const {
+  if (!ref.name().empty()) {
+    auto it = impl_->rank_by_name.find(ref.name());
+    if (it == impl_->rank_by_name.end()) throw UnknownWorkerError("no worker named '" + ref.name() + "'");
+    return impl_->workers[it->second];
+  }
+  if (ref.rank() < 0 || ref.rank() >= impl_->world_size)
+    throw UnknownWorkerError("no worker with rank " + std::to_string(ref.rank()) + " (world size " +
+                             std::to_string(impl_->world_size) + ")");
+  return impl_->workers[ref.rank()];
+}
+
+bool Runtime::is_alive(int rank) const {
+  std::lock_guard lock(impl_->conn_mutex);
+  return rank >= 0 && rank < impl_->world_size && impl_->dead[rank].empty();
+}
+
+RuntimeStats Runtime::stats() const {
+  return {impl_->requests_sent.load(), impl_->requests_handled.load(), impl_->calls_in_flight.load(),
+          impl_->handlers_running.load(), impl_->pool->threads_started()};
+}
+
+std::shared_ptr<void> Runtime::extension_slot(std::type_index key, const std::function<std::shared_ptr<void>()>& make) {
+  std::lock_guard lock(impl_->extensions_mutex);
+  auto& slot = impl_->extensions[key];
+  if (!slot) slot = make();
+  return slot;
+}
+
+void Runtime::add_peer_failure_listener(std::function<void(int, const std::string&)> listener) {
+  std::lock_guard lock(impl_->hooks_mutex);
+  impl_->failure_listeners.push_back(std::move(listener));
+}
+void Runtime::set_tensor_hooks(TensorHooks hooks) { impl_->tensor_hooks = std::move(hooks); }
+TaskScope& Runtime::background() noexcept { return impl_->background; }
+bool Runtime::spawn_background(Task<void> task) noexcept {
+  // Outside whatever the caller was doing: no deadline, no distributed-autograd context, the scope's stop token.
+  CallContextScope fresh{CallContext{}};
+  // Nor on the caller's executor: the task would resume there after its first await, and a short-lived one (the
+  // loop of a sync_wait that has returned) would never run it again. Without one it resumes on the worker pool.
+  ExecutorScope none(nullptr);
+  try {
+    (void)impl_->background.spawn(std::move(task));
+    return true;
+  } catch (...) {
+    return false;  // the scope is closed: shutdown has joined it
+  }
+}
+
+// ---- threads -------------------------------------------------------------------------------------------------------
+
+void Runtime::Impl::start_threads() {
+  int threads = options.num_worker_threads;
+  if (threads <= 0) threads = std::max(4u, 2 * std::max(1u, std::thread::hardware_concurrency()));
+  pool = std::make_unique<ThreadPool>(static_cast<std::size_t>(threads), options.worker_thread_init);
+  const int n = std::max(1, options.num_io_threads);
+  for (int i = 0; i < n; ++i) io_threads.push_back(std::make_unique<IoThread>());
+  acceptor.emplace(main_io());
+  for (std::size_t i = 0; i < io_threads.size(); ++i) {
+    auto& t = io_threads[i];
+    t->executor = std::make_unique<IoExecutor>(t->io);
+    t->thread = std::thread([t = t.get(), i] {
+      trace::detail::label_thread("io " + std::to_string(i));
+      ExecutorScope scope(t->executor.get());
+      NonBlockingThreadScope no_blocking;  // a blocking wait here would stop the thread that must deliver its value
+      t->io.run();
+    });
+  }
+  set_spin_before_block(options.spin_before_block);
+  set_default_executor(pool.get());
+}
+
+void Runtime::Impl::stop_threads() {
+  set_default_executor(nullptr);
+  for (auto& t : io_threads) {
+    t->work.reset();
+    t->io.stop();
+  }
+  for (auto& t : io_threads)
+    if (t->thread.joinable()) t->thread.join();
+  pool->stop();
+}
+
+std::string Runtime::Impl::name_of(int rank) const {
+  if (world_known && rank >= 0 && rank < static_cast<int>(workers.size())) return workers[rank].name;
+  return "rank " + std::to_string(rank);
+}
+
+// ---- init ----------------------------------------------------------------------------------------------------------
+
+void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
+  validate_worker_name(name);
+  options = detail::with_environment(std::move(options));
+  if (rank < 0) rank = detail::rank_from_environment();
+  if (world_size < 0) world_size = detail::world_size_from_environment();
+  if (rank < 0 || world_size <= 0 || rank >= world_size)
+    throw UsageError("init_rpc: need 0 <= rank < world_size (got rank " + std::to_string(rank) + ", world size " +
+                     std::to_string(world_size) + "); set RANK and WORLD_SIZE or pass them");
+  // Device maps set field by field skip set_device_map's checks: made here, before anything starts. The checks
+  // against the other workers follow at rendezvous.
+  for (const auto& [worker, map] : options.device_maps) detail::check_invertible(map, worker);
+  options.set_devices(std::move(options.devices));
+  std::string host;
+  int port = -1;
+  if (options.init_method.rfind("tcp://", 0) == 0) {
+    auto hp = options.init_method.substr(6);
+    auto colon = hp.rfind(':');
+    if (colon == std::string::npos) throw UsageError("init_method must be tcp://host:port");
+    host = hp.substr(0, colon);
+    if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);  // [::1]
+    port = std::atoi(hp.c_str() + colon + 1);
+  } else if (options.init_method == "env://") {
+    host = detail::master_address_from_environment();
+    port = detail::master_port_from_environment();
+    if (host.empty() || port <= 0) throw UsageError("init_method env:// needs MASTER_ADDR and MASTER_PORT");
+  } else {
+    throw UsageError("unknown init_method '" + options.init_method + "' (use env:// or tcp://host:port)");
+  }
+  if (port <= 0 || port > 65535) throw UsageError("invalid master port " + std::to_string(port));
+
+  std::lock_guard lock(g_runtime_mutex);
+  if (g_runtime) throw UsageError("init_rpc called twice: this process already runs a corpc runtime");
+  // After OpenSSL's own handler, so that ours runs first (exit handlers run in reverse order).
+  static const bool at_exit_registered = [] {
+    detail::initialize_openssl();
+    return std::atexit(close_runtime_at_exit) == 0;
+  }();
+  (void)at_exit_registered;
+  auto impl = std::make_unique<Runtime::Impl>();
+  impl->options = options;
+  impl->init_flow_control();
+  impl->auth.secret = options.secret;
+  impl->auth.timeout = options.handshake_timeout;
+  const auto& tls = options.tls;
+  if (tls) {
+    impl->auth.tls = detail::make_tls_context(*tls);
+    detail::log(detail::LogLevel::info, name, "init_rpc", "TLS 1.3 on every connection ({} peer certificates)",
+                tls->verify_peer ? "verifying" : "NOT verifying");
+  }
+  if (impl->auth.secret.empty() && !(tls && tls->verify_peer)) {
+    detail::log(detail::LogLevel::warn, name, "init_rpc",
+                "no shared secret (RpcOptions::secret or CORPC_SECRET): any process that can reach this worker's port "
+                "can call its functions");
+  }
+  impl->self.name = std::move(name);
+  impl->self.rank = rank;
+  impl->world_size = world_size;
+  impl->dead.assign(world_size, "");
+  impl->farewells.assign(world_size, "");
+  impl->outgoing.assign(world_size, nullptr);
+  impl->sent_to = std::make_unique<std::atomic<std::uint64_t>[]>(world_size);
+  impl->handled_from = std::make_unique<std::atomic<std::uint64_t>[]>(world_size);
+  auto* raw = impl.get();
+  auto rt = std::make_unique<Runtime>(std::move(impl));
+  trace::detail::start(options.trace_path, rank);
+  raw->start_threads();
+  // Before rendezvous: the hooks they install are read without a lock once connections exist.
+  for (auto& init : runtime_initializers()) init(*rt);
+  int listen_fd = -1;
+  // The launcher's pre-bound socket matches MASTER_ADDR/MASTER_PORT, so it serves env:// only.
+  if (rank == 0 && options.init_method == "env://") listen_fd = detail::listen_fd_from_environment();
+  // Published before rendezvous ends: a peer that heard from rank 0 first may already be calling us, and its
+  // requests run (after we have the table) with Runtime::get() working.
+  g_runtime = std::move(rt);
+  g_runtime_ptr.store(g_runtime.get(), std::memory_order_release);
+  try {
+    raw->rendezvous(host, static_cast<std::uint16_t>(port), listen_fd);
+  } catch (...) {
+    g_runtime_ptr.store(nullptr, std::memory_order_release);
+    raw->close_everything(false);
+    g_runtime.reset();
+    trace::detail::stop();
+    throw;
+  }
+}
+
+namespace {
+
+// Ends the running runtime; the caller holds g_runtime_mutex. Returns what the job lost, in words ("" if nothing).
+std::string close_runtime(bool graceful, const std::string& failure) {
+  auto& impl = runtime_impl(*g_runtime);
+  Runtime::Impl::ShutdownOutcome outcome;
+  if (graceful) outcome = impl.graceful_shutdown();
+  else if (trace::enabled()) impl.finish_trace(false);
+  // A rank of a job that lost a rank (it died, or stopped after an error) must not exit as a success. Once the job
+  // agreed that it is quiet, rank 0 may close first: a write that then meets its closed socket is not a death (seen
+  // under load: "write failed: Broken pipe" recorded before rank 0's goodbye was read).
+  std::string lost;
+  if (graceful && !outcome.quiet && impl.self.rank != 0) {
+    std::lock_guard conn_lock(impl.conn_mutex);
+    if (!impl.farewells[0].empty())
+      lost = "rank 0 stopped after an error (" + impl.farewells[0] + ")";
+    else if (!impl.dead[0].empty() && impl.dead[0] != Runtime::Impl::kShutDownReason)
+      lost = "rank 0 died before the job ended (" + impl.dead[0] + ")";
+  }
+  if (graceful && lost.empty() && !outcome.lost.empty()) lost = "the job lost " + outcome.lost;
+  impl.close_everything(true, failure);
+  g_runtime_ptr.store(nullptr, std::memory_order_release);
+  g_runtime.reset();
+  trace::detail::stop();
+  return lost;
+}
+
+// Whether this thread belongs to the runtime (a handler, an I/O thread): a graceful shutdown from it would wait for
+// itself.
+bool on_runtime_thread(Runtime::Impl& impl) {
+  if (impl.pool->running_here()) return true;
+  for (auto& t : impl.io_threads)
+    if (t->thread.get_id() == std::this_thread::get_id()) return true;
+  return false;
+}
+
+// Registered by init_rpc: a process that exits with its runtime still running (main returned without shutdown())
+// would destroy it under its running threads. Shut it down instead, and say so.
+void close_runtime_at_exit() {
+  try {
+    (void)detail::close_runtime_left_open("");
+  } catch (...) {
+  }
+}
+
+}  // namespace
+
+void shutdown(bool graceful) {
+  std::lock_guard lock(g_runtime_mutex);
+  if (!g_runtime) return;
+  const std::string lost = close_runtime(graceful, "");
+  if (!lost.empty()) throw ConnectionError("shutdown: " + lost + "; this worker stopped");
+}
+
+void shutdown_after_error(std::string_view what) {
+  std::lock_guard lock(g_runtime_mutex);
+  if (!g_runtime) return;
+  (void)close_runtime(false, what.empty() ? std::string("unspecified error") : std::string(what));
+}
+
+namespace detail {
+
+std::string close_runtime_left_open(const std::string& error) {
+  std::lock_guard lock(g_runtime_mutex);
+  if (!g_runtime) return {};
+  auto& impl = runtime_impl(*g_runtime);
+  const std::string name = impl.self.name;
+  if (!error.empty()) {
+    (void)close_runtime(false, error);
+    return {};
+  }
+  const std::string lost = impl.lost_ranks();
+  if (!lost.empty() || on_runtime_thread(impl)) {
+    const std::string why = !lost.empty() ? "left without calling corpc::shutdown() after the job lost " + lost
+                                          : "left without calling corpc::shutdown(), from one of the runtime's threads";
+    log(LogLevel::error, name, "exit", "{}", why);
+    (void)close_runtime(false, why);
+    return why;
+  }
+  log(LogLevel::warn, name, "exit", "left without calling corpc::shutdown(): shutting down gracefully for it");
+  const std::string job_lost = close_runtime(true, "");
+  return job_lost.empty() ? std::string() : "shutdown: " + job_lost;
+}
+
+}  // namespace detail
+
+WorkerInfo get_worker_info() { return Runtime::get().self(); }
+WorkerInfo get_worker_info(const WorkerRef& worker) { return Runtime::get().worker(worker); }
+std::vector<WorkerInfo> get_worker_infos() { return Runtime::get().workers(); }
+
+}  // namespace corpc

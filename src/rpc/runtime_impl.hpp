@@ -1,0 +1,289 @@
+// The runtime's private state, shared by the files that implement it:
+//   runtime.cpp     public surface, init_rpc, the I/O threads
+//   calls.cpp       outgoing calls: framing, registration, deadlines, replies
+//   dispatch.cpp    incoming requests: lookup, execution (I/O thread or pool), replies and error frames
+//   peers.cpp       connections: dialing, accepting, closing, peer death
+//   shutdown.cpp    graceful shutdown (termination detection)
+//   rendezvous.cpp  finding every worker at start
+// Threads: I/O threads own connections and timers; the worker pool runs handlers; any thread may call. Fields say
+// which lock or thread guards them.
+#pragma once
+
+#include <asio.hpp>
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <thread>
+#include <tuple>
+#include <unordered_map>
+
+#include "corpc/rpc/registry.hpp"
+#include "corpc/rpc/runtime.hpp"
+#include "core/refusal_log.hpp"
+#include "rpc/connection_calls.hpp"
+#include "rpc/hello.hpp"
+#include "transport/auth.hpp"
+#include "transport/connection.hpp"
+#include "transport/shm_channel.hpp"
+
+namespace corpc {
+
+struct Runtime::Impl {
+  RpcOptions options;
+  detail::AuthConfig auth;  // from options.secret / CORPC_SECRET
+  WorkerInfo self;
+  int world_size = 0;
+  std::vector<WorkerInfo> workers;  // by rank; written once by rendezvous before init_rpc returns
+  std::unordered_map<std::string, int> rank_by_name;
+
+  // I/O threads: connection k (in order of creation) belongs to io_threads[k % n]. io_threads[0] also runs the
+  // acceptor. The rendezvous frames (Hello, World) are handled on the thread of the connection that carried them,
+  // so with several I/O threads two registrations can complete at once: see world_published below.
+  struct IoThread {
+    asio::io_context io;
+    asio::executor_work_guard<asio::io_context::executor_type> work{io.get_executor()};
+    std::thread thread;
+    std::unique_ptr<Executor> executor;  // posts to `io`; current on the thread
+  };
+  std::vector<std::unique_ptr<IoThread>> io_threads;
+  std::atomic<std::size_t> next_io{0};
+  asio::io_context& main_io() { return io_threads[0]->io; }
+  asio::io_context& pick_io() { return io_threads[next_io.fetch_add(1) % io_threads.size()]->io; }
+  std::optional<asio::ip::tcp::acceptor> acceptor;  // on the main I/O thread; created with the threads
+  // The same-host channel (same_host.cpp): this host's identity when the channel is on (empty: off), and the Unix
+  // socket on which dialers pass their segments (on the main I/O thread; none if it could not be bound).
+  std::string same_host_id;
+  std::unique_ptr<detail::ShmListener> shm_listener;
+  std::atomic<bool> same_host_warned{false};
+  // CUDA IPC (src/memory/cuda_ipc.hpp), on connections whose same-host channel is set up: whether we announce it (set with
+  // same_host_id, before any Hello), and whether a failure was logged at warn already.
+  bool cuda_ipc_offered = false;
+  std::atomic<bool> cuda_ipc_warned{false};
+  std::unique_ptr<ThreadPool> pool;
+
+  // Connections, guarded by conn_mutex.
+  std::mutex conn_mutex;
+  std::vector<std::shared_ptr<detail::Connection>> outgoing;  // by rank: where our requests to that rank go
+  std::set<std::shared_ptr<detail::Connection>> incoming;      // accepted connections
+  std::vector<std::string> dead;                               // by rank: why it is gone ("" = alive)
+  // By rank: the accepted connection that speaks for it here (its Hello took the rank), until it closes. Only that
+  // connection's requests count for the rank, and only its loss (or our own connection's) makes the rank dead.
+  std::map<int, std::shared_ptr<detail::Connection>> rank_holders;
+  bool closing = false;
+
+  std::atomic<std::uint64_t> accepted{0}, accept_errors{0}, refused_connections{0};  // diagnostics for rendezvous failures
+  // What strangers and impostors provoke at will is logged at a bounded rate (after io_threads: its timer runs there).
+  detail::RefusalLog refused_handshakes{"accept", "connections refused"};
+  detail::RefusalLog refused_hellos{"hello", "hellos refused"};
+  std::atomic<std::uint64_t> requests_sent{0}, requests_handled{0}, calls_in_flight{0}, handlers_running{0};
+  // Per peer, for graceful shutdown: user requests we sent to rank j / finished handling from rank i.
+  std::unique_ptr<std::atomic<std::uint64_t>[]> sent_to, handled_from;
+  std::vector<std::uint64_t> counts(const std::unique_ptr<std::atomic<std::uint64_t>[]>& c) const {
+    std::vector<std::uint64_t> v(world_size);
+    for (int i = 0; i < world_size; ++i) v[i] = c[i].load();
+    return v;
+  }
+
+  std::mutex extensions_mutex;
+  std::map<std::type_index, std::shared_ptr<void>> extensions;
+
+  TensorHooks tensor_hooks;  // set by runtime initializers, read-only afterwards
+  std::mutex hooks_mutex;    // guards the one below
+  std::vector<std::function<void(int, const std::string&)>> failure_listeners;
+
+  // Local idleness, for graceful shutdown (shutdown.cpp): no user call in flight, no handler running, nothing in the
+  // background scope. Whoever brings one of them to zero wakes a waiting shutdown; nobody polls.
+  std::mutex idle_mutex;
+  std::condition_variable idle_cv;
+  std::atomic<bool> idle_waited{false};  // a shutdown waits on idle_cv (seq_cst with the counters: no lost wake-up)
+  void wake_idle_waiter() noexcept {
+    if (!idle_waited.load()) return;
+    std::lock_guard lock(idle_mutex);
+    idle_cv.notify_all();
+  }
+  void call_done() noexcept {
+    if (calls_in_flight.fetch_sub(1) == 1) wake_idle_waiter();
+  }
+  void handler_done() noexcept {
+    if (handlers_running.fetch_sub(1) == 1) wake_idle_waiter();
+  }
+  bool locally_idle() const noexcept {
+    return calls_in_flight.load() == 0 && handlers_running.load() == 0 && background.active() == 0;
+  }
+  // Declared after what its tasks' wake-ups touch; joined by shutdown() before the Impl goes.
+  TaskScope background;
+
+  // Rendezvous (any I/O thread). On rank 0: registrations so far. Elsewhere: the answer.
+  std::map<int, std::pair<WorkerInfo, std::shared_ptr<detail::Connection>>> registrations;  // conn_mutex
+  bool world_published = false;  // rank 0: the table went out once (the last two registrations may race); conn_mutex
+  std::atomic<bool> world_taken{false};  // on_world ran (its tables are written by one thread only)
+  std::map<int, std::string> device_configs;  // rank 0: each registrant's encoded DeviceConfig; conn_mutex
+  // The device map used with each rank, in both directions (device_map.hpp), and our CUDA devices that RPC uses;
+  // written once by on_world before init_rpc returns.
+  std::vector<DeviceMap> device_maps;
+  std::vector<c10::Device> rpc_devices;
+  std::string own_device_config() const;  // what we announce when registering
+  Promise<void> world_ready;
+  std::atomic<bool> world_known{false};
+  // Requests that arrive before we have the world table (a peer heard from rank 0 first), from any I/O thread;
+  // conn_mutex. on_world sets world_known under the same lock, so a request is either parked here or sees the table.
+  std::vector<std::pair<std::shared_ptr<detail::Connection>, Message>> early_requests;
+
+  // Graceful shutdown bookkeeping on rank 0, guarded by barrier_mutex.
+  // A round's answer: (requests between live ranks, balanced and idle, the ranks the job lost: "" if none).
+  using RoundResult = std::tuple<std::uint64_t, bool, std::string>;
+  struct Round {
+    std::map<int, std::pair<std::vector<std::uint64_t>, std::vector<std::uint64_t>>> reports;  // rank -> (sent_to, handled_from)
+    bool all_idle = true;
+    Promise<RoundResult> done;
+  };
+  std::mutex barrier_mutex;
+  std::map<std::int64_t, Round> rounds;
+  bool rounds_closed = false;  // set by fail_pending_rounds: later reports are refused
+
+  // ---- runtime.cpp ----
+  void start_threads();
+  void stop_threads();
+  std::string name_of(int rank) const;
+  // The CallContext a request's handler runs with: the caller's context id in the hooks' slot.
+  // Why a peer that said goodbye is gone (as opposed to one that died): compared against by shutdown().
+  static constexpr const char* kShutDownReason = "it shut down";
+  // Why each rank stopped, as its Goodbye said: "" for an orderly shutdown, else the error it stopped after
+  // (shutdown_after_error). By rank; conn_mutex.
+  std::vector<std::string> farewells;
+  CallContext handler_context(std::int64_t context_id) const noexcept;
+  // The same, for a request's handler: with its stop token and its deadline.
+  CallContext handler_context(std::int64_t context_id, std::stop_token stop, detail::Clock::time_point deadline) const noexcept;
+  // Counts a user request from `src` as handled (replied to or refused), for graceful shutdown's balance.
+  void count_handled(int src) noexcept {
+    requests_handled.fetch_add(1, std::memory_order_relaxed);
+    if (src >= 0 && src < world_size) handled_from[src].fetch_add(1, std::memory_order_relaxed);
+  }
+  std::int64_t outbound_context() const noexcept {
+    return tensor_hooks.context_slot >= 0 ? current_call_context().get(tensor_hooks.context_slot) : -1;
+  }
+
+  // ---- calls.cpp ----
+  void start_call(detail::OutboundCall&& call);
+  void send_request(const std::shared_ptr<detail::Connection>& conn, OutFrame&& frame, bool counted);
+  void deliver_reply(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
+  void arm_deadline_timer(const std::shared_ptr<detail::Connection>& conn);  // conn's I/O thread
+  void fail_calls(detail::Connection& conn, std::exception_ptr error);
+  void finish_without_reply(detail::PendingCall& p, std::exception_ptr error) noexcept;
+  std::exception_ptr timed_out(const detail::PendingCall& p) const;  // the TimeoutError of a call past its deadline
+  void fail_pending(const std::shared_ptr<detail::Connection>& conn, std::uint64_t id, std::exception_ptr error);
+  // ---- calls.cpp: cancellation and deadlines ----
+  std::chrono::milliseconds effective_timeout(std::optional<std::chrono::milliseconds> asked) const;
+  // Completes call `id` on `where` (if still pending there) as cancelled and tells its callee. Any thread.
+  void cancel_call(detail::Connection* where, int dst, std::uint64_t id);
+  void send_cancel(detail::Connection& conn, std::uint64_t id) noexcept;
+  // Lets distributed autograd record a send function for an outbound message; fills its header's autograd ids.
+  void stamp_autograd(Message& m, int dst) const;
+  void attach_autograd(const FrameHeader& h, int src, std::vector<at::Tensor>& tensors) const;
+  // `frame` framed with the device map to `rank` (an empty map before the world is known), for `conn` (whose CUDA IPC
+  // link, if it lends, carries CUDA tensors).
+  OutFrame prepare_for(Message&& m, int rank, detail::Connection* conn = nullptr) const;
+  // Runs `send(frame)` on `conn`'s I/O thread once the frame's CUDA tensors are staged (now if it has none), or
+  // `failed(error)` there if staging failed.
+  void when_staged(const std::shared_ptr<detail::Connection>& conn, OutFrame&& frame,
+                   std::function<void(OutFrame&&)> send, std::function<void(std::exception_ptr)> failed);
+
+  // ---- dispatch.cpp ----
+  void on_frame(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
+  void on_request(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
+  // A message with tensors bound for CUDA devices: copied there first, then delivered as any other.
+  void deliver_on_devices(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
+  // `traced`: a user request's (the trace leaves shutdown's control rounds out).
+  void send_error(const std::shared_ptr<detail::Connection>& conn, std::uint64_t id, std::exception_ptr error,
+                  std::string_view function, bool traced = true);
+
+  // ---- flow control and liveness (peers.cpp) ----
+  // What peers' requests may hold here (RpcOptions::receive_budget_*, max_requests_held); shared by all connections.
+  std::unique_ptr<detail::ReceiveBudget> receive_budget;
+  detail::ConnectionSettings connection_settings() const;
+  void init_flow_control();  // from options; before any connection exists
+  // A request whose header announced more than the receive budget: its bytes were dropped; answer it.
+  void refuse_too_large(const std::shared_ptr<detail::Connection>& conn, const FrameHeader& h);
+
+  // ---- peers.cpp ----
+  std::function<void(const std::shared_ptr<detail::Connection>&, Message&&)> frame_handler();
+  std::function<void(const std::shared_ptr<detail::Connection>&, const std::string&)> close_handler();
+  std::shared_ptr<detail::Connection> connection_to(int rank);
+  void on_close(const std::shared_ptr<detail::Connection>& conn, const std::string& why);
+  void mark_dead(int rank, const std::string& why);
+  void fail_all_calls(std::exception_ptr error);
+  void accept_loop();
+  // Fails what is in flight, says Goodbye if asked (carrying `failure`, the error this rank stops after: "" for an
+  // orderly shutdown), closes every connection and stops the threads.
+  void close_everything(bool say_goodbye, const std::string& failure = {});
+
+  // ---- shutdown.cpp ----
+  void check_rounds();
+  // Fails the rounds peers still wait on (they shut down gracefully while this process does not), while the I/O
+  // threads that answer them still run; a continuation queued on a stopped thread would never run (and leak).
+  void fail_pending_rounds();
+  struct ShutdownOutcome {
+    bool quiet = false;  // every live rank agreed, with rank 0, that the job is quiet (not: rank 0 lost, timeout)
+    std::string lost;    // the ranks the job lost (rank 0's account once quiet, else this rank's own): "" if none
+  };
+  ShutdownOutcome graceful_shutdown();
+  // The ranks this runtime saw die or leave after an error, in words ("" if none). Takes conn_mutex.
+  std::string lost_ranks();
+  // Waits until locally_idle() or `deadline`; true if idle.
+  bool wait_locally_idle(std::chrono::steady_clock::time_point deadline);
+  // Writes this worker's part of the trace (corpc/core/trace.hpp); `meet`: then waits in one more round for every
+  // live worker to have written its own, after which rank 0 merges the parts.
+  void finish_trace(bool meet);
+  // Joins the background scope with a stop requested (its tasks unwind at their next await); after this, library
+  // work that would start in it is dropped.
+  void join_background() noexcept;
+
+  // ---- rendezvous.cpp ----
+  void rendezvous(const std::string& master_host, std::uint16_t master_port, int listen_fd);
+  void on_hello(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
+  void refuse(const std::shared_ptr<detail::Connection>& conn, const std::string& why);
+  // Whether a Hello may take rank `rank` here: nullopt if it may, else why not. The one place that decides who speaks
+  // for a rank: one connection at a time, so a rank whose connection is alive is refused (a reconnect path for
+  // restarted ranks would admit one here). conn_mutex held.
+  std::optional<std::string> hello_refusal(int rank) const;
+  // `conn` speaks for `rank` from now on (its Hello was admitted). conn_mutex held.
+  void take_rank(int rank, const std::shared_ptr<detail::Connection>& conn);
+  // `conn` no longer speaks for `rank`; true if it did. conn_mutex held.
+  bool release_rank(int rank, const std::shared_ptr<detail::Connection>& conn);
+  // Refuses a Hello that claimed `claimed`, whose rank is taken (`why`), and says so in our log.
+  void refuse_claim(const std::shared_ptr<detail::Connection>& conn, const WorkerInfo& claimed, const std::string& why);
+  void on_world(Message&& msg);
+  void publish_world_if_complete();
+  detail::Hello our_hello(bool registering) const;
+
+  // ---- same_host.cpp ----
+  void start_same_host();
+  void offer_same_host(const std::shared_ptr<detail::Connection>& conn, const detail::Hello& theirs, detail::Hello& answer);
+  void dial_same_host(const std::shared_ptr<detail::Connection>& conn, const detail::Hello& answer);
+  void same_host_failed(int rank, const std::string& why);
+  // The CUDA IPC link for a connection to `rank` whose Hellos agreed to it (null otherwise).
+  std::shared_ptr<detail::CudaIpcLink> cuda_ipc_link(int rank, bool theirs, const std::string& their_host);
+  void cuda_ipc_failed(int rank, const std::string& why);
+  // An IpcDone frame: the peer is done with tensors we lent it.
+  void on_ipc_done(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
+  // Tells the lender of `msg`'s CUDA IPC tensors (on `conn`) that their copies are done.
+  void return_ipc_loans(const std::shared_ptr<detail::Connection>& conn, const detail::CudaIpcArrivals& arrivals);
+};
+
+Runtime::Impl& runtime_impl(Runtime& rt) noexcept;
+
+void validate_worker_name(const std::string& name);
+// The first frame on every dialed connection (rendezvous.cpp).
+Message hello_message(const detail::Hello& hello);
+// A plain one, without same-host fields (tests that play a peer by hand, tests/raw_peer.hpp).
+Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits);
+// Error frames (error_frames.cpp): [u8 code][worker][function][type][message].
+Message error_frame(std::uint64_t id, std::exception_ptr error, const std::string& worker, std::string_view function);
+std::exception_ptr decode_error(const Message& msg, const std::string& worker, std::string_view function);
+
+}  // namespace corpc

@@ -1,0 +1,42 @@
+// Connection authentication: a challenge–response over a shared secret, run on every TCP connection before any
+// frame is read from it (internal).
+//
+//   acceptor -> dialer:  "CRPA" nonce_a (16 random bytes)
+//   dialer -> acceptor:  "CRPA" nonce_d  HMAC-SHA256(secret, "dialer"   || nonce_a || nonce_d)
+//   acceptor -> dialer:                  HMAC-SHA256(secret, "acceptor" || nonce_d || nonce_a)
+//
+// Both sides prove knowledge of the secret over nonces the other chose, so neither a replay nor a reflection passes.
+// With TLS (RpcOptions::tls) the TLS handshake comes first, the exchange runs inside it, and both MACs also cover
+// the session's exported keying material: a relay that terminates TLS on each side cannot pass it on.
+// Nothing identifying (names, ranks, world size) is sent before this succeeds. With an empty secret nothing is
+// exchanged: the job is open to any process that can reach its ports (the runtime says so at start-up).
+#pragma once
+
+#include <asio.hpp>
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "transport/stream.hpp"
+
+namespace corpc::detail {
+
+struct AuthConfig {
+  std::string secret;                         // empty: no authentication
+  std::chrono::milliseconds timeout{5000};    // the whole handshake; a silent peer is dropped after it
+  std::shared_ptr<asio::ssl::context> tls;    // null: plain TCP
+};
+
+// Secures `transport` as `role`: the TLS handshake (if configured), then the challenge-response (if there is a
+// secret). Throws ConnectionError (the reason, naming no worker) on failure or timeout.
+asio::awaitable<void> authenticate(Transport& transport, const AuthConfig& config, AuthRole role);
+
+
+// A fresh random secret (hex), for launchers that start all the ranks of a job.
+std::string random_secret();
+
+// Initializes OpenSSL now, so that its exit-time cleanup is registered before what the caller registers next: exit
+// handlers run in reverse order, and a runtime shut down at exit still authenticates connections.
+void initialize_openssl();
+
+}  // namespace corpc::detail

@@ -1,0 +1,185 @@
+// One corpc connection: a TCP socket (or an in-process loop back to ourselves) carrying framed messages both ways.
+// Private to the runtime.
+//
+// Threads: each connection belongs to one I/O thread (its io_context), which reads it and delivers every frame to
+// the frame handler. Sending is allowed from any thread: a sender writes straight to the socket when nothing is
+// queued, so a call from a user thread costs no hand-off. While its I/O thread dispatches the frames of one read,
+// sends from that thread are staged and flushed in one gathered write when the batch ends ("corked"), so a burst of
+// replies costs one system call.
+#pragma once
+
+#include "transport/auth.hpp"
+#include <asio.hpp>
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "corpc/transport/errors.hpp"
+#include "corpc/wire/message.hpp"
+#include "transport/receive_budget.hpp"
+
+namespace corpc::detail {
+
+class Connection;
+class CudaIpcLink;
+class ShmChannel;
+
+// What the layer above keeps per connection (the RPC layer: its calls in flight both ways). Made by the creator's
+// factory when the connection is, so it is there before the first frame can arrive; destroyed with the connection.
+// The transport never looks inside.
+class ConnectionSession {
+ public:
+  virtual ~ConnectionSession() = default;
+};
+using SessionFactory = std::function<std::unique_ptr<ConnectionSession>(asio::io_context&)>;
+
+// How the runtime's TCP connections behave (from RpcOptions).
+struct ConnectionSettings {
+  SessionFactory make_session;  // may be empty: no session
+  WireLimits limits;
+  // Requests' memory: the process-wide budget (owned by the runtime) and this connection's share of it.
+  ReceiveBudget* budget = nullptr;  // nullptr: unlimited
+  std::uint64_t budget_per_connection = ~std::uint64_t{0};
+  // Unsent output beyond which the connection stops reading requests (its peer is not reading our replies).
+  std::uint64_t max_write_backlog = ~std::uint64_t{0};
+  // Silence after which the peer is declared unreachable; 0: never. Heartbeats are sent while the connection is quiet.
+  std::chrono::milliseconds liveness_timeout{0};
+};
+
+// The receive-budget reservation of one request: given back when the request has been answered (or dropped).
+class ReceiveCredit {
+ public:
+  ReceiveCredit() = default;
+  ReceiveCredit(Connection* conn, std::uint64_t bytes) noexcept : conn_(bytes ? conn : nullptr), bytes_(bytes) {}
+  ReceiveCredit(ReceiveCredit&& o) noexcept : conn_(std::exchange(o.conn_, nullptr)), bytes_(o.bytes_) {}
+  ReceiveCredit& operator=(ReceiveCredit&& o) noexcept {
+    if (this != &o) {
+      release();
+      conn_ = std::exchange(o.conn_, nullptr);
+      bytes_ = o.bytes_;
+    }
+    return *this;
+  }
+  ~ReceiveCredit() { release(); }
+  inline void release() noexcept;  // the connection must still be alive (its holder keeps a reference)
+
+ private:
+  Connection* conn_ = nullptr;
+  std::uint64_t bytes_ = 0;
+};
+
+// The peer's limits: written on the network thread when its Hello arrives, read by every thread that sends on the
+// connection (ThreadSanitizer caught the unguarded version). Reads copy under a lock that is never held for long.
+class SharedLimits {
+ public:
+  explicit SharedLimits(const WireLimits& l = {}) : limits_(l) {}
+  SharedLimits& operator=(const WireLimits& l) {
+    std::lock_guard lock(mutex_);
+    limits_ = l;
+    return *this;
+  }
+  operator WireLimits() const {  // NOLINT: reads like the plain struct it replaces
+    std::lock_guard lock(mutex_);
+    return limits_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  WireLimits limits_;
+};
+using FrameHandler = std::function<void(const std::shared_ptr<Connection>&, Message&&)>;
+using CloseHandler = std::function<void(const std::shared_ptr<Connection>&, const std::string& why)>;
+
+class Connection : public std::enable_shared_from_this<Connection> {
+ public:
+  Connection(asio::io_context& io, const SessionFactory& make_session)
+      : io_(io), session_(make_session ? make_session(io) : nullptr) {}
+  virtual ~Connection() = default;
+
+  // Queues a prepared frame; frames go out in order. Any thread. A frame sent after the connection closed is dropped
+  // (the close handler fails whatever waited on it).
+  virtual void send(OutFrame&& frame) = 0;
+  // Closes now; the close handler runs once with `why`. Any thread.
+  virtual void close(std::string why) = 0;
+  // Closes once every queued frame is written. Any thread.
+  virtual void close_when_flushed() = 0;
+
+  asio::io_context& io() noexcept { return io_; }
+  // The upper layer's state (ConnectionSettings::make_session); null if none was asked for.
+  ConnectionSession* session() const noexcept { return session_.get(); }
+
+  // While the frame handler runs for a request: its receive-budget reservation. A handler that keeps the request
+  // past its return (a pooled or asynchronous function) takes the credit and releases it once the request is
+  // answered; otherwise it is given back when the handler returns.
+  ReceiveCredit take_receive_credit() noexcept { return delivering_ ? std::move(*delivering_) : ReceiveCredit{}; }
+  // True while the frame handler runs for a request refused for its size: only its header was kept (its bytes were
+  // read and dropped), and the handler answers it with MessageTooLargeError.
+  bool delivering_refused() const noexcept { return delivering_refused_; }
+  // Gives back a request's reservation. Any thread.
+  virtual void release_receive(std::uint64_t) noexcept {}
+  // From now on, the tensor data of large messages may travel through this same-host channel (src/transport/shm_channel.hpp)
+  // in both directions. Any thread; ignored by connections that have no use for one.
+  virtual void attach_shm(std::shared_ptr<ShmChannel>) {}
+  // CUDA IPC with the peer (src/memory/cuda_ipc.hpp), agreed in the handshake: attached just before the same-host channel
+  // (whose set-up is what lets the peer send), and closed with the connection. Any thread; ignored by connections
+  // that have no use for one.
+  virtual void attach_cuda_ipc(std::shared_ptr<CudaIpcLink>) {}
+  // The link, once attached (the IpcDone frames it receives return its loans). Any thread.
+  virtual std::shared_ptr<CudaIpcLink> cuda_ipc() { return nullptr; }
+  // The link if CUDA tensors may be lent on this connection now: attached, the same-host channel sends (so the peer
+  // has its link too), lending not refused. Any thread.
+  virtual std::shared_ptr<CudaIpcLink> cuda_ipc_for_lending() { return nullptr; }
+
+  int peer_rank = -1;          // known after the Hello (or at once for dialed connections); I/O thread
+  bool said_goodbye = false;   // the peer announced an orderly close
+  bool hello_refused = false;  // its Hello was refused: nothing more it sends is acted on; I/O thread
+  bool outgoing = false;       // we dialed it: our requests to peer_rank go here, and only its replies are accepted
+  std::string remote_address;  // the peer's IP as we see it
+  SharedLimits peer_limits;    // what the peer accepts (from its Hello; ours until then)
+
+ protected:
+  ReceiveCredit* delivering_ = nullptr;  // I/O thread
+  bool delivering_refused_ = false;     // I/O thread
+
+ private:
+  asio::io_context& io_;
+  std::unique_ptr<ConnectionSession> session_;
+};
+
+void ReceiveCredit::release() noexcept {
+  if (conn_) std::exchange(conn_, nullptr)->release_receive(bytes_);
+}
+
+// Flushes, at the end of the current dispatch batch, every connection that was written to during it. Installed by
+// the read loop around the delivery of the frames of one read.
+class DispatchBatch {
+ public:
+  explicit DispatchBatch(asio::io_context& io);
+  ~DispatchBatch();
+  DispatchBatch(const DispatchBatch&) = delete;
+  DispatchBatch& operator=(const DispatchBatch&) = delete;
+  void flush();
+};
+
+// A TCP connection over an authenticated transport (plain or TLS); it starts reading at once. Frames and the close
+// reach the handlers on the network thread.
+std::shared_ptr<Connection> make_tcp_connection(Transport transport, const ConnectionSettings& settings,
+                                                FrameHandler on_frame, CloseHandler on_close);
+
+// Dials host:port and authenticates (TLS and the secret, as `auth` says); queued frames wait for both. A failure to
+// connect or authenticate closes it with the reason.
+// `peer_rank` is set before dialing starts, so that a connect that fails at once is still attributed to its peer.
+std::shared_ptr<Connection> dial_tcp_connection(asio::io_context& io, int peer_rank, std::string host,
+                                                std::uint16_t port, const ConnectionSettings& settings, FrameHandler on_frame,
+                                                CloseHandler on_close, AuthConfig auth);
+
+// Calls to ourselves: each frame comes back to `on_frame` as if received, through a copy of its tensors, so that a
+// self-call has exactly the semantics of a remote one.
+std::shared_ptr<Connection> make_loopback_connection(asio::io_context& io, WireLimits limits, FrameHandler on_frame,
+                                                     const SessionFactory& make_session);
+
+}  // namespace corpc::detail
