@@ -33,7 +33,7 @@ int main(int argc, char** argv) {
       auto run = [&](Config c) {
         std::vector<corpc::Future<TrainerResult>> loops;
         for (int t = 0; t < kTrainers; ++t) loops.push_back(corpc::rpc_async<&run_trainer>(t, table, t, c));
-        return corpc::wait_all(std::move(loops)).wait();
+        return corpc::when_all(std::move(loops)).wait();
       };
       Config first = config;
       first.steps = warmup;  // also joins the trainers' process group

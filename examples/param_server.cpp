@@ -33,7 +33,7 @@ void run_master(const Config& c, corpc::RRef<Server> ps) {
     std::vector<corpc::Future<TrainerResult>> loops;
     for (int t = 0; t < c.trainers; ++t)
       loops.push_back(corpc::rpc_async<&run_trainer<Server>>(t + 1, ps, t, steps, c.seed));
-    return corpc::wait_all(std::move(loops)).wait();
+    return corpc::when_all(std::move(loops)).wait();
   };
   run_all(c.warmup);
   const auto t0 = std::chrono::steady_clock::now();

@@ -58,7 +58,7 @@ class DistResNet50 {
       RRef<at::Tensor> y = p1_.remote<&Shard1::forward>(RRef<at::Tensor>(x));  // owned by worker1, returns at once
       outs.push_back(p2_.rpc_async<&Shard2::forward>(y));                       // worker2 pulls y from worker1
     }
-    co_return at::cat(co_await wait_all(std::move(outs)));
+    co_return at::cat(co_await when_all(std::move(outs)));
   }
 
   std::vector<RRef<at::Tensor>> parameter_rrefs() const {

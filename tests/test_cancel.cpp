@@ -166,12 +166,12 @@ TEST_CASE("a stop token stops a coroutine function at its next await, on the cal
     eventually<&stopped>(1, 1);
     eventually<&handlers>(1, std::uint64_t{0});
     EXPECT_EQ(in_flight(), 0u);
-    // The same through the future, and through wait_all stopping the rest after a failure.
+    // The same through the future, and through when_all stopping the rest after a failure.
     std::vector<Future<void>> batch;
     batch.push_back(rpc_async<&park>(1));
     eventually<&started>(1, 2);  // running, not merely queued (a queued call would be dropped, not stopped)
     batch.push_back(make_exceptional_future<void>(std::make_exception_ptr(std::runtime_error("one failed"))));
-    auto all = wait_all(std::move(batch), WaitAll::stop_rest_on_failure);
+    auto all = when_all(std::move(batch), WhenAll::stop_rest_on_failure);
     EXPECT_THROWS_AS(all.wait(), std::runtime_error);
     eventually<&stopped>(1, 2);
     eventually<&handlers>(1, std::uint64_t{0});

@@ -155,18 +155,18 @@ TEST_CASE("the call context follows a coroutine across threads") {
   CHECK(current_call_context().get(slot) == CallContext::kUnset);
 }
 
-TEST_CASE("wait_all gathers in order and fails with the first error; collect_all never fails") {
+TEST_CASE("when_all gathers in order and fails with the first error; collect_all never fails") {
   std::vector<Future<int>> fs;
   for (int i = 0; i < 5; ++i) fs.push_back(later(i, std::chrono::milliseconds(25 - 5 * i)));
-  auto all = sync_wait([&]() -> Task<std::vector<int>> { co_return co_await wait_all(fs); }());
+  auto all = sync_wait([&]() -> Task<std::vector<int>> { co_return co_await when_all(fs); }());
   CHECK(all == std::vector<int>{0, 1, 2, 3, 4});
-  CHECK(wait_all(std::vector<Future<int>>{}).wait().empty());
+  CHECK(when_all(std::vector<Future<int>>{}).wait().empty());
 
   Promise<int> never;
   std::vector<Future<int>> mixed{later(1, 1ms), make_exceptional_future<int>(std::make_exception_ptr(TimeoutError("t"))),
                                  never.get_future()};
   // Fails at once with the error, without waiting for the future that never completes.
-  CHECK_THROWS_AS(wait_all(mixed).wait(5s), TimeoutError);
+  CHECK_THROWS_AS(when_all(mixed).wait(5s), TimeoutError);
 
   std::vector<Future<int>> two{later(3, 5ms), make_exceptional_future<int>(std::make_exception_ptr(std::runtime_error("e")))};
   auto collected = collect_all(two).wait(5s);
@@ -175,7 +175,29 @@ TEST_CASE("wait_all gathers in order and fails with the first error; collect_all
   CHECK(collected[1].has_error());
 
   std::vector<Future<void>> voids{make_ready_future(), make_ready_future()};
-  wait_all(voids).wait();
+  when_all(voids).wait();
+}
+
+// The names before when_all stay for one release; a program that still uses them gets a deprecation warning only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+TEST_CASE("the deprecated wait_all and WaitAll still join") {
+  CHECK(wait_all(std::vector<Future<int>>{later(1, 1ms), later(2, 1ms)}).wait(5s) == std::vector<int>{1, 2});
+  Promise<int> running;
+  auto all = wait_all(std::vector<Future<int>>{running.get_future(), make_exceptional_future<int>(
+                                                                         std::make_exception_ptr(TimeoutError("t")))},
+                      WaitAll::stop_rest_on_failure);
+  CHECK_THROWS_AS(all.wait(5s), TimeoutError);
+}
+#pragma GCC diagnostic pop
+
+TEST_CASE("set_exception takes an exception_ptr or an exception object") {
+  Promise<int> by_ptr, by_object;
+  CHECK(by_ptr.set_exception(std::make_exception_ptr(TimeoutError("t"))));
+  CHECK(by_object.set_exception(TimeoutError("t")));
+  CHECK(!by_object.set_exception(UsageError("late")));  // the first completion wins
+  CHECK_THROWS_AS(by_ptr.get_future().wait(), TimeoutError);
+  CHECK_THROWS_AS(by_object.get_future().wait(), TimeoutError);
 }
 
 TEST_CASE("thousands of continuations on a pool complete exactly once") {
@@ -189,7 +211,7 @@ TEST_CASE("thousands of continuations on a pool complete exactly once") {
       total += v;
     }(sum, i)));
   }
-  wait_all(fs).wait(10s);
+  when_all(fs).wait(10s);
   CHECK(sum.load() == 5000 * 4999 / 2);
 }
 
@@ -321,7 +343,7 @@ TEST_CASE("a BoundedExecutor never runs more than its width at once, and starts 
         p->set_value();
       });
     }
-    wait_all(done).wait(10s);
+    when_all(done).wait(10s);
     CHECK(peak.load() <= static_cast<int>(width));
     if (width == 1) {
       std::vector<int> expected(40);
@@ -360,14 +382,14 @@ TEST_CASE("a TaskScope stops its tasks at their next await and joins them; cance
 
   CHECK(!never.get_future().done());  // a stopped await leaves the shared future it awaited alone
 
-  // cancel() completes a future as cancelled; the producer's later value loses. A cancelled wait_all asks its
+  // cancel() completes a future as cancelled; the producer's later value loses. A cancelled when_all asks its
   // inputs' producers to stop, but does not complete inputs that others may share.
   corpc::Promise<int> a, b;
   auto fa = a.get_future();
   fa.cancel();
   CHECK(fa.cancelled());
   CHECK(!a.set_value(1));
-  auto all = corpc::wait_all(std::vector<corpc::Future<int>>{b.get_future()});
+  auto all = corpc::when_all(std::vector<corpc::Future<int>>{b.get_future()});
   all.cancel();
   CHECK(all.cancelled());
   CHECK(b.set_value(2));

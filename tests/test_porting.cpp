@@ -133,7 +133,7 @@ struct Agent : EnableRRefFromThis<Agent> {
   Task<int> run(int episodes) {
     std::vector<Future<int>> steps;
     for (int i = 1; i <= episodes; ++i) steps.push_back(rpc_async<&observe>(i % 2 ? "worker2" : "worker1", rref_from_this(), i));
-    co_await wait_all(std::move(steps));
+    co_await when_all(std::move(steps));
     co_return total.load();
   }
 };

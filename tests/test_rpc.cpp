@@ -189,7 +189,7 @@ TEST_CASE("thousands of calls in flight at once all complete with the right valu
   run_world(3, [](int rank) {
     std::vector<Future<int>> fs;
     for (int i = 0; i < 3000; ++i) fs.push_back(rpc_async<&add>((rank + 1 + i % 2) % 3, i, rank));
-    auto values = wait_all(std::move(fs)).wait(60s);
+    auto values = when_all(std::move(fs)).wait(60s);
     for (int i = 0; i < 3000; ++i) EXPECT_EQ(values[i], i + rank);
   });
 }

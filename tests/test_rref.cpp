@@ -178,7 +178,7 @@ TEST_CASE("proxies call methods of a remote object; serialized objects take one 
       auto shared = remote<UnlockedCounter>("worker1", 0);
       std::vector<Future<int>> calls;
       for (int i = 0; i < 100; ++i) calls.push_back(shared.rpc_async<&UnlockedCounter::increment>());
-      wait_all(std::move(calls)).wait(60s);
+      when_all(std::move(calls)).wait(60s);
       EXPECT_EQ(shared.rpc_sync<&UnlockedCounter::get>(), 100);  // no update lost without any lock
     }
     expect_no_references(3);
@@ -194,7 +194,7 @@ TEST_CASE("thousands of references created, shared and dropped concurrently leak
         refs.push_back(remote<&square>((rank + 1 + i % 2) % 3, i));
         reads.push_back(rpc_async<&read_ref>((rank + 2) % 3, refs.back()));  // third party or owner
       }
-      auto values = wait_all(std::move(reads)).wait(60s);
+      auto values = when_all(std::move(reads)).wait(60s);
       for (int i = 0; i < 1000; ++i) EXPECT_EQ(values[i], i * i);
     }
     if (rank == 0) {

@@ -32,7 +32,7 @@ template <class Server>
 std::vector<ps::TrainerResult> train(RRef<Server> server, int trainers, std::int64_t steps, std::uint64_t seed) {
   std::vector<Future<ps::TrainerResult>> loops;
   for (int t = 0; t < trainers; ++t) loops.push_back(rpc_async<&ps::run_trainer<Server>>(t + 1, server, t, steps, seed));
-  return wait_all(std::move(loops)).wait(60s);
+  return when_all(std::move(loops)).wait(60s);
 }
 
 }  // namespace
@@ -151,7 +151,7 @@ TEST_CASE("DDP + RPC hybrid: the trainers' dense layers are identical and all pa
       RemoteModule<torch::nn::EmbeddingBag> table(remote<&hy::make_embedding_table>(3, config.seed));
       std::vector<Future<hy::TrainerResult>> loops;
       for (int t = 0; t < hy::kTrainers; ++t) loops.push_back(rpc_async<&hy::run_trainer>(t, table, t, config));
-      auto results = wait_all(std::move(loops)).wait(60s);
+      auto results = when_all(std::move(loops)).wait(60s);
       auto want = hy::reference(config);
       auto embedding = hy::table_weight(table);
       auto near = [](const at::Tensor& a, const at::Tensor& b) { return at::allclose(a, b, 1e-5, 1e-6); };

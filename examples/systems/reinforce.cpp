@@ -68,7 +68,7 @@ void Agent::report_reward(int observer, float reward) {
 void Agent::run_episode(const corpc::RRef<Agent>& self) {
   std::vector<corpc::Future<float>> episodes;
   for (auto& ob : observers_) episodes.push_back(ob.rpc_async<&Observer::run_episode>(self));
-  corpc::wait_all(std::move(episodes)).wait();
+  corpc::when_all(std::move(episodes)).wait();
 }
 
 EpisodeResult Agent::finish_episode() {

@@ -252,7 +252,7 @@ Future<void> local_pass(const std::shared_ptr<ContextState>& ctx, const ag::edge
   std::vector<Future<void>> remote;
   CallContextScope no_ctx(detail::with_context(-1));
   for (auto& [recv, g] : shipped) remote.push_back(rpc_async<&continue_from_send>(recv->src(), ctx->id, recv->msg_id(), g));
-  return wait_all(std::move(remote));
+  return when_all(std::move(remote));
 }
 
 Future<void> run_pass(std::shared_ptr<ContextState> ctx, ag::edge_list roots, ag::variable_list grads) {

@@ -9,6 +9,8 @@
 #include <ctime>
 
 #include "corpc/core/call_context.hpp"
+#include "corpc/core/detail/event.hpp"
+#include "corpc/core/detail/manual_executor.hpp"
 #include "corpc/core/errors.hpp"
 
 namespace corpc {
@@ -74,8 +76,8 @@ ExecutorScope::~ExecutorScope() { tls_executor = previous_; }
 void set_default_executor(Executor* e) noexcept { g_default_executor.store(e, std::memory_order_release); }
 Executor* default_executor() noexcept { return g_default_executor.load(std::memory_order_acquire); }
 
-NonBlockingThreadScope::NonBlockingThreadScope() noexcept : previous_(tls_no_blocking) { tls_no_blocking = true; }
-NonBlockingThreadScope::~NonBlockingThreadScope() { tls_no_blocking = previous_; }
+detail::NonBlockingThreadScope::NonBlockingThreadScope() noexcept : previous_(tls_no_blocking) { tls_no_blocking = true; }
+detail::NonBlockingThreadScope::~NonBlockingThreadScope() { tls_no_blocking = previous_; }
 bool blocking_forbidden() noexcept { return tls_no_blocking; }
 void check_may_block(const char* what) {
   if (tls_no_blocking)
@@ -89,11 +91,11 @@ std::chrono::nanoseconds spin_before_block() noexcept { return std::chrono::nano
 
 // ---- Event ------------------------------------------------------------------------------------------------------
 
-void Event::set() noexcept {
+void detail::Event::set() noexcept {
   if (state_.exchange(kSet, std::memory_order_acq_rel) == kSleeping) futex_wake(state_, INT_MAX);
 }
 
-void Event::wait() noexcept {
+void detail::Event::wait() noexcept {
   if (spin([&] { return is_set(); })) return;
   BlockingRegion blocking;
   for (;;) {
@@ -104,7 +106,7 @@ void Event::wait() noexcept {
   }
 }
 
-bool Event::wait_until(std::chrono::steady_clock::time_point deadline) noexcept {
+bool detail::Event::wait_until(std::chrono::steady_clock::time_point deadline) noexcept {
   if (spin([&] { return is_set(); })) return true;
   BlockingRegion blocking;
   for (;;) {
@@ -121,10 +123,10 @@ bool Event::wait_until(std::chrono::steady_clock::time_point deadline) noexcept 
 
 // ---- ThreadPool -------------------------------------------------------------------------------------------------
 
-BlockingRegion::BlockingRegion() noexcept : pool_(tls_pool) {
+detail::BlockingRegion::BlockingRegion() noexcept : pool_(tls_pool) {
   if (pool_) pool_->block_begin();
 }
-BlockingRegion::~BlockingRegion() {
+detail::BlockingRegion::~BlockingRegion() {
   if (pool_) pool_->block_end();
 }
 
@@ -287,7 +289,7 @@ void BoundedExecutor::run_one(WorkItem* w) noexcept {
 
 // ---- ManualExecutor ---------------------------------------------------------------------------------------------
 
-void ManualExecutor::enqueue(WorkItem* item) noexcept {
+void detail::ManualExecutor::enqueue(WorkItem* item) noexcept {
   WorkItem* head = inbox_.load(std::memory_order_relaxed);
   do {
     item->next = head;
@@ -295,12 +297,12 @@ void ManualExecutor::enqueue(WorkItem* item) noexcept {
   notify();
 }
 
-void ManualExecutor::notify() noexcept {
+void detail::ManualExecutor::notify() noexcept {
   wake_.fetch_add(1, std::memory_order_release);
   if (sleeping_.load(std::memory_order_seq_cst)) futex_wake(wake_, 1);
 }
 
-void ManualExecutor::run_until(const std::atomic<bool>& done) {
+void detail::ManualExecutor::run_until(const std::atomic<bool>& done) {
   const bool outermost = owner_ != std::this_thread::get_id();  // sync_wait may nest on one thread
   owner_ = std::this_thread::get_id();
   for (;;) {

@@ -55,7 +55,7 @@ Pipeline::State::~State() {
 void Pipeline::train(bool on) const {
   std::vector<Future<void>> all;
   for (int rank : state_->worker_ranks) all.push_back(rpc_async<&detail::set_training>(rank, state_->placement.pipeline_id, on));
-  wait_all(std::move(all)).wait();
+  when_all(std::move(all)).wait();
 }
 
 std::vector<at::Tensor> Pipeline::parameters() const {

@@ -60,7 +60,7 @@ struct Host {
     std::lock_guard lock(mutex);
     if (std::get<0>(key) == aborted_step) {
       Promise<at::Tensor> failed;
-      failed.set_error(PipelineError(abort_reason));
+      failed.set_exception(PipelineError(abort_reason));
       return failed.get_future();
     }
     auto it = slots.try_emplace(key).first;
@@ -86,7 +86,7 @@ struct Host {
         ++it;
         continue;
       }
-      it->second.promise.set_error(PipelineError(abort_reason));
+      it->second.promise.set_exception(PipelineError(abort_reason));
       it = slots.erase(it);
     }
   }
@@ -307,7 +307,7 @@ Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Act
                              .name = action_letter(a.kind) + std::to_string(a.micro) + "/s" + std::to_string(a.stage)});
     }
   }
-  co_await wait_all(std::move(sends));
+  co_await when_all(std::move(sends));
   for (auto& [s, st] : host->stages)
     if (st.optimizer) st.optimizer->step();
   report.peak_activation_bytes = host_peak_bytes() - baseline;

@@ -205,7 +205,7 @@ void Runtime::Impl::on_frame(const std::shared_ptr<detail::Connection>& conn, Me
         } catch (const std::exception& e) {
           why = e.what();
         }
-        if (!world_ready.get_future().done()) world_ready.set_error(RpcError("rendezvous refused: " + why));
+        if (!world_ready.get_future().done()) world_ready.set_exception(RpcError("rendezvous refused: " + why));
         return conn->close(why);
       }
       return deliver_reply(conn, std::move(msg));

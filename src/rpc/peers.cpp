@@ -123,7 +123,7 @@ void Runtime::Impl::on_close(const std::shared_ptr<detail::Connection>& conn, co
         }
       }
     } else if (conn->outgoing && rank == 0) {
-      world_ready.set_error(ConnectionError("lost rank 0 during rendezvous: " + why));
+      world_ready.set_exception(ConnectionError("lost rank 0 during rendezvous: " + why));
     }
     return;
   }

@@ -125,15 +125,15 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
             refused = e.what();
           }
           if (!refused.empty()) {  // a different secret does not get better by retrying
-            world_ready.set_error(ConnectionError("rank 0 at " + master_host + ":" + std::to_string(master_port) +
-                                                  " refused us: " + refused));
+            world_ready.set_exception(ConnectionError("rank 0 at " + master_host + ":" + std::to_string(master_port) +
+                                                      " refused us: " + refused));
             co_return;
           }
         }
         if (!failure.empty()) {
           if (std::chrono::steady_clock::now() >= deadline) {
-            world_ready.set_error(TimeoutError("could not reach rank 0 at " + master_host + ":" +
-                                               std::to_string(master_port) + " within the init timeout: " + failure));
+            world_ready.set_exception(TimeoutError("could not reach rank 0 at " + master_host + ":" +
+                                                   std::to_string(master_port) + " within the init timeout: " + failure));
             co_return;
           }
           pause.expires_after(std::chrono::milliseconds(50));
@@ -282,7 +282,7 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Me
     // at their init timeout.
     refuse(conn, duplicate);
     for (auto& c : registered) refuse(c, duplicate);
-    if (!world_ready.get_future().done()) world_ready.set_error(UsageError("rendezvous failed: " + duplicate));
+    if (!world_ready.get_future().done()) world_ready.set_exception(UsageError("rendezvous failed: " + duplicate));
     return;
   }
   if (refusal) return refuse_claim(conn, info, *refusal);
@@ -327,15 +327,15 @@ void Runtime::Impl::on_world(Message&& msg) {
     table = r.get<std::vector<WorkerInfo>>();
     for (const auto& c : r.get<std::vector<std::string>>()) configs.push_back(detail::decode_device_config(c));
   } catch (const ProtocolError& e) {
-    world_ready.set_error(ProtocolError(std::string("malformed world table: ") + e.what()));
+    world_ready.set_exception(ProtocolError(std::string("malformed world table: ") + e.what()));
     return;
   }
   if (static_cast<int>(table.size()) != world_size || static_cast<int>(configs.size()) != world_size) {
-    world_ready.set_error(ProtocolError("world table of the wrong size"));
+    world_ready.set_exception(ProtocolError("world table of the wrong size"));
     return;
   }
   for (int r = 0; r < world_size; ++r) {
-    if (table[r].rank != r) return void(world_ready.set_error(ProtocolError("world table out of order")));
+    if (table[r].rank != r) return void(world_ready.set_exception(ProtocolError("world table out of order")));
     rank_by_name[table[r].name] = r;
   }
   try {

@@ -131,7 +131,7 @@ void Runtime::Impl::start_threads() {
     t->thread = std::thread([t = t.get(), i] {
       trace::detail::label_thread("io " + std::to_string(i));
       ExecutorScope scope(t->executor.get());
-      NonBlockingThreadScope no_blocking;  // a blocking wait here would stop the thread that must deliver its value
+      detail::NonBlockingThreadScope no_blocking;  // a blocking wait here would stop the thread that must deliver its value
       t->io.run();
     });
   }

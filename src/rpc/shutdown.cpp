@@ -102,7 +102,7 @@ void Runtime::Impl::fail_pending_rounds() {
     pending.swap(rounds);
   }
   // Outside the lock: each failure runs (or queues on an I/O thread) the continuation that answers the peer.
-  for (auto& [round, r] : pending) r.done.set_error(ShutdownError("rank 0 shut down without waiting for the others"));
+  for (auto& [round, r] : pending) r.done.set_exception(ShutdownError("rank 0 shut down without waiting for the others"));
 }
 
 std::string Runtime::Impl::lost_ranks() {

@@ -151,7 +151,7 @@ class DistributedOptimizer {
   Future<void> step(std::int64_t context_id) const {
     std::vector<Future<void>> all;
     for (auto& s : steps_) all.push_back(s(context_id));
-    return wait_all(std::move(all));
+    return when_all(std::move(all));
   }
   /// step(ctx.id()).
   Future<void> step(const dist_autograd::Context& ctx) const { return step(ctx.id()); }

@@ -33,7 +33,7 @@ class TimeoutError : public RpcError {
 };
 
 /// The work was stopped on request: its future was cancelled (`Future::cancel()`, a stop token given in CallOptions,
-/// `wait_all` stopping the rest after a failure), or, on the callee, the caller cancelled the call or its deadline
+/// `when_all` stopping the rest after a failure), or, on the callee, the caller cancelled the call or its deadline
 /// passed. Not an RpcError (see corpc/core/errors.hpp). Test for it with `Future::cancelled()` or
 /// `catch (const CancelledError&)`.
 class CancelledError : public Error {

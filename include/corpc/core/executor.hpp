@@ -22,17 +22,20 @@
 #include <thread>
 #include <vector>
 
+#include "corpc/core/detail/blocking.hpp"
+
 namespace corpc {
 
-/// A unit of work that an executor runs once. Intrusive, so that an awaiting coroutine frame can itself be the queue
-/// node: resuming a coroutine on an executor allocates nothing.
+/// A unit of work that an executor runs once: what Executor::enqueue takes, so an executor of your own handles these.
+/// Intrusive, so that an awaiting coroutine frame can itself be the queue node: resuming a coroutine on an executor
+/// allocates nothing.
 struct WorkItem {
   WorkItem* next = nullptr;                   ///< Queue link, owned by the executor while the item is queued.
   void (*run)(WorkItem*) noexcept = nullptr;  ///< Called once with the item itself; may free the item.
 };
 
 /// Something that runs WorkItems: the runtime's worker pool and I/O threads, a ThreadPool, a BoundedExecutor (strand),
-/// the ManualExecutor of sync_wait. Coroutines resume on the executor current where they suspended (see
+/// the thread inside sync_wait. Coroutines resume on the executor current where they suspended (see
 /// corpc/core/executor.hpp). Implement enqueue() (and running_here(), to allow inline resumption) to plug in your own.
 class Executor {
  public:
@@ -67,26 +70,9 @@ void set_default_executor(Executor* e) noexcept;
 /// The executor set by set_default_executor, or nullptr.
 Executor* default_executor() noexcept;
 
-/// The executor a continuation registered now should run on: the current one, else the default one (maybe null).
-inline Executor* resumption_executor() noexcept {
-  Executor* e = current_executor();
-  return e ? e : default_executor();
-}
-
 // ---- blocking ---------------------------------------------------------------------------------------------------
 
-/// Marks the calling thread as one that must never block (the runtime's I/O threads) for the guard's lifetime.
-class NonBlockingThreadScope {
- public:
-  NonBlockingThreadScope() noexcept;
-  ~NonBlockingThreadScope();
-  NonBlockingThreadScope(const NonBlockingThreadScope&) = delete;
-  NonBlockingThreadScope& operator=(const NonBlockingThreadScope&) = delete;
-
- private:
-  bool previous_;
-};
-/// True on a thread inside a NonBlockingThreadScope (a corpc I/O thread).
+/// True on a thread that must not block: a corpc I/O thread.
 bool blocking_forbidden() noexcept;
 /// Throws UsageError naming `what` if the calling thread must not block.
 void check_may_block(const char* what);
@@ -98,44 +84,11 @@ void set_spin_before_block(std::chrono::nanoseconds d) noexcept;
 /// The spin set by set_spin_before_block.
 std::chrono::nanoseconds spin_before_block() noexcept;
 
-/// A one-shot event that one thread waits on: spins (set_spin_before_block()), then sleeps on a futex. No mutex, no
-/// condition variable; `set` makes a system call only when the waiter is asleep.
-class Event {
- public:
-  /// Sets the event and wakes the waiter; any thread, once per reset().
-  void set() noexcept;
-  /// Returns once the event is set (at once if it is); spins, then sleeps. Only one thread may wait.
-  void wait() noexcept;
-  /// False if `deadline` passed first.
-  bool wait_until(std::chrono::steady_clock::time_point deadline) noexcept;
-  /// Whether set() has been called since construction or the last reset().
-  bool is_set() const noexcept { return state_.load(std::memory_order_acquire) == kSet; }
-  /// Makes the event reusable; only while no thread waits on it.
-  void reset() noexcept { state_.store(kEmpty, std::memory_order_relaxed); }
-
- private:
-  static constexpr std::uint32_t kEmpty = 0, kSet = 1, kSleeping = 2;
-  std::atomic<std::uint32_t> state_{kEmpty};
-};
-
-/// Tells the pool driving this thread (if any) that the thread is about to block, for the guard's lifetime, so that
-/// the pool can keep its number of runnable threads. Used by every blocking wait in corpc.
-class BlockingRegion {
- public:
-  BlockingRegion() noexcept;
-  ~BlockingRegion();
-  BlockingRegion(const BlockingRegion&) = delete;
-  BlockingRegion& operator=(const BlockingRegion&) = delete;
-
- private:
-  class ThreadPool* pool_;
-};
-
 // ---- executors ----------------------------------------------------------------------------------------------------
 
 /// A set of threads draining one FIFO queue. `stop()` finishes queued jobs, then joins. While a pool thread blocks
-/// (inside a BlockingRegion) and work is queued, the pool starts a replacement so that `size()` threads stay runnable;
-/// replacements exit when they are no longer needed (at most `max_threads` in all).
+/// (in any of corpc's blocking waits) and work is queued, the pool starts a replacement so that `size()` threads stay
+/// runnable; replacements exit when they are no longer needed (at most `max_threads` in all).
 class ThreadPool final : public Executor {
  public:
   /// `on_start` runs first on each thread (thread-local settings such as intra-op thread counts).
@@ -150,7 +103,7 @@ class ThreadPool final : public Executor {
   std::size_t threads_started() const noexcept;  ///< threads ever started, replacements included (for tests)
 
  private:
-  friend class BlockingRegion;
+  friend class detail::BlockingRegion;
   void run();
   void start_thread();  // mutex_ held
   void block_begin();
@@ -190,23 +143,6 @@ class BoundedExecutor final : public Executor {
   WorkItem* tail_ = nullptr;
   std::size_t running_ = 0;
   std::vector<Runner*> free_runners_;
-};
-
-/// An executor drained by hand, by the one thread that owns it (used by `sync_wait`). Enqueueing is lock-free.
-class ManualExecutor final : public Executor {
- public:
-  void enqueue(WorkItem* item) noexcept override;
-  bool running_here() const noexcept override { return owner_ == std::this_thread::get_id(); }
-  /// Runs queued work until `done` is set; sleeps (after a short spin) while there is none.
-  void run_until(const std::atomic<bool>& done);
-  /// Wakes run_until so that it re-checks `done`.
-  void notify() noexcept;
-
- private:
-  std::atomic<WorkItem*> inbox_{nullptr};  // LIFO stack of pushed items; reversed when drained
-  std::atomic<std::uint32_t> wake_{0};     // futex word: bumped on every push and notify
-  std::atomic<bool> sleeping_{false};
-  std::thread::id owner_;
 };
 
 }  // namespace corpc

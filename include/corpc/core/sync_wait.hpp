@@ -8,6 +8,7 @@
 
 #include <atomic>
 
+#include "corpc/core/detail/manual_executor.hpp"
 #include "corpc/core/task.hpp"
 
 namespace corpc {
@@ -16,9 +17,8 @@ namespace corpc {
 /// drives the task's continuations meanwhile. For `main` and plain threads: throws UsageError on a corpc I/O thread.
 template <class T>
 T sync_wait(Task<T> task) {
-
   check_may_block("sync_wait");
-  static thread_local ManualExecutor executor;
+  static thread_local detail::ManualExecutor executor;
   ExecutorScope scope(&executor);
   std::atomic<bool> finished{false};
   Future<T> fut = spawn(std::move(task));

@@ -2,15 +2,15 @@
 /// Joining many futures.
 ///
 /// ```
-///   wait_all(futs)    -> Future<std::vector<T>>: all values in order; fails with the first error to occur, at once.
-///   wait_all(futs, WaitAll::stop_rest_on_failure): the same, and asks the producers of the inputs still running to
+///   when_all(futs)    -> Future<std::vector<T>>: all values in order; fails with the first error to occur, at once.
+///   when_all(futs, WhenAll::stop_rest_on_failure): the same, and asks the producers of the inputs still running to
 ///                        stop when one fails (RPCs are cancelled on their callees), so a failed batch stops working.
 ///   collect_all(futs) -> Future<std::vector<Future<T>>>: completes when every input has, never fails; inspect each.
 /// ```
 ///
-/// Both are eager Futures, so they can be awaited (`co_await wait_all(std::move(futs))`) or waited on. Cancelling the
-/// future wait_all returns asks the producers of its inputs to stop (the inputs themselves, which may be shared, are
-/// completed only by their producers: an RPC completes as cancelled).
+/// Both return at once with an eager Future, which can be awaited (`co_await when_all(std::move(futs))`) or waited on
+/// (`when_all(futs).wait()`). Cancelling the future when_all returns asks the producers of its inputs to stop (the
+/// inputs themselves, which may be shared, are completed only by their producers: an RPC completes as cancelled).
 #pragma once
 
 #include <atomic>
@@ -23,8 +23,8 @@
 
 namespace corpc {
 
-/// What wait_all does with the other inputs when one fails.
-enum class WaitAll : std::uint8_t {
+/// What when_all does with the other inputs when one fails.
+enum class WhenAll : std::uint8_t {
   keep_rest_running,     ///< default: a failure completes the join; the other inputs run on
   stop_rest_on_failure,  ///< a failure also cancels every input still running
 };
@@ -47,14 +47,14 @@ void arm_cancel_inputs(CancelSlot& out, std::shared_ptr<std::vector<Future<T>>> 
 /// input (or its first failure); continuations follow the usual resumption rule. Empty input: completes at once.
 /// Cancelling the returned future cancels the inputs.
 template <class T>
-Future<std::conditional_t<std::is_void_v<T>, void, std::vector<T>>> wait_all(std::vector<Future<T>> futures,
-                                                                              WaitAll mode = WaitAll::keep_rest_running) {
+Future<std::conditional_t<std::is_void_v<T>, void, std::vector<T>>> when_all(std::vector<Future<T>> futures,
+                                                                              WhenAll mode = WhenAll::keep_rest_running) {
   using Out = std::conditional_t<std::is_void_v<T>, void, std::vector<T>>;
   struct Join {
     std::shared_ptr<std::vector<Future<T>>> inputs;
     std::atomic<std::size_t> remaining;
     Promise<Out> promise;
-    WaitAll mode;
+    WhenAll mode;
   };
   auto join = std::make_shared<Join>();
   join->remaining = futures.size();
@@ -71,7 +71,7 @@ Future<std::conditional_t<std::is_void_v<T>, void, std::vector<T>>> wait_all(std
     detail::on_ready_inline(f, [join, f] {
       if (auto e = f.error()) {
         // First error wins; later completions are ignored.
-        if (join->promise.set_exception(e) && join->mode == WaitAll::stop_rest_on_failure) {
+        if (join->promise.set_exception(e) && join->mode == WhenAll::stop_rest_on_failure) {
           for (auto& in : *join->inputs) detail::state_of(in)->request_cancel();
         }
         return;
@@ -88,6 +88,16 @@ Future<std::conditional_t<std::is_void_v<T>, void, std::vector<T>>> wait_all(std
     });
   }
   return out;
+}
+
+/// Deprecated (removed in the next release): use WhenAll.
+using WaitAll [[deprecated("use WhenAll")]] = WhenAll;
+/// Deprecated (removed in the next release): use when_all, the same join under a name that does not read as a
+/// blocking wait (it returns a Future).
+template <class T>
+[[deprecated("use when_all")]] auto wait_all(std::vector<Future<T>> futures,
+                                             WhenAll mode = WhenAll::keep_rest_running) {
+  return when_all(std::move(futures), mode);
 }
 
 /// Completes when every input has completed, whatever the outcome, and never fails: inspect each returned future

@@ -136,7 +136,7 @@ class Pipeline {
     for (int rank : p.state_->worker_ranks)
       made.push_back(rpc_async<&detail::create_stages<Model, Loss, MakeOptimizer, std::decay_t<A>...>>(
           rank, p.state_->placement, args...));
-    wait_all(std::move(made)).wait();
+    when_all(std::move(made)).wait();
     return p;
   }
 

@@ -1,0 +1,31 @@
+// corpc/core/detail/event.hpp — the one-shot event every blocking wait in corpc sleeps on (internal).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+
+namespace corpc::detail {
+
+// A one-shot event that one thread waits on: spins (corpc::spin_before_block()), then sleeps on a futex. No mutex,
+// no condition variable; `set` makes a system call only when the waiter is asleep. Waiting counts as blocking for the
+// worker pool (BlockingRegion).
+class Event {
+ public:
+  // Sets the event and wakes the waiter; any thread, once per reset().
+  void set() noexcept;
+  // Returns once the event is set (at once if it is); spins, then sleeps. Only one thread may wait.
+  void wait() noexcept;
+  // False if `deadline` passed first.
+  bool wait_until(std::chrono::steady_clock::time_point deadline) noexcept;
+  // Whether set() has been called since construction or the last reset().
+  bool is_set() const noexcept { return state_.load(std::memory_order_acquire) == kSet; }
+  // Makes the event reusable; only while no thread waits on it.
+  void reset() noexcept { state_.store(kEmpty, std::memory_order_relaxed); }
+
+ private:
+  static constexpr std::uint32_t kEmpty = 0, kSet = 1, kSleeping = 2;
+  std::atomic<std::uint32_t> state_{kEmpty};
+};
+
+}  // namespace corpc::detail
