@@ -47,6 +47,7 @@
 #include <fmt/core.h>
 
 #include "../tools/tls_certs.hpp"
+#include "bench_util.hpp"
 #include "corpc/corpc.hpp"
 #include "corpc/rref/rref.hpp"
 #include "../src/transport/shm_channel.hpp"
@@ -162,81 +163,65 @@ struct Options {
 }
 
 Options parse(int argc, char** argv) {
+  const corpc::bench::Flags flags(argc, argv,
+                                  {"seconds-per-case", "block-ms", "min-iters", "worker-threads", "spin-us",
+                                   "host-cache-mib", "json", "cancel-samples", "flow-control", "channel", "tls", "cases"},
+                                  {"help", "h", "raw-alloc", "transfers"});
+  if (flags.has("help") || flags.has("h")) usage(0);
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      auto eq = a.find('=');
-      if (eq != std::string::npos) return a.substr(eq + 1);
-      if (i + 1 >= argc) usage(2);
-      return argv[++i];
-    };
-    auto key = a.substr(0, a.find('='));
-    try {
-      if (key == "--help" || key == "-h") {
-        usage(0);
-      } else if (key == "--seconds-per-case") {
-        o.seconds_per_case = std::stod(value());
-      } else if (key == "--block-ms") {
-        o.block_ms = std::stod(value());
-      } else if (key == "--min-iters") {
-        o.min_iters = std::max(1, std::stoi(value()));
-      } else if (key == "--worker-threads") {
-        o.worker_threads = std::stoi(value());
-      } else if (key == "--spin-us") {
-        o.spin_us = std::stoi(value());
-      } else if (key == "--host-cache-mib") {
-        o.host_cache_mib = std::stol(value());
-      } else if (key == "--raw-alloc") {
-        o.raw_alloc = true;
-      } else if (key == "--json") {
-        o.json_path = value();
-      } else if (key == "--cancel-samples") {
-        o.cancel_samples = std::stoi(value());
-      } else if (key == "--flow-control") {
-        const std::string v = value();
-        if (v != "on" && v != "off") usage(2);
-        o.flow_control = v == "on";
-      } else if (key == "--channel") {
-        const std::string v = value();
-        if (v != "shm" && v != "tcp") usage(2);
-        o.same_host = v == "shm";
-      } else if (key == "--transfers") {
-        o.transfers = true;
-      } else if (key == "--tls") {
-        const std::string v = value();
-        o.tls.emplace();
-        if (v != "generate") {
-          std::stringstream ss(v);
-          std::getline(ss, o.tls->certificate_chain_file, ',');
-          std::getline(ss, o.tls->private_key_file, ',');
-          std::getline(ss, o.tls->ca_file, ',');
-          if (o.tls->ca_file.empty()) usage(2);
-        }
-      } else if (key == "--cases") {
-        o.cases.clear();
-        std::stringstream ss(value());
-        for (std::string c; std::getline(ss, c, ',');) {
-          auto named = [&](const CaseSpec& s) { return s.name == c; };
-          auto it = std::find_if(kAllCases.begin(), kAllCases.end(), named);
-          if (it == kAllCases.end()) it = std::find_if(kExtraCases.begin(), kExtraCases.end(), named);
-          if (it == kExtraCases.end()) {
-            std::fprintf(stderr, "unknown case '%s'\n", c.c_str());
-            usage(2);
-          }
-          o.cases.push_back(*it);
-        }
-      } else {
-        std::fprintf(stderr, "unknown option '%s'\n", a.c_str());
-        usage(2);
-      }
-    } catch (const std::logic_error&) {
-      std::fprintf(stderr, "bad value for %s\n", key.c_str());
-      usage(2);
+  try {
+    flags.check();
+    o.seconds_per_case = flags.get_double("seconds-per-case", o.seconds_per_case);
+    o.block_ms = flags.get_double("block-ms", o.block_ms);
+    o.min_iters = std::max(1, flags.get_int<int>("min-iters", o.min_iters));
+    o.worker_threads = flags.get_int<int>("worker-threads", o.worker_threads);
+    o.spin_us = flags.get_int<int>("spin-us", o.spin_us);
+    o.host_cache_mib = flags.get_int("host-cache-mib", o.host_cache_mib);
+    o.raw_alloc = flags.has("raw-alloc");
+    o.json_path = flags.get("json", o.json_path);
+    o.cancel_samples = flags.get_int<int>("cancel-samples", o.cancel_samples);
+    if (flags.has("flow-control")) {
+      const std::string v = flags.get("flow-control", "");
+      if (v != "on" && v != "off") usage(2);
+      o.flow_control = v == "on";
     }
+    if (flags.has("channel")) {
+      const std::string v = flags.get("channel", "");
+      if (v != "shm" && v != "tcp") usage(2);
+      o.same_host = v == "shm";
+    }
+    o.transfers = flags.has("transfers");
+    if (flags.has("tls")) {
+      const std::string v = flags.get("tls", "");
+      o.tls.emplace();
+      if (v != "generate") {
+        std::stringstream ss(v);
+        std::getline(ss, o.tls->certificate_chain_file, ',');
+        std::getline(ss, o.tls->private_key_file, ',');
+        std::getline(ss, o.tls->ca_file, ',');
+        if (o.tls->ca_file.empty()) usage(2);
+      }
+    }
+    if (flags.has("cases")) {
+      o.cases.clear();
+      std::stringstream ss(flags.get("cases", ""));
+      for (std::string c; std::getline(ss, c, ',');) {
+        auto named = [&](const CaseSpec& s) { return s.name == c; };
+        auto it = std::find_if(kAllCases.begin(), kAllCases.end(), named);
+        if (it == kAllCases.end()) it = std::find_if(kExtraCases.begin(), kExtraCases.end(), named);
+        if (it == kExtraCases.end()) {
+          std::fprintf(stderr, "unknown case '%s'\n", c.c_str());
+          usage(2);
+        }
+        o.cases.push_back(*it);
+      }
+    }
+  } catch (const corpc::bench::FlagError& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    usage(2);
   }
   if (o.transfers) {
-    if (std::none_of(argv + 1, argv + argc, [](const char* a) { return std::string(a).rfind("--cases", 0) == 0; }))
+    if (!flags.has("cases"))
       o.cases = {kAllCases[2], kAllCases[3], kAllCases[4]};
     o.cases.erase(std::remove_if(o.cases.begin(), o.cases.end(), [](const CaseSpec& c) { return c.bytes == 0; }),
                   o.cases.end());
