@@ -6,6 +6,8 @@
 // queued, so a call from a user thread costs no hand-off. While its I/O thread dispatches the frames of one read,
 // sends from that thread are staged and flushed in one gathered write when the batch ends ("corked"), so a burst of
 // replies costs one system call.
+//
+// The TCP connection is tcp_connection.hpp with its tcp_*.cpp; the loopback connection is loopback_connection.cpp.
 #pragma once
 
 #include "transport/auth.hpp"

@@ -1,0 +1,35 @@
+// Opening a TCP connection to a peer: resolve, connect, authenticate (TLS and the secret), then read. Frames sent
+// meanwhile are staged, and go out behind the handshake once start_reading() flushes them.
+#include "transport/tcp_connection.hpp"
+
+namespace corpc::detail {
+
+void TcpConnection::dial(std::string host, std::uint16_t port, AuthConfig auth) {
+  asio::co_spawn(socket_.get_executor(), connect(self(), std::move(host), port, std::move(auth)), asio::detached);
+}
+
+asio::awaitable<void> TcpConnection::connect(std::shared_ptr<TcpConnection> self, std::string host,
+                                            std::uint16_t port, AuthConfig auth) {
+  try {
+    asio::ip::tcp::resolver resolver(self->socket_.get_executor());
+    auto endpoints = co_await resolver.async_resolve(host, std::to_string(port), asio::use_awaitable);
+    co_await asio::async_connect(self->socket_, endpoints, asio::use_awaitable);
+    co_await authenticate(self->transport_, auth, AuthRole::dialer);  // queued frames wait for it
+  } catch (const std::exception& e) {
+    self->fail("cannot connect to " + host + ":" + std::to_string(port) + ": " + e.what());
+    co_return;
+  }
+  if (!self->closed_) self->start_reading();
+}
+
+std::shared_ptr<Connection> dial_tcp_connection(asio::io_context& io, int peer_rank, std::string host,
+                                                std::uint16_t port, const ConnectionSettings& settings, FrameHandler on_frame,
+                                                CloseHandler on_close, AuthConfig auth) {
+  auto c = std::make_shared<TcpConnection>(Transport(asio::ip::tcp::socket(io)), settings, std::move(on_frame), std::move(on_close));
+  c->peer_rank = peer_rank;
+  c->outgoing = true;
+  c->dial(std::move(host), port, std::move(auth));
+  return c;
+}
+
+}  // namespace corpc::detail

@@ -1,0 +1,223 @@
+// The writing side of a TCP connection. A sender writes straight to the socket from its own thread when nothing is
+// queued (no hand-off for a call from a user thread); otherwise, or when the socket is full, the frame is staged (small
+// parts copied, tensors and large bodies referred to) and whoever owns the flush writes it in one gathered write.
+// While an I/O thread delivers the frames of one read, its sends are staged and flushed together when the batch ends
+// ("corked"), so a burst of replies costs one system call. TLS writes always go through the staged path.
+#include <sys/socket.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "core/trace_recorder.hpp"
+#include "memory/cuda_ipc.hpp"
+#include "transport/shm_transfer.hpp"
+#include "transport/tcp_connection.hpp"
+
+namespace corpc::detail {
+
+thread_local constinit BatchState tls_batch;
+
+namespace {
+// The connections written to during the calling thread's open batch, flushed when it ends.
+thread_local std::vector<std::shared_ptr<TcpConnection>> batch_dirty;
+}  // namespace
+
+void flush_batch() {
+  // Flushing may deliver nothing new, but take the list first: a flush never adds to it (the batch is closed).
+  for (std::size_t i = 0; i < batch_dirty.size(); ++i) batch_dirty[i]->flush_now();
+  batch_dirty.clear();
+}
+
+DispatchBatch::DispatchBatch(asio::io_context& io) { batch_begin(io); }
+DispatchBatch::~DispatchBatch() { flush(); }
+void DispatchBatch::flush() { batch_end(); }
+
+void TcpConnection::send(OutFrame&& f) {
+  const std::uint64_t tensor_bytes = f.head.tensor_bytes;
+  trace::detail::ScopedRecord slice(
+      [&] { return trace::detail::Record{.kind = trace::detail::Kind::tensor_send, .peer = peer_rank, .bytes = tensor_bytes, .name = {}}; },
+      tensor_bytes >= trace::kLargeTransferBytes);
+  std::unique_lock lock(wmutex_);
+  if (closed_) return;
+  if (f.lent) f.lent->commit();  // in the wire's order now: out until the peer's IpcDone or this connection's loss
+  if (shm_ && tensor_bytes >= kShmMinBytes) shm_send(*shm_, f);  // the data goes through the ring if it has room
+  if (!connected_ || flush_owned_ || corked_here() || f.tensors.size() + 3 > kMaxIov || transport_.encrypted()) {
+    stage(f, 0);
+    schedule_flush();
+    return;
+  }
+  // Nothing queued: write straight from the sending thread.
+  iovec iov[kMaxIov];
+  int n = 0;
+  std::size_t total = 0;
+  auto add = [&](const void* p, std::size_t len) {
+    if (!len) return;
+    iov[n++] = {const_cast<void*>(p), len};
+    total += len;
+  };
+  add(&f.head, sizeof f.head);
+  add(f.meta.data(), f.meta.size());
+  add(f.body.data(), f.body.size());
+  for (auto& t : f.tensors) add(t.data_ptr(), static_cast<std::size_t>(t.nbytes()));
+  ssize_t w = write_iov(iov, n);
+  if (w == static_cast<ssize_t>(total)) return;
+  if (w < 0) {
+    if (errno != EAGAIN && errno != EWOULDBLOCK) {
+      std::string why = std::string("write failed: ") + std::strerror(errno);
+      lock.unlock();
+      return close(why);
+    }
+    w = 0;
+  }
+  stage(f, static_cast<std::size_t>(w));
+  schedule_flush();
+}
+
+ssize_t TcpConnection::write_iov(iovec* iov, int n) {
+  msghdr mh{};
+  mh.msg_iov = iov;
+  mh.msg_iovlen = static_cast<std::size_t>(n);
+  ssize_t w;
+  do {
+    w = ::sendmsg(socket_.native_handle(), &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+  } while (w < 0 && errno == EINTR);
+  return w;
+}
+
+// Appends `f` to the staged output, minus its first `skip` bytes (already written). wmutex_ held.
+void TcpConnection::stage(OutFrame& f, std::size_t skip) {
+  auto copy = [&](const void* p, std::size_t len) {
+    if (skip >= len) return void(skip -= len);
+    const char* c = static_cast<const char*>(p) + skip;
+    len -= skip;
+    skip = 0;
+    segs_.push_back({nullptr, stage_.size(), len});
+    stage_.append(c, len);
+    backlog_.fetch_add(len, std::memory_order_relaxed);
+  };
+  auto refer = [&](const char* p, std::size_t len) {
+    if (skip >= len) return void(skip -= len);
+    segs_.push_back({p + skip, 0, len - skip});
+    backlog_.fetch_add(len - skip, std::memory_order_relaxed);
+    skip = 0;
+  };
+  copy(&f.head, sizeof f.head);
+  copy(f.meta.data(), f.meta.size());
+  if (f.body.size() < kCopyBodyBelow) {
+    copy(f.body.data(), f.body.size());
+  } else {
+    keep_bodies_.push_back(std::move(f.body));
+    refer(keep_bodies_.back().data(), keep_bodies_.back().size());
+  }
+  for (auto& t : f.tensors) {
+    if (!t.nbytes()) continue;
+    refer(static_cast<const char*>(t.data_ptr()), static_cast<std::size_t>(t.nbytes()));
+    keep_tensors_.push_back(std::move(t));
+  }
+}
+
+// Someone must write what was just staged. wmutex_ held.
+void TcpConnection::schedule_flush() {
+  if (flush_owned_ || !connected_) return;
+  flush_owned_ = true;
+  if (corked_here()) {
+    batch_dirty.push_back(self());
+  } else {
+    asio::post(socket_.get_executor(), [self = self()] { self->flush_now(); });
+  }
+}
+
+// I/O thread: writes what is staged; waits for writability when the socket is full.
+void TcpConnection::flush_now() {
+  if (transport_.encrypted()) return flush_encrypted();
+  std::unique_lock lock(wmutex_);
+  if (closed_ || !connected_) return;
+  while (seg_i_ < segs_.size()) {
+    iovec iov[kMaxIov];
+    int n = 0;
+    for (std::size_t i = seg_i_; i < segs_.size() && n < kMaxIov; ++i) {
+      const Seg& s = segs_[i];
+      const char* base = s.ext ? s.ext : stage_.data() + s.off;
+      const std::size_t skip = i == seg_i_ ? seg_done_ : 0;
+      iov[n++] = {const_cast<char*>(base + skip), s.len - skip};
+    }
+    ssize_t w = write_iov(iov, n);
+    if (w < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        socket_.async_wait(asio::ip::tcp::socket::wait_write, [self = self()](const asio::error_code& ec) {
+          if (ec) return self->fail("write failed: " + ec.message());
+          self->flush_now();
+        });
+        return;  // flush_owned_ stays set: the wait owns the flush
+      }
+      std::string why = std::string("write failed: ") + std::strerror(errno);
+      lock.unlock();
+      return fail(why);
+    }
+    advance(static_cast<std::size_t>(w));
+    ++written_;  // the peer is taking what we send: a sign of life while it is busy reading a long message
+    backlog_.fetch_sub(static_cast<std::size_t>(w), std::memory_order_relaxed);
+  }
+  flushed(lock);
+}
+
+void TcpConnection::advance(std::size_t w) {
+  while (w && seg_i_ < segs_.size()) {
+    const std::size_t left = segs_[seg_i_].len - seg_done_;
+    if (w < left) {
+      seg_done_ += w;
+      return;
+    }
+    w -= left;
+    ++seg_i_;
+    seg_done_ = 0;
+  }
+}
+
+// I/O thread, TLS: what is staged goes out through the TLS session in one asynchronous gathered write at a time.
+// The write takes the staged buffers (and the tensors and bodies they point into) with it, so senders keep
+// staging into fresh ones meanwhile; flush_owned_ stays set until nothing is left.
+void TcpConnection::flush_encrypted() {
+  std::unique_lock lock(wmutex_);
+  if (closed_ || !connected_) return;
+  if (segs_.empty()) return flushed(lock);
+  struct InFlight {
+    std::string stage;
+    std::vector<Seg> segs;
+    std::vector<at::Tensor> tensors;
+    std::vector<std::string> bodies;
+  };
+  auto out = std::make_shared<InFlight>();
+  out->stage.swap(stage_);
+  out->segs.swap(segs_);
+  out->tensors.swap(keep_tensors_);
+  out->bodies.swap(keep_bodies_);
+  std::vector<asio::const_buffer> buffers;
+  buffers.reserve(out->segs.size());
+  for (const Seg& seg : out->segs) buffers.emplace_back(seg.ext ? seg.ext : out->stage.data() + seg.off, seg.len);
+  lock.unlock();
+  asio::async_write(transport_, buffers, WriteProgress{&written_},
+                    [self = self(), out](const asio::error_code& ec, std::size_t n) {
+                      if (ec) return self->fail("write failed: " + ec.message());
+                      self->backlog_.fetch_sub(n, std::memory_order_relaxed);
+                      self->flush_encrypted();
+                    });
+}
+
+// Everything staged has been written. wmutex_ held by `lock`.
+void TcpConnection::flushed(std::unique_lock<std::mutex>& lock) {
+  backlog_.store(0, std::memory_order_relaxed);
+  if (paused_) room_timer_.cancel();  // a reader paused for the backlog may go on
+  stage_.clear();
+  segs_.clear();
+  seg_i_ = seg_done_ = 0;
+  keep_tensors_.clear();
+  keep_bodies_.clear();
+  flush_owned_ = false;
+  if (close_when_flushed_) {
+    lock.unlock();
+    fail("closed");
+  }
+}
+
+}  // namespace corpc::detail
