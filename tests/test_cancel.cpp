@@ -235,8 +235,7 @@ TEST_CASE("a deadline travels down a chain of three workers and stops the work o
 }
 
 TEST_CASE("graceful shutdown waits for the runtime's background work, then joins it: nothing is left running") {
-  LaunchOptions lo = launch_options();
-  lo.timeout = 60s;
+  const LaunchOptions lo = launch_options(60s);
   launch_processes(2, [](int rank) {
     init_rpc(worker_name(rank), rank, 2, quick_options());
     // Acknowledged at once; the value is still being computed (and will call rank 0) when both ranks shut down.
@@ -251,8 +250,7 @@ TEST_CASE("graceful shutdown waits for the runtime's background work, then joins
 }
 
 TEST_CASE("a shutdown that does not wait stops the background work and joins it") {
-  LaunchOptions lo = launch_options();
-  lo.timeout = 60s;
+  const LaunchOptions lo = launch_options(60s);
   launch_processes(2, [](int rank) {
     init_rpc(worker_name(rank), rank, 2, quick_options());
     if (rank == 0) {

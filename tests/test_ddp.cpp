@@ -94,8 +94,7 @@ std::vector<torch::Tensor> snapshot(torch::nn::Module& m) {
 }
 
 void launch(const std::function<void(int)>& body) {
-  corpc::LaunchOptions o = corpc::test::launch_options();
-  o.timeout = std::chrono::seconds(120);
+  const corpc::LaunchOptions o = corpc::test::launch_options(std::chrono::seconds(120));
   corpc::launch_processes(kWorld, body, o);
 }
 
@@ -601,8 +600,7 @@ TEST_CASE("ddp: a rank dies mid-training, the group restarts and resumes from th
   const std::string done = path + ".done";
   std::remove(path.c_str());
   constexpr int kSteps = 6, kCheckpointEvery = 2, kDieAt = 3;
-  corpc::LaunchOptions lo = corpc::test::launch_options();
-  lo.timeout = std::chrono::seconds(120);
+  const corpc::LaunchOptions lo = corpc::test::launch_options(std::chrono::seconds(120));
   const int restarts = corpc::ddp::launch_with_restarts(kWorld, [&](int rank, int restart) {
     corpc::ddp::ProcessGroupOptions po;
     po.timeout = std::chrono::seconds(5);

@@ -69,8 +69,7 @@ class Hosts {
 
   // Runs `body(rank)` with each rank inside its own namespace, rendezvous at rank 0's address.
   void run(const std::function<void(int)>& body, RpcOptions options = quick_options()) const {
-    LaunchOptions lo = launch_options();
-    lo.timeout = 120s;
+    const LaunchOptions lo = launch_options(120s);
     launch_processes(kWorld, [&](int rank) {
       const int fd = ::open(("/run/netns/" + ns(std::to_string(rank))).c_str(), O_RDONLY | O_CLOEXEC);
       if (fd < 0 || ::setns(fd, CLONE_NEWNET) != 0) throw std::runtime_error("cannot enter this rank's namespace");
