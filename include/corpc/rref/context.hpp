@@ -29,16 +29,6 @@
 
 namespace corpc {
 
-/// An id unique across the job: the rank that made it and a counter of that worker's.
-struct GloballyUniqueId {
-  std::int32_t rank = -1;     ///< the worker that made it
-  std::int64_t local_id = -1;  ///< unique among the ids that worker made
-  auto operator<=>(const GloballyUniqueId&) const = default;  ///< by rank, then local_id
-  CORPC_FIELDS(rank, local_id)
-};
-using RRefId = GloballyUniqueId;  ///< Identifies a value held through RRefs (the same on every worker).
-using ForkId = GloballyUniqueId;  ///< Identifies one user reference (fork) of such a value.
-
 /// Counts for tests and users.
 struct RRefStats {
   std::uint64_t owned_values = 0;     ///< values this worker owns (created or placeholder)
@@ -48,6 +38,16 @@ struct RRefStats {
 };
 
 namespace detail {
+
+// An id unique across the job: the rank that made it and a counter of that worker's.
+struct GloballyUniqueId {
+  std::int32_t rank = -1;      // the worker that made it
+  std::int64_t local_id = -1;  // unique among the ids that worker made
+  auto operator<=>(const GloballyUniqueId&) const = default;  // by rank, then local_id
+  CORPC_FIELDS(rank, local_id)
+};
+using RRefId = GloballyUniqueId;  // a value held through RRefs (the same on every worker)
+using ForkId = GloballyUniqueId;  // one user reference (fork) of such a value
 
 // A value on its owner. `value` points at the T; `ready` completes when it is set (or failed).
 struct OwnerSlot {
