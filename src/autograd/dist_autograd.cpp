@@ -153,7 +153,7 @@ const bool g_hooks_installed = [] {
   add_runtime_initializer([](Runtime& rt) {
     auto c = rt.extension<Container>();
     std::weak_ptr<Container> weak = c;
-    TensorHooks hooks;
+    corpc::detail::TensorHooks hooks;
     hooks.context_slot = detail::context_slot();
     hooks.on_send = [weak](std::int64_t ctx, int dst, const std::vector<at::Tensor>& ts) -> std::int64_t {
       auto c = weak.lock();
@@ -349,7 +349,6 @@ GradientMap get_gradients(std::int64_t context_id) {
   return ctx->grads;
 }
 
-std::size_t live_contexts() { return container()->size(); }
 
 namespace leaf_hooks {
 std::int64_t pass_context_id() { return tls_leaf_pass ? tls_leaf_pass->context : -1; }
@@ -371,9 +370,10 @@ void set_gradient(std::int64_t context_id, const at::Tensor& leaf, at::Tensor gr
   ctx->grads.insert_or_assign(leaf, std::move(grad));
 }
 }  // namespace leaf_hooks
-Future<std::uint64_t> live_contexts(const WorkerRef& worker) { return rpc_async<&live_contexts_here>(worker); }
 
 namespace detail {
+std::size_t live_contexts() { return container()->size(); }
+Future<std::uint64_t> live_contexts(const WorkerRef& worker) { return rpc_async<&live_contexts_here>(worker); }
 int context_slot() { return g_context_slot; }
 CallContext with_context(std::int64_t id) {
   CallContext c = current_call_context();

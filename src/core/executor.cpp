@@ -86,8 +86,8 @@ void check_may_block(const char* what) {
                      "instead, or run this function on the worker pool (the default)");
 }
 
-void set_spin_before_block(std::chrono::nanoseconds d) noexcept { g_spin_ns.store(d.count(), std::memory_order_relaxed); }
-std::chrono::nanoseconds spin_before_block() noexcept { return std::chrono::nanoseconds(g_spin_ns.load()); }
+void detail::set_spin_before_block(std::chrono::nanoseconds d) noexcept { g_spin_ns.store(d.count(), std::memory_order_relaxed); }
+std::chrono::nanoseconds detail::spin_before_block() noexcept { return std::chrono::nanoseconds(g_spin_ns.load()); }
 
 // ---- Event ------------------------------------------------------------------------------------------------------
 

@@ -103,7 +103,7 @@ void Runtime::Impl::start_call(detail::OutboundCall&& call) {
                        std::to_string(timeout.count()) + " ms waiting for room (" +
                        std::to_string(options.max_calls_in_flight_per_peer) + " calls in flight to it)");
   }
-  if (!call.control) calls_in_flight.fetch_add(1, std::memory_order_relaxed);
+  if (!call.control) activity->call_started();
   if (trace_t0) [[unlikely]] {  // before it leaves: its reply must not find this worker idle without the record
     trace::detail::record({.kind = trace::detail::Kind::call, .peer = dst, .t0 = trace_t0, .t1 = trace::now_ns(),
                            .request = id, .bytes = frame.wire_bytes(), .name = std::string(call.function)});
@@ -130,7 +130,7 @@ void Runtime::Impl::finish_without_reply(detail::PendingCall& p, std::exception_
                            .t1 = trace::now_ns(), .request = p.id,
                            .name = std::string(p.function.empty() ? std::string_view(p.owned_name) : p.function)});
   }
-  if (p.counted) call_done();
+  if (p.counted) activity->call_done();
   p.finish(nullptr, std::move(error));
 }
 
@@ -180,8 +180,7 @@ void Runtime::Impl::send_request(const std::shared_ptr<detail::Connection>& conn
         [this, conn, id](std::exception_ptr error) { fail_pending(conn, id, std::move(error)); });
   }
   if (counted) {
-    requests_sent.fetch_add(1, std::memory_order_relaxed);
-    sent_to[conn->peer_rank].fetch_add(1, std::memory_order_relaxed);
+    activity->request_sent(conn->peer_rank);
   }
   try {
     conn->send(std::move(frame));
@@ -265,7 +264,7 @@ void Runtime::Impl::deliver_reply(const std::shared_ptr<detail::Connection>& con
                            .peer = p.dst, .t0 = trace::now_ns(), .t1 = trace::now_ns(), .request = p.id,
                            .bytes = frame_bytes(msg.head), .name = std::string(function)});
   }
-  if (p.counted) call_done();
+  if (p.counted) activity->call_done();
   if (msg.head.kind == FrameKind::Error) {
     // Past its deadline the call has timed out, whatever the error: with an inherited deadline the callee's own
     // nested call fails at the same moment, and its error may arrive before our deadline timer has run.

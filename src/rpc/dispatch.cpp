@@ -94,8 +94,8 @@ class RequestScope {
     credit_.release();
     if (stop_.stop_possible()) detail::calls_on(*conn_).inbound.remove(id_);
     if (!counted_) return;
-    rt_.count_handled(src_);
-    rt_.handler_done();
+    rt_.activity->request_handled(src_);
+    rt_.activity->handler_done();
   }
 
   Runtime::Impl& rt_;
@@ -255,7 +255,7 @@ void Runtime::Impl::deliver_on_devices(const std::shared_ptr<detail::Connection>
       const FrameHeader& h = held->head;
       if (h.kind == FrameKind::Request) {
         send_error(conn, h.id, std::move(error), "(delivery to a CUDA device)", !(h.flags & kFlagControl));
-        if (!(h.flags & kFlagControl)) count_handled(conn->peer_rank);
+        if (!(h.flags & kFlagControl)) activity->request_handled(conn->peer_rank);
       } else if (conn->outgoing) {
         fail_pending(conn, h.id, std::move(error));
       }
@@ -275,7 +275,7 @@ void Runtime::Impl::on_request(const std::shared_ptr<detail::Connection>& conn, 
   // A refused request still counts as handled: the caller counted it as sent, and graceful shutdown balances the two.
   auto refuse = [&](std::exception_ptr error, std::string_view function) {
     send_error(conn, msg.head.id, std::move(error), function, !(msg.head.flags & kFlagControl));
-    if (!(msg.head.flags & kFlagControl)) count_handled(conn->peer_rank);
+    if (!(msg.head.flags & kFlagControl)) activity->request_handled(conn->peer_rank);
   };
   if (!entry) {
     return refuse(std::make_exception_ptr(UnknownFunctionError(
@@ -288,7 +288,7 @@ void Runtime::Impl::on_request(const std::shared_ptr<detail::Connection>& conn, 
                                                             self.name + "', which takes " + entry->signature_text)),
                   entry->name);
   }
-  if (!(msg.head.flags & kFlagControl)) handlers_running.fetch_add(1, std::memory_order_relaxed);
+  if (!(msg.head.flags & kFlagControl)) activity->handler_started();
   // A plain function on the I/O thread runs to completion before this thread could read a cancel: it needs no token.
   const bool runs_to_completion_here = entry->execution == Execution::io_thread && entry->run_sync;
   RequestScope scope(*this, conn, msg.head, *entry,
@@ -311,7 +311,7 @@ void Runtime::Impl::refuse_too_large(const std::shared_ptr<detail::Connection>& 
                  std::to_string(options.limits.max_request_bytes) + " that worker '" + self.name +
                  "' may hold (its RpcOptions::receive_budget_per_connection / _per_process)")),
              "", !(h.flags & kFlagControl));
-  if (!(h.flags & kFlagControl)) count_handled(conn->peer_rank);
+  if (!(h.flags & kFlagControl)) activity->request_handled(conn->peer_rank);
 }
 
 void Runtime::Impl::send_error(const std::shared_ptr<detail::Connection>& conn, std::uint64_t id,

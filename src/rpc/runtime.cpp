@@ -19,19 +19,6 @@ std::atomic<Runtime*> g_runtime_ptr{nullptr};
 
 void close_runtime_at_exit();
 
-// An I/O thread as an executor: coroutines suspended there come back to it.
-class IoExecutor final : public Executor {
- public:
-  explicit IoExecutor(asio::io_context& io) : io_(io) {}
-  void enqueue(WorkItem* item) noexcept override {
-    asio::post(io_, [item] { item->run(item); });
-  }
-  bool running_here() const noexcept override { return io_.get_executor().running_in_this_thread(); }
-
- private:
-  asio::io_context& io_;
-};
-
 }  // namespace
 
 std::vector<std::function<void(Runtime&)>>& runtime_initializers() {
@@ -61,7 +48,7 @@ Runtime& Runtime::get() {
 }
 Runtime* Runtime::try_get() noexcept { return g_runtime_ptr.load(std::memory_order_acquire); }
 
-const WorkerInfo& Runtime::self() const noexcept { return impl_->self; }
+int Runtime::rank() const noexcept { return impl_->self.rank; }
 int Runtime::world_size() const noexcept { return impl_->world_size; }
 const RpcOptions& Runtime::options() const noexcept { return impl_->options; }
 Executor& Runtime::executor() noexcept { return *impl_->pool; }
@@ -85,8 +72,8 @@ bool Runtime::is_alive(int rank) const {
 }
 
 RuntimeStats Runtime::stats() const {
-  return {impl_->requests_sent.load(), impl_->requests_handled.load(), impl_->calls_in_flight.load(),
-          impl_->handlers_running.load(), impl_->pool->threads_started()};
+  const auto& a = *impl_->activity;
+  return {a.requests_sent(), a.requests_handled(), a.calls_in_flight(), a.handlers_running(), impl_->pool->threads_started()};
 }
 
 std::shared_ptr<void> Runtime::extension_slot(std::type_index key, const std::function<std::shared_ptr<void>()>& make) {
@@ -100,7 +87,7 @@ void Runtime::add_peer_failure_listener(std::function<void(int, const std::strin
   std::lock_guard lock(impl_->hooks_mutex);
   impl_->failure_listeners.push_back(std::move(listener));
 }
-void Runtime::set_tensor_hooks(TensorHooks hooks) { impl_->tensor_hooks = std::move(hooks); }
+void Runtime::set_tensor_hooks(detail::TensorHooks hooks) { impl_->tensor_hooks = std::move(hooks); }
 TaskScope& Runtime::background() noexcept { return impl_->background; }
 bool Runtime::spawn_background(Task<void> task) noexcept {
   // Outside whatever the caller was doing: no deadline, no distributed-autograd context, the scope's stop token.
@@ -122,31 +109,16 @@ void Runtime::Impl::start_threads() {
   int threads = options.num_worker_threads;
   if (threads <= 0) threads = std::max(4u, 2 * std::max(1u, std::thread::hardware_concurrency()));
   pool = std::make_unique<ThreadPool>(static_cast<std::size_t>(threads), options.worker_thread_init);
-  const int n = std::max(1, options.num_io_threads);
-  for (int i = 0; i < n; ++i) io_threads.push_back(std::make_unique<IoThread>());
+  io_threads = std::make_unique<detail::IoThreads>(options.num_io_threads);
   acceptor.emplace(main_io());
-  for (std::size_t i = 0; i < io_threads.size(); ++i) {
-    auto& t = io_threads[i];
-    t->executor = std::make_unique<IoExecutor>(t->io);
-    t->thread = std::thread([t = t.get(), i] {
-      trace::detail::label_thread("io " + std::to_string(i));
-      ExecutorScope scope(t->executor.get());
-      detail::NonBlockingThreadScope no_blocking;  // a blocking wait here would stop the thread that must deliver its value
-      t->io.run();
-    });
-  }
-  set_spin_before_block(options.spin_before_block);
+  io_threads->start();
+  detail::set_spin_before_block(options.spin_before_block);
   set_default_executor(pool.get());
 }
 
 void Runtime::Impl::stop_threads() {
   set_default_executor(nullptr);
-  for (auto& t : io_threads) {
-    t->work.reset();
-    t->io.stop();
-  }
-  for (auto& t : io_threads)
-    if (t->thread.joinable()) t->thread.join();
+  io_threads->stop();
   pool->stop();
 }
 
@@ -217,8 +189,7 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   impl->dead.assign(world_size, "");
   impl->farewells.assign(world_size, "");
   impl->outgoing.assign(world_size, nullptr);
-  impl->sent_to = std::make_unique<std::atomic<std::uint64_t>[]>(world_size);
-  impl->handled_from = std::make_unique<std::atomic<std::uint64_t>[]>(world_size);
+  impl->activity = std::make_unique<detail::Activity>(world_size);
   auto* raw = impl.get();
   auto rt = std::make_unique<Runtime>(std::move(impl));
   trace::detail::start(options.trace_path, rank);
@@ -273,10 +244,7 @@ std::string close_runtime(bool graceful, const std::string& failure) {
 // Whether this thread belongs to the runtime (a handler, an I/O thread): a graceful shutdown from it would wait for
 // itself.
 bool on_runtime_thread(Runtime::Impl& impl) {
-  if (impl.pool->running_here()) return true;
-  for (auto& t : impl.io_threads)
-    if (t->thread.get_id() == std::this_thread::get_id()) return true;
-  return false;
+  return impl.pool->running_here() || impl.io_threads->running_here();
 }
 
 // Registered by init_rpc: a process that exits with its runtime still running (main returned without shutdown())
@@ -329,7 +297,7 @@ std::string close_runtime_left_open(const std::string& error) {
 
 }  // namespace detail
 
-WorkerInfo get_worker_info() { return Runtime::get().self(); }
+WorkerInfo get_worker_info() { return runtime_impl(Runtime::get()).self; }
 WorkerInfo get_worker_info(const WorkerRef& worker) { return Runtime::get().worker(worker); }
 std::vector<WorkerInfo> get_worker_infos() { return Runtime::get().workers(); }
 

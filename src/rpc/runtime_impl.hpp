@@ -1,10 +1,17 @@
-// The runtime's private state, shared by the files that implement it:
-//   runtime.cpp     public surface, init_rpc, the I/O threads
+// The runtime's private state. Parts that own their state and are used through their own interface:
+//   io_threads.hpp        the I/O threads and their executors
+//   activity.hpp          calls and handlers in flight, requests per peer; waiting for quiet
+//   shutdown_rounds.hpp   rank 0's side of graceful shutdown's termination detection
+//   connection_calls.hpp  the calls in flight on one connection, both ways (kept on the connection)
+//   environment.hpp       what the environment adds to the options
+// The rest is shared by the files that implement the runtime:
+//   runtime.cpp     public surface, init_rpc
 //   calls.cpp       outgoing calls: framing, registration, deadlines, replies
 //   dispatch.cpp    incoming requests: lookup, execution (I/O thread or pool), replies and error frames
 //   peers.cpp       connections: dialing, accepting, closing, peer death
-//   shutdown.cpp    graceful shutdown (termination detection)
+//   shutdown.cpp    graceful shutdown
 //   rendezvous.cpp  finding every worker at start
+//   same_host.cpp   the same-host channel and CUDA IPC per peer
 // Threads: I/O threads own connections and timers; the worker pool runs handlers; any thread may call. Fields say
 // which lock or thread guards them.
 #pragma once
@@ -25,8 +32,11 @@
 #include "corpc/rpc/registry.hpp"
 #include "corpc/rpc/runtime.hpp"
 #include "core/refusal_log.hpp"
+#include "rpc/activity.hpp"
 #include "rpc/connection_calls.hpp"
 #include "rpc/hello.hpp"
+#include "rpc/io_threads.hpp"
+#include "rpc/shutdown_rounds.hpp"
 #include "transport/auth.hpp"
 #include "transport/connection.hpp"
 #include "transport/shm_channel.hpp"
@@ -41,19 +51,12 @@ struct Runtime::Impl {
   std::vector<WorkerInfo> workers;  // by rank; written once by rendezvous before init_rpc returns
   std::unordered_map<std::string, int> rank_by_name;
 
-  // I/O threads: connection k (in order of creation) belongs to io_threads[k % n]. io_threads[0] also runs the
-  // acceptor. The rendezvous frames (Hello, World) are handled on the thread of the connection that carried them,
-  // so with several I/O threads two registrations can complete at once: see world_published below.
-  struct IoThread {
-    asio::io_context io;
-    asio::executor_work_guard<asio::io_context::executor_type> work{io.get_executor()};
-    std::thread thread;
-    std::unique_ptr<Executor> executor;  // posts to `io`; current on the thread
-  };
-  std::vector<std::unique_ptr<IoThread>> io_threads;
-  std::atomic<std::size_t> next_io{0};
-  asio::io_context& main_io() { return io_threads[0]->io; }
-  asio::io_context& pick_io() { return io_threads[next_io.fetch_add(1) % io_threads.size()]->io; }
+  // The I/O threads (io_threads.hpp), made by start_threads. The rendezvous frames (Hello, World) are handled on the
+  // thread of the connection that carried them, so with several I/O threads two registrations can complete at once:
+  // see world_published below.
+  std::unique_ptr<detail::IoThreads> io_threads;
+  asio::io_context& main_io() { return io_threads->main(); }
+  asio::io_context& pick_io() { return io_threads->pick(); }
   std::optional<asio::ip::tcp::acceptor> acceptor;  // on the main I/O thread; created with the threads
   // The same-host channel (same_host.cpp): this host's identity when the channel is on (empty: off), and the Unix
   // socket on which dialers pass their segments (on the main I/O thread; none if it could not be bound).
@@ -80,41 +83,19 @@ struct Runtime::Impl {
   // What strangers and impostors provoke at will is logged at a bounded rate (after io_threads: its timer runs there).
   detail::RefusalLog refused_handshakes{"accept", "connections refused"};
   detail::RefusalLog refused_hellos{"hello", "hellos refused"};
-  std::atomic<std::uint64_t> requests_sent{0}, requests_handled{0}, calls_in_flight{0}, handlers_running{0};
-  // Per peer, for graceful shutdown: user requests we sent to rank j / finished handling from rank i.
-  std::unique_ptr<std::atomic<std::uint64_t>[]> sent_to, handled_from;
-  std::vector<std::uint64_t> counts(const std::unique_ptr<std::atomic<std::uint64_t>[]>& c) const {
-    std::vector<std::uint64_t> v(world_size);
-    for (int i = 0; i < world_size; ++i) v[i] = c[i].load();
-    return v;
-  }
+  // Calls and handlers in flight, and requests per peer (activity.hpp); made by init_rpc once the world size is known.
+  std::unique_ptr<detail::Activity> activity;
 
   std::mutex extensions_mutex;
   std::map<std::type_index, std::shared_ptr<void>> extensions;
 
-  TensorHooks tensor_hooks;  // set by runtime initializers, read-only afterwards
+  detail::TensorHooks tensor_hooks;  // set by runtime initializers, read-only afterwards
   std::mutex hooks_mutex;    // guards the one below
   std::vector<std::function<void(int, const std::string&)>> failure_listeners;
 
-  // Local idleness, for graceful shutdown (shutdown.cpp): no user call in flight, no handler running, nothing in the
-  // background scope. Whoever brings one of them to zero wakes a waiting shutdown; nobody polls.
-  std::mutex idle_mutex;
-  std::condition_variable idle_cv;
-  std::atomic<bool> idle_waited{false};  // a shutdown waits on idle_cv (seq_cst with the counters: no lost wake-up)
-  void wake_idle_waiter() noexcept {
-    if (!idle_waited.load()) return;
-    std::lock_guard lock(idle_mutex);
-    idle_cv.notify_all();
-  }
-  void call_done() noexcept {
-    if (calls_in_flight.fetch_sub(1) == 1) wake_idle_waiter();
-  }
-  void handler_done() noexcept {
-    if (handlers_running.fetch_sub(1) == 1) wake_idle_waiter();
-  }
-  bool locally_idle() const noexcept {
-    return calls_in_flight.load() == 0 && handlers_running.load() == 0 && background.active() == 0;
-  }
+  // Local idleness, for graceful shutdown (shutdown.cpp): the activity counters at zero and nothing in the
+  // background scope.
+  bool locally_idle() const { return activity->idle([this] { return background.active() == 0; }); }
   // Declared after what its tasks' wake-ups touch; joined by shutdown() before the Impl goes.
   TaskScope background;
 
@@ -134,17 +115,8 @@ struct Runtime::Impl {
   // conn_mutex. on_world sets world_known under the same lock, so a request is either parked here or sees the table.
   std::vector<std::pair<std::shared_ptr<detail::Connection>, Message>> early_requests;
 
-  // Graceful shutdown bookkeeping on rank 0, guarded by barrier_mutex.
-  // A round's answer: (requests between live ranks, balanced and idle, the ranks the job lost: "" if none).
-  using RoundResult = std::tuple<std::uint64_t, bool, std::string>;
-  struct Round {
-    std::map<int, std::pair<std::vector<std::uint64_t>, std::vector<std::uint64_t>>> reports;  // rank -> (sent_to, handled_from)
-    bool all_idle = true;
-    Promise<RoundResult> done;
-  };
-  std::mutex barrier_mutex;
-  std::map<std::int64_t, Round> rounds;
-  bool rounds_closed = false;  // set by fail_pending_rounds: later reports are refused
+  // Graceful shutdown's rounds, on rank 0 (shutdown_rounds.hpp).
+  detail::ShutdownRounds shutdown_rounds;
 
   // ---- runtime.cpp ----
   void start_threads();
@@ -159,11 +131,6 @@ struct Runtime::Impl {
   CallContext handler_context(std::int64_t context_id) const noexcept;
   // The same, for a request's handler: with its stop token and its deadline.
   CallContext handler_context(std::int64_t context_id, std::stop_token stop, detail::Clock::time_point deadline) const noexcept;
-  // Counts a user request from `src` as handled (replied to or refused), for graceful shutdown's balance.
-  void count_handled(int src) noexcept {
-    requests_handled.fetch_add(1, std::memory_order_relaxed);
-    if (src >= 0 && src < world_size) handled_from[src].fetch_add(1, std::memory_order_relaxed);
-  }
   std::int64_t outbound_context() const noexcept {
     return tensor_hooks.context_slot >= 0 ? current_call_context().get(tensor_hooks.context_slot) : -1;
   }
@@ -223,6 +190,7 @@ struct Runtime::Impl {
   void close_everything(bool say_goodbye, const std::string& failure = {});
 
   // ---- shutdown.cpp ----
+  // Answers the shutdown rounds that every live rank has reported to.
   void check_rounds();
   // Fails the rounds peers still wait on (they shut down gracefully while this process does not), while the I/O
   // threads that answer them still run; a continuation queued on a stopped thread would never run (and leak).

@@ -17,20 +17,12 @@ namespace corpc {
 namespace {
 
 // (requests between live ranks, balanced and idle, the ranks the job lost in words: "" if none)
-using RoundResult = Runtime::Impl::RoundResult;
+using RoundResult = detail::ShutdownRounds::Result;
 
 Future<RoundResult> shutdown_round(std::int64_t round, int rank, std::vector<std::uint64_t> sent_to,
                                    std::vector<std::uint64_t> handled_from, bool idle) {
   auto& impl = runtime_impl(Runtime::get());
-  Future<RoundResult> out;
-  {
-    std::lock_guard lock(impl.barrier_mutex);
-    if (impl.rounds_closed) throw ShutdownError("rank 0 is shutting down without waiting for the others");
-    auto& r = impl.rounds[round];
-    r.reports[rank] = {std::move(sent_to), std::move(handled_from)};
-    r.all_idle = r.all_idle && idle;
-    out = r.done.get_future();
-  }
+  auto out = impl.shutdown_rounds.report(round, rank, std::move(sent_to), std::move(handled_from), idle);
   impl.check_rounds();
   return out;
 }
@@ -54,8 +46,8 @@ RoundResult ask_round(Runtime::Impl& impl, std::int64_t round, bool idle, std::c
   call.signature = detail::signature_of<Args>();
   call.timeout = timeout;
   call.control = true;
-  detail::encode_args<Args>(call.message, 0, round, impl.self.rank, impl.counts(impl.sent_to),
-                            impl.counts(impl.handled_from), idle);
+  detail::encode_args<Args>(call.message, 0, round, impl.self.rank, impl.activity->sent_counts(),
+                            impl.activity->handled_counts(), idle);
   call.complete = &detail::complete_call<RoundResult>;
   call.target = state;
   detail::start_call(std::move(call));
@@ -74,36 +66,10 @@ void Runtime::Impl::check_rounds() {
     std::lock_guard lock(conn_mutex);
     for (int k = 0; k < world_size; ++k) alive[k] = dead[k].empty();
   }
-  std::lock_guard lock(barrier_mutex);
-  for (auto& [round, r] : rounds) {
-    bool full = true;
-    for (int k = 0; k < world_size && full; ++k) full = r.reports.count(k) || !alive[k];
-    if (!full) continue;
-    std::uint64_t total = 0;
-    bool balanced = r.all_idle;
-    for (auto& [i, ri] : r.reports) {
-      for (auto& [j, rj] : r.reports) {
-        if (!alive[i] || !alive[j] || ri.first.size() != static_cast<std::size_t>(world_size) ||
-            rj.second.size() != static_cast<std::size_t>(world_size))
-          continue;
-        total += ri.first[j];
-        balanced = balanced && ri.first[j] == rj.second[i];
-      }
-    }
-    r.done.set_value(RoundResult{total, balanced, lost});
-  }
+  shutdown_rounds.answer_full_rounds(alive, lost);
 }
 
-void Runtime::Impl::fail_pending_rounds() {
-  std::map<std::int64_t, Round> pending;
-  {
-    std::lock_guard lock(barrier_mutex);
-    rounds_closed = true;
-    pending.swap(rounds);
-  }
-  // Outside the lock: each failure runs (or queues on an I/O thread) the continuation that answers the peer.
-  for (auto& [round, r] : pending) r.done.set_exception(ShutdownError("rank 0 shut down without waiting for the others"));
-}
+void Runtime::Impl::fail_pending_rounds() { shutdown_rounds.close(); }
 
 std::string Runtime::Impl::lost_ranks() {
   std::string out;
@@ -163,20 +129,10 @@ void Runtime::Impl::finish_trace(bool meet) {
 }
 
 bool Runtime::Impl::wait_locally_idle(std::chrono::steady_clock::time_point deadline) {
-  idle_waited.store(true);
-  bool idle = false;
-  for (;;) {
-    // The background scope says when it empties; the counters wake idle_cv themselves (call_done, handler_done).
-    detail::on_ready_inline(background.when_empty(), [this] { wake_idle_waiter(); });
-    std::unique_lock lock(idle_mutex);
-    if ((idle = locally_idle())) break;
-    if (idle_cv.wait_until(lock, deadline) == std::cv_status::timeout) {
-      idle = locally_idle();
-      break;
-    }
-  }
-  idle_waited.store(false);
-  return idle;
+  // The counters wake the wait themselves (call_done, handler_done); the background scope says when it empties.
+  return activity->wait_idle(
+      deadline, [this] { return background.active() == 0; },
+      [this] { detail::on_ready_inline(background.when_empty(), [this] { activity->wake(); }); });
 }
 
 void Runtime::Impl::join_background() noexcept {

@@ -127,9 +127,10 @@ at::Tensor gradient(std::int64_t context_id, const at::Tensor& leaf);
 void set_gradient(std::int64_t context_id, const at::Tensor& leaf, at::Tensor grad);
 }  // namespace leaf_hooks
 
-/// Live contexts on this worker / on another one (tests check that none outlive their iteration).
+namespace detail {
+// Live contexts on this worker / on another one, by RPC (tests check that none outlive their iteration).
 std::size_t live_contexts();
-/// The number of live contexts on `worker`, by RPC (errors as for rpc_async, on the future).
 Future<std::uint64_t> live_contexts(const WorkerRef& worker);
+}  // namespace detail
 
 }  // namespace corpc::dist_autograd

@@ -42,6 +42,7 @@ struct Codec<torch::optim::SGDOptions> {
   }
 };
 
+namespace detail {
 template <class O>
 struct AdamLikeCodec {
   static void write(Writer& w, const O& o) {
@@ -52,10 +53,11 @@ struct AdamLikeCodec {
     return O(lr).betas({b1, b2}).eps(eps).weight_decay(wd).amsgrad(amsgrad);
   }
 };
+}  // namespace detail
 template <>
-struct Codec<torch::optim::AdamOptions> : AdamLikeCodec<torch::optim::AdamOptions> {};
+struct Codec<torch::optim::AdamOptions> : detail::AdamLikeCodec<torch::optim::AdamOptions> {};
 template <>
-struct Codec<torch::optim::AdamWOptions> : AdamLikeCodec<torch::optim::AdamWOptions> {};
+struct Codec<torch::optim::AdamWOptions> : detail::AdamLikeCodec<torch::optim::AdamWOptions> {};
 
 template <>
 struct Codec<torch::optim::AdagradOptions> {

@@ -77,12 +77,13 @@ bool blocking_forbidden() noexcept;
 /// Throws UsageError naming `what` if the calling thread must not block.
 void check_may_block(const char* what);
 
-/// How long a blocking wait spins before it sleeps. A short spin turns the wake-up of a sleeping vCPU (3-25 us here)
-/// into a cache-line transfer when the value arrives soon, as a reply on a fast link does. Default 50 us; 0 disables.
-/// Process-wide; init_rpc sets it from RpcOptions::spin_before_block.
+namespace detail {
+// How long a blocking wait spins before it sleeps: a short spin turns the wake-up of a sleeping core into a
+// cache-line transfer when the value arrives soon, as a reply on a fast link does. Default 50 us; 0 disables.
+// Process-wide; a program sets it through RpcOptions::spin_before_block (init_rpc calls the setter).
 void set_spin_before_block(std::chrono::nanoseconds d) noexcept;
-/// The spin set by set_spin_before_block.
 std::chrono::nanoseconds spin_before_block() noexcept;
+}  // namespace detail
 
 // ---- executors ----------------------------------------------------------------------------------------------------
 

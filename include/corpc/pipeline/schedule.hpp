@@ -93,11 +93,12 @@ struct Action {
   CORPC_FIELDS(kind, stage, micro)
 };
 
-/// ZB-H1's order: each worker runs 1F1B's forwards and input-backwards (I) in 1F1B's order, and a pending W whenever
-/// that next action would have to wait (or a forward would hold more micro-batches than 1F1B does); the Ws left at
-/// the end run last. The order is found by running it with unit times (F = I = W), which is the case ZB-H1 is
-/// designed for; with other times it stays a valid order, only the bubble differs.
-inline std::vector<std::vector<Action>> detail_zero_bubble_h1(int K, int M) {
+namespace detail {
+// ZB-H1's order: each worker runs 1F1B's forwards and input-backwards (I) in 1F1B's order, and a pending W whenever
+// that next action would have to wait (or a forward would hold more micro-batches than 1F1B does); the Ws left at
+// the end run last. The order is found by running it with unit times (F = I = W), which is the case ZB-H1 is
+// designed for; with other times it stays a valid order, only the bubble differs.
+inline std::vector<std::vector<Action>> zero_bubble_h1(int K, int M) {
   std::vector<std::vector<Action>> main(K), plan(K);
   for (int r = 0; r < K; ++r) {
     const int warm = std::min(K - 1 - r, M);
@@ -145,6 +146,7 @@ inline std::vector<std::vector<Action>> detail_zero_bubble_h1(int K, int M) {
     for (int m : pending_w[r]) plan[r].push_back(Action{ActionKind::BackwardWeight, r, m});
   return plan;
 }
+}  // namespace detail
 
 /// The action lists of one step: plan[r] is worker r's, for `workers` workers, `stages_per_worker` (v) stages each
 /// and `micro_batches` (M). Interleaved1F1B needs v >= 2, the others v == 1 (UsageError otherwise).
@@ -197,7 +199,7 @@ inline std::vector<std::vector<Action>> make_schedule(Schedule schedule, int wor
       }
     }
   }
-  if (schedule == Schedule::ZeroBubbleH1) plan = detail_zero_bubble_h1(K, M);
+  if (schedule == Schedule::ZeroBubbleH1) plan = detail::zero_bubble_h1(K, M);
   return plan;
 }
 

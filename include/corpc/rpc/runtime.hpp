@@ -38,8 +38,9 @@ struct RuntimeStats {
   std::uint64_t pool_threads_started = 0;  ///< worker-pool threads ever started (replacements for blocked ones included)
 };
 
-/// Hooks through which distributed autograd sees tensors cross the wire (installed by corpc/autograd, from a runtime
-/// initializer: they are read without a lock afterwards).
+namespace detail {
+// Hooks through which distributed autograd sees tensors cross the wire (installed by corpc/autograd, from a runtime
+// initializer: they are read without a lock afterwards).
 struct TensorHooks {
   /// The CallContext slot whose value travels in every message header as its context id (-1: none).
   int context_slot = -1;
@@ -49,6 +50,7 @@ struct TensorHooks {
   /// After one arrives: may attach recv functions to `tensors` (in place).
   std::function<void(std::int64_t ctx, std::int64_t msg_id, int src, std::vector<at::Tensor>& tensors)> on_recv;
 };
+}  // namespace detail
 
 /// The one RPC runtime of a process, alive from init_rpc to shutdown (see corpc/rpc/runtime.hpp). Most programs
 /// never touch it: the free functions (rpc_async, get_worker_info, ...) reach it. Upper layers use the second group
@@ -60,10 +62,8 @@ class Runtime {
   /// The running runtime, or nullptr (never throws).
   static Runtime* try_get() noexcept;
 
-  /// This worker.
-  const WorkerInfo& self() const noexcept;
-  /// This worker's rank.
-  int rank() const noexcept { return self().rank; }
+  /// This worker's rank (get_worker_info() says the rest).
+  int rank() const noexcept;
   /// The number of workers in the job.
   int world_size() const noexcept;
   const WorkerInfo& worker(const WorkerRef& ref) const;  ///< the worker `ref` names; UnknownWorkerError if none
@@ -83,7 +83,7 @@ class Runtime {
   /// thread that found out (often an I/O thread: keep it short, never block). Listeners live as long as the runtime.
   void add_peer_failure_listener(std::function<void(int rank, const std::string& why)> listener);
   /// Call from a runtime initializer (add_runtime_initializer), before any message is exchanged.
-  void set_tensor_hooks(TensorHooks hooks);
+  void set_tensor_hooks(detail::TensorHooks hooks);
   /// The runtime's own task scope, for library work that nobody awaits: an RRef's value being computed on its owner,
   /// RRef control messages, context releases. Graceful shutdown counts its tasks as work in flight (no worker exits
   /// while one of them may still talk to it), then joins it with a stop requested; a non-graceful shutdown, or one

@@ -7,7 +7,7 @@
 
 namespace corpc::detail {
 
-// A one-shot event that one thread waits on: spins (corpc::spin_before_block()), then sleeps on a futex. No mutex,
+// A one-shot event that one thread waits on: spins (detail::spin_before_block()), then sleeps on a futex. No mutex,
 // no condition variable; `set` makes a system call only when the waiter is asleep. Waiting counts as blocking for the
 // worker pool (BlockingRegion).
 class Event {
