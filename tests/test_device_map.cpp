@@ -719,3 +719,13 @@ TEST_CASE("the environment fills the options a program left at their defaults, a
   off.same_host_channel = false;
   DOCTEST_CHECK_FALSE(cd::with_environment(off).same_host_channel);
 }
+
+TEST_CASE("a launcher variable that is not a number is a UsageError naming it, not rank 0") {
+  const char* saved = std::getenv("RANK");
+  const std::string before = saved ? saved : "";
+  ::setenv("RANK", "abc", 1);
+  DOCTEST_CHECK_THROWS_WITH_AS(cd::rank_from_environment(), "RANK='abc' is not a number", UsageError);
+  ::setenv("RANK", "3", 1);
+  DOCTEST_CHECK(cd::rank_from_environment() == 3);
+  if (saved) ::setenv("RANK", before.c_str(), 1); else ::unsetenv("RANK");
+}

@@ -3,7 +3,6 @@
 
 #include <atomic>
 #include <cstdlib>
-#include <initializer_list>
 #include <stdexcept>
 #include <string>
 
@@ -17,6 +16,7 @@
 #include "corpc/detail/torch_compat.hpp"
 #include "corpc/rpc/runtime.hpp"
 #include "memory/host_allocator.hpp"
+#include "rpc/environment.hpp"
 #include "corpc/rpc/errors.hpp"
 
 namespace corpc::ddp {
@@ -31,14 +31,11 @@ std::string env_or(const char* name, const char* fallback) {
   return v;
 }
 
-// The first of `names` that is set, as init_rpc reads them (torchrun / Slurm / Open MPI / PMI).
-int env_int(std::initializer_list<const char*> names, int fallback, const char* what) {
-  for (const char* n : names) {
-    const char* v = std::getenv(n);
-    if (v != nullptr && *v != '\0') return std::stoi(v);
-  }
+// A launcher's value (read as init_rpc reads it: torchrun / Slurm / Open MPI / PMI), else RPC's, else an error.
+int launcher_or(int from_environment, int fallback, const char* what) {
+  if (from_environment >= 0) return from_environment;
   if (fallback >= 0) return fallback;
-  throw UsageError(std::string("init_process_group: ") + what + " is not set (" + *names.begin() + ")");
+  throw UsageError(std::string("init_process_group: ") + what + " is not set (" + what + ")");
 }
 
 c10::intrusive_ptr<c10d::Store> make_store(const std::string& addr, int port, int rank, int world,
@@ -70,11 +67,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const ProcessGroupOpti
   // The environment first (a launcher's, or a program presenting a subset of the workers as a world of its own),
   // then RPC's rank and size.
   int rank = options.rank, world = options.world_size;
-  if (rank < 0) rank = env_int({"RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"}, rpc ? rpc->rank() : -1, "RANK");
-  if (world < 0) {
-    world = env_int({"WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}, rpc ? rpc->world_size() : -1,
-                    "WORLD_SIZE");
-  }
+  if (rank < 0) rank = launcher_or(corpc::detail::rank_from_environment(), rpc ? rpc->rank() : -1, "RANK");
+  if (world < 0)
+    world = launcher_or(corpc::detail::world_size_from_environment(), rpc ? rpc->world_size() : -1, "WORLD_SIZE");
   if (rank >= world) {
     throw UsageError("init_process_group: rank " + std::to_string(rank) + " is not below the group size " +
                                 std::to_string(world));

@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <initializer_list>
 
+#include "corpc/rpc/errors.hpp"
+
 namespace corpc::detail {
 
 namespace {
@@ -13,9 +15,16 @@ std::string env_or_empty(const char* name) {
   return v ? std::string(v) : std::string();
 }
 
+// The first of `names` that is set, as a number (leading digits, as atoi and stoi read them); UsageError naming the
+// variable if it does not start with one.
 int env_int(std::initializer_list<const char*> names, int fallback) {
   for (const char* n : names) {
-    if (const char* v = std::getenv(n); v && *v) return std::atoi(v);
+    const char* v = std::getenv(n);
+    if (!v || !*v) continue;
+    char* end = nullptr;
+    const long value = std::strtol(v, &end, 10);
+    if (end == v) throw UsageError(std::string(n) + "='" + v + "' is not a number");
+    return static_cast<int>(value);
   }
   return fallback;
 }

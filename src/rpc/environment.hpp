@@ -8,8 +8,8 @@
 // and what init_rpc is not given: the rank and world size (RANK/WORLD_SIZE, or Slurm's, Open MPI's, PMI's), rank 0's
 // address for env:// (MASTER_ADDR, MASTER_PORT) and a socket a launcher bound for rank 0 (CORPC_LISTEN_FD).
 // Outside this file, readers remain only for protocols of their own: CORPC_LOG (core/log.cpp: logging exists before
-// any runtime), the variables between a launcher and its ranks (rpc/launch.cpp), and init_process_group's env://
-// (ddp/process_group.cpp), which reads the launcher variables as torch.distributed does.
+// any runtime), the variables between a launcher and its ranks (rpc/launch.cpp), and init_process_group's store
+// (ddp/process_group.cpp: MASTER_ADDR/PORT and torchrun's agent store; its rank and size come from here).
 #pragma once
 
 #include <string>
@@ -21,7 +21,7 @@ namespace corpc::detail {
 RpcOptions with_environment(RpcOptions options);
 
 std::string secret_from_environment();  // CORPC_SECRET, or empty
-int rank_from_environment();            // -1 if no launcher said
+int rank_from_environment();            // -1 if no launcher said; UsageError if not a number
 int world_size_from_environment();      // -1 if no launcher said
 std::string master_address_from_environment();  // MASTER_ADDR, or empty
 int master_port_from_environment();             // MASTER_PORT, or -1
