@@ -22,7 +22,9 @@
 #include <vector>
 
 #include "../src/rpc/inbound_calls.hpp"
+#include "../src/rpc/peer_table.hpp"
 #include "../src/rpc/pending_calls.hpp"
+#include "../src/rpc/rendezvous_state.hpp"
 #include "../src/transport/connection.hpp"
 #include "../src/transport/receive_budget.hpp"
 #include "../src/transport/stream.hpp"
@@ -1067,4 +1069,250 @@ TEST_CASE("register_function adds an entry to the global registry that decodes i
   e->run_sync(in, reply);
   Reader result(reply.body.data(), reply.body.size());
   CHECK(result.get<int>() == 42);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// PeerTable, Registrations, WorldGate
+
+namespace {
+
+// A connection that only holds what the tables read: its rank, its direction, its address.
+class TableConnection final : public Connection {
+ public:
+  TableConnection(asio::io_context& io, std::string address, bool dialed = false) : Connection(io, {}) {
+    remote_address = std::move(address);
+    outgoing = dialed;
+  }
+  void send(OutFrame&&) override {}
+  void close(std::string) override {}
+  void close_when_flushed() override {}
+};
+
+std::shared_ptr<Connection> table_connection(asio::io_context& io, std::string address, bool dialed = false) {
+  return std::make_shared<TableConnection>(io, std::move(address), dialed);
+}
+
+WorkerInfo worker(std::string name, int rank) {
+  WorkerInfo w;
+  w.name = std::move(name);
+  w.rank = rank;
+  return w;
+}
+
+}  // namespace
+
+TEST_CASE("PeerTable: one connection speaks for a rank; a claimant is refused while it lives, admitted after it goes") {
+  asio::io_context io;
+  PeerTable table(3);
+  auto first = table_connection(io, "10.0.0.1");
+  auto second = table_connection(io, "10.0.0.2");
+  int admitted = 0;
+  CHECK_FALSE(table.claim(1, first, [&] { ++admitted; }).has_value());
+  CHECK(admitted == 1);
+  CHECK(first->peer_rank == 1);
+  auto refusal = table.claim(1, second, [&] { ++admitted; });
+  REQUIRE(refusal.has_value());
+  CHECK(refusal->find("rank 1 is already connected here (from 10.0.0.1)") != std::string::npos);
+  CHECK(admitted == 1);         // nothing recorded for the refused one
+  CHECK(second->peer_rank == -1);
+  CHECK_FALSE(table.claim(2, second).has_value());  // another rank is free
+  // The loss of a connection that does not speak for the rank is its own: the holder stays.
+  auto stranger = table_connection(io, "10.0.0.3");
+  stranger->peer_rank = 1;
+  CHECK_FALSE(table.remove(stranger).speaks_for_rank);
+  CHECK(table.claim(1, table_connection(io, "10.0.0.4")).has_value());
+  // The holder's loss is the rank's, and frees it.
+  auto loss = table.remove(first);
+  CHECK(loss.speaks_for_rank);
+  CHECK_FALSE(loss.while_closing);
+  CHECK_FALSE(table.claim(1, table_connection(io, "10.0.0.5")).has_value());
+}
+
+TEST_CASE("PeerTable: our connection is dialed once; a dead rank refuses calls with why; closing refuses everything") {
+  asio::io_context io;
+  PeerTable table(2);
+  int dials = 0;
+  auto dial = [&] {
+    ++dials;
+    auto c = table_connection(io, "10.0.0.1", true);
+    c->peer_rank = 1;
+    return c;
+  };
+  auto ours = table.outgoing_to(1, "w1", dial);
+  CHECK(table.outgoing_to(1, "w1", dial) == ours);
+  CHECK(dials == 1);
+  CHECK(table.outgoing_if(1, ours.get()) == ours);
+  CHECK(table.outgoing_if(1, nullptr) == nullptr);
+  CHECK(table.outgoing_if(7, ours.get()) == nullptr);
+  CHECK(table.outgoing_connections().size() == 1);
+  CHECK(table.is_alive(1));
+  CHECK_FALSE(table.is_alive(2));
+  CHECK_FALSE(table.is_alive(-1));
+
+  auto news = table.mark_dead(1, "it went silent");
+  REQUIRE(news.has_value());
+  CHECK(*news == ours);                                 // to be closed by the caller
+  CHECK_FALSE(table.mark_dead(1, "again").has_value());  // not news
+  CHECK_FALSE(table.is_alive(1));
+  CHECK(table.deaths() == std::vector<std::string>{"", "it went silent"});
+  try {
+    table.outgoing_to(1, "w1", dial);
+    FAIL("a dead rank was dialed");
+  } catch (const ConnectionError& e) {
+    CHECK(std::string(e.what()).find("worker 'w1' (rank 1) is gone: it went silent") != std::string::npos);
+  }
+  CHECK(dials == 1);
+  // Our connection's loss is always the rank's; it is forgotten.
+  CHECK(table.remove(ours).speaks_for_rank);
+  CHECK(table.outgoing_connections().empty());
+
+  table.set_farewell(0, "out of memory");
+  table.set_farewell(5, "ignored: no such rank");
+  CHECK(table.farewell(0) == "out of memory");
+  CHECK(table.farewell(5).empty());
+
+  auto accepted = table_connection(io, "10.0.0.9");
+  CHECK(table.add_incoming(accepted));
+  CHECK(table.any_open(0));
+  auto all = table.close();
+  CHECK(all == std::vector<std::shared_ptr<Connection>>{accepted});
+  CHECK_FALSE(table.add_incoming(table_connection(io, "10.0.0.10")));
+  CHECK_THROWS_AS(table.outgoing_to(0, "w0", dial), ShutdownError);
+  CHECK(table.remove(accepted).while_closing);
+  CHECK_FALSE(table.any_open(0));
+}
+
+TEST_CASE("PeerTable: a loopback to ourselves does not keep the table open; a connection to a peer does") {
+  asio::io_context io;
+  PeerTable table(2);
+  table.outgoing_to(0, "w0", [&] {
+    auto c = table_connection(io, "", true);
+    c->peer_rank = 0;
+    return c;
+  });
+  CHECK_FALSE(table.any_open(0));
+  table.outgoing_to(1, "w1", [&] {
+    auto c = table_connection(io, "10.0.0.1", true);
+    c->peer_rank = 1;
+    return c;
+  });
+  CHECK(table.any_open(0));
+}
+
+TEST_CASE("Registrations: a rank or a name registered twice is refused; an admit() refusal records nothing") {
+  asio::io_context io;
+  Registrations regs;
+  regs.add_own(worker("master", 0), "config0");
+  CHECK(regs.missing(3) == "1, 2");
+  auto a = table_connection(io, "10.0.0.1");
+  auto b = table_connection(io, "10.0.0.2");
+  int admits = 0;
+  auto admit = [&] { return ++admits, std::optional<std::string>{}; };
+  auto ok = regs.add(worker("w1", 1), a, "config1", admit);
+  CHECK_FALSE(ok.rank_taken);
+  CHECK_FALSE(ok.not_admitted);
+  CHECK_FALSE(ok.duplicate_name);
+  CHECK(admits == 1);
+
+  auto same_rank = regs.add(worker("other", 1), b, "", admit);
+  REQUIRE(same_rank.rank_taken);
+  CHECK(*same_rank.rank_taken == "rank 1 already registered by 'w1'");
+  CHECK(admits == 1);
+
+  auto same_name = regs.add(worker("w1", 2), b, "", admit);
+  REQUIRE(same_name.duplicate_name);
+  CHECK(same_name.duplicate_name->find("worker name 'w1' is already taken by rank 1 (rank 2 claims it too)") !=
+        std::string::npos);
+  CHECK(same_name.others == std::vector<std::shared_ptr<Connection>>{a});  // rank 0 itself has no connection
+  CHECK(admits == 1);
+
+  auto not_admitted = regs.add(worker("w2", 2), b, "", [] { return std::optional<std::string>("spoken for"); });
+  REQUIRE(not_admitted.not_admitted);
+  CHECK(*not_admitted.not_admitted == "spoken for");
+  CHECK(regs.missing(3) == "2");
+  CHECK_FALSE(regs.take_if_complete(3).has_value());
+}
+
+TEST_CASE("Registrations: the table goes out once, complete and in rank order; a registrant that left is forgotten") {
+  asio::io_context io;
+  Registrations regs;
+  regs.add_own(worker("master", 0), "config0");
+  auto c2 = table_connection(io, "10.0.0.2");
+  auto c1 = table_connection(io, "10.0.0.1");
+  auto none = [] { return std::optional<std::string>{}; };
+  regs.add(worker("w2", 2), c2, "config2", none);
+  regs.forget(c2);
+  CHECK(regs.missing(3) == "1, 2");
+  regs.add(worker("w2", 2), c2, "config2", none);
+  regs.add(worker("w1", 1), c1, "config1", none);
+  auto world = regs.take_if_complete(3);
+  REQUIRE(world.has_value());
+  REQUIRE(world->workers.size() == 3);
+  for (int r = 0; r < 3; ++r) CHECK(world->workers[r].rank == r);
+  CHECK(world->device_configs == std::vector<std::string>{"config0", "config1", "config2"});
+  CHECK(world->registrants == std::vector<std::shared_ptr<Connection>>{c1, c2});
+  CHECK_FALSE(regs.take_if_complete(3).has_value());  // once
+}
+
+TEST_CASE("Registrations: two registrations completing at once publish the table once") {
+  for (int round = 0; round < 50; ++round) {
+    asio::io_context io;
+    Registrations regs;
+    regs.add_own(worker("master", 0), "");
+    auto none = [] { return std::optional<std::string>{}; };
+    std::atomic<int> published{0};
+    auto registrant = [&](int rank) {
+      regs.add(worker("w" + std::to_string(rank), rank), table_connection(io, "10.0.0.1"), "", none);
+      if (regs.take_if_complete(3)) published++;
+    };
+    std::thread t1(registrant, 1), t2(registrant, 2);
+    t1.join();
+    t2.join();
+    CHECK(published.load() == 1);
+  }
+}
+
+TEST_CASE("WorldGate: requests before the table are parked and handed back in order; after it none is parked") {
+  asio::io_context io;
+  WorldGate gate;
+  auto conn = table_connection(io, "10.0.0.1");
+  CHECK(gate.first_table());
+  CHECK_FALSE(gate.first_table());
+  CHECK_FALSE(gate.known());
+  for (int i = 0; i < 3; ++i) {
+    Message m;
+    m.body = "request " + std::to_string(i);
+    CHECK(gate.park_if_unknown(conn, m));
+  }
+  auto parked = gate.open();
+  CHECK(gate.known());
+  REQUIRE(parked.size() == 3);
+  for (int i = 0; i < 3; ++i) CHECK(parked[i].second.body == "request " + std::to_string(i));
+  Message late;
+  late.body = "late";
+  CHECK_FALSE(gate.park_if_unknown(conn, late));
+  CHECK(late.body == "late");  // untouched: the caller delivers it
+  CHECK(gate.open().empty());
+}
+
+TEST_CASE("WorldGate: a request racing the table is either parked and handed back, or delivered, never lost") {
+  for (int round = 0; round < 20; ++round) {
+    asio::io_context io;
+    WorldGate gate;
+    auto conn = table_connection(io, "10.0.0.1");
+    constexpr int kRequests = 2000;
+    std::atomic<int> delivered_directly{0};
+    std::thread sender([&] {
+      for (int i = 0; i < kRequests; ++i) {
+        Message m;
+        m.body = std::to_string(i);
+        if (!gate.park_if_unknown(conn, m)) delivered_directly++;
+      }
+    });
+    std::this_thread::yield();
+    auto parked = gate.open();
+    sender.join();
+    CHECK(static_cast<int>(parked.size()) + delivered_directly.load() == kRequests);
+    for (std::size_t i = 0; i < parked.size(); ++i) CHECK(parked[i].second.body == std::to_string(i));
+  }
 }

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <asio.hpp>
 #include <asio/experimental/awaitable_operators.hpp>
@@ -69,10 +70,18 @@ std::uint16_t free_port() {
 // in both directions: what an observer on the network sees.
 class TappingRelay {
  public:
-  TappingRelay(std::uint16_t target_port, std::uint16_t own_port = 0)
-      : acceptor_(io_, {asio::ip::make_address("127.0.0.1"), own_port}), target_(target_port) {
-    accept();
-    thread_ = std::thread([this] { io_.run(); });
+  // A socket listening already, bound by the parent before its ranks were forked: no other process can take its port
+  // in between, as one could between probing a free port and binding it.
+  struct Listening {
+    int fd;
+  };
+  explicit TappingRelay(std::uint16_t target_port)
+      : acceptor_(io_, {asio::ip::make_address("127.0.0.1"), 0}), target_(target_port) {
+    start();
+  }
+  TappingRelay(std::uint16_t target_port, Listening listening)
+      : acceptor_(io_, asio::ip::tcp::v4(), listening.fd), target_(target_port) {
+    start();
   }
   ~TappingRelay() {
     io_.stop();
@@ -91,6 +100,10 @@ class TappingRelay {
 
  private:
   using Socket = std::shared_ptr<asio::ip::tcp::socket>;
+  void start() {
+    accept();
+    thread_ = std::thread([this] { io_.run(); });
+  }
   void accept() {
     acceptor_.async_accept([this](const asio::error_code& ec, asio::ip::tcp::socket s) {
       if (ec) return;
@@ -368,14 +381,16 @@ TEST_CASE("over TLS the wire carries no plaintext (a relay between the ranks see
   for (bool tls : {false, true}) {
     INFO("tls: " << tls);
     const std::uint16_t port = free_port();
-    const std::uint16_t relay_port = free_port();
+    asio::io_context io;
+    asio::ip::tcp::acceptor relay_listener(io, {asio::ip::make_address("127.0.0.1"), 0});
+    const std::uint16_t relay_port = relay_listener.local_endpoint().port();
     const std::string tap_file = pki.dir() + "/tap-" + std::to_string(tls);
     // Rank 1 reaches rank 0 through the relay: its calls to rank 0 (and their replies) travel on that connection.
     // The relay runs in a process of its own (the third one): a thread in this process would be inherited by none of
     // the forked ranks, which ThreadSanitizer refuses.
     launch_processes(3, [&](int rank) {
       if (rank == 2) {
-        TappingRelay relay(port, relay_port);
+        TappingRelay relay(port, TappingRelay::Listening{::dup(relay_listener.native_handle())});
         relay.wait_until_all_closed();
         std::ofstream(tap_file, std::ios::binary) << relay.seen();
         return;

@@ -191,11 +191,7 @@ void Runtime::Impl::send_request(const std::shared_ptr<detail::Connection>& conn
 }
 
 void Runtime::Impl::cancel_call(detail::Connection* where, int dst, std::uint64_t id) {
-  std::shared_ptr<detail::Connection> conn;
-  {
-    std::lock_guard lock(conn_mutex);
-    if (dst >= 0 && dst < world_size && outgoing[dst].get() == where) conn = outgoing[dst];
-  }
+  auto conn = peers->outgoing_if(dst, where);
   if (!conn) return;  // the connection is gone, and every call on it failed with it
   detail::PendingCall p;
   std::vector<OutFrame> ready;  // calls that waited for room, which the cancelled one frees

@@ -214,10 +214,7 @@ void Runtime::Impl::on_frame(const std::shared_ptr<detail::Connection>& conn, Me
     case FrameKind::Goodbye: {
       // A body says the peer stops after an error; on_close words its departure with it. Bounded: it is only words.
       const int rank = conn->peer_rank;
-      if (!msg.body.empty() && rank >= 0 && rank < world_size) {
-        std::lock_guard lock(conn_mutex);
-        farewells[rank] = msg.body.substr(0, 4096);
-      }
+      if (!msg.body.empty()) peers->set_farewell(rank, msg.body.substr(0, 4096));
       return;
     }
     case FrameKind::Ping:  // answered by the transport
@@ -265,10 +262,7 @@ void Runtime::Impl::deliver_on_devices(const std::shared_ptr<detail::Connection>
 
 void Runtime::Impl::on_request(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
   if (conn->peer_rank < 0) return conn->close("protocol error: a request before hello");
-  if (!world_known) {
-    std::lock_guard lock(conn_mutex);
-    if (!world_known) return early_requests.emplace_back(conn, std::move(msg)), void();
-  }
+  if (world.park_if_unknown(conn, msg)) return;
   // A cancel frame: stops request `id` if its handler is still running (or queued); no reply, no count.
   if (msg.head.flags & kFlagCancel) return detail::calls_on(*conn).inbound.cancel(msg.head.id);
   const HandlerEntry* entry = global_registry().find(msg.head.function);

@@ -34,12 +34,8 @@ detail::ConnectionSettings Runtime::Impl::connection_settings() const {
 }
 
 std::shared_ptr<detail::Connection> Runtime::Impl::connection_to(int rank) {
-  std::lock_guard lock(conn_mutex);
-  if (closing) throw ShutdownError("corpc runtime is shutting down");
-  if (!dead[rank].empty())
-    throw ConnectionError("worker '" + workers[rank].name + "' (rank " + std::to_string(rank) + ") is gone: " + dead[rank]);
-  auto& c = outgoing[rank];
-  if (!c) {
+  return peers->outgoing_to(rank, workers[rank].name, [&] {
+    std::shared_ptr<detail::Connection> c;
     if (rank == self.rank) {
       c = detail::make_loopback_connection(pick_io(), options.limits, frame_handler(), detail::ConnectionCalls::make);
       c->peer_rank = rank;
@@ -53,31 +49,20 @@ std::shared_ptr<detail::Connection> Runtime::Impl::connection_to(int rank) {
       c->send(prepare(hello_message(our_hello(false))));
     }
     detail::calls_on(*c).pending.set_limit(options.max_calls_in_flight_per_peer);
-  }
-  return c;
+    return c;
+  });
 }
 
 void Runtime::Impl::fail_all_calls(std::exception_ptr error) {
-  std::vector<std::shared_ptr<detail::Connection>> conns;
-  {
-    std::lock_guard lock(conn_mutex);
-    for (auto& c : outgoing)
-      if (c) conns.push_back(c);
-  }
-  for (auto& c : conns) fail_calls(*c, error);
+  for (auto& c : peers->outgoing_connections()) fail_calls(*c, error);
 }
 
 void Runtime::Impl::mark_dead(int rank, const std::string& why) {
   std::vector<std::function<void(int, const std::string&)>> listeners;
-  std::shared_ptr<detail::Connection> ours;
-  {
-    std::lock_guard lock(conn_mutex);
-    if (!dead[rank].empty()) return;
-    dead[rank] = why;
-    ours = outgoing[rank];
-  }
+  auto ours = peers->mark_dead(rank, why);
+  if (!ours) return;  // known already
   // Whichever direction noticed first: our calls to it fail now, not when our own connection notices too.
-  if (ours) ours->close(why);
+  if (*ours) (*ours)->close(why);
   {
     std::lock_guard lock(hooks_mutex);
     listeners = failure_listeners;
@@ -88,40 +73,26 @@ void Runtime::Impl::mark_dead(int rank, const std::string& why) {
 
 void Runtime::Impl::on_close(const std::shared_ptr<detail::Connection>& conn, const std::string& why) {
   const int rank = conn->peer_rank;
-  bool was_closing, speaks_for_rank;
-  {
-    std::lock_guard lock(conn_mutex);
-    was_closing = closing;
-    incoming.erase(conn);
-    if (rank >= 0 && rank < static_cast<int>(outgoing.size()) && outgoing[rank] == conn) outgoing[rank] = nullptr;
-    // Only the loss of a connection that speaks for the rank is the rank's: a refused claimant's is its own.
-    speaks_for_rank = conn->outgoing || release_rank(rank, conn);
-  }
+  // Only the loss of a connection that speaks for the rank is the rank's: a refused claimant's is its own.
+  const auto loss = peers->remove(conn);
+  const bool was_closing = loss.while_closing;
   std::string reason = why;
   if (conn->said_goodbye) {
-    std::lock_guard lock(conn_mutex);
-    const bool failed = rank >= 0 && rank < world_size && !farewells[rank].empty();
-    reason = failed ? "it stopped after an error: " + farewells[rank] : std::string(kShutDownReason);
+    const auto farewell = peers->farewell(rank);
+    reason = farewell.empty() ? std::string(kShutDownReason) : "it stopped after an error: " + farewell;
   }
   // The death is recorded before anyone learns of it through a failed call: a caller woken by that failure (e.g.
   // shutdown() on a worker whose master died) must find the rank already dead.
-  if (world_known && rank >= 0 && speaks_for_rank && !was_closing) mark_dead(rank, reason);
+  if (world.known() && rank >= 0 && loss.speaks_for_rank && !was_closing) mark_dead(rank, reason);
   // Our requests on this connection cannot be answered any more, whatever the reason.
   auto error = was_closing ? std::make_exception_ptr(ShutdownError("corpc runtime shut down"))
                            : std::make_exception_ptr(ConnectionError(
                                  "worker '" + name_of(rank) + "' (rank " + std::to_string(rank) + ") is gone: " + reason));
   fail_calls(*conn, error);
   detail::calls_on(*conn).inbound.cancel_all();  // the peer's requests running here: nobody waits for their replies any more
-  if (!world_known) {
+  if (!world.known()) {
     if (self.rank == 0) {
-      // A worker that registered and left before the world was complete: forget it, it may come back.
-      std::lock_guard lock(conn_mutex);
-      for (auto it = registrations.begin(); it != registrations.end(); ++it) {
-        if (it->second.second == conn) {
-          registrations.erase(it);
-          break;
-        }
-      }
+      registrations.forget(conn);  // a worker that left before the world was complete may come back
     } else if (conn->outgoing && rank == 0) {
       world_ready.set_exception(ConnectionError("lost rank 0 during rendezvous: " + why));
     }
@@ -162,26 +133,13 @@ void Runtime::Impl::accept_loop() {
         co_return;
       }
       auto conn = detail::make_tcp_connection(std::move(transport), connection_settings(), frame_handler(), close_handler());
-      bool shutting_down;
-      {
-        std::lock_guard lock(conn_mutex);
-        shutting_down = closing;
-        if (!shutting_down) incoming.insert(conn);
-      }
-      if (shutting_down) conn->close("shutting down");
+      if (!peers->add_incoming(conn)) conn->close("shutting down");
     }, asio::detached);
   });
 }
 
 void Runtime::Impl::close_everything(bool say_goodbye, const std::string& failure) {
-  std::vector<std::shared_ptr<detail::Connection>> conns;
-  {
-    std::lock_guard lock(conn_mutex);
-    closing = true;
-    for (auto& c : outgoing)
-      if (c) conns.push_back(c);
-    conns.insert(conns.end(), incoming.begin(), incoming.end());
-  }
+  const auto conns = peers->close();
   auto goodbye = [&] {
     Message bye;
     bye.head.kind = FrameKind::Goodbye;
@@ -210,12 +168,7 @@ void Runtime::Impl::close_everything(bool say_goodbye, const std::string& failur
   // Give queued frames (replies, goodbyes) a moment to leave, then stop the I/O threads.
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
   for (;;) {
-    {
-      std::lock_guard lock(conn_mutex);
-      bool open = !incoming.empty();
-      for (auto& c : outgoing) open = open || (c && c->peer_rank != self.rank);
-      if (!open) break;
-    }
+    if (!peers->any_open(self.rank)) break;
     if (std::chrono::steady_clock::now() > deadline) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }

@@ -90,9 +90,7 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
   self.host = self.rank == 0 ? master_host : specific ? listen_host : "";
   if (self.rank == 0) {
     // Registered before accepting anyone: a worker's registration may be processed the moment we accept it.
-    std::lock_guard lock(conn_mutex);
-    registrations[0] = {self, nullptr};
-    device_configs[0] = own_device_config();
+    registrations.add_own(self, own_device_config());
   }
   // From here on the network thread owns `self` (on_world rewrites it with the table's entry): this thread reads
   // only its own copy of the rank.
@@ -143,10 +141,7 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
         auto conn = detail::make_tcp_connection(std::move(transport), connection_settings(), frame_handler(), close_handler());
         conn->peer_rank = 0;
         conn->outgoing = true;
-        {
-          std::lock_guard lock(conn_mutex);
-          outgoing[0] = conn;
-        }
+        peers->set_outgoing(0, conn);
         conn->send(prepare(hello_message(our_hello(true))));
         co_return;
       }
@@ -157,12 +152,7 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
   try {
     ready.wait(options.init_timeout + std::chrono::milliseconds(200));
   } catch (const TimeoutError&) {
-    std::string missing;
-    {
-      std::lock_guard lock(conn_mutex);
-      for (int r = 0; r < world_size; ++r)
-        if (!registrations.count(r)) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-    }
+    const std::string missing = registrations.missing(world_size);
     throw TimeoutError("init_rpc: workers did not all arrive within " + std::to_string(options.init_timeout.count()) +
                        " ms" +
                        (my_rank == 0 ? " (missing ranks: " + missing + "; " + std::to_string(accepted.load()) +
@@ -179,25 +169,6 @@ void Runtime::Impl::refuse(const std::shared_ptr<detail::Connection>& conn, cons
   conn->hello_refused = true;
   send_error(conn, 0, std::make_exception_ptr(ProtocolError(why)), "rendezvous", /*traced=*/false);
   conn->close_when_flushed();
-}
-
-std::optional<std::string> Runtime::Impl::hello_refusal(int rank) const {
-  auto held = rank_holders.find(rank);
-  if (held == rank_holders.end()) return std::nullopt;
-  return "rank " + std::to_string(rank) + " is already connected here (from " + held->second->remote_address +
-         "); one connection speaks for a rank at a time";
-}
-
-void Runtime::Impl::take_rank(int rank, const std::shared_ptr<detail::Connection>& conn) {
-  rank_holders[rank] = conn;
-  conn->peer_rank = rank;
-}
-
-bool Runtime::Impl::release_rank(int rank, const std::shared_ptr<detail::Connection>& conn) {
-  auto held = rank_holders.find(rank);
-  if (held == rank_holders.end() || held->second != conn) return false;
-  rank_holders.erase(held);
-  return true;
 }
 
 // A Hello for a rank that another connection speaks for: refused, with a line in our log (rate-bounded: whoever holds
@@ -235,91 +206,58 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Me
     return refuse(conn, "invalid rank " + std::to_string(info.rank));
   auto answer = our_hello(false);
   if (!registering) {
-    if (world_known && workers[info.rank].name != info.name)
+    if (world.known() && workers[info.rank].name != info.name)
       return refuse(conn, "rank " + std::to_string(info.rank) + " is '" + workers[info.rank].name + "', not '" + info.name + "'");
-    std::optional<std::string> refusal;
-    {
-      std::lock_guard lock(conn_mutex);
-      refusal = hello_refusal(info.rank);
-      if (!refusal) take_rank(info.rank, conn);
-    }
-    if (refusal) return refuse_claim(conn, info, *refusal);
+    if (auto refusal = peers->claim(info.rank, conn)) return refuse_claim(conn, info, *refusal);
     conn->peer_limits = theirs;
     offer_same_host(conn, hello, answer);
     conn->send(prepare(hello_message(answer)));
     return;
   }
   if (self.rank != 0) return refuse(conn, "registration sent to rank " + std::to_string(self.rank));
-  if (world_known) return refuse(conn, "the world is already complete");
-  std::optional<std::string> refusal;
-  std::string duplicate;  // a name two ranks claim: the job is misconfigured, and every rank learns it now
-  std::vector<std::shared_ptr<detail::Connection>> registered;
-  {
-    std::lock_guard lock(conn_mutex);
-    if (registrations.count(info.rank))
-      return refuse(conn, "rank " + std::to_string(info.rank) + " already registered by '" + registrations[info.rank].first.name + "'");
-    const auto taken = std::find_if(registrations.begin(), registrations.end(),
-                                    [&](const auto& reg) { return reg.second.first.name == info.name; });
-    if (taken != registrations.end()) {
-      duplicate = "worker name '" + info.name + "' is already taken by rank " + std::to_string(taken->first) +
-                  " (rank " + std::to_string(info.rank) + " claims it too): every worker needs its own name";
-      for (auto& [r, other] : registrations)
-        if (other.second && r != self.rank) registered.push_back(other.second);
-    }
-    if (duplicate.empty()) refusal = hello_refusal(info.rank);
-    if (!refusal) {
-      if (info.host.empty()) info.host = conn->remote_address;
-      take_rank(info.rank, conn);
+  if (world.known()) return refuse(conn, "the world is already complete");
+  if (info.host.empty()) info.host = conn->remote_address;
+  // Admitted as the rank's speaker and answered in the same step as the registration is recorded.
+  auto outcome = registrations.add(info, conn, std::move(hello.devices), [&] {
+    return peers->claim(info.rank, conn, [&] {
       conn->peer_limits = theirs;
       offer_same_host(conn, hello, answer);
       conn->send(prepare(hello_message(answer)));
-      registrations[info.rank] = {info, conn};
-      device_configs[info.rank] = std::move(hello.devices);
-    }
-  }
-  if (!duplicate.empty()) {
-    // Not a claim to turn away but a job that cannot start: the ranks waiting for the world fail at once instead of
-    // at their init timeout.
+    });
+  });
+  if (outcome.duplicate_name) {
+    // A name two ranks claim is not a claim to turn away but a job that cannot start: the ranks waiting for the
+    // world fail at once instead of at their init timeout.
+    const auto& duplicate = *outcome.duplicate_name;
     refuse(conn, duplicate);
-    for (auto& c : registered) refuse(c, duplicate);
+    for (auto& c : outcome.others) refuse(c, duplicate);
     if (!world_ready.get_future().done()) world_ready.set_exception(UsageError("rendezvous failed: " + duplicate));
     return;
   }
-  if (refusal) return refuse_claim(conn, info, *refusal);
+  if (outcome.rank_taken) return refuse(conn, *outcome.rank_taken);
+  if (outcome.not_admitted) return refuse_claim(conn, info, *outcome.not_admitted);
   publish_world_if_complete();
 }
 
 // Rank 0, the I/O thread of the last registration: once every rank has registered, sends each the table and takes
 // it itself. Two registrations completing at once on two I/O threads both get here; only one publishes.
 void Runtime::Impl::publish_world_if_complete() {
-  std::vector<WorkerInfo> table;
-  std::vector<std::string> configs;
-  std::vector<std::shared_ptr<detail::Connection>> conns;
-  {
-    std::lock_guard lock(conn_mutex);
-    if (world_published || static_cast<int>(registrations.size()) < world_size) return;
-    world_published = true;
-    for (auto& [rank, reg] : registrations) {
-      table.push_back(reg.first);
-      configs.push_back(device_configs[rank]);
-      if (reg.second) conns.push_back(reg.second);
-    }
-  }
-  Message world;
-  world.head.kind = FrameKind::World;
-  Writer w(world.body);
-  w.put(table);
-  w.put(configs);  // every worker checks the job's device maps itself, and reaches the same verdict
-  for (auto& c : conns) {
-    Message copy = world;
+  auto complete = registrations.take_if_complete(world_size);
+  if (!complete) return;
+  Message table;
+  table.head.kind = FrameKind::World;
+  Writer w(table.body);
+  w.put(complete->workers);
+  w.put(complete->device_configs);  // every worker checks the job's device maps itself, and reaches the same verdict
+  for (auto& c : complete->registrants) {
+    Message copy = table;
     c->send(prepare(std::move(copy)));
   }
-  Message self_world = std::move(world);
-  on_world(std::move(self_world));
+  on_world(std::move(table));
 }
 
 void Runtime::Impl::on_world(Message&& msg) {
-  if (world_taken.exchange(true)) return;  // a second table (only a broken or hostile rank 0 sends one) changes nothing
+  if (!world.first_table()) return;
   std::vector<WorkerInfo> table;
   std::vector<detail::DeviceConfig> configs;
   try {
@@ -350,13 +288,7 @@ void Runtime::Impl::on_world(Message&& msg) {
   }
   workers = std::move(table);
   self = workers[self.rank];
-  std::vector<std::pair<std::shared_ptr<detail::Connection>, Message>> parked;
-  {
-    std::lock_guard lock(conn_mutex);
-    world_known = true;
-    parked.swap(early_requests);
-  }
-  for (auto& [conn, m] : parked) on_frame(conn, std::move(m));
+  for (auto& [conn, m] : world.open()) on_frame(conn, std::move(m));
   world_ready.set_value();
 }
 

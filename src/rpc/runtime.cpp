@@ -67,8 +67,7 @@ const WorkerInfo& Runtime::worker(const WorkerRef& ref) const {
 }
 
 bool Runtime::is_alive(int rank) const {
-  std::lock_guard lock(impl_->conn_mutex);
-  return rank >= 0 && rank < impl_->world_size && impl_->dead[rank].empty();
+  return impl_->peers->is_alive(rank);
 }
 
 RuntimeStats Runtime::stats() const {
@@ -123,7 +122,7 @@ void Runtime::Impl::stop_threads() {
 }
 
 std::string Runtime::Impl::name_of(int rank) const {
-  if (world_known && rank >= 0 && rank < static_cast<int>(workers.size())) return workers[rank].name;
+  if (world.known() && rank >= 0 && rank < static_cast<int>(workers.size())) return workers[rank].name;
   return "rank " + std::to_string(rank);
 }
 
@@ -186,9 +185,7 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   impl->self.name = std::move(name);
   impl->self.rank = rank;
   impl->world_size = world_size;
-  impl->dead.assign(world_size, "");
-  impl->farewells.assign(world_size, "");
-  impl->outgoing.assign(world_size, nullptr);
+  impl->peers = std::make_unique<detail::PeerTable>(world_size);
   impl->activity = std::make_unique<detail::Activity>(world_size);
   auto* raw = impl.get();
   auto rt = std::make_unique<Runtime>(std::move(impl));
@@ -227,11 +224,12 @@ std::string close_runtime(bool graceful, const std::string& failure) {
   // under load: "write failed: Broken pipe" recorded before rank 0's goodbye was read).
   std::string lost;
   if (graceful && !outcome.quiet && impl.self.rank != 0) {
-    std::lock_guard conn_lock(impl.conn_mutex);
-    if (!impl.farewells[0].empty())
-      lost = "rank 0 stopped after an error (" + impl.farewells[0] + ")";
-    else if (!impl.dead[0].empty() && impl.dead[0] != Runtime::Impl::kShutDownReason)
-      lost = "rank 0 died before the job ended (" + impl.dead[0] + ")";
+    const auto farewell = impl.peers->farewell(0);
+    const auto death = impl.peers->deaths()[0];
+    if (!farewell.empty())
+      lost = "rank 0 stopped after an error (" + farewell + ")";
+    else if (!death.empty() && death != Runtime::Impl::kShutDownReason)
+      lost = "rank 0 died before the job ended (" + death + ")";
   }
   if (graceful && lost.empty() && !outcome.lost.empty()) lost = "the job lost " + outcome.lost;
   impl.close_everything(true, failure);

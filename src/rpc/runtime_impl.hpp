@@ -4,6 +4,8 @@
 //   shutdown_rounds.hpp   rank 0's side of graceful shutdown's termination detection
 //   connection_calls.hpp  the calls in flight on one connection, both ways (kept on the connection)
 //   environment.hpp       what the environment adds to the options
+//   peer_table.hpp        connections by rank, who speaks for each rank, which ranks are gone
+//   rendezvous_state.hpp  rank 0's registrations; the wait for the world table and the requests that come before it
 // The rest is shared by the files that implement the runtime:
 //   runtime.cpp     public surface, init_rpc
 //   calls.cpp       outgoing calls: framing, registration, deadlines, replies
@@ -24,7 +26,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <thread>
 #include <tuple>
 #include <unordered_map>
@@ -36,6 +37,8 @@
 #include "rpc/connection_calls.hpp"
 #include "rpc/hello.hpp"
 #include "rpc/io_threads.hpp"
+#include "rpc/peer_table.hpp"
+#include "rpc/rendezvous_state.hpp"
 #include "rpc/shutdown_rounds.hpp"
 #include "transport/auth.hpp"
 #include "transport/connection.hpp"
@@ -53,7 +56,7 @@ struct Runtime::Impl {
 
   // The I/O threads (io_threads.hpp), made by start_threads. The rendezvous frames (Hello, World) are handled on the
   // thread of the connection that carried them, so with several I/O threads two registrations can complete at once:
-  // see world_published below.
+  // Registrations::take_if_complete publishes once.
   std::unique_ptr<detail::IoThreads> io_threads;
   asio::io_context& main_io() { return io_threads->main(); }
   asio::io_context& pick_io() { return io_threads->pick(); }
@@ -69,15 +72,8 @@ struct Runtime::Impl {
   std::atomic<bool> cuda_ipc_warned{false};
   std::unique_ptr<ThreadPool> pool;
 
-  // Connections, guarded by conn_mutex.
-  std::mutex conn_mutex;
-  std::vector<std::shared_ptr<detail::Connection>> outgoing;  // by rank: where our requests to that rank go
-  std::set<std::shared_ptr<detail::Connection>> incoming;      // accepted connections
-  std::vector<std::string> dead;                               // by rank: why it is gone ("" = alive)
-  // By rank: the accepted connection that speaks for it here (its Hello took the rank), until it closes. Only that
-  // connection's requests count for the rank, and only its loss (or our own connection's) makes the rank dead.
-  std::map<int, std::shared_ptr<detail::Connection>> rank_holders;
-  bool closing = false;
+  // Connections and the state of every peer (peer_table.hpp); made by init_rpc once the world size is known.
+  std::unique_ptr<detail::PeerTable> peers;
 
   std::atomic<std::uint64_t> accepted{0}, accept_errors{0}, refused_connections{0};  // diagnostics for rendezvous failures
   // What strangers and impostors provoke at will is logged at a bounded rate (after io_threads: its timer runs there).
@@ -99,21 +95,16 @@ struct Runtime::Impl {
   // Declared after what its tasks' wake-ups touch; joined by shutdown() before the Impl goes.
   TaskScope background;
 
-  // Rendezvous (any I/O thread). On rank 0: registrations so far. Elsewhere: the answer.
-  std::map<int, std::pair<WorkerInfo, std::shared_ptr<detail::Connection>>> registrations;  // conn_mutex
-  bool world_published = false;  // rank 0: the table went out once (the last two registrations may race); conn_mutex
-  std::atomic<bool> world_taken{false};  // on_world ran (its tables are written by one thread only)
-  std::map<int, std::string> device_configs;  // rank 0: each registrant's encoded DeviceConfig; conn_mutex
+  // Rendezvous (rendezvous_state.hpp): rank 0's registrations; every rank's wait for the world table, with the
+  // requests that arrive before it.
+  detail::Registrations registrations;
+  detail::WorldGate world;
   // The device map used with each rank, in both directions (device_map.hpp), and our CUDA devices that RPC uses;
   // written once by on_world before init_rpc returns.
   std::vector<DeviceMap> device_maps;
   std::vector<c10::Device> rpc_devices;
   std::string own_device_config() const;  // what we announce when registering
   Promise<void> world_ready;
-  std::atomic<bool> world_known{false};
-  // Requests that arrive before we have the world table (a peer heard from rank 0 first), from any I/O thread;
-  // conn_mutex. on_world sets world_known under the same lock, so a request is either parked here or sees the table.
-  std::vector<std::pair<std::shared_ptr<detail::Connection>, Message>> early_requests;
 
   // Graceful shutdown's rounds, on rank 0 (shutdown_rounds.hpp).
   detail::ShutdownRounds shutdown_rounds;
@@ -125,9 +116,6 @@ struct Runtime::Impl {
   // The CallContext a request's handler runs with: the caller's context id in the hooks' slot.
   // Why a peer that said goodbye is gone (as opposed to one that died): compared against by shutdown().
   static constexpr const char* kShutDownReason = "it shut down";
-  // Why each rank stopped, as its Goodbye said: "" for an orderly shutdown, else the error it stopped after
-  // (shutdown_after_error). By rank; conn_mutex.
-  std::vector<std::string> farewells;
   CallContext handler_context(std::int64_t context_id) const noexcept;
   // The same, for a request's handler: with its stop token and its deadline.
   CallContext handler_context(std::int64_t context_id, std::stop_token stop, detail::Clock::time_point deadline) const noexcept;
@@ -200,7 +188,7 @@ struct Runtime::Impl {
     std::string lost;    // the ranks the job lost (rank 0's account once quiet, else this rank's own): "" if none
   };
   ShutdownOutcome graceful_shutdown();
-  // The ranks this runtime saw die or leave after an error, in words ("" if none). Takes conn_mutex.
+  // The ranks this runtime saw die or leave after an error, in words ("" if none).
   std::string lost_ranks();
   // Waits until locally_idle() or `deadline`; true if idle.
   bool wait_locally_idle(std::chrono::steady_clock::time_point deadline);
@@ -215,14 +203,6 @@ struct Runtime::Impl {
   void rendezvous(const std::string& master_host, std::uint16_t master_port, int listen_fd);
   void on_hello(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
   void refuse(const std::shared_ptr<detail::Connection>& conn, const std::string& why);
-  // Whether a Hello may take rank `rank` here: nullopt if it may, else why not. The one place that decides who speaks
-  // for a rank: one connection at a time, so a rank whose connection is alive is refused (a reconnect path for
-  // restarted ranks would admit one here). conn_mutex held.
-  std::optional<std::string> hello_refusal(int rank) const;
-  // `conn` speaks for `rank` from now on (its Hello was admitted). conn_mutex held.
-  void take_rank(int rank, const std::shared_ptr<detail::Connection>& conn);
-  // `conn` no longer speaks for `rank`; true if it did. conn_mutex held.
-  bool release_rank(int rank, const std::shared_ptr<detail::Connection>& conn);
   // Refuses a Hello that claimed `claimed`, whose rank is taken (`why`), and says so in our log.
   void refuse_claim(const std::shared_ptr<detail::Connection>& conn, const WorkerInfo& claimed, const std::string& why);
   void on_world(Message&& msg);

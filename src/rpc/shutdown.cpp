@@ -62,10 +62,8 @@ constexpr std::int64_t kTraceRound = -2;
 void Runtime::Impl::check_rounds() {
   std::vector<bool> alive(world_size);
   const std::string lost = lost_ranks();
-  {
-    std::lock_guard lock(conn_mutex);
-    for (int k = 0; k < world_size; ++k) alive[k] = dead[k].empty();
-  }
+  const auto deaths = peers->deaths();
+  for (int k = 0; k < world_size; ++k) alive[k] = deaths[k].empty();
   shutdown_rounds.answer_full_rounds(alive, lost);
 }
 
@@ -73,10 +71,10 @@ void Runtime::Impl::fail_pending_rounds() { shutdown_rounds.close(); }
 
 std::string Runtime::Impl::lost_ranks() {
   std::string out;
-  std::lock_guard lock(conn_mutex);
+  const auto deaths = peers->deaths();
   for (int k = 0; k < world_size; ++k) {
-    if (dead[k].empty() || dead[k] == kShutDownReason) continue;
-    out += (out.empty() ? "" : "; ") + ("worker '" + name_of(k) + "' (rank " + std::to_string(k) + "): " + dead[k]);
+    if (deaths[k].empty() || deaths[k] == kShutDownReason) continue;
+    out += (out.empty() ? "" : "; ") + ("worker '" + name_of(k) + "' (rank " + std::to_string(k) + "): " + deaths[k]);
   }
   return out;
 }

@@ -1,0 +1,144 @@
+// What the rendezvous keeps until every worker knows the world (rendezvous.cpp does the talking):
+//   Registrations  rank 0: who has registered so far, with the connection and device configuration each came with,
+//                  until the table goes out, once.
+//   WorldGate      every rank: whether the world table is known yet, and the requests that arrived before it (a peer
+//                  heard from rank 0 first), parked until it is.
+// Registrations come in on any I/O thread, so two can complete at once; each part has its own lock. Registrations'
+// lock is taken before the peer table's (a registration is admitted as the rank's speaker in the same step), never
+// after it.
+#pragma once
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "corpc/rpc/worker_info.hpp"
+#include "transport/connection.hpp"
+
+namespace corpc::detail {
+
+class Registrations {
+ public:
+  using ConnectionPtr = std::shared_ptr<Connection>;
+
+  // Rank 0 itself, before it accepts anyone (a registration may be processed the moment it is accepted).
+  void add_own(WorkerInfo self, std::string device_config) {
+    std::lock_guard lock(mutex_);
+    entries_[self.rank] = {std::move(self), nullptr, std::move(device_config)};
+  }
+
+  struct Outcome {
+    std::optional<std::string> rank_taken;    // another worker registered this rank: why it is turned away
+    std::optional<std::string> not_admitted;  // what admit() said
+    // Set when the registration names a worker that another rank registered already: the job cannot start, and
+    // these are the other registrants' connections, to be told so.
+    std::optional<std::string> duplicate_name;
+    std::vector<ConnectionPtr> others;
+  };
+  // Registers `info` from `conn` unless its rank or name is taken. `admit()` runs under the lock for a registration
+  // that passes those checks: it returns why the connection may not speak for the rank (nullopt: it may, and it has
+  // answered), and only an admitted registration is recorded.
+  template <class Admit>
+  Outcome add(const WorkerInfo& info, const ConnectionPtr& conn, std::string device_config, Admit&& admit) {
+    std::lock_guard lock(mutex_);
+    if (auto same = entries_.find(info.rank); same != entries_.end())
+      return {"rank " + std::to_string(info.rank) + " already registered by '" + same->second.info.name + "'", {}, {}, {}};
+    for (const auto& [rank, other] : entries_) {
+      if (other.info.name != info.name) continue;
+      Outcome dup{std::nullopt, std::nullopt,
+                  "worker name '" + info.name + "' is already taken by rank " + std::to_string(rank) + " (rank " +
+                      std::to_string(info.rank) + " claims it too): every worker needs its own name",
+                  {}};
+      for (const auto& [r, e] : entries_)
+        if (e.conn) dup.others.push_back(e.conn);
+      return dup;
+    }
+    if (auto refusal = admit()) return {std::nullopt, std::move(refusal), {}, {}};
+    entries_[info.rank] = {info, conn, std::move(device_config)};
+    return {};
+  }
+
+  // A registrant that left before the world was complete: forgotten, it may come back.
+  void forget(const ConnectionPtr& conn) {
+    std::lock_guard lock(mutex_);
+    for (auto it = entries_.begin(); it != entries_.end(); ++it)
+      if (it->second.conn == conn) return void(entries_.erase(it));
+  }
+
+  // The ranks below `world_size` that have not registered, in words ("1, 3").
+  std::string missing(int world_size) const {
+    std::lock_guard lock(mutex_);
+    std::string out;
+    for (int r = 0; r < world_size; ++r)
+      if (!entries_.count(r)) out += (out.empty() ? "" : ", ") + std::to_string(r);
+    return out;
+  }
+
+  // The complete table, once: the first call after all `world_size` ranks registered gets it, every other call
+  // nullopt (the last two registrations may complete at once).
+  struct World {
+    std::vector<WorkerInfo> workers;           // by rank
+    std::vector<std::string> device_configs;   // by rank
+    std::vector<ConnectionPtr> registrants;    // everyone's but ours
+  };
+  std::optional<World> take_if_complete(int world_size) {
+    std::lock_guard lock(mutex_);
+    if (published_ || static_cast<int>(entries_.size()) < world_size) return std::nullopt;
+    published_ = true;
+    World w;
+    for (const auto& [rank, e] : entries_) {
+      w.workers.push_back(e.info);
+      w.device_configs.push_back(e.device_config);
+      if (e.conn) w.registrants.push_back(e.conn);
+    }
+    return w;
+  }
+
+ private:
+  struct Entry {
+    WorkerInfo info;
+    ConnectionPtr conn;  // null for rank 0 itself
+    std::string device_config;
+  };
+  mutable std::mutex mutex_;
+  std::map<int, Entry> entries_;
+  bool published_ = false;
+};
+
+class WorldGate {
+ public:
+  using Parked = std::vector<std::pair<std::shared_ptr<Connection>, Message>>;
+
+  // True for the first world table only: a second one (only a broken or hostile rank 0 sends one) changes nothing.
+  bool first_table() noexcept { return !table_taken_.exchange(true); }
+  // Whether the world table is known (then every table it wrote may be read without a lock).
+  bool known() const noexcept { return known_.load(std::memory_order_acquire); }
+  // Parks `msg` if the world is not known yet; false (and `msg` untouched) if it is. A request is either parked or
+  // sees the table: open() decides under the same lock.
+  bool park_if_unknown(const std::shared_ptr<Connection>& conn, Message& msg) {
+    if (known()) return false;
+    std::lock_guard lock(mutex_);
+    if (known()) return false;
+    parked_.emplace_back(conn, std::move(msg));
+    return true;
+  }
+  // The world is known from now on; returns what was parked, to be delivered in arrival order.
+  Parked open() {
+    std::lock_guard lock(mutex_);
+    known_.store(true, std::memory_order_release);
+    return std::exchange(parked_, {});
+  }
+
+ private:
+  std::atomic<bool> table_taken_{false};
+  std::atomic<bool> known_{false};
+  std::mutex mutex_;
+  Parked parked_;
+};
+
+}  // namespace corpc::detail
