@@ -345,7 +345,8 @@ int main(int argc, char** argv) {
   options.init_timeout = std::chrono::seconds(60);
   const int threads = static_cast<int>(c.threads);
   options.worker_thread_init = [threads] { at::set_num_threads(threads); };
-  options.cache_cpu_allocations = host_cache != "off";
+  // Before the ranks are forked: they inherit it.
+  corpc::configure_host_memory({.cache_cpu_allocations = host_cache != "off"});
   LaunchOptions so;
   so.timeout = std::chrono::minutes(60);
   // Forked: rank 0 writes the results file this process made and reads back, and nothing here has started a thread.

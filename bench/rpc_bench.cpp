@@ -124,7 +124,7 @@ struct Options {
   int min_iters = 3;  // per block, for the slow cases
   int worker_threads = 0;
   int spin_us = -1;  // corpc's spin before a blocked wait sleeps; -1: RpcOptions' default
-  long host_cache_mib = -1;  // RpcOptions::host_cache_bytes in MiB; -1: its default, 0: no block cache
+  long host_cache_mib = -1;  // HostMemoryOptions::cache_bytes in MiB; -1: its default, 0: no block cache
   bool raw_alloc = false;  // raw receivers allocate a fresh at::empty buffer per message, as corpc must
   std::vector<CaseSpec> cases = kAllCases;
   std::string json_path;
@@ -670,7 +670,7 @@ corpc::RpcOptions rpc_options(const Options& o) {
   r.num_worker_threads = o.worker_threads;
   r.same_host_channel = o.same_host;
   if (o.spin_us >= 0) r.spin_before_block = std::chrono::microseconds(o.spin_us);
-  if (o.host_cache_mib >= 0) r.host_cache_bytes = static_cast<std::uint64_t>(o.host_cache_mib) << 20;
+  if (o.host_cache_mib >= 0) corpc::configure_host_memory({.cache_bytes = static_cast<std::uint64_t>(o.host_cache_mib) << 20});
   r.tls = o.tls;
   if (!o.flow_control) {
     r.max_calls_in_flight_per_peer = std::numeric_limits<std::uint32_t>::max();

@@ -118,13 +118,13 @@ TEST_CASE("received tensors held at once keep their own buffers") {
 
 // A training step allocates and frees the same large activations every step: with the host allocator (the default)
 // the second round of allocations reuses the first round's pages, so it takes no page faults, and the memory is
-// the same block; with cache_cpu_allocations off every round is fresh memory from libtorch's allocator (the bytes
+// the same block; with HostMemoryOptions::cache_cpu_allocations off every round is fresh memory from libtorch's allocator (the bytes
 // are faulted in again). Both are checked, so the test fails if the allocator is not installed or not used.
 TEST_CASE("large CPU allocations reuse cached pages when the host allocator is on, and not when it is off") {
   for (const bool on : {true, false}) {
-    RpcOptions options = quick_options();
-    options.cache_cpu_allocations = on;
     run_world(1, [&](int) {
+      // After init_rpc, which applied the defaults: the latest configuration holds.
+      configure_host_memory({.cache_cpu_allocations = on});
       // Floats: 64 MiB, 16384 pages. Above glibc's largest mmap threshold (32 MiB), so without the cache every
       // allocation is a fresh mapping, whatever the heap's history in this process.
       constexpr std::int64_t kNumel = 16 * kMiB;
@@ -142,6 +142,6 @@ TEST_CASE("large CPU allocations reuse cached pages when the host allocator is o
       MESSAGE("cache_cpu_allocations " << on << ": minor faults per 64 MiB allocation after the first: " << per_round);
       if (on) EXPECT(per_round < 16);
       else EXPECT(per_round > 4000);  // glibc maps and unmaps a buffer this size every time
-    }, options);
+    }, quick_options());
   }
 }

@@ -19,6 +19,7 @@
 #include "corpc/core/task.hpp"
 #include "corpc/core/this_call.hpp"
 #include "corpc/core/when_all.hpp"
+#include "corpc/memory/host_memory.hpp"
 #include "corpc/rpc/call.hpp"
 #include "corpc/rpc/runtime.hpp"
 #include "corpc/rpc/launch.hpp"

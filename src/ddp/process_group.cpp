@@ -63,7 +63,7 @@ c10::intrusive_ptr<c10d::Store> make_store(const std::string& addr, int port, in
 
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const ProcessGroupOptions& options) {
   Runtime* rpc = Runtime::try_get();
-  if (!rpc) corpc::detail::configure_host_memory(options.host_cache_bytes, options.cache_cpu_allocations);
+  corpc::detail::configure_host_memory_defaults();  // unless the program or init_rpc did
   // The environment first (a launcher's, or a program presenting a subset of the workers as a world of its own),
   // then RPC's rank and size.
   int rank = options.rank, world = options.world_size;

@@ -86,12 +86,19 @@ void install_host_allocator() {
   });
 }
 
-void configure_host_memory(std::optional<std::uint64_t> cache_bytes, bool cache_cpu_allocations) {
+namespace {
+std::once_flag configured;  // by the user, or with the defaults
+void apply(const HostMemoryOptions& options) {
   const std::uint64_t quarter_of_memory = static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
                                           static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE)) / 4;
-  HostBlockCache::instance().set_cache_limit(static_cast<std::size_t>(cache_bytes.value_or(quarter_of_memory)));
-  if (cache_cpu_allocations) install_host_allocator();
-  cache_large_host_allocations(cache_cpu_allocations);
+  HostBlockCache::instance().set_cache_limit(static_cast<std::size_t>(options.cache_bytes.value_or(quarter_of_memory)));
+  if (options.cache_cpu_allocations) install_host_allocator();
+  cache_large_host_allocations(options.cache_cpu_allocations);
+}
+}  // namespace
+
+void configure_host_memory_defaults() {
+  std::call_once(configured, [] { apply({}); });
 }
 
 void cache_large_host_allocations(bool on) { caching.store(on, std::memory_order_relaxed); }
@@ -100,3 +107,12 @@ std::int64_t host_peak_bytes() { return peak.load(std::memory_order_relaxed); }
 void reset_host_peak_bytes() { peak.store(live.load(std::memory_order_relaxed), std::memory_order_relaxed); }
 
 }  // namespace corpc::detail
+
+namespace corpc {
+
+void configure_host_memory(const HostMemoryOptions& options) {
+  std::call_once(detail::configured, [] {});  // the defaults are not applied over this
+  detail::apply(options);
+}
+
+}  // namespace corpc

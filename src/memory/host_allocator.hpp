@@ -11,15 +11,16 @@
 #include <cstdint>
 #include <optional>
 
+#include "corpc/memory/host_memory.hpp"
+
 namespace corpc::detail {
 
 // Installs the allocator (idempotent).
 void install_host_allocator();
-// What init_rpc (RpcOptions) and ddp::init_process_group (ProcessGroupOptions, when RPC is not running) do: the
-// block cache's limit (unset: a quarter of physical memory) and whether every large CPU allocation uses it.
-void configure_host_memory(std::optional<std::uint64_t> cache_bytes, bool cache_cpu_allocations);
-// Whether large allocations come from the block cache (initially not; init_rpc sets it from
-// RpcOptions::cache_cpu_allocations). A block cache limit of 0 turns it off as well.
+// What init_rpc and ddp::init_process_group do: HostMemoryOptions' defaults, unless configure_host_memory ran.
+void configure_host_memory_defaults();
+// Whether large allocations come from the block cache (initially not; configure_host_memory sets it). A block cache
+// limit of 0 turns it off as well.
 void cache_large_host_allocations(bool on);
 
 // The bytes it has handed out and not yet taken back: the request for small allocations (as malloc_usable_size

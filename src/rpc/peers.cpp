@@ -19,7 +19,7 @@ void Runtime::Impl::init_flow_control() {
   // Announced in our Hello: senders refuse what we could never hold, instead of it waiting here for ever.
   options.limits.max_request_bytes = std::min({options.limits.max_request_bytes, options.receive_budget_per_connection,
                                                options.receive_budget_per_process});
-  detail::configure_host_memory(options.host_cache_bytes, options.cache_cpu_allocations);
+  detail::configure_host_memory_defaults();  // unless the program configured the process's host memory itself
 }
 
 detail::ConnectionSettings Runtime::Impl::connection_settings() const {

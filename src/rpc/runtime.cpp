@@ -87,14 +87,19 @@ void Runtime::add_peer_failure_listener(std::function<void(int, const std::strin
   impl_->failure_listeners.push_back(std::move(listener));
 }
 void Runtime::set_tensor_hooks(detail::TensorHooks hooks) { impl_->tensor_hooks = std::move(hooks); }
-TaskScope& Runtime::background() noexcept { return impl_->background; }
-bool Runtime::spawn_background(Task<void> task) noexcept {
-  // Outside whatever the caller was doing: no deadline, no distributed-autograd context, the scope's stop token.
-  CallContextScope fresh{CallContext{}};
-  // Nor on the caller's executor: the task would resume there after its first await, and a short-lived one (the
-  // loop of a sync_wait that has returned) would never run it again. Without one it resumes on the worker pool.
-  ExecutorScope none(nullptr);
+bool Runtime::spawn_background(Task<void> task, Background how) noexcept {
   try {
+    if (how == Background::on_behalf_of_caller) {
+      // The caller's context, with the scope's stop token; posted to the pool, never run on the caller's thread (an
+      // I/O thread, while it dispatches a request).
+      (void)impl_->background.spawn(*impl_->pool, std::move(task));
+      return true;
+    }
+    // Outside whatever the caller was doing: no deadline, no distributed-autograd context, the scope's stop token.
+    CallContextScope fresh{CallContext{}};
+    // Nor on the caller's executor: the task would resume there after its first await, and a short-lived one (the
+    // loop of a sync_wait that has returned) would never run it again. Without one it resumes on the worker pool.
+    ExecutorScope none(nullptr);
     (void)impl_->background.spawn(std::move(task));
     return true;
   } catch (...) {

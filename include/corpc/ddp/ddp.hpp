@@ -55,11 +55,6 @@ struct ProcessGroupOptions {
   /// parameter servers) sets both.
   int rank = -1;
   int world_size = -1;  ///< see rank
-  /// Large CPU tensors of this process (activations, gradients, buckets) from reused mapped memory, as
-  /// RpcOptions::cache_cpu_allocations and RpcOptions::host_cache_bytes describe; applied here for DDP programs
-  /// that do not call init_rpc. After init_rpc, RPC's options rule and these are ignored.
-  bool cache_cpu_allocations = true;
-  std::optional<std::uint64_t> host_cache_bytes;  ///< see cache_cpu_allocations; unset: a quarter of physical memory
 };
 
 /// A Gloo process group, from the same rendezvous as RPC when possible. The store:

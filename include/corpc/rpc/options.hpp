@@ -98,20 +98,6 @@ struct RpcOptions {
   /// Pages are touched only as the ring is used; a steady exchange reuses the same ones.
   std::uint64_t same_host_ring_bytes = std::uint64_t{256} << 20;
 
-  // ---- CPU memory ----
-  /// The most memory kept in freed large CPU blocks for reuse, process-wide.
-  /// Large CPU tensors (1 MiB and more) live in mapped blocks that are kept for reuse when freed, so that a steady
-  /// workload maps no new pages: a fresh buffer is faulted in page by page, and on a VM a fault costs microseconds
-  /// (ResNet50's training step on CPU spent most of its time there). This bounds the free blocks kept; the least
-  /// recently used go first, blocks idle for 60 s are unmapped, and all of them when memory runs out. Process-wide.
-  /// Unset: a quarter of physical memory. 0: off (fresh memory from libtorch's allocator every time).
-  std::optional<std::uint64_t> host_cache_bytes;
-  /// Whether every large CPU allocation of the process uses those blocks, not only received tensors.
-  /// Which large tensors: received ones always (while the cache is on); with this, also every CPU tensor the process
-  /// allocates, through an allocator installed in front of libtorch's at init_rpc (c10::SetCPUAllocator; it stays
-  /// for the life of the process, and follows host_cache_bytes of the latest init_rpc). false: only received ones.
-  bool cache_cpu_allocations = true;
-
   // ---- Traces (corpc/core/trace.hpp) ----
   /// Where the job's Chrome trace goes (calls, executions, replies, large transfers, backward passes of every worker,
   /// merged by rank 0 at graceful shutdown); empty: the CORPC_TRACE environment variable; neither: no trace, and no

@@ -84,14 +84,21 @@ class Runtime {
   void add_peer_failure_listener(std::function<void(int rank, const std::string& why)> listener);
   /// Call from a runtime initializer (add_runtime_initializer), before any message is exchanged.
   void set_tensor_hooks(detail::TensorHooks hooks);
-  /// The runtime's own task scope, for library work that nobody awaits: an RRef's value being computed on its owner,
-  /// RRef control messages, context releases. Graceful shutdown counts its tasks as work in flight (no worker exits
-  /// while one of them may still talk to it), then joins it with a stop requested; a non-graceful shutdown, or one
-  /// past shutdown_timeout, stops it first. After the join `spawn` throws UsageError: use spawn_background.
-  TaskScope& background() noexcept;
-  /// Runs `task` in background(), on this thread until its first suspension, with a fresh CallContext (no deadline or
-  /// autograd context of the caller's); false, and the task is dropped unstarted, once shutdown has closed the scope.
-  bool spawn_background(Task<void> task) noexcept;
+  /// How spawn_background starts a task, and what it keeps of the code that starts it.
+  enum class Background : std::uint8_t {
+    /// On this thread until its first suspension, with a fresh CallContext (no deadline or autograd context of the
+    /// caller's); it resumes on the worker pool. For bookkeeping the caller does not wait for (RRef control messages,
+    /// context releases).
+    detached,
+    /// On the worker pool, with the caller's CallContext (the deadline and autograd context of the request being
+    /// handled): work done on that request's behalf, which may compute for long (an RRef's value on its owner).
+    on_behalf_of_caller,
+  };
+  /// Runs `task` in the runtime's own task scope, for library work that nobody awaits. Its tasks see the scope's stop
+  /// token. Graceful shutdown counts them as work in flight (no worker exits while one of them may still talk to it),
+  /// then joins the scope with a stop requested; a non-graceful shutdown, or one past shutdown_timeout, stops it first.
+  /// Returns false, and the task is dropped unstarted, once shutdown has closed the scope.
+  bool spawn_background(Task<void> task, Background how = Background::detached) noexcept;
 
   /// State of an upper layer (RRefs, distributed autograd) that lives exactly as long as this runtime: created on first
   /// use with `Ext(Runtime&)`, destroyed after every connection has closed. Keeps those layers out of this one.

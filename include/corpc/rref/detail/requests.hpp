@@ -77,8 +77,8 @@ Future<Message> create_in_slot(int creator, const RRefId& id, const ForkId& fork
   ctx->claim(slot);
   // In the runtime's background scope: graceful shutdown waits for the value (its computation may call peers), and a
   // shutdown that gives up stops it. Its context is the request's (deadline, autograd context), with the scope's stop.
-  auto& rt = Runtime::get();
-  (void)rt.background().spawn(rt.executor(), fill_slot<R>(ctx, slot, std::move(fn)));
+  if (!Runtime::get().spawn_background(fill_slot<R>(ctx, slot, std::move(fn)), Runtime::Background::on_behalf_of_caller))
+    ctx->fail(slot, std::make_exception_ptr(ShutdownError("the owner is shutting down: the value was never computed")));
   return make_ready_future(Message{});
 }
 
