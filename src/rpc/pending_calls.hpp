@@ -73,7 +73,9 @@ class PendingCalls {
       slots_.emplace_back();
     }
     Slot& s = slots_[idx];
-    ++s.generation;
+    // Generation 0 is never used: an id of generation 0 would be the slot's index alone, and slots 0 and 1 would give
+    // ids that read as kClosed and kNoRoom (after 2^32 calls through one slot).
+    if (++s.generation == 0) s.generation = 1;
     s.busy = true;
     s.call = std::move(call);
     s.call.id = (std::uint64_t{s.generation} << 32) | idx;
