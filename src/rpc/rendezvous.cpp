@@ -29,15 +29,15 @@ std::string loopback_address_of(asio::io_context& io, const std::string& host) {
 
 }  // namespace
 
-Message hello_message(const detail::Hello& hello) {
-  Message m;
-  m.head.kind = FrameKind::Hello;
+detail::Message hello_message(const detail::Hello& hello) {
+  detail::Message m;
+  m.head.kind = detail::FrameKind::Hello;
   m.body = detail::encode_hello(hello);
   return m;
 }
 
-Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits) {
-  return hello_message(detail::Hello{kProtocolVersion, self, world_size, rendezvous, limits, {}, {}, {}, {}, false});
+detail::Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits) {
+  return hello_message(detail::Hello{detail::kProtocolVersion, self, world_size, rendezvous, limits, {}, {}, {}, {}, false});
 }
 
 detail::Hello Runtime::Impl::our_hello(bool registering) const {
@@ -147,7 +147,7 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
           std::lock_guard lock(conn_mutex);
           outgoing[0] = conn;
         }
-        conn->send(prepare(hello_message(our_hello(true))));
+        conn->send(detail::prepare(hello_message(our_hello(true))));
         co_return;
       }
     }, asio::detached);
@@ -210,7 +210,7 @@ void Runtime::Impl::refuse_claim(const std::shared_ptr<detail::Connection>& conn
   refuse(conn, why);
 }
 
-void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
+void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {
   detail::Hello hello;
   try {
     hello = detail::decode_hello(msg.body.data(), msg.body.size());
@@ -246,7 +246,7 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Me
     if (refusal) return refuse_claim(conn, info, *refusal);
     conn->peer_limits = theirs;
     offer_same_host(conn, hello, answer);
-    conn->send(prepare(hello_message(answer)));
+    conn->send(detail::prepare(hello_message(answer)));
     return;
   }
   if (self.rank != 0) return refuse(conn, "registration sent to rank " + std::to_string(self.rank));
@@ -272,7 +272,7 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Me
       take_rank(info.rank, conn);
       conn->peer_limits = theirs;
       offer_same_host(conn, hello, answer);
-      conn->send(prepare(hello_message(answer)));
+      conn->send(detail::prepare(hello_message(answer)));
       registrations[info.rank] = {info, conn};
       device_configs[info.rank] = std::move(hello.devices);
     }
@@ -305,20 +305,20 @@ void Runtime::Impl::publish_world_if_complete() {
       if (reg.second) conns.push_back(reg.second);
     }
   }
-  Message world;
-  world.head.kind = FrameKind::World;
+  detail::Message world;
+  world.head.kind = detail::FrameKind::World;
   Writer w(world.body);
   w.put(table);
   w.put(configs);  // every worker checks the job's device maps itself, and reaches the same verdict
   for (auto& c : conns) {
-    Message copy = world;
-    c->send(prepare(std::move(copy)));
+    detail::Message copy = world;
+    c->send(detail::prepare(std::move(copy)));
   }
-  Message self_world = std::move(world);
+  detail::Message self_world = std::move(world);
   on_world(std::move(self_world));
 }
 
-void Runtime::Impl::on_world(Message&& msg) {
+void Runtime::Impl::on_world(detail::Message&& msg) {
   if (world_taken.exchange(true)) return;  // a second table (only a broken or hostile rank 0 sends one) changes nothing
   std::vector<WorkerInfo> table;
   std::vector<detail::DeviceConfig> configs;
@@ -350,7 +350,7 @@ void Runtime::Impl::on_world(Message&& msg) {
   }
   workers = std::move(table);
   self = workers[self.rank];
-  std::vector<std::pair<std::shared_ptr<detail::Connection>, Message>> parked;
+  std::vector<std::pair<std::shared_ptr<detail::Connection>, detail::Message>> parked;
   {
     std::lock_guard lock(conn_mutex);
     world_known = true;
