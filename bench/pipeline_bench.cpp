@@ -346,7 +346,9 @@ int main(int argc, char** argv) {
   const int threads = static_cast<int>(c.threads);
   options.worker_thread_init = [threads] { at::set_num_threads(threads); };
   // Before the ranks are forked: they inherit it.
-  corpc::configure_host_memory({.cache_cpu_allocations = host_cache != "off"});
+  corpc::HostMemoryOptions memory;
+  memory.cache_cpu_allocations = host_cache != "off";
+  corpc::configure_host_memory(memory);
   LaunchOptions so;
   so.timeout = std::chrono::minutes(60);
   // Forked: rank 0 writes the results file this process made and reads back, and nothing here has started a thread.

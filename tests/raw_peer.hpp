@@ -8,11 +8,11 @@
 #include "../src/rpc/environment.hpp"
 #include "../src/transport/auth.hpp"
 #include "corpc/rpc/worker_info.hpp"
-#include "corpc/wire/message.hpp"
+#include "corpc/wire/detail/message.hpp"
 
 namespace corpc {
 // The Hello a dialing worker sends first (src/rpc/rendezvous.cpp), for tests that impersonate one.
-Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits);
+detail::Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits);
 }  // namespace corpc
 
 namespace corpc::test {

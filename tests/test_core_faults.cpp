@@ -100,8 +100,8 @@ bool read_within(asio::io_context& io, asio::ip::tcp::socket& s, void* p, std::s
 
 // The header of the next frame the worker sends on `s` (its payload read and dropped), or nothing if the worker closed
 // the connection or sent nothing within the limit.
-std::optional<FrameHeader> next_frame(asio::io_context& io, asio::ip::tcp::socket& s) {
-  FrameHeader h;
+std::optional<corpc::detail::FrameHeader> next_frame(asio::io_context& io, asio::ip::tcp::socket& s) {
+  corpc::detail::FrameHeader h;
   if (!read_within(io, s, &h, sizeof h)) return std::nullopt;
   std::string payload(std::size_t{h.meta_len} + h.body_len + h.tensor_bytes, '\0');
   if (!read_within(io, s, payload.data(), payload.size())) return std::nullopt;
@@ -124,13 +124,13 @@ bool hung_up_within(asio::io_context& io, asio::ip::tcp::socket& s) {
   return run_until(io, s, finished) && (result == asio::error::eof || result == asio::error::connection_reset);
 }
 
-std::string serialized(const FrameHeader& h, const std::string& body = {}) {
+std::string serialized(const corpc::detail::FrameHeader& h, const std::string& body = {}) {
   return std::string(reinterpret_cast<const char*>(&h), sizeof h) + body;
 }
 
 // What a process holding the job's secret sends when it claims to be `who`: its Hello, then `after`.
 std::string claim(const WorkerInfo& who, int world_size, const std::string& after) {
-  OutFrame hello = prepare(hello_message(who, world_size, false, WireLimits{}));
+  corpc::detail::OutFrame hello = corpc::detail::prepare(hello_message(who, world_size, false, WireLimits{}));
   return serialized(hello.head, hello.body) + after;
 }
 
@@ -139,7 +139,7 @@ std::string claim(const WorkerInfo& who, int world_size, const std::string& afte
 void expect_claim_refused(asio::io_context& io, asio::ip::tcp::socket& s) {
   auto first = next_frame(io, s);
   EXPECT(first.has_value());
-  EXPECT_EQ(static_cast<int>(first->kind), static_cast<int>(FrameKind::Error));
+  EXPECT_EQ(static_cast<int>(first->kind), static_cast<int>(corpc::detail::FrameKind::Error));
   EXPECT_EQ(first->id, 0u);
   EXPECT(hung_up_within(io, s));
 }
@@ -286,12 +286,12 @@ TEST_CASE("replies are accepted only from the connection that carried the reques
     // A stranger connects to this worker and answers every plausible request id with a forged value.
     asio::io_context io;
     auto s = authenticated_socket(io, get_worker_info(0));  // even a peer that knows the secret
-    Message forged = corpc::detail::encode_reply(7, 0);
+    corpc::detail::Message forged = corpc::detail::encode_reply(7, 0);
     std::string bytes;
     for (std::uint64_t gen = 0; gen < 4; ++gen) {
       for (std::uint64_t idx = 0; idx < 64; ++idx) {
-        FrameHeader h;
-        h.kind = FrameKind::Response;
+        corpc::detail::FrameHeader h;
+        h.kind = corpc::detail::FrameKind::Response;
         h.id = gen << 32 | idx;
         h.body_len = static_cast<std::uint32_t>(forged.body.size());
         bytes.append(reinterpret_cast<const char*>(&h), sizeof h);
@@ -368,12 +368,12 @@ TEST_CASE("a second connection claiming a connected rank is refused; the real ra
     // A process with the secret claims to be worker2, asks for a function nobody has, and leaves politely.
     asio::io_context io;
     auto s = authenticated_socket(io, get_worker_info(1));
-    FrameHeader unknown;
-    unknown.kind = FrameKind::Request;
+    corpc::detail::FrameHeader unknown;
+    unknown.kind = corpc::detail::FrameKind::Request;
     unknown.id = 1;
     unknown.function = 0x5eed;
-    FrameHeader goodbye;
-    goodbye.kind = FrameKind::Goodbye;
+    corpc::detail::FrameHeader goodbye;
+    goodbye.kind = corpc::detail::FrameKind::Goodbye;
     asio::write(s, asio::buffer(claim(get_worker_info(2), 3, serialized(unknown) + serialized(goodbye))));
     expect_claim_refused(io, s);
     s.close();
@@ -390,11 +390,11 @@ TEST_CASE("replies forged on a claimed rank's behalf close only the claimant; th
     // A process with the secret claims to be worker1 to us and answers request ids it was never sent.
     asio::io_context io;
     auto s = authenticated_socket(io, get_worker_info(0));
-    Message forged = corpc::detail::encode_reply(7, 0);
+    corpc::detail::Message forged = corpc::detail::encode_reply(7, 0);
     std::string replies;
     for (std::uint64_t idx = 0; idx < 64; ++idx) {
-      FrameHeader h;
-      h.kind = FrameKind::Response;
+      corpc::detail::FrameHeader h;
+      h.kind = corpc::detail::FrameKind::Response;
       h.id = idx;
       h.body_len = static_cast<std::uint32_t>(forged.body.size());
       replies += serialized(h, forged.body);
@@ -446,24 +446,24 @@ TEST_CASE("a peer announcing a large frame and sending nothing commits no memory
     asio::io_context io;
     // Each announces a large request and sends none of what it announced: a body, a tensor table, tensor data.
     auto body_only = authenticated_socket(io, get_worker_info(1));
-    FrameHeader h;
-    h.kind = FrameKind::Request;
+    corpc::detail::FrameHeader h;
+    h.kind = corpc::detail::FrameKind::Request;
     h.id = 1;
     h.body_len = kBody;
     asio::write(body_only, asio::buffer(serialized(h)));
     auto meta_only = authenticated_socket(io, get_worker_info(1));
-    h = FrameHeader{};
-    h.kind = FrameKind::Request;
+    h = corpc::detail::FrameHeader{};
+    h.kind = corpc::detail::FrameKind::Request;
     h.id = 1;
     h.num_tensors = 1;
     h.meta_len = kMeta;
     h.tensor_bytes = 4;
     asio::write(meta_only, asio::buffer(serialized(h)));
     auto data_only = authenticated_socket(io, get_worker_info(1));
-    Message m;
+    corpc::detail::Message m;
     m.head.id = 1;
     m.tensors.push_back(at::empty({kTensor / 4}));  // never touched here either
-    OutFrame tensor_frame = prepare(std::move(m));
+    corpc::detail::OutFrame tensor_frame = corpc::detail::prepare(std::move(m));
     asio::write(data_only, std::array<asio::const_buffer, 2>{asio::buffer(&tensor_frame.head, sizeof tensor_frame.head),
                                                              asio::buffer(tensor_frame.meta)});
     const std::int64_t announced = kBody + kMeta + kTensor;

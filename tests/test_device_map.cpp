@@ -196,7 +196,7 @@ TEST_CASE("device maps on the wire: a tensor bound for a device is announced, pa
   std::string meta;
   std::uint64_t total = 0;
   // A CUDA tensor without a map entry never gets as far as a copy.
-  DOCTEST_CHECK_THROWS_WITH_AS(encode_tensor_meta({labelled_cuda(cpu, 1)}, meta, total, {{cuda(0), cuda(1)}}, "w1"),
+  DOCTEST_CHECK_THROWS_WITH_AS(corpc::detail::encode_tensor_meta({labelled_cuda(cpu, 1)}, meta, total, {{cuda(0), cuda(1)}}, "w1"),
                        doctest::Contains("cuda:1"), UsageError);
   // A hand-made entry for cuda:1 (what a sender with a GPU writes): float, 1 dim, size 6, stride 1, on device 1.
   meta.clear();
@@ -209,18 +209,18 @@ TEST_CASE("device maps on the wire: a tensor bound for a device is announced, pa
   w.put(std::int8_t{1});
   w.put(std::uint64_t{24});
   std::vector<std::int8_t> devices;
-  auto tensors = decode_tensor_meta(meta.data(), meta.size(), 1, 24, WireLimits{}, &devices);
+  auto tensors = corpc::detail::decode_tensor_meta(meta.data(), meta.size(), 1, 24, WireLimits{}, &devices);
   DOCTEST_REQUIRE(tensors.size() == 1);
   DOCTEST_CHECK(tensors[0].device().is_cpu());  // received in host memory; the runtime copies it to cuda:1
   DOCTEST_CHECK((devices == std::vector<std::int8_t>{1}));
-  DOCTEST_CHECK_THROWS_AS(decode_tensor_meta(meta.data(), meta.size(), 1, 24, WireLimits{}, nullptr), ProtocolError);
+  DOCTEST_CHECK_THROWS_AS(corpc::detail::decode_tensor_meta(meta.data(), meta.size(), 1, 24, WireLimits{}, nullptr), ProtocolError);
   meta[meta.size() - 9] = static_cast<char>(-3);  // a negative device index
-  DOCTEST_CHECK_THROWS_AS(decode_tensor_meta(meta.data(), meta.size(), 1, 24, WireLimits{}, &devices), ProtocolError);
+  DOCTEST_CHECK_THROWS_AS(corpc::detail::decode_tensor_meta(meta.data(), meta.size(), 1, 24, WireLimits{}, &devices), ProtocolError);
   // CPU tensors: no device entry, no device list.
   meta.clear();
   devices.clear();
-  encode_tensor_meta({cpu}, meta, total, {{cuda(0), cuda(1)}}, "w1");
-  decode_tensor_meta(meta.data(), meta.size(), 1, total, WireLimits{}, &devices);
+  corpc::detail::encode_tensor_meta({cpu}, meta, total, {{cuda(0), cuda(1)}}, "w1");
+  corpc::detail::decode_tensor_meta(meta.data(), meta.size(), 1, total, WireLimits{}, &devices);
   DOCTEST_CHECK(devices.empty());
 }
 
@@ -399,9 +399,9 @@ TEST_CASE("CUDA IPC metadata: round-trips; refused from a peer that did not agre
   // A receiver that did not agree to CUDA IPC refuses the entry, however well formed.
   DOCTEST_CHECK_THROWS_WITH_AS(cd::parse_tensor_meta(meta.data(), meta.size(), 1, 0, WireLimits{}, kFloatOnly, false),
                                doctest::Contains("did not agree"), ProtocolError);
-  DOCTEST_CHECK_THROWS_AS(decode_tensor_meta(meta.data(), meta.size(), 1, 0, WireLimits{}), ProtocolError);
+  DOCTEST_CHECK_THROWS_AS(corpc::detail::decode_tensor_meta(meta.data(), meta.size(), 1, 0, WireLimits{}), ProtocolError);
   std::vector<std::int8_t> devices;
-  DOCTEST_CHECK_THROWS_AS(decode_tensor_meta(meta.data(), meta.size(), 1, 0, WireLimits{}, &devices), ProtocolError);
+  DOCTEST_CHECK_THROWS_AS(corpc::detail::decode_tensor_meta(meta.data(), meta.size(), 1, 0, WireLimits{}, &devices), ProtocolError);
   // Truncated anywhere, or with bytes left over: ProtocolError.
   for (std::size_t cut = 0; cut < meta.size(); ++cut)
     DOCTEST_CHECK_THROWS_AS(cd::parse_tensor_meta(meta.data(), cut, 1, 0, WireLimits{}, kFloatOnly, true), ProtocolError);
@@ -441,7 +441,7 @@ TEST_CASE("CUDA IPC metadata: round-trips; refused from a peer that did not agre
   // As the transport decodes it: a placeholder without bytes, its device recorded, its entry handed to the runtime.
   std::shared_ptr<cd::CudaIpcArrivals> arrivals;
   devices.clear();
-  auto tensors = decode_tensor_meta(mixed.data(), mixed.size(), 2, 12, WireLimits{}, &devices, &arrivals);
+  auto tensors = corpc::detail::decode_tensor_meta(mixed.data(), mixed.size(), 2, 12, WireLimits{}, &devices, &arrivals);
   DOCTEST_REQUIRE(tensors.size() == 2);
   DOCTEST_CHECK(tensors[0].nbytes() == 0);
   DOCTEST_CHECK(tensors[0].dim() == 1);
@@ -454,7 +454,7 @@ TEST_CASE("CUDA IPC metadata: round-trips; refused from a peer that did not agre
   // A frame without IPC entries leaves the arrivals null even where they would be accepted.
   arrivals.reset();
   const std::string plain = mixed.substr(meta.size());
-  decode_tensor_meta(plain.data(), plain.size(), 1, 12, WireLimits{}, &devices, &arrivals);
+  corpc::detail::decode_tensor_meta(plain.data(), plain.size(), 1, 12, WireLimits{}, &devices, &arrivals);
   DOCTEST_CHECK(!arrivals);
 }
 
@@ -526,7 +526,7 @@ TEST_CASE("CUDA IPC: a tensor that cannot be lent is staged instead (no CUDA lib
   std::uint64_t total = 0;
   std::shared_ptr<cd::DeviceTransfer> staged;
   std::shared_ptr<cd::CudaIpcLoans> lent;
-  DOCTEST_CHECK_THROWS_AS(encode_tensor_meta({labelled_cuda(at::ones({4}), 0)}, meta, total, {{cuda(0), cuda(0)}}, "w1",
+  DOCTEST_CHECK_THROWS_AS(corpc::detail::encode_tensor_meta({labelled_cuda(at::ones({4}), 0)}, meta, total, {{cuda(0), cuda(0)}}, "w1",
                                              &staged, link, &lent),
                           RpcError);
   DOCTEST_CHECK(!lent);
@@ -535,16 +535,16 @@ TEST_CASE("CUDA IPC: a tensor that cannot be lent is staged instead (no CUDA lib
 
 TEST_CASE("CUDA IPC: lent bytes count against the receiver's tensor limit, as if they travelled") {
   auto link = std::make_shared<cd::CudaIpcLink>();
-  OutFrame f;
+  corpc::detail::OutFrame f;
   f.head.tensor_bytes = 600;
   f.lent = std::make_shared<cd::CudaIpcLoans>(link);
   f.lent->add(link->lend(std::make_shared<int>(0)), 500);
   WireLimits limits;
   limits.max_tensor_bytes = 1000;
-  DOCTEST_CHECK_THROWS_AS(check_limits(f, limits, "w1"), MessageTooLargeError);
+  DOCTEST_CHECK_THROWS_AS(corpc::detail::check_limits(f, limits, "w1"), MessageTooLargeError);
   limits.max_tensor_bytes = 1100;
-  DOCTEST_CHECK_NOTHROW(check_limits(f, limits, "w1"));
-  f = OutFrame{};  // dropped before it was sent: its loan goes back
+  DOCTEST_CHECK_NOTHROW(corpc::detail::check_limits(f, limits, "w1"));
+  f = corpc::detail::OutFrame{};  // dropped before it was sent: its loan goes back
   DOCTEST_CHECK(link->on_loan() == 0);
 }
 
@@ -569,7 +569,7 @@ TEST_CASE("CUDA IPC: IpcDone bodies round-trip; malformed ones are ProtocolError
 namespace {
 int plus_one(int x) { return x + 1; }
 // Writes `frame` (a header, then `meta`) to worker 1 on a raw authenticated connection; true if it hung up.
-bool worker1_hangs_up_on(FrameHeader h, const std::string& meta, const std::string& body = {}) {
+bool worker1_hangs_up_on(corpc::detail::FrameHeader h, const std::string& meta, const std::string& body = {}) {
   asio::io_context io;
   auto s = authenticated_socket(io, get_worker_info(1));
   h.meta_len = static_cast<std::uint32_t>(meta.size());
@@ -587,15 +587,15 @@ TEST_CASE("CUDA IPC on the wire: a worker that did not agree hangs up on IPC ent
   run_world(2, [](int rank) {
     if (rank != 0) return;
     // A request with a tensor lent by CUDA IPC, on a connection that never agreed to it (no Hello, no channel).
-    FrameHeader request;
-    request.kind = FrameKind::Request;
+    corpc::detail::FrameHeader request;
+    request.kind = corpc::detail::FrameKind::Request;
     request.id = 1;
     request.num_tensors = 1;
     request.tensor_bytes = 0;
     EXPECT(worker1_hangs_up_on(request, ipc_entry(some_ref())));
     // An IpcDone frame where nothing was lent.
-    FrameHeader done;
-    done.kind = FrameKind::IpcDone;
+    corpc::detail::FrameHeader done;
+    done.kind = corpc::detail::FrameKind::IpcDone;
     EXPECT(worker1_hangs_up_on(done, {}, cd::encode_ipc_done({false, {1}})));
     EXPECT(Runtime::get().is_alive(1));
     EXPECT_EQ(rpc_sync<&plus_one>(1, 41), 42);

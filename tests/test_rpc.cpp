@@ -314,8 +314,8 @@ TEST_CASE("malformed frames close only the offending connection") {
       EXPECT(hung_up(s));  // the worker hangs up on us instead of allocating or crashing
     };
     send_raw("GET / HTTP/1.1\r\n\r\nxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx");
-    FrameHeader h;
-    h.kind = FrameKind::Request;
+    corpc::detail::FrameHeader h;
+    h.kind = corpc::detail::FrameKind::Request;
     h.body_len = 0xfffffff0u;  // over the limit
     send_raw(std::string(reinterpret_cast<const char*>(&h), sizeof h));
     h.body_len = 4;
@@ -323,8 +323,8 @@ TEST_CASE("malformed frames close only the offending connection") {
     h.meta_len = 3;  // truncated tensor metadata
     h.tensor_bytes = 1ull << 40;
     send_raw(std::string(reinterpret_cast<const char*>(&h), sizeof h) + "abcdefg");
-    h = FrameHeader{};
-    h.kind = FrameKind::Request;  // a request before any hello
+    h = corpc::detail::FrameHeader{};
+    h.kind = corpc::detail::FrameKind::Request;  // a request before any hello
     send_raw(std::string(reinterpret_cast<const char*>(&h), sizeof h));
     EXPECT_EQ(rpc_sync<&add>(1, 2, 2), 4);  // worker1 is fine
   });
@@ -372,8 +372,8 @@ TEST_CASE("connections must prove the run's secret before anything is read; stra
     // this marked rank 2 dead on worker1. Now it never gets to say Hello.
     {
       auto s = raw_socket(io, target);
-      Message hello = hello_message(get_worker_info(2), 3, false, WireLimits{});
-      OutFrame f = prepare(std::move(hello));
+      corpc::detail::Message hello = hello_message(get_worker_info(2), 3, false, WireLimits{});
+      corpc::detail::OutFrame f = corpc::detail::prepare(std::move(hello));
       asio::error_code ec;
       asio::write(s, std::array<asio::const_buffer, 2>{asio::buffer(&f.head, sizeof f.head), asio::buffer(f.body)}, ec);
       s.close();

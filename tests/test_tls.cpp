@@ -227,8 +227,8 @@ TEST_CASE("a TLS worker refuses plain peers, untrusted and expired certificates,
     // A plain peer speaking frames at once (a worker without secret nor TLS): the handshake fails, dropped.
     {
       auto s = raw_socket(io, target);
-      Message hello = hello_message(get_worker_info(0), 2, false, WireLimits{});
-      OutFrame f = prepare(std::move(hello));
+      corpc::detail::Message hello = hello_message(get_worker_info(0), 2, false, WireLimits{});
+      corpc::detail::OutFrame f = corpc::detail::prepare(std::move(hello));
       asio::error_code ec;
       asio::write(s, std::array<asio::const_buffer, 2>{asio::buffer(&f.head, sizeof f.head), asio::buffer(f.body)}, ec);
       EXPECT(hung_up(s));

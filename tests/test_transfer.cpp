@@ -124,7 +124,9 @@ TEST_CASE("large CPU allocations reuse cached pages when the host allocator is o
   for (const bool on : {true, false}) {
     run_world(1, [&](int) {
       // After init_rpc, which applied the defaults: the latest configuration holds.
-      configure_host_memory({.cache_cpu_allocations = on});
+      HostMemoryOptions memory;
+      memory.cache_cpu_allocations = on;
+      configure_host_memory(memory);
       // Floats: 64 MiB, 16384 pages. Above glibc's largest mmap threshold (32 MiB), so without the cache every
       // allocation is a fresh mapping, whatever the heap's history in this process.
       constexpr std::int64_t kNumel = 16 * kMiB;

@@ -24,14 +24,14 @@ void start_call(OutboundCall&& call) noexcept {
 }
 }  // namespace detail
 
-void Runtime::Impl::stamp_autograd(Message& m, int dst) const {
+void Runtime::Impl::stamp_autograd(detail::Message& m, int dst) const {
   m.head.context_id = outbound_context();
   m.head.message_id = -1;
   if (m.head.context_id != -1 && !m.tensors.empty() && tensor_hooks.on_send)
     m.head.message_id = tensor_hooks.on_send(m.head.context_id, dst, m.tensors);
 }
 
-void Runtime::Impl::attach_autograd(const FrameHeader& h, int src, std::vector<at::Tensor>& tensors) const {
+void Runtime::Impl::attach_autograd(const detail::FrameHeader& h, int src, std::vector<at::Tensor>& tensors) const {
   if (h.context_id != -1 && h.message_id != -1 && !tensors.empty() && tensor_hooks.on_recv)
     tensor_hooks.on_recv(h.context_id, h.message_id, src, tensors);
 }
@@ -63,18 +63,18 @@ void Runtime::Impl::start_call(detail::OutboundCall&& call) {
   const std::int64_t trace_t0 = trace::enabled() && !call.control ? trace::now_ns() : 0;
   const int dst = call.dst;
   if (dst < 0 || dst >= world_size) throw UnknownWorkerError("no worker with rank " + std::to_string(dst));
-  Message& m = call.message;
-  m.head.kind = FrameKind::Request;
-  m.head.flags = call.control ? kFlagControl : 0;
+  detail::Message& m = call.message;
+  m.head.kind = detail::FrameKind::Request;
+  m.head.flags = call.control ? detail::kFlagControl : 0;
   m.head.function = call.function_id;
   m.head.signature = call.signature;
   const auto timeout = effective_timeout(call.timeout);
   m.head.deadline_ms = static_cast<std::uint32_t>(std::clamp<std::int64_t>(timeout.count(), 1, 0xffffffffLL));
   auto conn = connection_to(dst);  // throws for a dead peer or a closing runtime
   stamp_autograd(m, dst);
-  OutFrame frame = prepare_for(std::move(m), dst, conn.get());
-  check_limits(frame, conn->peer_limits, name_of(dst));
-  check_request_budget(frame, conn->peer_limits, name_of(dst));
+  detail::OutFrame frame = prepare_for(std::move(m), dst, conn.get());
+  detail::check_limits(frame, conn->peer_limits, name_of(dst));
+  detail::check_request_budget(frame, conn->peer_limits, name_of(dst));
 
   detail::PendingCall p;
   p.complete = call.complete;
@@ -134,19 +134,19 @@ void Runtime::Impl::finish_without_reply(detail::PendingCall& p, std::exception_
   p.finish(nullptr, std::move(error));
 }
 
-OutFrame Runtime::Impl::prepare_for(Message&& m, int rank, detail::Connection* conn) const {
+detail::OutFrame Runtime::Impl::prepare_for(detail::Message&& m, int rank, detail::Connection* conn) const {
   if (rank < 0 || rank >= static_cast<int>(device_maps.size()) || rank >= static_cast<int>(workers.size()))
-    return prepare(std::move(m));
+    return detail::prepare(std::move(m));
   // Only frames with CUDA tensors mapped to the peer can be lent anything: the others skip the link's lock.
   const bool lendable = conn && !device_maps[rank].empty() && !m.tensors.empty();
-  return prepare(std::move(m), device_maps[rank], workers[rank].name, lendable ? conn->cuda_ipc_for_lending() : nullptr);
+  return detail::prepare(std::move(m), device_maps[rank], workers[rank].name, lendable ? conn->cuda_ipc_for_lending() : nullptr);
 }
 
-void Runtime::Impl::when_staged(const std::shared_ptr<detail::Connection>& conn, OutFrame&& frame,
-                                std::function<void(OutFrame&&)> send, std::function<void(std::exception_ptr)> failed) {
+void Runtime::Impl::when_staged(const std::shared_ptr<detail::Connection>& conn, detail::OutFrame&& frame,
+                                std::function<void(detail::OutFrame&&)> send, std::function<void(std::exception_ptr)> failed) {
   if (!frame.staged) return send(std::move(frame));
   auto staged = frame.staged;
-  auto held = std::make_shared<OutFrame>(std::move(frame));
+  auto held = std::make_shared<detail::OutFrame>(std::move(frame));
   // The continuation may run on a CUDA host-function thread: it only posts, and keeps no reference to the frame
   // there (its pinned memory must not be freed on that thread).
   staged->then([conn, held = std::move(held), send = std::move(send), failed = std::move(failed)](
@@ -165,18 +165,18 @@ void Runtime::Impl::when_staged(const std::shared_ptr<detail::Connection>& conn,
 void Runtime::Impl::fail_pending(const std::shared_ptr<detail::Connection>& conn, std::uint64_t id,
                                  std::exception_ptr error) {
   detail::PendingCall p;
-  std::vector<OutFrame> ready;
+  std::vector<detail::OutFrame> ready;
   if (detail::calls_on(*conn).pending.take(id, p, ready) != detail::PendingCalls::Lookup::Found) return;
   for (auto& f : ready) send_request(conn, std::move(f), true);
   finish_without_reply(p, std::move(error));
 }
 
 // Counted for graceful shutdown when it leaves: a call that waited for room and timed out was never sent.
-void Runtime::Impl::send_request(const std::shared_ptr<detail::Connection>& conn, OutFrame&& frame, bool counted) {
+void Runtime::Impl::send_request(const std::shared_ptr<detail::Connection>& conn, detail::OutFrame&& frame, bool counted) {
   if (frame.staged) [[unlikely]] {  // CUDA tensors still being copied out: sent from the copy's completion
     const std::uint64_t id = frame.head.id;
     return when_staged(
-        conn, std::move(frame), [this, conn, counted](OutFrame&& f) { send_request(conn, std::move(f), counted); },
+        conn, std::move(frame), [this, conn, counted](detail::OutFrame&& f) { send_request(conn, std::move(f), counted); },
         [this, conn, id](std::exception_ptr error) { fail_pending(conn, id, std::move(error)); });
   }
   if (counted) {
@@ -194,7 +194,7 @@ void Runtime::Impl::cancel_call(detail::Connection* where, int dst, std::uint64_
   auto conn = peers->outgoing_if(dst, where);
   if (!conn) return;  // the connection is gone, and every call on it failed with it
   detail::PendingCall p;
-  std::vector<OutFrame> ready;  // calls that waited for room, which the cancelled one frees
+  std::vector<detail::OutFrame> ready;  // calls that waited for room, which the cancelled one frees
   if (detail::calls_on(*conn).pending.take(id, p, ready) != detail::PendingCalls::Lookup::Found) return;  // completed already
   for (auto& f : ready) send_request(conn, std::move(f), true);
   finish_without_reply(p, detail::cancelled_error());
@@ -205,11 +205,11 @@ void Runtime::Impl::cancel_call(detail::Connection* where, int dst, std::uint64_
 // outcome already, and a callee that never gets it only works for nothing.
 void Runtime::Impl::send_cancel(detail::Connection& conn, std::uint64_t id) noexcept {
   try {
-    Message m;
-    m.head.kind = FrameKind::Request;
-    m.head.flags = kFlagControl | kFlagCancel;
+    detail::Message m;
+    m.head.kind = detail::FrameKind::Request;
+    m.head.flags = detail::kFlagControl | detail::kFlagCancel;
     m.head.id = id;
-    conn.send(prepare(std::move(m)));
+    conn.send(detail::prepare(std::move(m)));
   } catch (...) {
   }
 }
@@ -226,7 +226,7 @@ void Runtime::Impl::arm_deadline_timer(const std::shared_ptr<detail::Connection>
     auto& calls = detail::calls_on(*c);
     calls.timer_armed_for.store(detail::Clock::time_point::max());
     std::vector<detail::PendingCall> expired;
-    std::vector<OutFrame> ready;
+    std::vector<detail::OutFrame> ready;
     calls.pending.take_expired(detail::Clock::now(), expired, ready);
     for (auto& f : ready) send_request(c, std::move(f), true);
     for (auto& p : expired) {
@@ -243,10 +243,10 @@ std::exception_ptr Runtime::Impl::timed_out(const detail::PendingCall& p) const 
                                               std::to_string(p.timeout.count()) + " ms"));
 }
 
-void Runtime::Impl::deliver_reply(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
+void Runtime::Impl::deliver_reply(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {
   if (!conn->outgoing) return conn->close("protocol error: a reply on a connection that carries no calls of ours");
   detail::PendingCall p;
-  std::vector<OutFrame> ready;  // a call that waited for room, now sent (allocates only then)
+  std::vector<detail::OutFrame> ready;  // a call that waited for room, now sent (allocates only then)
   switch (detail::calls_on(*conn).pending.take(msg.head.id, p, ready)) {
     case detail::PendingCalls::Lookup::Late: return;  // timed out, or failed with its peer, already
     case detail::PendingCalls::Lookup::NeverIssued:
@@ -256,12 +256,12 @@ void Runtime::Impl::deliver_reply(const std::shared_ptr<detail::Connection>& con
   for (auto& f : ready) send_request(conn, std::move(f), true);
   const std::string_view function = p.function.empty() ? std::string_view(p.owned_name) : p.function;
   if (trace::enabled() && p.counted) [[unlikely]] {  // before call_done: see finish_without_reply
-    trace::detail::record({.kind = trace::detail::Kind::reply_received, .error = msg.head.kind == FrameKind::Error,
+    trace::detail::record({.kind = trace::detail::Kind::reply_received, .error = msg.head.kind == detail::FrameKind::Error,
                            .peer = p.dst, .t0 = trace::now_ns(), .t1 = trace::now_ns(), .request = p.id,
-                           .bytes = frame_bytes(msg.head), .name = std::string(function)});
+                           .bytes = detail::frame_bytes(msg.head), .name = std::string(function)});
   }
   if (p.counted) activity->call_done();
-  if (msg.head.kind == FrameKind::Error) {
+  if (msg.head.kind == detail::FrameKind::Error) {
     // Past its deadline the call has timed out, whatever the error: with an inherited deadline the callee's own
     // nested call fails at the same moment, and its error may arrive before our deadline timer has run.
     if (detail::Clock::now() >= p.deadline) return p.finish(nullptr, timed_out(p));

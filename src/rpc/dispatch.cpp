@@ -18,10 +18,10 @@ namespace {
 // even if the handler throws, its result fails to encode, or the handler is dropped without answering.
 class RequestScope {
  public:
-  RequestScope(Runtime::Impl& rt, std::shared_ptr<detail::Connection> conn, const FrameHeader& h,
-               const HandlerEntry& entry, std::stop_token stop)
+  RequestScope(Runtime::Impl& rt, std::shared_ptr<detail::Connection> conn, const detail::FrameHeader& h,
+               const detail::HandlerEntry& entry, std::stop_token stop)
       : rt_(rt), conn_(std::move(conn)), id_(h.id), src_(conn_->peer_rank), ctx_(h.context_id),
-        counted_(!(h.flags & kFlagControl)), entry_(&entry), stop_(std::move(stop)),
+        counted_(!(h.flags & detail::kFlagControl)), entry_(&entry), stop_(std::move(stop)),
         deadline_(h.deadline_ms ? detail::Clock::now() + std::chrono::milliseconds(h.deadline_ms)
                                 : detail::Clock::time_point::max()) {}
   RequestScope(RequestScope&& o) noexcept
@@ -38,23 +38,23 @@ class RequestScope {
   // Keeps the request's receive-budget reservation until it is answered.
   void hold(detail::ReceiveCredit credit) noexcept { credit_ = std::move(credit); }
 
-  void reply(Message&& out) noexcept {
+  void reply(detail::Message&& out) noexcept {
     if (done_) return;
     try {
-      out.head.kind = FrameKind::Response;
+      out.head.kind = detail::FrameKind::Response;
       out.head.id = id_;
       {
         CallContextScope scope(rt_.handler_context(ctx_));
         rt_.stamp_autograd(out, src_);
       }
       // A result that cannot be encoded becomes an error frame.
-      OutFrame frame = rt_.prepare_for(std::move(out), src_, conn_.get());
-      check_limits(frame, conn_->peer_limits, rt_.name_of(src_));
+      detail::OutFrame frame = rt_.prepare_for(std::move(out), src_, conn_.get());
+      detail::check_limits(frame, conn_->peer_limits, rt_.name_of(src_));
       if (frame.staged) [[unlikely]] {  // CUDA tensors still being copied out: replied from the copy's completion
         auto self = std::make_shared<RequestScope>(std::move(*this));
         auto conn = self->conn_;
         return rt_.when_staged(
-            conn, std::move(frame), [self](OutFrame&& f) { self->send_reply(std::move(f)); },
+            conn, std::move(frame), [self](detail::OutFrame&& f) { self->send_reply(std::move(f)); },
             [self](std::exception_ptr error) { self->fail(std::move(error)); });
       }
       send_reply(std::move(frame));
@@ -62,7 +62,7 @@ class RequestScope {
       fail(std::current_exception());
     }
   }
-  void send_reply(OutFrame&& frame) noexcept {
+  void send_reply(detail::OutFrame&& frame) noexcept {
     try {
       {
         trace::detail::ScopedRecord slice(
@@ -104,7 +104,7 @@ class RequestScope {
   int src_;
   std::int64_t ctx_;
   bool counted_;
-  const HandlerEntry* entry_;
+  const detail::HandlerEntry* entry_;
   detail::ReceiveCredit credit_;  // after conn_: released while the connection is still referenced
   std::stop_token stop_;  // empty for handlers that run to completion on the I/O thread: no cancel can reach them
   detail::Clock::time_point deadline_;
@@ -112,13 +112,13 @@ class RequestScope {
 };
 
 // Runs `entry` on `msg` on the calling thread; the reply leaves from here, or when the handler's future completes.
-void run_request(Runtime::Impl& rt, RequestScope scope, const HandlerEntry& entry, Message& msg, int src) {
+void run_request(Runtime::Impl& rt, RequestScope scope, const detail::HandlerEntry& entry, detail::Message& msg, int src) {
   trace::detail::ScopedRecord slice(
       [&] {  // the handler's synchronous part (a coroutine's, up to its first suspension)
         return trace::detail::Record{.kind = trace::detail::Kind::run, .peer = src, .request = msg.head.id,
-                                     .bytes = frame_bytes(msg.head), .name = entry.name};
+                                     .bytes = detail::frame_bytes(msg.head), .name = entry.name};
       },
-      !(msg.head.flags & kFlagControl));
+      !(msg.head.flags & detail::kFlagControl));
   if (scope.stop_requested()) {  // cancelled before it started: dropped
     slice.finish();
     return scope.fail(detail::cancelled_error());
@@ -126,17 +126,17 @@ void run_request(Runtime::Impl& rt, RequestScope scope, const HandlerEntry& entr
   try {
     CallContextScope ctx_scope(scope.handler_context());
     rt.attach_autograd(msg.head, src, msg.tensors);
-    Inbound in{src, entry.name, Reader(msg.body.data(), msg.body.size()), &msg};
+    detail::Inbound in{src, entry.name, Reader(msg.body.data(), msg.body.size()), &msg};
     in.args.tensors = &msg.tensors;
     in.args.peer = src;
     if (entry.run_sync) {
-      Message out;
+      detail::Message out;
       entry.run_sync(in, out);
       slice.finish();  // before the reply: see ScopedRecord::finish
       scope.reply(std::move(out));
       return;
     }
-    Future<Message> result = entry.run_async(in);
+    Future<detail::Message> result = entry.run_async(in);
     slice.finish();
     if (result.done()) {
       if (auto e = result.error()) scope.fail(e);
@@ -157,10 +157,10 @@ void run_request(Runtime::Impl& rt, RequestScope scope, const HandlerEntry& entr
 struct PooledRequest : WorkItem {
   Runtime::Impl& rt;
   RequestScope scope;
-  const HandlerEntry& entry;
-  Message msg;
+  const detail::HandlerEntry& entry;
+  detail::Message msg;
   int src;
-  PooledRequest(Runtime::Impl& r, RequestScope s, const HandlerEntry& e, Message&& m, int source)
+  PooledRequest(Runtime::Impl& r, RequestScope s, const detail::HandlerEntry& e, detail::Message&& m, int source)
       : rt(r), scope(std::move(s)), entry(e), msg(std::move(m)), src(source) {
     run = [](WorkItem* w) noexcept {
       auto* self = static_cast<PooledRequest*>(w);
@@ -185,20 +185,20 @@ CallContext Runtime::Impl::handler_context(std::int64_t context_id, std::stop_to
   return c;
 }
 
-void Runtime::Impl::on_frame(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
+void Runtime::Impl::on_frame(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {
   if (conn->hello_refused) return;  // closing once our refusal is out: nothing it says counts
   if (conn->delivering_refused()) return refuse_too_large(conn, msg.head);
   if (!msg.devices.empty()) [[unlikely]] return deliver_on_devices(conn, std::move(msg));
   switch (msg.head.kind) {
-    case FrameKind::Hello: return on_hello(conn, std::move(msg));
-    case FrameKind::World:
+    case detail::FrameKind::Hello: return on_hello(conn, std::move(msg));
+    case detail::FrameKind::World:
       // Only rank 0 publishes the table, on the connection we registered through.
       if (!conn->outgoing || conn->peer_rank != 0) return conn->close("protocol error: a world table not from rank 0");
       return on_world(std::move(msg));
-    case FrameKind::Request: return on_request(conn, std::move(msg));
-    case FrameKind::Response:
-    case FrameKind::Error: {
-      if (msg.head.id == 0 && msg.head.kind == FrameKind::Error) {  // the peer refused the connection itself
+    case detail::FrameKind::Request: return on_request(conn, std::move(msg));
+    case detail::FrameKind::Response:
+    case detail::FrameKind::Error: {
+      if (msg.head.id == 0 && msg.head.kind == detail::FrameKind::Error) {  // the peer refused the connection itself
         std::string why = "refused by peer";
         try {
           std::rethrow_exception(decode_error(msg, name_of(conn->peer_rank), "rendezvous"));
@@ -210,25 +210,25 @@ void Runtime::Impl::on_frame(const std::shared_ptr<detail::Connection>& conn, Me
       }
       return deliver_reply(conn, std::move(msg));
     }
-    case FrameKind::IpcDone: return on_ipc_done(conn, std::move(msg));
-    case FrameKind::Goodbye: {
+    case detail::FrameKind::IpcDone: return on_ipc_done(conn, std::move(msg));
+    case detail::FrameKind::Goodbye: {
       // A body says the peer stops after an error; on_close words its departure with it. Bounded: it is only words.
       const int rank = conn->peer_rank;
       if (!msg.body.empty()) peers->set_farewell(rank, msg.body.substr(0, 4096));
       return;
     }
-    case FrameKind::Ping:  // answered by the transport
-    case FrameKind::Pong: return;
+    case detail::FrameKind::Ping:  // answered by the transport
+    case detail::FrameKind::Pong: return;
   }
 }
 
 // The copies to the devices run on the devices' transfer streams; the message is delivered from their completion, on
 // this connection's I/O thread. A failure answers a request with an error, or fails the call a reply was for.
-void Runtime::Impl::deliver_on_devices(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
+void Runtime::Impl::deliver_on_devices(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {
   // A request's share of the receive budget stays reserved until it is delivered.
   auto credit = std::make_shared<detail::ReceiveCredit>(conn->take_receive_credit());
   auto transfer = std::make_shared<detail::DeviceTransfer>();
-  auto held = std::make_shared<Message>(std::move(msg));
+  auto held = std::make_shared<detail::Message>(std::move(msg));
   try {
     detail::cuda::upload(held->tensors, held->devices, transfer, held->ipc.get());
   } catch (...) {
@@ -249,10 +249,10 @@ void Runtime::Impl::deliver_on_devices(const std::shared_ptr<detail::Connection>
         held->ipc.reset();
       }
       if (!error) return on_frame(conn, std::move(*held));
-      const FrameHeader& h = held->head;
-      if (h.kind == FrameKind::Request) {
-        send_error(conn, h.id, std::move(error), "(delivery to a CUDA device)", !(h.flags & kFlagControl));
-        if (!(h.flags & kFlagControl)) activity->request_handled(conn->peer_rank);
+      const detail::FrameHeader& h = held->head;
+      if (h.kind == detail::FrameKind::Request) {
+        send_error(conn, h.id, std::move(error), "(delivery to a CUDA device)", !(h.flags & detail::kFlagControl));
+        if (!(h.flags & detail::kFlagControl)) activity->request_handled(conn->peer_rank);
       } else if (conn->outgoing) {
         fail_pending(conn, h.id, std::move(error));
       }
@@ -260,16 +260,16 @@ void Runtime::Impl::deliver_on_devices(const std::shared_ptr<detail::Connection>
   });
 }
 
-void Runtime::Impl::on_request(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
+void Runtime::Impl::on_request(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {
   if (conn->peer_rank < 0) return conn->close("protocol error: a request before hello");
   if (world.park_if_unknown(conn, msg)) return;
   // A cancel frame: stops request `id` if its handler is still running (or queued); no reply, no count.
-  if (msg.head.flags & kFlagCancel) return detail::calls_on(*conn).inbound.cancel(msg.head.id);
-  const HandlerEntry* entry = global_registry().find(msg.head.function);
+  if (msg.head.flags & detail::kFlagCancel) return detail::calls_on(*conn).inbound.cancel(msg.head.id);
+  const detail::HandlerEntry* entry = detail::global_registry().find(msg.head.function);
   // A refused request still counts as handled: the caller counted it as sent, and graceful shutdown balances the two.
   auto refuse = [&](std::exception_ptr error, std::string_view function) {
-    send_error(conn, msg.head.id, std::move(error), function, !(msg.head.flags & kFlagControl));
-    if (!(msg.head.flags & kFlagControl)) activity->request_handled(conn->peer_rank);
+    send_error(conn, msg.head.id, std::move(error), function, !(msg.head.flags & detail::kFlagControl));
+    if (!(msg.head.flags & detail::kFlagControl)) activity->request_handled(conn->peer_rank);
   };
   if (!entry) {
     return refuse(std::make_exception_ptr(UnknownFunctionError(
@@ -282,7 +282,7 @@ void Runtime::Impl::on_request(const std::shared_ptr<detail::Connection>& conn, 
                                                             self.name + "', which takes " + entry->signature_text)),
                   entry->name);
   }
-  if (!(msg.head.flags & kFlagControl)) activity->handler_started();
+  if (!(msg.head.flags & detail::kFlagControl)) activity->handler_started();
   // A plain function on the I/O thread runs to completion before this thread could read a cancel: it needs no token.
   const bool runs_to_completion_here = entry->execution == Execution::io_thread && entry->run_sync;
   RequestScope scope(*this, conn, msg.head, *entry,
@@ -296,21 +296,21 @@ void Runtime::Impl::on_request(const std::shared_ptr<detail::Connection>& conn, 
   }
 }
 
-void Runtime::Impl::refuse_too_large(const std::shared_ptr<detail::Connection>& conn, const FrameHeader& h) {
-  if (h.kind != FrameKind::Request || conn->peer_rank < 0) return conn->close("protocol error: an oversized frame");
-  const std::uint64_t size = sizeof(FrameHeader) + std::uint64_t{h.meta_len} + h.body_len + h.tensor_bytes;
+void Runtime::Impl::refuse_too_large(const std::shared_ptr<detail::Connection>& conn, const detail::FrameHeader& h) {
+  if (h.kind != detail::FrameKind::Request || conn->peer_rank < 0) return conn->close("protocol error: an oversized frame");
+  const std::uint64_t size = sizeof(detail::FrameHeader) + std::uint64_t{h.meta_len} + h.body_len + h.tensor_bytes;
   send_error(conn, h.id,
              std::make_exception_ptr(MessageTooLargeError(
                  "a request of " + std::to_string(size) + " bytes is over the " +
                  std::to_string(options.limits.max_request_bytes) + " that worker '" + self.name +
                  "' may hold (its RpcOptions::receive_budget_per_connection / _per_process)")),
-             "", !(h.flags & kFlagControl));
-  if (!(h.flags & kFlagControl)) activity->request_handled(conn->peer_rank);
+             "", !(h.flags & detail::kFlagControl));
+  if (!(h.flags & detail::kFlagControl)) activity->request_handled(conn->peer_rank);
 }
 
 void Runtime::Impl::send_error(const std::shared_ptr<detail::Connection>& conn, std::uint64_t id,
                                std::exception_ptr error, std::string_view function, bool traced) {
-  OutFrame frame = prepare(error_frame(id, std::move(error), self.name, function));
+  detail::OutFrame frame = detail::prepare(error_frame(id, std::move(error), self.name, function));
   trace::detail::ScopedRecord slice(
       [&, bytes = frame.wire_bytes()] {
         return trace::detail::Record{.kind = trace::detail::Kind::reply_sent, .error = true, .peer = conn->peer_rank,

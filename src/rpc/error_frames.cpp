@@ -23,7 +23,7 @@ std::string current_exception_type() {
 
 }  // namespace
 
-Message error_frame(std::uint64_t id, std::exception_ptr error, const std::string& worker, std::string_view function) {
+detail::Message error_frame(std::uint64_t id, std::exception_ptr error, const std::string& worker, std::string_view function) {
   ErrorCode code = ErrorCode::Remote;
   std::string type, message;
   try {
@@ -41,8 +41,8 @@ Message error_frame(std::uint64_t id, std::exception_ptr error, const std::strin
   } catch (...) {
     type = current_exception_type(), message = "non-standard exception";
   }
-  Message m;
-  m.head.kind = FrameKind::Error;
+  detail::Message m;
+  m.head.kind = detail::FrameKind::Error;
   m.head.id = id;
   Writer w(m.body);
   w.put(static_cast<std::uint8_t>(code));
@@ -53,7 +53,7 @@ Message error_frame(std::uint64_t id, std::exception_ptr error, const std::strin
   return m;
 }
 
-std::exception_ptr decode_error(const Message& msg, const std::string& worker, std::string_view function) {
+std::exception_ptr decode_error(const detail::Message& msg, const std::string& worker, std::string_view function) {
   try {
     Reader r(msg.body.data(), msg.body.size());
     auto code = static_cast<ErrorCode>(r.get<std::uint8_t>());

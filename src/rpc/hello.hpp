@@ -6,7 +6,7 @@
 #include <string>
 
 #include "corpc/rpc/worker_info.hpp"
-#include "corpc/wire/frame.hpp"
+#include "corpc/wire/detail/frame.hpp"
 
 namespace corpc::detail {
 

@@ -7,8 +7,8 @@
 
 namespace corpc {
 
-std::function<void(const std::shared_ptr<detail::Connection>&, Message&&)> Runtime::Impl::frame_handler() {
-  return [this](const std::shared_ptr<detail::Connection>& c, Message&& m) { on_frame(c, std::move(m)); };
+std::function<void(const std::shared_ptr<detail::Connection>&, detail::Message&&)> Runtime::Impl::frame_handler() {
+  return [this](const std::shared_ptr<detail::Connection>& c, detail::Message&& m) { on_frame(c, std::move(m)); };
 }
 std::function<void(const std::shared_ptr<detail::Connection>&, const std::string&)> Runtime::Impl::close_handler() {
   return [this](const std::shared_ptr<detail::Connection>& c, const std::string& why) { on_close(c, why); };
@@ -46,7 +46,7 @@ std::shared_ptr<detail::Connection> Runtime::Impl::connection_to(int rank) {
       c = detail::dial_tcp_connection(pick_io(), rank, workers[rank].host, workers[rank].port, connection_settings(),
                                       frame_handler(), close_handler(), auth);
       // Every dialed connection starts with who we are and what we accept.
-      c->send(prepare(hello_message(our_hello(false))));
+      c->send(detail::prepare(hello_message(our_hello(false))));
     }
     detail::calls_on(*c).pending.set_limit(options.max_calls_in_flight_per_peer);
     return c;
@@ -141,10 +141,10 @@ void Runtime::Impl::accept_loop() {
 void Runtime::Impl::close_everything(bool say_goodbye, const std::string& failure) {
   const auto conns = peers->close();
   auto goodbye = [&] {
-    Message bye;
-    bye.head.kind = FrameKind::Goodbye;
+    detail::Message bye;
+    bye.head.kind = detail::FrameKind::Goodbye;
     bye.body = failure;
-    return prepare(std::move(bye));
+    return detail::prepare(std::move(bye));
   };
   // A rank that stops after an error says so first: a peer whose call or shutdown round fails next must already
   // know why (it reads the Goodbye before that reply).

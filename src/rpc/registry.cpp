@@ -1,9 +1,9 @@
 // The function registry: copy-on-write snapshots, read without a lock.
 #include <algorithm>
 
-#include "corpc/rpc/registry.hpp"
+#include "corpc/rpc/detail/registry.hpp"
 
-namespace corpc {
+namespace corpc::detail {
 
 Registry& global_registry() {
   static Registry registry;
@@ -36,4 +36,4 @@ const HandlerEntry* Registry::find(std::uint64_t id) const noexcept {
   return it != t->by_id.end() && (*it)->id == id ? it->get() : nullptr;
 }
 
-}  // namespace corpc
+}  // namespace corpc::detail

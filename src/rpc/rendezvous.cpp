@@ -29,15 +29,15 @@ std::string loopback_address_of(asio::io_context& io, const std::string& host) {
 
 }  // namespace
 
-Message hello_message(const detail::Hello& hello) {
-  Message m;
-  m.head.kind = FrameKind::Hello;
+detail::Message hello_message(const detail::Hello& hello) {
+  detail::Message m;
+  m.head.kind = detail::FrameKind::Hello;
   m.body = detail::encode_hello(hello);
   return m;
 }
 
-Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits) {
-  return hello_message(detail::Hello{kProtocolVersion, self, world_size, rendezvous, limits, {}, {}, {}, {}, false});
+detail::Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits) {
+  return hello_message(detail::Hello{detail::kProtocolVersion, self, world_size, rendezvous, limits, {}, {}, {}, {}, false});
 }
 
 detail::Hello Runtime::Impl::our_hello(bool registering) const {
@@ -142,7 +142,7 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
         conn->peer_rank = 0;
         conn->outgoing = true;
         peers->set_outgoing(0, conn);
-        conn->send(prepare(hello_message(our_hello(true))));
+        conn->send(detail::prepare(hello_message(our_hello(true))));
         co_return;
       }
     }, asio::detached);
@@ -181,7 +181,7 @@ void Runtime::Impl::refuse_claim(const std::shared_ptr<detail::Connection>& conn
   refuse(conn, why);
 }
 
-void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
+void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {
   detail::Hello hello;
   try {
     hello = detail::decode_hello(msg.body.data(), msg.body.size());
@@ -211,7 +211,7 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Me
     if (auto refusal = peers->claim(info.rank, conn)) return refuse_claim(conn, info, *refusal);
     conn->peer_limits = theirs;
     offer_same_host(conn, hello, answer);
-    conn->send(prepare(hello_message(answer)));
+    conn->send(detail::prepare(hello_message(answer)));
     return;
   }
   if (self.rank != 0) return refuse(conn, "registration sent to rank " + std::to_string(self.rank));
@@ -222,7 +222,7 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Me
     return peers->claim(info.rank, conn, [&] {
       conn->peer_limits = theirs;
       offer_same_host(conn, hello, answer);
-      conn->send(prepare(hello_message(answer)));
+      conn->send(detail::prepare(hello_message(answer)));
     });
   });
   if (outcome.duplicate_name) {
@@ -244,19 +244,19 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, Me
 void Runtime::Impl::publish_world_if_complete() {
   auto complete = registrations.take_if_complete(world_size);
   if (!complete) return;
-  Message table;
-  table.head.kind = FrameKind::World;
+  detail::Message table;
+  table.head.kind = detail::FrameKind::World;
   Writer w(table.body);
   w.put(complete->workers);
   w.put(complete->device_configs);  // every worker checks the job's device maps itself, and reaches the same verdict
   for (auto& c : complete->registrants) {
-    Message copy = table;
-    c->send(prepare(std::move(copy)));
+    detail::Message copy = table;
+    c->send(detail::prepare(std::move(copy)));
   }
   on_world(std::move(table));
 }
 
-void Runtime::Impl::on_world(Message&& msg) {
+void Runtime::Impl::on_world(detail::Message&& msg) {
   if (!world.first_table()) return;
   std::vector<WorkerInfo> table;
   std::vector<detail::DeviceConfig> configs;

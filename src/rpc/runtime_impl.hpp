@@ -30,7 +30,7 @@
 #include <tuple>
 #include <unordered_map>
 
-#include "corpc/rpc/registry.hpp"
+#include "corpc/rpc/detail/registry.hpp"
 #include "corpc/rpc/runtime.hpp"
 #include "core/refusal_log.hpp"
 #include "rpc/activity.hpp"
@@ -125,8 +125,8 @@ struct Runtime::Impl {
 
   // ---- calls.cpp ----
   void start_call(detail::OutboundCall&& call);
-  void send_request(const std::shared_ptr<detail::Connection>& conn, OutFrame&& frame, bool counted);
-  void deliver_reply(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
+  void send_request(const std::shared_ptr<detail::Connection>& conn, detail::OutFrame&& frame, bool counted);
+  void deliver_reply(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg);
   void arm_deadline_timer(const std::shared_ptr<detail::Connection>& conn);  // conn's I/O thread
   void fail_calls(detail::Connection& conn, std::exception_ptr error);
   void finish_without_reply(detail::PendingCall& p, std::exception_ptr error) noexcept;
@@ -138,21 +138,21 @@ struct Runtime::Impl {
   void cancel_call(detail::Connection* where, int dst, std::uint64_t id);
   void send_cancel(detail::Connection& conn, std::uint64_t id) noexcept;
   // Lets distributed autograd record a send function for an outbound message; fills its header's autograd ids.
-  void stamp_autograd(Message& m, int dst) const;
-  void attach_autograd(const FrameHeader& h, int src, std::vector<at::Tensor>& tensors) const;
+  void stamp_autograd(detail::Message& m, int dst) const;
+  void attach_autograd(const detail::FrameHeader& h, int src, std::vector<at::Tensor>& tensors) const;
   // `frame` framed with the device map to `rank` (an empty map before the world is known), for `conn` (whose CUDA IPC
   // link, if it lends, carries CUDA tensors).
-  OutFrame prepare_for(Message&& m, int rank, detail::Connection* conn = nullptr) const;
+  detail::OutFrame prepare_for(detail::Message&& m, int rank, detail::Connection* conn = nullptr) const;
   // Runs `send(frame)` on `conn`'s I/O thread once the frame's CUDA tensors are staged (now if it has none), or
   // `failed(error)` there if staging failed.
-  void when_staged(const std::shared_ptr<detail::Connection>& conn, OutFrame&& frame,
-                   std::function<void(OutFrame&&)> send, std::function<void(std::exception_ptr)> failed);
+  void when_staged(const std::shared_ptr<detail::Connection>& conn, detail::OutFrame&& frame,
+                   std::function<void(detail::OutFrame&&)> send, std::function<void(std::exception_ptr)> failed);
 
   // ---- dispatch.cpp ----
-  void on_frame(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
-  void on_request(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
+  void on_frame(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg);
+  void on_request(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg);
   // A message with tensors bound for CUDA devices: copied there first, then delivered as any other.
-  void deliver_on_devices(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
+  void deliver_on_devices(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg);
   // `traced`: a user request's (the trace leaves shutdown's control rounds out).
   void send_error(const std::shared_ptr<detail::Connection>& conn, std::uint64_t id, std::exception_ptr error,
                   std::string_view function, bool traced = true);
@@ -163,10 +163,10 @@ struct Runtime::Impl {
   detail::ConnectionSettings connection_settings() const;
   void init_flow_control();  // from options; before any connection exists
   // A request whose header announced more than the receive budget: its bytes were dropped; answer it.
-  void refuse_too_large(const std::shared_ptr<detail::Connection>& conn, const FrameHeader& h);
+  void refuse_too_large(const std::shared_ptr<detail::Connection>& conn, const detail::FrameHeader& h);
 
   // ---- peers.cpp ----
-  std::function<void(const std::shared_ptr<detail::Connection>&, Message&&)> frame_handler();
+  std::function<void(const std::shared_ptr<detail::Connection>&, detail::Message&&)> frame_handler();
   std::function<void(const std::shared_ptr<detail::Connection>&, const std::string&)> close_handler();
   std::shared_ptr<detail::Connection> connection_to(int rank);
   void on_close(const std::shared_ptr<detail::Connection>& conn, const std::string& why);
@@ -201,11 +201,11 @@ struct Runtime::Impl {
 
   // ---- rendezvous.cpp ----
   void rendezvous(const std::string& master_host, std::uint16_t master_port, int listen_fd);
-  void on_hello(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
+  void on_hello(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg);
   void refuse(const std::shared_ptr<detail::Connection>& conn, const std::string& why);
   // Refuses a Hello that claimed `claimed`, whose rank is taken (`why`), and says so in our log.
   void refuse_claim(const std::shared_ptr<detail::Connection>& conn, const WorkerInfo& claimed, const std::string& why);
-  void on_world(Message&& msg);
+  void on_world(detail::Message&& msg);
   void publish_world_if_complete();
   detail::Hello our_hello(bool registering) const;
 
@@ -218,7 +218,7 @@ struct Runtime::Impl {
   std::shared_ptr<detail::CudaIpcLink> cuda_ipc_link(int rank, bool theirs, const std::string& their_host);
   void cuda_ipc_failed(int rank, const std::string& why);
   // An IpcDone frame: the peer is done with tensors we lent it.
-  void on_ipc_done(const std::shared_ptr<detail::Connection>& conn, Message&& msg);
+  void on_ipc_done(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg);
   // Tells the lender of `msg`'s CUDA IPC tensors (on `conn`) that their copies are done.
   void return_ipc_loans(const std::shared_ptr<detail::Connection>& conn, const detail::CudaIpcArrivals& arrivals);
 };
@@ -227,11 +227,11 @@ Runtime::Impl& runtime_impl(Runtime& rt) noexcept;
 
 void validate_worker_name(const std::string& name);
 // The first frame on every dialed connection (rendezvous.cpp).
-Message hello_message(const detail::Hello& hello);
+detail::Message hello_message(const detail::Hello& hello);
 // A plain one, without same-host fields (tests that play a peer by hand, tests/raw_peer.hpp).
-Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits);
+detail::Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits);
 // Error frames (error_frames.cpp): [u8 code][worker][function][type][message].
-Message error_frame(std::uint64_t id, std::exception_ptr error, const std::string& worker, std::string_view function);
-std::exception_ptr decode_error(const Message& msg, const std::string& worker, std::string_view function);
+detail::Message error_frame(std::uint64_t id, std::exception_ptr error, const std::string& worker, std::string_view function);
+std::exception_ptr decode_error(const detail::Message& msg, const std::string& worker, std::string_view function);
 
 }  // namespace corpc

@@ -79,7 +79,7 @@ void Runtime::Impl::cuda_ipc_failed(int rank, const std::string& why) {
 }
 
 // The lender's side: the I/O thread of the connection the tensors were lent on. The tensors are released here.
-void Runtime::Impl::on_ipc_done(const std::shared_ptr<detail::Connection>& conn, Message&& msg) {
+void Runtime::Impl::on_ipc_done(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {
   auto link = conn->cuda_ipc();
   if (!link) return conn->close("protocol error: IpcDone on a connection without CUDA IPC");
   detail::IpcDone done;
@@ -97,10 +97,10 @@ void Runtime::Impl::on_ipc_done(const std::shared_ptr<detail::Connection>& conn,
 void Runtime::Impl::return_ipc_loans(const std::shared_ptr<detail::Connection>& conn,
                                      const detail::CudaIpcArrivals& arrivals) {
   if (!arrivals.link || arrivals.link->closed()) return;  // the lender released them with the connection
-  Message m;
-  m.head.kind = FrameKind::IpcDone;
+  detail::Message m;
+  m.head.kind = detail::FrameKind::IpcDone;
   m.body = detail::encode_ipc_done({arrivals.link->ask_peer_to_stop(), arrivals.ids()});
-  conn->send(prepare(std::move(m)));
+  conn->send(detail::prepare(std::move(m)));
 }
 
 }  // namespace corpc

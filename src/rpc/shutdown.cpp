@@ -29,7 +29,7 @@ Future<RoundResult> shutdown_round(std::int64_t round, int rank, std::vector<std
 
 constexpr std::string_view kRoundName = "corpc::shutdown_round";
 const bool g_registered = [] {
-  global_registry().add(detail::make_entry<&shutdown_round>(std::string(kRoundName), Execution::io_thread));
+  detail::global_registry().add(detail::make_entry<&shutdown_round>(std::string(kRoundName), Execution::io_thread));
   return true;
 }();
 

@@ -6,7 +6,7 @@
 #include <limits>
 
 #include "corpc/wire/codec.hpp"
-#include "corpc/wire/message.hpp"
+#include "corpc/wire/detail/message.hpp"
 #include "memory/cuda_ipc.hpp"
 #include "memory/cuda_transfer.hpp"
 #include "wire/device_map.hpp"
@@ -74,6 +74,8 @@ bool differentiable(std::uint8_t raw) {
   return at::isFloatingType(dtype) || at::isComplexType(dtype);
 }
 }  // namespace
+
+namespace detail {
 
 std::vector<at::Tensor> encode_tensor_meta(const std::vector<at::Tensor>& tensors, std::string& meta,
                                            std::uint64_t& total_bytes, const DeviceMap& map, std::string_view receiver,
@@ -187,8 +189,6 @@ void check_limits(const OutFrame& f, const WireLimits& lim, const std::string& r
       throw MessageTooLargeError("a tensor of " + std::to_string(t.dim()) + " dimensions is more than worker '" +
                                  receiver + "' accepts");
 }
-
-namespace detail {
 
 namespace {
 std::uint64_t aligned(std::uint64_t n) { return (n + kShmAlign - 1) / kShmAlign * kShmAlign; }

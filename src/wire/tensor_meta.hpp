@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "corpc/wire/frame.hpp"
+#include "corpc/wire/limits.hpp"
 
 namespace corpc::detail {
 

@@ -5,25 +5,25 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "corpc/wire/frame.hpp"
+#include "corpc/wire/detail/frame.hpp"
 
 namespace {
-void check(const corpc::FrameHeader& h, const corpc::WireLimits& lim) {
+void check(const corpc::detail::FrameHeader& h, const corpc::WireLimits& lim) {
   try {
-    corpc::validate_header(h, lim);
+    corpc::detail::validate_header(h, lim);
   } catch (const corpc::ProtocolError&) {
     return;
   }
   if (h.body_len > lim.max_body_bytes || h.meta_len > lim.max_meta_bytes || h.num_tensors > lim.max_tensors ||
-      h.tensor_bytes > lim.max_tensor_bytes || h.magic != corpc::kFrameMagic || h.version != corpc::kProtocolVersion ||
-      h.kind < corpc::FrameKind::Hello || h.kind > corpc::FrameKind::IpcDone)
+      h.tensor_bytes > lim.max_tensor_bytes || h.magic != corpc::detail::kFrameMagic || h.version != corpc::detail::kProtocolVersion ||
+      h.kind < corpc::detail::FrameKind::Hello || h.kind > corpc::detail::FrameKind::IpcDone)
     std::abort();
 }
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  if (size < sizeof(corpc::FrameHeader)) return 0;
-  corpc::FrameHeader h;
+  if (size < sizeof(corpc::detail::FrameHeader)) return 0;
+  corpc::detail::FrameHeader h;
   std::memcpy(&h, data, sizeof h);
   check(h, corpc::WireLimits{});
   corpc::WireLimits tight;

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "corpc/wire/errors.hpp"
 #include "wire/tensor_meta.hpp"
 
 namespace {

@@ -25,7 +25,7 @@
 
 #include "corpc/core/task.hpp"
 #include "corpc/rpc/function_traits.hpp"
-#include "corpc/rpc/registry.hpp"
+#include "corpc/rpc/detail/registry.hpp"
 #include "corpc/rpc/outbound.hpp"
 #include "corpc/rpc/runtime.hpp"
 #include "corpc/wire/codec.hpp"
@@ -281,7 +281,7 @@ inline constexpr bool first_is_options<A0, A...> = std::is_same_v<std::decay_t<A
 /// Registers F under an explicit name, for callers built from other sources (they call by name).
 template <auto F>
 void register_function(std::string name, Execution execution = execution_of<F>) {
-  global_registry().add(detail::make_entry<F>(std::move(name), execution));
+  detail::global_registry().add(detail::make_entry<F>(std::move(name), execution));
 }
 
 /// Calls `F(args...)` on worker `to` and returns the Future of its result at once: the request is on its way, or

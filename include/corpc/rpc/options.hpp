@@ -12,7 +12,7 @@
 
 #include "corpc/transport/tls.hpp"
 #include "corpc/wire/device_map.hpp"
-#include "corpc/wire/frame.hpp"
+#include "corpc/wire/limits.hpp"
 
 namespace corpc {
 

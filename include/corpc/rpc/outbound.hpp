@@ -16,7 +16,7 @@
 
 #include "corpc/rpc/errors.hpp"
 #include "corpc/core/future.hpp"
-#include "corpc/wire/message.hpp"
+#include "corpc/wire/detail/message.hpp"
 
 namespace corpc::detail {
 

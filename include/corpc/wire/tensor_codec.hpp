@@ -1,6 +1,6 @@
 /// @file
 /// Tensors inside arguments and results: encoded as an index into the message's tensor
-/// table; their bytes travel out of band (see corpc/wire/message.hpp). An undefined tensor round-trips as undefined.
+/// table; their bytes travel out of band (see docs/transfers.md). An undefined tensor round-trips as undefined.
 #pragma once
 
 #include <ATen/core/Tensor.h>
