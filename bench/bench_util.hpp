@@ -75,7 +75,8 @@ class Flags {
       auto spelled_as_key = [&](const std::string& name) { return spelled(name) == key; };
       if (auto s = std::find_if(switches.begin(), switches.end(), spelled_as_key); s != switches.end()) {
         given_.emplace_back(*s, std::string());
-      } else if (auto v = std::find_if(takes_value.begin(), takes_value.end(), spelled_as_key); v != takes_value.end()) {
+      } else if (auto v = std::find_if(takes_value.begin(), takes_value.end(), spelled_as_key);
+                 v != takes_value.end()) {
         if (eq != std::string::npos) {
           given_.emplace_back(*v, a.substr(eq + 1));
         } else if (i + 1 < args_.size()) {
@@ -122,7 +123,8 @@ class Flags {
     for (std::size_t pos = 0; pos <= s.size();) {
       auto comma = s.find(',', pos);
       if (comma == std::string::npos) comma = s.size();
-      if (comma > pos) out.push_back(number(name, s.substr(pos, comma - pos), [](const std::string& t) { return std::stol(t); }));
+      if (comma > pos)
+        out.push_back(number(name, s.substr(pos, comma - pos), [](const std::string& t) { return std::stol(t); }));
       pos = comma + 1;
     }
     return out;
@@ -162,7 +164,7 @@ class Flags {
   std::vector<std::string> args_;
   bool declared_ = false;
   std::vector<std::pair<std::string, std::string>> given_;  // declared flags as read: (name, value), in order
-  std::string error_;  // the first argument that is not a declared flag
+  std::string error_;                                       // the first argument that is not a declared flag
 };
 
 }  // namespace corpc::bench

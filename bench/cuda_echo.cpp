@@ -60,8 +60,7 @@ Probe probe_in_child(int device) {
     ::_exit(code);
   }
   int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
   if (!WIFEXITED(status) || WEXITSTATUS(status) > kProbeFailed) return kProbeFailed;  // killed, or exited elsewhere
   return static_cast<Probe>(WEXITSTATUS(status));
 }
@@ -86,27 +85,26 @@ int main(int argc, char** argv) {
   const char* ipc = std::getenv("CORPC_CUDA_IPC");
 
   switch (probe_in_child(index)) {
-    case kUsable:
-      break;
+    case kUsable: break;
     case kNoDevice:
       std::fprintf(stderr, "cuda_echo: no CUDA device cuda:%d here (%s): nothing to measure\n", index,
                    corpc::detail::cuda::built_with_cuda() ? "the CUDA runtime reports fewer devices"
-                                                   : "this corpc was built without its CUDA data path");
+                                                          : "this corpc was built without its CUDA data path");
       return 2;
     case kNoCudaLibtorch:
-      std::fprintf(stderr, "cuda_echo: this libtorch is a CPU build (no CUDA kernels): build against a CUDA libtorch "
-                           "(-Dlibtorch_dir=<site-packages>/torch of PyTorch's CUDA wheel)\n");
+      std::fprintf(stderr,
+                   "cuda_echo: this libtorch is a CPU build (no CUDA kernels): build against a CUDA libtorch "
+                   "(-Dlibtorch_dir=<site-packages>/torch of PyTorch's CUDA wheel)\n");
       return 2;
-    case kProbeFailed:
-      std::fprintf(stderr, "cuda_echo: could not ask the CUDA runtime for its devices\n");
-      return 2;
+    case kProbeFailed: std::fprintf(stderr, "cuda_echo: could not ask the CUDA runtime for its devices\n"); return 2;
   }
 
   const c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
-  std::printf("# cuda_echo: float32 tensors on %s echoed master -> worker1 -> master (two processes, one GPU), device "
-              "maps %s -> %s both ways; median and min of %ld round trips after %ld warm-up, each ended by a device "
-              "synchronize; CORPC_CUDA_IPC=%s\n",
-              device.str().c_str(), device.str().c_str(), device.str().c_str(), iters, warmup, ipc ? ipc : "(unset)");
+  std::printf(
+      "# cuda_echo: float32 tensors on %s echoed master -> worker1 -> master (two processes, one GPU), device "
+      "maps %s -> %s both ways; median and min of %ld round trips after %ld warm-up, each ended by a device "
+      "synchronize; CORPC_CUDA_IPC=%s\n",
+      device.str().c_str(), device.str().c_str(), device.str().c_str(), iters, warmup, ipc ? ipc : "(unset)");
   std::printf("%8s %12s %12s %10s\n", "MiB", "median ms", "min ms", "GB/s");
   std::fflush(stdout);
 
@@ -117,38 +115,41 @@ int main(int argc, char** argv) {
   launch.start = StartMethod::fork;  // the ranks share the parsed options; this process has started no thread
   launch.timeout = std::chrono::minutes(15);
   try {
-    launch_processes(2, [&](int rank) {
-      RpcOptions o = options;
-      if (rank == 0) o.set_device_map("worker1", {{device, device}});  // worker1 uses the inverse for its replies
-      init_rpc(rank == 0 ? "master" : "worker1", rank, 2, o);
-      if (rank == 0) {
-        for (long mib : sizes) {
-          const std::int64_t n = mib * (std::int64_t{1} << 20) / 4;
-          const at::Tensor x = at::rand({n}, at::TensorOptions().dtype(at::kFloat).device(device));
-          at::Tensor back = rpc_sync<&echo>("worker1", x);
-          if (back.device() != device || !at::equal(back, x))
-            throw std::runtime_error("the echo of " + std::to_string(mib) + " MiB came back " +
-                                     (back.device() != device ? "on " + back.device().str() : "with other values"));
-          for (long i = 0; i < warmup; ++i) back = rpc_sync<&echo>("worker1", x);
-          synchronize(index);
-          std::vector<double> times;
-          for (long i = 0; i < iters; ++i) {
-            const auto t0 = Clock::now();
-            back = rpc_sync<&echo>("worker1", x);
-            synchronize(index);
-            times.push_back(ms_since(t0));
+    launch_processes(
+        2,
+        [&](int rank) {
+          RpcOptions o = options;
+          if (rank == 0) o.set_device_map("worker1", {{device, device}});  // worker1 uses the inverse for its replies
+          init_rpc(rank == 0 ? "master" : "worker1", rank, 2, o);
+          if (rank == 0) {
+            for (long mib : sizes) {
+              const std::int64_t n = mib * (std::int64_t{1} << 20) / 4;
+              const at::Tensor x = at::rand({n}, at::TensorOptions().dtype(at::kFloat).device(device));
+              at::Tensor back = rpc_sync<&echo>("worker1", x);
+              if (back.device() != device || !at::equal(back, x))
+                throw std::runtime_error("the echo of " + std::to_string(mib) + " MiB came back " +
+                                         (back.device() != device ? "on " + back.device().str() : "with other values"));
+              for (long i = 0; i < warmup; ++i) back = rpc_sync<&echo>("worker1", x);
+              synchronize(index);
+              std::vector<double> times;
+              for (long i = 0; i < iters; ++i) {
+                const auto t0 = Clock::now();
+                back = rpc_sync<&echo>("worker1", x);
+                synchronize(index);
+                times.push_back(ms_since(t0));
+              }
+              std::sort(times.begin(), times.end());
+              const double median = times.size() % 2 ? times[times.size() / 2]
+                                                     : (times[times.size() / 2 - 1] + times[times.size() / 2]) / 2;
+              const double gbps = 2.0 * static_cast<double>(n) * 4 / (median * 1e6);  // both directions
+              std::printf("%8ld %12.3f %12.3f %10.2f\n", mib, median, times.front(), gbps);
+              std::printf("RESULT %s %ld %.4f %.4f\n", label.c_str(), mib, median, times.front());
+              std::fflush(stdout);
+            }
           }
-          std::sort(times.begin(), times.end());
-          const double median = times.size() % 2 ? times[times.size() / 2]
-                                                  : (times[times.size() / 2 - 1] + times[times.size() / 2]) / 2;
-          const double gbps = 2.0 * static_cast<double>(n) * 4 / (median * 1e6);  // both directions
-          std::printf("%8ld %12.3f %12.3f %10.2f\n", mib, median, times.front(), gbps);
-          std::printf("RESULT %s %ld %.4f %.4f\n", label.c_str(), mib, median, times.front());
-          std::fflush(stdout);
-        }
-      }
-      shutdown();
-    }, launch);
+          shutdown();
+        },
+        launch);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "cuda_echo: %s\n", e.what());
     return 1;

@@ -158,7 +158,8 @@ int main(int argc, char** argv) {
   try {
     corpc::LaunchOptions fork_ranks;
     fork_ranks.start = corpc::StartMethod::fork;  // the ranks share the parsed options; no thread has started here
-    corpc::launch_processes(2, [&](int rank) { run(model, mode, steps, phases, rank); }, fork_ranks);
+    corpc::launch_processes(
+        2, [&](int rank) { run(model, mode, steps, phases, rank); }, fork_ranks);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ddp_bench: %s\n", e.what());
     return 1;

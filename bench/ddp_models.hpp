@@ -39,8 +39,8 @@ class BasicBlockImpl : public torch::nn::Module {
     bn2 = register_module("bn2", nn::BatchNorm2d(out));
     if (stride != 1 || in != out) {
       downsample = register_module(
-          "downsample", nn::Sequential(nn::Conv2d(nn::Conv2dOptions(in, out, 1).stride(stride).bias(false)),
-                                       nn::BatchNorm2d(out)));
+          "downsample",
+          nn::Sequential(nn::Conv2d(nn::Conv2dOptions(in, out, 1).stride(stride).bias(false)), nn::BatchNorm2d(out)));
     }
   }
   torch::Tensor forward(torch::Tensor x) {

@@ -116,7 +116,8 @@ std::vector<int> refine_by_steps(const Config& c, int stages, std::vector<double
     sync_wait(pipe.train_step(data[0].first, data[0].second));
     auto step = sync_wait(pipe.train_step(data[0].first, data[0].second));
     const auto busy = stage_busy_seconds(step.workers, stages);
-    if (const double pace = *std::max_element(busy.begin(), busy.end()); pace < best_pace) best_pace = pace, best = balance;
+    if (const double pace = *std::max_element(busy.begin(), busy.end()); pace < best_pace)
+      best_pace = pace, best = balance;
     auto next = refine_balance(costs, balance, busy);
     std::string times;
     for (double b : busy) times += (times.empty() ? "" : " / ") + std::to_string(b).substr(0, 5);
@@ -130,7 +131,8 @@ std::vector<int> refine_by_steps(const Config& c, int stages, std::vector<double
 
 // profile_layers (corpc/pipeline/balance.hpp) on c.device: on a GPU every timed run ends with a synchronize of the
 // device, or the clock would read how long the kernels took to queue.
-std::vector<double> profile_on_device(const Config& c, torch::nn::Sequential net, const at::Tensor& sample, int repeats) {
+std::vector<double> profile_on_device(const Config& c, torch::nn::Sequential net, const at::Tensor& sample,
+                                      int repeats) {
   if (c.device == "cpu") return profile_layers(net, sample, repeats);
   const c10::Device device(c.device);
   net->to(device);
@@ -174,7 +176,7 @@ std::vector<int> make_balance(const Config& c, int stages, const std::vector<std
 
 struct RunResult {
   double seconds = 0, bubble = 0;
-  std::vector<WorkerReport> last;       // the last timed step
+  std::vector<WorkerReport> last;        // the last timed step
   std::vector<std::int64_t> peak_bytes;  // per worker, over the timed steps
   std::vector<int> held;
 };
@@ -234,9 +236,9 @@ double run_single_process(const Config& c, const std::vector<std::pair<at::Tenso
 // bench/pytorch_pipeline.py for one split; seconds, or NAN if it did not run.
 double run_pytorch(const Config& c, long split, const std::string& script) {
   std::ostringstream cmd;
-  cmd << c.python << " " << script << " --batch-size " << c.batch << " --image-size " << c.image
-      << " --num-batches " << c.batches << " --threads " << c.threads << " --base-width " << c.width
-      << " --num-classes " << c.classes << " --warmup " << c.warmup << " --splits " << split;
+  cmd << c.python << " " << script << " --batch-size " << c.batch << " --image-size " << c.image << " --num-batches "
+      << c.batches << " --threads " << c.threads << " --base-width " << c.width << " --num-classes " << c.classes
+      << " --warmup " << c.warmup << " --splits " << split;
   if (c.device != "cpu") cmd << " --device " << c.device;
   cmd << " 2>/dev/null";
   std::fprintf(stderr, "# running PyTorch: %s\n", cmd.str().c_str());
@@ -271,7 +273,8 @@ void write_gantt(const std::string& png, const std::vector<std::pair<std::string
     for (auto& w : workers) {
       chart.rows.emplace_back(label + " w" + std::to_string(w.rank), row);
       for (auto& r : w.records)
-        chart.boxes.push_back({(r.start_ns - origin) / 1e6, (r.end_ns - origin) / 1e6, row, static_cast<int>(r.action.kind)});
+        chart.boxes.push_back(
+            {(r.start_ns - origin) / 1e6, (r.end_ns - origin) / 1e6, row, static_cast<int>(r.action.kind)});
       ++row;
     }
     ++row;  // a gap between runs
@@ -285,13 +288,17 @@ void write_gantt(const std::string& png, const std::vector<std::pair<std::string
 int main(int argc, char** argv) {
   bench::Flags flags(argc, argv);
   if (flags.has("help")) {
-    std::puts("pipeline_bench [--schedules gpipe,1f1b,interleaved,zbh1] [--splits 1,2,4,8] [--balance measured|time|tutorial|N,N..]\n"
-              "               [--workers 2] [--batch-size 32] [--image-size 64] [--num-batches 3] [--threads 1] [--warmup 1]\n"
-              "               [--base-width 64] [--num-classes 1000] [--tutorial] [--compare-pytorch]\n"
-              "               [--pytorch-script bench/pytorch_pipeline.py] [--trace FILE.json] [--gantt FILE.png]\n"
-              "               [--host-cache on|off]   (off: libtorch's own CPU allocator in every process, reference included)\n"
-              "               [--device cpu|cuda:N]   (every stage there, and the one-process reference; PyTorch's too)\n"
-              "               [--python /usr/bin/python3]   (the interpreter that runs --pytorch-script)");
+    std::puts(
+        "pipeline_bench [--schedules gpipe,1f1b,interleaved,zbh1] [--splits 1,2,4,8] [--balance "
+        "measured|time|tutorial|N,N..]\n"
+        "               [--workers 2] [--batch-size 32] [--image-size 64] [--num-batches 3] [--threads 1] [--warmup "
+        "1]\n"
+        "               [--base-width 64] [--num-classes 1000] [--tutorial] [--compare-pytorch]\n"
+        "               [--pytorch-script bench/pytorch_pipeline.py] [--trace FILE.json] [--gantt FILE.png]\n"
+        "               [--host-cache on|off]   (off: libtorch's own CPU allocator in every process, reference "
+        "included)\n"
+        "               [--device cpu|cuda:N]   (every stage there, and the one-process reference; PyTorch's too)\n"
+        "               [--python /usr/bin/python3]   (the interpreter that runs --pytorch-script)");
     return 0;
   }
   const bool tutorial = flags.has("tutorial");
@@ -326,15 +333,17 @@ int main(int argc, char** argv) {
 
   bench::print_machine();
   const std::string host_cache = flags.get("host-cache", "on");
-  std::printf("# ResNet50 (base width %ld) as a Sequential of %d layers on %ld worker processes + master, stages on %s; "
-              "batch %ld of %ldx%ld images, %ld timed batches after %ld warm-up, %ld intra-op thread(s) per process; "
-              "balance: %s; host cache: %s\n",
-              c.width, 4 + 16 + 3, c.workers, c.device.c_str(), c.batch, c.image, c.image, c.batches, c.warmup,
-              c.threads, c.balance.c_str(), host_cache.c_str());
+  std::printf(
+      "# ResNet50 (base width %ld) as a Sequential of %d layers on %ld worker processes + master, stages on %s; "
+      "batch %ld of %ldx%ld images, %ld timed batches after %ld warm-up, %ld intra-op thread(s) per process; "
+      "balance: %s; host cache: %s\n",
+      c.width, 4 + 16 + 3, c.workers, c.device.c_str(), c.batch, c.image, c.image, c.batches, c.warmup, c.threads,
+      c.balance.c_str(), host_cache.c_str());
   if (c.device != "cpu")
-    std::printf("# corpc: activations and gradients between the workers through device maps %s -> %s; PyTorch: "
-                "torch.distributed.rpc (TensorPipe), the tutorial's shards on %s, tensors crossing RPC on the CPU\n",
-                c.device.c_str(), c.device.c_str(), c.device.c_str());
+    std::printf(
+        "# corpc: activations and gradients between the workers through device maps %s -> %s; PyTorch: "
+        "torch.distributed.rpc (TensorPipe), the tutorial's shards on %s, tensors crossing RPC on the CPU\n",
+        c.device.c_str(), c.device.c_str(), c.device.c_str());
   std::fflush(stdout);
 
   // Results cross from rank 0 to this process through a file (ranks are separate processes).
@@ -355,57 +364,65 @@ int main(int argc, char** argv) {
   so.start = StartMethod::fork;
   const int world = static_cast<int>(c.workers) + 1;
   try {
-    launch_processes(world, [&](int rank) {
-      at::set_num_threads(threads);
-      bench::set_blas_threads(threads);
-      RpcOptions o = options;
-      if (c.device != "cpu") {  // stage to stage on the device: a map between every two workers, one side sets it
-        const c10::Device d(c.device);
-        for (long w = rank + 1; rank >= 1 && w <= c.workers; ++w) o.set_device_map("worker" + std::to_string(w), {{d, d}});
-      }
-      init_rpc(rank == 0 ? "master" : "worker" + std::to_string(rank), rank, world, o);
-      if (rank == 0) {
-        auto data = make_data(c);
-        std::ofstream out(path);
-        std::map<int, std::vector<int>> balances;  // by number of stages
-        ChromeTrace trace;
-        std::vector<std::pair<std::string, std::vector<WorkerReport>>> gantt;
-        int process = 0;
-        for (long s : c.splits) {
-          if (micro_batch_too_small(c, s)) {
-            std::fprintf(stderr, "  [%ld splits] skipped: a micro-batch this small leaves one value per BatchNorm channel\n", s);
-            continue;
+    launch_processes(
+        world,
+        [&](int rank) {
+          at::set_num_threads(threads);
+          bench::set_blas_threads(threads);
+          RpcOptions o = options;
+          if (c.device != "cpu") {  // stage to stage on the device: a map between every two workers, one side sets it
+            const c10::Device d(c.device);
+            for (long w = rank + 1; rank >= 1 && w <= c.workers; ++w)
+              o.set_device_map("worker" + std::to_string(w), {{d, d}});
           }
-          for (auto schedule : c.schedules) {
-            const int v = schedule == Schedule::Interleaved1F1B ? 2 : 1;
-            const int stages = static_cast<int>(c.workers) * v;
-            if (!balances.count(stages)) balances[stages] = make_balance(c, stages, data);
-            auto r = run_pipeline(c, schedule, s, balances[stages], data);
-            out << "run " << static_cast<int>(schedule) << ' ' << s << ' ' << r.seconds << ' ' << r.bubble;
-            for (std::size_t w = 0; w < r.peak_bytes.size(); ++w) out << ' ' << r.peak_bytes[w] << ' ' << r.held[w];
+          init_rpc(rank == 0 ? "master" : "worker" + std::to_string(rank), rank, world, o);
+          if (rank == 0) {
+            auto data = make_data(c);
+            std::ofstream out(path);
+            std::map<int, std::vector<int>> balances;  // by number of stages
+            ChromeTrace trace;
+            std::vector<std::pair<std::string, std::vector<WorkerReport>>> gantt;
+            int process = 0;
+            for (long s : c.splits) {
+              if (micro_batch_too_small(c, s)) {
+                std::fprintf(
+                    stderr, "  [%ld splits] skipped: a micro-batch this small leaves one value per BatchNorm channel\n",
+                    s);
+                continue;
+              }
+              for (auto schedule : c.schedules) {
+                const int v = schedule == Schedule::Interleaved1F1B ? 2 : 1;
+                const int stages = static_cast<int>(c.workers) * v;
+                if (!balances.count(stages)) balances[stages] = make_balance(c, stages, data);
+                auto r = run_pipeline(c, schedule, s, balances[stages], data);
+                out << "run " << static_cast<int>(schedule) << ' ' << s << ' ' << r.seconds << ' ' << r.bubble;
+                for (std::size_t w = 0; w < r.peak_bytes.size(); ++w) out << ' ' << r.peak_bytes[w] << ' ' << r.held[w];
+                out << '\n';
+                const std::string label = std::string(to_string(schedule)) + " M=" + std::to_string(s);
+                std::int64_t origin = INT64_MAX;
+                for (auto& w : r.last)
+                  for (auto& rec : w.records) origin = std::min(origin, rec.start_ns);
+                trace.add_step(process++, label, r.last, origin);
+                if (s == c.splits.back()) gantt.emplace_back(label, r.last);
+              }
+              if (compare)
+                out << "pytorch " << s << ' ' << run_pytorch(c, s, script) << '\n';  // interleaved with corpc
+              out.flush();
+            }
+            out << "single " << run_single_process(c, data) << '\n';
+            out << "balance";
+            for (auto& [n, b] : balances) {
+              out << ' ' << n << ':';
+              for (std::size_t i = 0; i < b.size(); ++i) out << (i ? "," : "") << b[i];
+            }
             out << '\n';
-            const std::string label = std::string(to_string(schedule)) + " M=" + std::to_string(s);
-            std::int64_t origin = INT64_MAX;
-            for (auto& w : r.last)
-              for (auto& rec : w.records) origin = std::min(origin, rec.start_ns);
-            trace.add_step(process++, label, r.last, origin);
-            if (s == c.splits.back()) gantt.emplace_back(label, r.last);
+            if (!trace_path.empty() && trace.write(trace_path))
+              std::fprintf(stderr, "# wrote %s\n", trace_path.c_str());
+            if (!gantt_path.empty()) write_gantt(gantt_path, gantt);
           }
-          if (compare) out << "pytorch " << s << ' ' << run_pytorch(c, s, script) << '\n';  // interleaved with corpc
-          out.flush();
-        }
-        out << "single " << run_single_process(c, data) << '\n';
-        out << "balance";
-        for (auto& [n, b] : balances) {
-          out << ' ' << n << ':';
-          for (std::size_t i = 0; i < b.size(); ++i) out << (i ? "," : "") << b[i];
-        }
-        out << '\n';
-        if (!trace_path.empty() && trace.write(trace_path)) std::fprintf(stderr, "# wrote %s\n", trace_path.c_str());
-        if (!gantt_path.empty()) write_gantt(gantt_path, gantt);
-      }
-      shutdown();
-    }, so);
+          shutdown();
+        },
+        so);
   } catch (const std::exception& e) {  // a dead peer, a timeout: one line and a non-zero status, not std::terminate
     ::unlink(path);
     std::fprintf(stderr, "pipeline_bench: %s\n", e.what());
@@ -453,7 +470,9 @@ int main(int argc, char** argv) {
   double gpipe1 = NAN;
   for (auto& r : rows)
     if (r.schedule == static_cast<int>(Schedule::GPipe) && r.splits == 1) gpipe1 = r.seconds;
-  std::printf("\n| schedule | splits | time (s) | GPipe@1 / this | bubble measured | bubble formula | peak activations per worker (MiB) | micro-batches held | PyTorch RPC (s) | PyTorch / corpc |\n");
+  std::printf(
+      "\n| schedule | splits | time (s) | GPipe@1 / this | bubble measured | bubble formula | peak activations per "
+      "worker (MiB) | micro-batches held | PyTorch RPC (s) | PyTorch / corpc |\n");
   std::printf("|---|---:|---:|---:|---:|---:|---|---|---:|---:|\n");
   double best = INFINITY, best_torch = INFINITY;
   for (auto& r : rows) {
@@ -475,14 +494,18 @@ int main(int argc, char** argv) {
                 held.c_str(), torch_s, torch_s / r.seconds);
   }
   const double images = static_cast<double>(c.batch * c.batches);
-  std::printf("\nOne process, no RPC, whole batches (%ld thread): %.2f s, %.1f images/s\n", c.threads, single, images / single);
-  std::printf("Best corpc run: %.2f s = %.2fx PyTorch's best split (%.2f s), %.2fx one process\n", best, best / best_torch,
-              best_torch, best / single);
-  std::printf("Bubble measured: idle share of each worker between the step's first and last action (waits for inputs,\n"
-              "messages, the step's start and end), averaged over workers and timed steps. Peak activations: the CPU\n"
-              "allocator's peak during a step above what was live at its start (parameters, gradients, optimizer state).\n");
+  std::printf("\nOne process, no RPC, whole batches (%ld thread): %.2f s, %.1f images/s\n", c.threads, single,
+              images / single);
+  std::printf("Best corpc run: %.2f s = %.2fx PyTorch's best split (%.2f s), %.2fx one process\n", best,
+              best / best_torch, best_torch, best / single);
+  std::printf(
+      "Bubble measured: idle share of each worker between the step's first and last action (waits for inputs,\n"
+      "messages, the step's start and end), averaged over workers and timed steps. Peak activations: the CPU\n"
+      "allocator's peak during a step above what was live at its start (parameters, gradients, optimizer state).\n");
   if (c.device != "cpu")
-    std::printf("On %s: the bubble is measured in host time (kernels are queued asynchronously) and the peak counts\n"
-                "the CPU allocator only (device memory is not counted).\n", c.device.c_str());
+    std::printf(
+        "On %s: the bubble is measured in host time (kernels are queued asynchronously) and the peak counts\n"
+        "the CPU allocator only (device memory is not counted).\n",
+        c.device.c_str());
   return rows.empty() ? 1 : 0;
 }

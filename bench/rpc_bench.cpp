@@ -70,7 +70,8 @@ corpc::Task<void> relay_noop() { co_await corpc::rpc_async<&noop>(2); }
 std::atomic<bool> g_parked{false};
 std::atomic<std::int64_t> g_stop_seen_ns{0};
 std::int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
 }
 corpc::Task<void> park_until_cancelled() {
   static corpc::Promise<void> never;
@@ -108,7 +109,7 @@ struct CaseSpec {
 // remote: `remote<&f>(1)` then `to_here()`, against two raw ping-pongs. chain: A calls B, whose coroutine calls C
 // and answers A (3 ranks), against a raw relay (A -> B -> C -> B -> A, B forwarding on one io_context thread).
 const std::vector<CaseSpec> kAllCases = {
-    {"noop", 0},          {"4KiB", 4u << 10},  {"1MiB", 1u << 20},          {"16MiB", 16u << 20},
+    {"noop", 0},          {"4KiB", 4u << 10},          {"1MiB", 1u << 20},          {"16MiB", 16u << 20},
     {"64MiB", 64u << 20}, {"async64", 0, Kind::async}, {"remote", 0, Kind::remote}, {"chain", 0, Kind::chain},
 };
 // Accepted by --cases, not run by default: the sizes around the same-host channel's threshold (64 KiB).
@@ -123,9 +124,9 @@ struct Options {
   double block_ms = 100.0;
   int min_iters = 3;  // per block, for the slow cases
   int worker_threads = 0;
-  int spin_us = -1;  // corpc's spin before a blocked wait sleeps; -1: RpcOptions' default
+  int spin_us = -1;          // corpc's spin before a blocked wait sleeps; -1: RpcOptions' default
   long host_cache_mib = -1;  // HostMemoryOptions::cache_bytes in MiB; -1: its default, 0: no block cache
-  bool raw_alloc = false;  // raw receivers allocate a fresh at::empty buffer per message, as corpc must
+  bool raw_alloc = false;    // raw receivers allocate a fresh at::empty buffer per message, as corpc must
   std::vector<CaseSpec> cases = kAllCases;
   std::string json_path;
   int cancel_samples = 200;  // cancel -> callee-sees-it samples after the cases; 0: skip
@@ -136,37 +137,39 @@ struct Options {
 };
 
 [[noreturn]] void usage(int code) {
-  std::fprintf(code ? stderr : stdout,
-               "usage: rpc_bench [--seconds-per-case S] [--cases noop,4KiB,1MiB,16MiB,64MiB,async64,remote,chain]\n"
-               "                 (also 64KiB,256KiB)\n"
-               "                 [--block-ms MS] [--min-iters N] [--worker-threads N] [--spin-us US] [--raw-alloc]\n"
-               "                 [--json PATH] [--cancel-samples N] [--host-cache-mib N] [--flow-control on|off]\n"
-               "                 [--channel shm|tcp] [--transfers] [--tls generate|CERT,KEY,CA]\n"
-               "Each case alternates blocks of raw Asio TCP and corpc (~MS ms each, >= N calls) for ~S seconds\n"
-               "and reports the median of the per-block ratios corpc/raw.\n"
-               "--raw-alloc: the raw floor receives each message into a freshly allocated at::empty buffer (both\n"
-               "ends), as corpc does, instead of reusing one buffer: separates allocation cost from corpc's own.\n"
-               "--spin-us: how long corpc's blocked waits spin before sleeping (RpcOptions::spin_before_block; the raw\n"
-               "floor always sleeps in read()); 0 compares both sleeping.\n"
-               "--cancel-samples: after the cases, times N cancellations of a parked coroutine function on rank 1,\n"
-               "from Future::cancel() on rank 0 to the callee's await throwing CancelledError (one steady clock).\n"
-               "--flow-control off: per-peer call limit, receive budgets, held requests and write backlog so high that\n"
-               "they never bind (the checks still run): bench/flow_cost.sh compares on and off.\n"
-               "--channel: corpc between the two processes on its same-host channel (shm, the default) or on TCP only.\n"
-               "--transfers: instead of the table above, each echo case (1MiB... by default) in rotating blocks of\n"
-               "corpc on the same-host channel, corpc on TCP (channel paused in both processes), the raw TCP floor,\n"
-               "and a single-threaded memcpy there and back, all in one run.\n"
-               "--tls: corpc's connections use TLS 1.3 (RpcOptions::tls) with these PEM files, or with a throwaway CA\n"
-               "and certificate made for the run (generate); the raw floor stays plain TCP. bench/tls_cost.sh compares\n"
-               "TLS with plain TCP.\n");
+  std::fprintf(
+      code ? stderr : stdout,
+      "usage: rpc_bench [--seconds-per-case S] [--cases noop,4KiB,1MiB,16MiB,64MiB,async64,remote,chain]\n"
+      "                 (also 64KiB,256KiB)\n"
+      "                 [--block-ms MS] [--min-iters N] [--worker-threads N] [--spin-us US] [--raw-alloc]\n"
+      "                 [--json PATH] [--cancel-samples N] [--host-cache-mib N] [--flow-control on|off]\n"
+      "                 [--channel shm|tcp] [--transfers] [--tls generate|CERT,KEY,CA]\n"
+      "Each case alternates blocks of raw Asio TCP and corpc (~MS ms each, >= N calls) for ~S seconds\n"
+      "and reports the median of the per-block ratios corpc/raw.\n"
+      "--raw-alloc: the raw floor receives each message into a freshly allocated at::empty buffer (both\n"
+      "ends), as corpc does, instead of reusing one buffer: separates allocation cost from corpc's own.\n"
+      "--spin-us: how long corpc's blocked waits spin before sleeping (RpcOptions::spin_before_block; the raw\n"
+      "floor always sleeps in read()); 0 compares both sleeping.\n"
+      "--cancel-samples: after the cases, times N cancellations of a parked coroutine function on rank 1,\n"
+      "from Future::cancel() on rank 0 to the callee's await throwing CancelledError (one steady clock).\n"
+      "--flow-control off: per-peer call limit, receive budgets, held requests and write backlog so high that\n"
+      "they never bind (the checks still run): bench/flow_cost.sh compares on and off.\n"
+      "--channel: corpc between the two processes on its same-host channel (shm, the default) or on TCP only.\n"
+      "--transfers: instead of the table above, each echo case (1MiB... by default) in rotating blocks of\n"
+      "corpc on the same-host channel, corpc on TCP (channel paused in both processes), the raw TCP floor,\n"
+      "and a single-threaded memcpy there and back, all in one run.\n"
+      "--tls: corpc's connections use TLS 1.3 (RpcOptions::tls) with these PEM files, or with a throwaway CA\n"
+      "and certificate made for the run (generate); the raw floor stays plain TCP. bench/tls_cost.sh compares\n"
+      "TLS with plain TCP.\n");
   std::exit(code);
 }
 
 Options parse(int argc, char** argv) {
-  const corpc::bench::Flags flags(argc, argv,
-                                  {"seconds-per-case", "block-ms", "min-iters", "worker-threads", "spin-us",
-                                   "host-cache-mib", "json", "cancel-samples", "flow-control", "channel", "tls", "cases"},
-                                  {"help", "h", "raw-alloc", "transfers"});
+  const corpc::bench::Flags flags(
+      argc, argv,
+      {"seconds-per-case", "block-ms", "min-iters", "worker-threads", "spin-us", "host-cache-mib", "json",
+       "cancel-samples", "flow-control", "channel", "tls", "cases"},
+      {"help", "h", "raw-alloc", "transfers"});
   if (flags.has("help") || flags.has("h")) usage(0);
   Options o;
   try {
@@ -221,8 +224,7 @@ Options parse(int argc, char** argv) {
     usage(2);
   }
   if (o.transfers) {
-    if (!flags.has("cases"))
-      o.cases = {kAllCases[2], kAllCases[3], kAllCases[4]};
+    if (!flags.has("cases")) o.cases = {kAllCases[2], kAllCases[3], kAllCases[4]};
     o.cases.erase(std::remove_if(o.cases.begin(), o.cases.end(), [](const CaseSpec& c) { return c.bytes == 0; }),
                   o.cases.end());
     o.same_host = true;
@@ -281,8 +283,9 @@ asio::awaitable<void> raw_relay_session(tcp::acceptor& acceptor, int upstream_po
   client.set_option(tcp::no_delay(true));
   acceptor.close();
   tcp::socket up(client.get_executor());
-  co_await up.async_connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(upstream_port)),
-                            asio::use_awaitable);
+  co_await up.async_connect(
+      tcp::endpoint(asio::ip::make_address("127.0.0.1"), static_cast<unsigned short>(upstream_port)),
+      asio::use_awaitable);
   up.set_option(tcp::no_delay(true));
   std::vector<char> buf;
   try {
@@ -418,9 +421,9 @@ Block corpc_async_block(const Options& o) {
 // ---- one case ---------------------------------------------------------------------------------------------------
 struct CaseResult {
   CaseSpec spec;
-  std::vector<double> corpc_us, raw_us;         // all samples
-  std::vector<double> corpc_rate, raw_rate;     // calls/s per block
-  std::vector<double> ratios;                   // per block pair
+  std::vector<double> corpc_us, raw_us;      // all samples
+  std::vector<double> corpc_rate, raw_rate;  // calls/s per block
+  std::vector<double> ratios;                // per block pair
 };
 
 CaseResult run_case(const Options& o, const CaseSpec& c, RawClient& raw, RawClient& relay) {
@@ -508,12 +511,11 @@ void run_transfers(const Options& o, RawClient& raw) {
       at::Tensor r = corpc::rpc_sync<&echo>(1, t);
       if (r.numel() != t.numel()) throw std::runtime_error("echo returned a tensor of the wrong size");
     };
-    std::function<void()> ways[] = {
-        echo_once, echo_once, [&] { raw.round_trip(c.bytes); },
-        [&] {
-          std::memcpy(there.data(), t.data_ptr(), c.bytes);
-          std::memcpy(back.data(), there.data(), c.bytes);
-        }};
+    std::function<void()> ways[] = {echo_once, echo_once, [&] { raw.round_trip(c.bytes); },
+                                    [&] {
+                                      std::memcpy(there.data(), t.data_ptr(), c.bytes);
+                                      std::memcpy(back.data(), there.data(), c.bytes);
+                                    }};
     // Warm-up and checks: the bytes come back, and the shm way really goes through the channel (it is set up
     // alongside the first calls) from its threshold on, the tcp way not.
     auto& counters = corpc::detail::shm_counters();
@@ -525,7 +527,8 @@ void run_transfers(const Options& o, RawClient& raw) {
         if (!r.equal(t)) throw std::runtime_error(c.name + ": corpc echo returned a different tensor");
       }
       const auto through = counters.messages_received.load() - before;
-      if (way == 0 && through == 0 && c.bytes >= corpc::detail::kShmMinBytes) throw std::runtime_error(c.name + ": the same-host channel was not used");
+      if (way == 0 && through == 0 && c.bytes >= corpc::detail::kShmMinBytes)
+        throw std::runtime_error(c.name + ": the same-host channel was not used");
       if (way == 1 && through != 0) throw std::runtime_error(c.name + ": the channel was used while paused");
     }
     raw.round_trip(c.bytes);
@@ -542,16 +545,16 @@ void run_transfers(const Options& o, RawClient& raw) {
     double ms[4];
     for (int w = 0; w < 4; ++w) ms[w] = median(med[w]) / 1e3;
     const double gb = 2.0 * static_cast<double>(c.bytes) / 1e9;  // both ways
-    fmt::print("{:>8} | {:>10.3f} {:>10.3f} {:>10.3f} {:>10.3f} | {:>9.2f} {:>9.2f} | {:>12.2f} {:>12.2f}\n",
-               c.name, ms[0], ms[1], ms[2], ms[3], gb / (ms[0] / 1e3), gb / (ms[1] / 1e3), ms[3] / ms[0],
-               ms[1] / ms[0]);
+    fmt::print("{:>8} | {:>10.3f} {:>10.3f} {:>10.3f} {:>10.3f} | {:>9.2f} {:>9.2f} | {:>12.2f} {:>12.2f}\n", c.name,
+               ms[0], ms[1], ms[2], ms[3], gb / (ms[0] / 1e3), gb / (ms[1] / 1e3), ms[3] / ms[0], ms[1] / ms[0]);
   }
-  fmt::print("median of per-block medians, {} rotating the order; {} = {}, {} = {}, {} = {}, {} = {}.\n"
-             "GB/s: bytes moved both ways per echo / echo time. shm/memcpy bw: the channel's bandwidth as a fraction\n"
-             "of a single-threaded memcpy's (memcpy ms / shm ms).\n",
-             "blocks of each way", names[0], "RpcOptions::same_host_channel", names[1],
-             "the same runtime with its channel paused", names[2], "the raw Asio echo", names[3],
-             "memcpy of the tensor there and back on one thread");
+  fmt::print(
+      "median of per-block medians, {} rotating the order; {} = {}, {} = {}, {} = {}, {} = {}.\n"
+      "GB/s: bytes moved both ways per echo / echo time. shm/memcpy bw: the channel's bandwidth as a fraction\n"
+      "of a single-threaded memcpy's (memcpy ms / shm ms).\n",
+      "blocks of each way", names[0], "RpcOptions::same_host_channel", names[1],
+      "the same runtime with its channel paused", names[2], "the raw Asio echo", names[3],
+      "memcpy of the tensor there and back on one thread");
 }
 
 // ---- reporting --------------------------------------------------------------------------------------------------
@@ -602,13 +605,14 @@ void print_header(const Options& o) {
   fmt::print("cores: hardware_concurrency={}, affinity={}  cpu: {}\n", std::thread::hardware_concurrency(),
              affinity_cores(), cpu_model());
   fmt::print("blas: {}\n", blas_info());
-  fmt::print("per case ~{} s of alternating raw/corpc blocks of ~{} ms (>= {} calls); corpc worker threads: {}; "
-             "corpc spin before sleeping: {}; raw receive buffers: {}; flow control limits: {}; corpc over: {}\n\n",
-             o.seconds_per_case, o.block_ms, o.min_iters,
-             o.worker_threads > 0 ? std::to_string(o.worker_threads) : std::string("default"),
-             o.spin_us >= 0 ? fmt::format("{} us", o.spin_us) : std::string("default (50 us)"),
-             o.raw_alloc ? "fresh at::empty per message (--raw-alloc)" : "reused",
-             o.flow_control ? "defaults" : "off (never bind)", o.tls ? "TLS 1.3 (--tls)" : "TCP");
+  fmt::print(
+      "per case ~{} s of alternating raw/corpc blocks of ~{} ms (>= {} calls); corpc worker threads: {}; "
+      "corpc spin before sleeping: {}; raw receive buffers: {}; flow control limits: {}; corpc over: {}\n\n",
+      o.seconds_per_case, o.block_ms, o.min_iters,
+      o.worker_threads > 0 ? std::to_string(o.worker_threads) : std::string("default"),
+      o.spin_us >= 0 ? fmt::format("{} us", o.spin_us) : std::string("default (50 us)"),
+      o.raw_alloc ? "fresh at::empty per message (--raw-alloc)" : "reused",
+      o.flow_control ? "defaults" : "off (never bind)", o.tls ? "TLS 1.3 (--tls)" : "TCP");
   fmt::print("{:>8} {:>7} {:>7} | {:>10} {:>10} | {:>10} {:>10} | {:>9} {:>13} | {:>10}\n", "case", "blocks", "calls",
              "corpc med", "corpc p99", "raw med", "raw p99", "corpc/raw", "blocks min-max", "corpc MB/s");
   fmt::print("{:>8} {:>7} {:>7} | {:>10} {:>10} | {:>10} {:>10} | {:>9} {:>13} | {:>10}\n", "", "", "", "us", "us",
@@ -619,15 +623,17 @@ void print_header(const Options& o) {
 
 void print_row(const CaseResult& r) {
   auto [mn, mx] = std::minmax_element(r.ratios.begin(), r.ratios.end());
-  std::string mbps = r.spec.bytes ? fmt::format("{:10.0f}", 2.0 * static_cast<double>(r.spec.bytes) / median(r.corpc_us))
-                                  : fmt::format("{:>10}", "-");
+  std::string mbps = r.spec.bytes
+                         ? fmt::format("{:10.0f}", 2.0 * static_cast<double>(r.spec.bytes) / median(r.corpc_us))
+                         : fmt::format("{:>10}", "-");
   fmt::print("{:>8} {:>7} {:>7} | {:10.1f} {:10.1f} | {:10.1f} {:10.1f} | {:9.2f} {:>13} | {}\n", r.spec.name,
              r.ratios.size(), r.corpc_us.size(), median(r.corpc_us), p99(r.corpc_us), median(r.raw_us), p99(r.raw_us),
              median(r.ratios), fmt::format("{:.2f}-{:.2f}", *mn, *mx), mbps);
   if (r.spec.async()) {
-    fmt::print("{:>8}   throughput, {} in flight: corpc {:.0f} calls/s, raw {:.0f} msgs/s (medians of blocks); "
-               "latency = issue -> consumed\n",
-               "", kInFlight, median(r.corpc_rate), median(r.raw_rate));
+    fmt::print(
+        "{:>8}   throughput, {} in flight: corpc {:.0f} calls/s, raw {:.0f} msgs/s (medians of blocks); "
+        "latency = issue -> consumed\n",
+        "", kInFlight, median(r.corpc_rate), median(r.raw_rate));
   }
   std::fflush(stdout);
 }
@@ -641,14 +647,16 @@ std::string json_array(const std::vector<double>& v) {
 void write_json(const Options& o, const std::vector<CaseResult>& results) {
   std::string s = "{\n";
   s += fmt::format(
-      "  \"meta\": {{\"cores\": {}, \"seconds_per_case\": {}, \"block_ms\": {}, \"raw_alloc\": {}, \"tls\": {}, \"ratio\": \"corpc time / raw "
+      "  \"meta\": {{\"cores\": {}, \"seconds_per_case\": {}, \"block_ms\": {}, \"raw_alloc\": {}, \"tls\": {}, "
+      "\"ratio\": \"corpc time / raw "
       "time per call, median over block pairs\"}}",
       std::thread::hardware_concurrency(), o.seconds_per_case, o.block_ms, o.raw_alloc, o.tls.has_value());
   for (auto& r : results) {
-    s += fmt::format(",\n  \"{}\": {{\"bytes\": {}, \"median_us\": {:.3f}, \"p99_us\": {:.3f}, \"raw_median_us\": {:.3f}, "
-                     "\"raw_p99_us\": {:.3f}, \"ratio\": {:.4f}, \"ratio_blocks\": {}, \"iters\": {}",
-                     r.spec.name, r.spec.bytes, median(r.corpc_us), p99(r.corpc_us), median(r.raw_us), p99(r.raw_us),
-                     median(r.ratios), json_array(r.ratios), r.corpc_us.size());
+    s += fmt::format(
+        ",\n  \"{}\": {{\"bytes\": {}, \"median_us\": {:.3f}, \"p99_us\": {:.3f}, \"raw_median_us\": {:.3f}, "
+        "\"raw_p99_us\": {:.3f}, \"ratio\": {:.4f}, \"ratio_blocks\": {}, \"iters\": {}",
+        r.spec.name, r.spec.bytes, median(r.corpc_us), p99(r.corpc_us), median(r.raw_us), p99(r.raw_us),
+        median(r.ratios), json_array(r.ratios), r.corpc_us.size());
     if (r.spec.async()) {
       s += fmt::format(", \"calls_per_s\": {:.1f}, \"raw_calls_per_s\": {:.1f}, \"in_flight\": {}",
                        median(r.corpc_rate), median(r.raw_rate), kInFlight);
@@ -670,7 +678,8 @@ corpc::RpcOptions rpc_options(const Options& o) {
   r.num_worker_threads = o.worker_threads;
   r.same_host_channel = o.same_host;
   if (o.spin_us >= 0) r.spin_before_block = std::chrono::microseconds(o.spin_us);
-  if (o.host_cache_mib >= 0) corpc::configure_host_memory({.cache_bytes = static_cast<std::uint64_t>(o.host_cache_mib) << 20});
+  if (o.host_cache_mib >= 0)
+    corpc::configure_host_memory({.cache_bytes = static_cast<std::uint64_t>(o.host_cache_mib) << 20});
   r.tls = o.tls;
   if (!o.flow_control) {
     r.max_calls_in_flight_per_peer = std::numeric_limits<std::uint32_t>::max();
@@ -738,13 +747,11 @@ void client_rank(const Options& o, int world) {
     std::vector<double> us;
     for (int i = 0; i < o.cancel_samples; ++i) {
       auto f = corpc::rpc_async<&park_until_cancelled>(1);
-      while (!corpc::rpc_sync<&parked>(1)) {
-      }
+      while (!corpc::rpc_sync<&parked>(1)) {}
       const std::int64_t t0 = now_ns();
       f.cancel();
       std::int64_t seen = 0;
-      while ((seen = corpc::rpc_sync<&stop_seen_ns>(1)) == 0) {
-      }
+      while ((seen = corpc::rpc_sync<&stop_seen_ns>(1)) == 0) {}
       us.push_back(static_cast<double>(seen - t0) / 1e3);
     }
     fmt::print("cancel -> callee sees it: median {:.1f} us, p99 {:.1f} us over {} cancels\n", median(us), p99(us),
@@ -754,7 +761,8 @@ void client_rank(const Options& o, int world) {
   fmt::print(
       "corpc/raw = corpc time per call / raw time per call (async64: raw msgs/s / corpc calls/s), median over block\n"
       "pairs run back to back in ABBA order; > 1 means corpc is slower than the floor. med/p99 pool all blocks.\n"
-      "raw = Asio TCP echo between the same two processes: rank 1 serves with a C++20-coroutine loop on one io_context\n"
+      "raw = Asio TCP echo between the same two processes: rank 1 serves with a C++20-coroutine loop on one "
+      "io_context\n"
       "thread, rank 0 uses blocking asio::write/read, TCP_NODELAY, 8-byte length + payload. remote: against two raw\n"
       "round trips. chain: rank 0 -> 1 -> 2 and back; raw: rank 1 relays on one io_context thread.\n");
   raw.close();
@@ -782,7 +790,8 @@ int main(int argc, char** argv) {
   }
   try {
     const int world = wants_chain(o.cases) ? 3 : 2;
-    corpc::launch_processes(world, [&](int rank) { rank == 0 ? client_rank(o, world) : server_rank(o, rank, world); }, so);
+    corpc::launch_processes(
+        world, [&](int rank) { rank == 0 ? client_rank(o, world) : server_rank(o, rank, world); }, so);
   } catch (const corpc::LaunchError& e) {
     std::fprintf(stderr, "rpc_bench failed: %s\n", e.what());
     for (auto& f : e.failures()) std::fprintf(stderr, "  rank %d: %s\n", f.rank, f.reason.c_str());

@@ -129,7 +129,8 @@ int main(int argc, char** argv) {
   if (::setsockopt(sender, SOL_SOCKET, SO_ZEROCOPY, &one, sizeof one)) die("setsockopt(SO_ZEROCOPY)");
   ::setsockopt(sender, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 
-  std::printf("%8s %5s | %14s %14s %12s | %s\n", "size", "round", "send() med us", "ZEROCOPY med us", "zc/plain", "zerocopy sends copied by the kernel");
+  std::printf("%8s %5s | %14s %14s %12s | %s\n", "size", "round", "send() med us", "ZEROCOPY med us", "zc/plain",
+              "zerocopy sends copied by the kernel");
   for (std::size_t mib : {16, 64}) {
     const std::size_t n = mib << 20;
     std::vector<char> buf(n, 'x');  // touched: no first-use page faults inside a timed transfer

@@ -40,8 +40,10 @@ int main(int argc, char** argv) {
       run(first);
       auto results = run(config);
       bool same = true;
-      for (std::size_t i = 0; i < results[0].dense.size(); ++i) same = same && at::equal(results[0].dense[i], results[1].dense[i]);
-      std::printf("ddp_rpc_hybrid: %ld steps: %.1f steps/s; trainers' dense parameters %s\n", static_cast<long>(config.steps),
+      for (std::size_t i = 0; i < results[0].dense.size(); ++i)
+        same = same && at::equal(results[0].dense[i], results[1].dense[i]);
+      std::printf("ddp_rpc_hybrid: %ld steps: %.1f steps/s; trainers' dense parameters %s\n",
+                  static_cast<long>(config.steps),
                   static_cast<double>(config.steps) / std::max(results[0].seconds, results[1].seconds),
                   same ? "identical" : "DIFFER");
       if (!same) throw std::runtime_error("the trainers' dense parameters differ");

@@ -48,7 +48,9 @@ void train(int steps) {
       std::exit(1);
     }
   }
-  if (rank == 0) std::printf("ddp_train: %d ranks, %d steps, rank 0 local loss %.5f, parameters identical\n", world, steps, loss_value);
+  if (rank == 0)
+    std::printf("ddp_train: %d ranks, %d steps, rank 0 local loss %.5f, parameters identical\n", world, steps,
+                loss_value);
 }
 
 }  // namespace

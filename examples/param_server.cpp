@@ -40,11 +40,12 @@ void run_master(const Config& c, corpc::RRef<Server> ps) {
   auto results = run_all(c.steps);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   auto final = ps.template rpc_sync<&Server::get_parameters>();
-  std::printf("param_server: mode %s, %d trainer(s), %ld steps each: %.1f steps/s, %ld updates, last loss %.4f, "
-              "held-out accuracy %.3f\n",
-              c.mode.c_str(), c.trainers, c.steps, static_cast<double>(c.steps * c.trainers) / secs,
-              static_cast<long>(final.version), static_cast<double>(results[0].last_loss),
-              static_cast<double>(accuracy(final.params, held_out_batch(c.seed))));
+  std::printf(
+      "param_server: mode %s, %d trainer(s), %ld steps each: %.1f steps/s, %ld updates, last loss %.4f, "
+      "held-out accuracy %.3f\n",
+      c.mode.c_str(), c.trainers, c.steps, static_cast<double>(c.steps * c.trainers) / secs,
+      static_cast<long>(final.version), static_cast<double>(results[0].last_loss),
+      static_cast<double>(accuracy(final.params, held_out_batch(c.seed))));
 }
 
 }  // namespace

@@ -50,13 +50,15 @@ Shard2 make_shard2_object(std::int64_t width) { return Shard2{make_shard2(width,
 class DistResNet50 {
  public:
   DistResNet50(int splits, std::int64_t width)
-      : splits_(splits), p1_(remote<&make_shard1_object>("worker1", width)), p2_(remote<&make_shard2_object>("worker2", width)) {}
+      : splits_(splits),
+        p1_(remote<&make_shard1_object>("worker1", width)),
+        p2_(remote<&make_shard2_object>("worker2", width)) {}
 
   Task<at::Tensor> forward(at::Tensor xs) {
     std::vector<Future<at::Tensor>> outs;
     for (auto& x : xs.chunk(splits_)) {
       RRef<at::Tensor> y = p1_.remote<&Shard1::forward>(RRef<at::Tensor>(x));  // owned by worker1, returns at once
-      outs.push_back(p2_.rpc_async<&Shard2::forward>(y));                       // worker2 pulls y from worker1
+      outs.push_back(p2_.rpc_async<&Shard2::forward>(y));                      // worker2 pulls y from worker1
     }
     co_return at::cat(co_await when_all(std::move(outs)));
   }

@@ -24,7 +24,8 @@ int main(int argc, char** argv) {
   config.seed = static_cast<std::uint64_t>(flags.get_int("seed", 1));
   config.max_steps = static_cast<int>(flags.get_int("max-steps", 500));
   return systems::run_program("rl_cartpole", observers + 1, [&](int rank) {
-    corpc::init_rpc(rank == 0 ? "agent" : "observer" + std::to_string(rank), rank, observers + 1, systems::single_threaded());
+    corpc::init_rpc(rank == 0 ? "agent" : "observer" + std::to_string(rank), rank, observers + 1,
+                    systems::single_threaded());
     if (rank == 0) {
       std::vector<int> ranks;
       for (int r = 1; r <= observers; ++r) ranks.push_back(r);

@@ -20,7 +20,9 @@ at::Tensor scale(at::Tensor t, double k) { return t * k; }
 std::string whoami() { return get_worker_info().name; }
 
 // A coroutine holds no thread while it waits: here worker1 asks worker2 on the caller's behalf.
-Task<std::string> relay(std::string to) { co_return "via " + get_worker_info().name + ": " + co_await rpc_async<&whoami>(to); }
+Task<std::string> relay(std::string to) {
+  co_return "via " + get_worker_info().name + ": " + co_await rpc_async<&whoami>(to);
+}
 
 struct Counter {
   int value = 0;
@@ -33,7 +35,9 @@ void run(int rank, int world) {
     std::printf("add on worker1: %d\n", rpc_sync<&add>("worker1", 2, 3));
     auto f = rpc_async<&scale>("worker2", at::arange(4, at::kFloat), 2.0);
     std::printf("scale on worker2: %s\n", at::str(f.wait(std::chrono::seconds(10))).c_str());
-    std::printf("%s\n", sync_wait([]() -> Task<std::string> { co_return co_await rpc_async<&relay>("worker1", "worker2"); }()).c_str());
+    std::printf(
+        "%s\n",
+        sync_wait([]() -> Task<std::string> { co_return co_await rpc_async<&relay>("worker1", "worker2"); }()).c_str());
 
     RRef<Counter> counter = remote<Counter>("worker2");  // an object that lives on worker2
     counter.rpc_sync<&Counter::add>(10);

@@ -86,9 +86,7 @@ Args parse_args(int argc, char** argv) {
   }
   for (auto s : a.splits)
     if (s < 1 || s > a.batch_size) usage(argv[0], 2);
-  if (a.splits.empty() || a.batch_size < 1 || a.num_batches < 1 ||
-      a.threads < 1 || a.base_width < 1)
-    usage(argv[0], 2);
+  if (a.splits.empty() || a.batch_size < 1 || a.num_batches < 1 || a.threads < 1 || a.base_width < 1) usage(argv[0], 2);
   return a;
 }
 
@@ -122,8 +120,7 @@ class Handoff {
   std::exception_ptr error_;
 };
 
-torch::Tensor pipelined_forward_cpu(ResNetShard1& s1, ResNetShard2& s2,
-                                    const torch::Tensor& x, int64_t splits,
+torch::Tensor pipelined_forward_cpu(ResNetShard1& s1, ResNetShard2& s2, const torch::Tensor& x, int64_t splits,
                                     int64_t threads) {
   auto chunks = x.chunk(splits);
   Handoff handoff;
@@ -147,8 +144,7 @@ torch::Tensor pipelined_forward_cpu(ResNetShard1& s1, ResNetShard2& s2,
 
 // The tutorial's loop: kernels are queued on both GPUs without waiting, so
 // shard1(next) on dev0 overlaps shard2(prev) on dev1.
-torch::Tensor pipelined_forward_cuda(ResNetShard1& s1, ResNetShard2& s2,
-                                     const torch::Tensor& x, int64_t splits,
+torch::Tensor pipelined_forward_cuda(ResNetShard1& s1, ResNetShard2& s2, const torch::Tensor& x, int64_t splits,
                                      torch::Device dev1) {
   auto chunks = x.chunk(splits);
   std::vector<torch::Tensor> outs;
@@ -197,12 +193,8 @@ Result train(const Args& a, int64_t splits, bool cuda) {
 
   std::vector<torch::Tensor> images, labels;
   for (int64_t b = 0; b < a.num_batches; ++b) {
-    images.push_back(corpc::examples::random_images(a.batch_size, a.image_size,
-                                                    1000 + b)
-                         .to(dev0));
-    labels.push_back(
-        corpc::examples::one_hot_labels(a.batch_size, a.num_classes, 2000 + b)
-            .to(dev1));
+    images.push_back(corpc::examples::random_images(a.batch_size, a.image_size, 1000 + b).to(dev0));
+    labels.push_back(corpc::examples::one_hot_labels(a.batch_size, a.num_classes, 2000 + b).to(dev1));
   }
   // Kernel launches return early; wait for both GPUs to bracket real work.
   auto sync = [&] {
@@ -217,16 +209,14 @@ Result train(const Args& a, int64_t splits, bool cuda) {
   for (int64_t b = 0; b < a.num_batches; ++b) {
     opt.zero_grad();
     auto out = cuda ? pipelined_forward_cuda(s1, s2, images[b], splits, dev1)
-                    : pipelined_forward_cpu(s1, s2, images[b], splits,
-                                            a.threads);
+                    : pipelined_forward_cpu(s1, s2, images[b], splits, a.threads);
     auto loss = torch::mse_loss(out, labels[b]);
     loss.backward();
     opt.step();
     loss_value = loss.item<double>();
   }
   sync();
-  const std::chrono::duration<double> dt =
-      std::chrono::steady_clock::now() - t0;
+  const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
   return {dt.count(), loss_value};
 }
 
@@ -236,35 +226,30 @@ int main(int argc, char** argv) {
   const Args a = parse_args(argc, argv);
   at::set_num_threads(static_cast<int>(a.threads));
   corpc::bench::set_blas_threads(static_cast<int>(a.threads));
-  const bool cuda =
-      torch::cuda::is_available() && torch::cuda::device_count() >= 2;
+  const bool cuda = torch::cuda::is_available() && torch::cuda::device_count() >= 2;
 
-  std::printf("single-process pipeline: %s, batch %lld, image %lld, "
-              "base width %lld, %lld batches, %lld thread(s) per shard\n",
-              cuda ? "cuda:0 + cuda:1" : "CPU (2 threads)",
-              (long long)a.batch_size, (long long)a.image_size,
-              (long long)a.base_width, (long long)a.num_batches,
-              (long long)a.threads);
-  std::printf("%6s %10s %8s %10s %10s\n", "splits", "seconds", "speedup",
-              "images/s", "loss");
+  std::printf(
+      "single-process pipeline: %s, batch %lld, image %lld, "
+      "base width %lld, %lld batches, %lld thread(s) per shard\n",
+      cuda ? "cuda:0 + cuda:1" : "CPU (2 threads)", (long long)a.batch_size, (long long)a.image_size,
+      (long long)a.base_width, (long long)a.num_batches, (long long)a.threads);
+  std::printf("%6s %10s %8s %10s %10s\n", "splits", "seconds", "speedup", "images/s", "loss");
 
   double base = 0;
   for (auto splits : a.splits) {
     if (auto n = too_small_micro_batch(a, splits)) {
-      std::printf("%6lld skipped: a micro-batch of %lld image(s) of %lldpx "
-                  "leaves one value per BatchNorm channel in layer4\n",
-                  (long long)splits, (long long)n, (long long)a.image_size);
+      std::printf(
+          "%6lld skipped: a micro-batch of %lld image(s) of %lldpx "
+          "leaves one value per BatchNorm channel in layer4\n",
+          (long long)splits, (long long)n, (long long)a.image_size);
       continue;
     }
     const Result r = train(a, splits, cuda);
     if (splits == 1) base = r.seconds;
     char speedup[32] = "-";
-    if (base > 0) std::snprintf(speedup, sizeof speedup, "%.2fx",
-                                base / r.seconds);
-    std::printf("%6lld %10.3f %8s %10.1f %10.5f\n", (long long)splits,
-                r.seconds, speedup,
-                double(a.batch_size * a.num_batches) / r.seconds,
-                r.final_loss);
+    if (base > 0) std::snprintf(speedup, sizeof speedup, "%.2fx", base / r.seconds);
+    std::printf("%6lld %10.3f %8s %10.1f %10.5f\n", (long long)splits, r.seconds, speedup,
+                double(a.batch_size * a.num_batches) / r.seconds, r.final_loss);
     std::fflush(stdout);
   }
   return 0;

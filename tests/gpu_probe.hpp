@@ -22,13 +22,11 @@ inline bool cuda_usable_in_child(bool with_torch_kernels) {
     bool ok = false;
     try {
       ok = detail::cuda::device_count() > 0 && (!with_torch_kernels || at::hasCUDA());
-    } catch (...) {
-    }
+    } catch (...) {}
     ::_exit(ok ? 0 : 1);
   }
   int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
   return WIFEXITED(status) && WEXITSTATUS(status) == 0;
 }
 

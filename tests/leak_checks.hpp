@@ -40,7 +40,8 @@ inline void expect_no_contexts_on(const std::vector<int>& ranks) {
     std::uint64_t live = 0;
     for (int r : ranks) live += dist_autograd::detail::live_contexts(r).wait(10s);
     if (live == 0) return;
-    if (std::chrono::steady_clock::now() > deadline) throw std::runtime_error(std::to_string(live) + " contexts leaked");
+    if (std::chrono::steady_clock::now() > deadline)
+      throw std::runtime_error(std::to_string(live) + " contexts leaked");
     std::this_thread::sleep_for(10ms);
   }
 }

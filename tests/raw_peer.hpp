@@ -2,6 +2,7 @@
 #pragma once
 
 #include <asio.hpp>
+#include <array>
 #include <chrono>
 #include <exception>
 
@@ -29,7 +30,8 @@ inline detail::Transport authenticated_transport(asio::io_context& io, const Wor
                                                  const detail::AuthConfig& config) {
   detail::Transport t(raw_socket(io, target));
   std::exception_ptr error;
-  asio::co_spawn(io, detail::authenticate(t, config, detail::AuthRole::dialer), [&](std::exception_ptr e) { error = e; });
+  asio::co_spawn(io, detail::authenticate(t, config, detail::AuthRole::dialer),
+                 [&](std::exception_ptr e) { error = e; });
   io.run();
   io.restart();
   if (error) std::rethrow_exception(error);
@@ -42,6 +44,15 @@ inline asio::ip::tcp::socket authenticated_socket(asio::io_context& io, const Wo
                                                   std::string secret = detail::secret_from_environment()) {
   detail::AuthConfig config{std::move(secret), std::chrono::seconds(10), nullptr};
   return std::move(authenticated_transport(io, target, config).socket());
+}
+
+// Writes a Hello that claims to be `who` in a world of `world_size` on `s`, as a dialing worker's first frame, without
+// any handshake first; the error, if the worker has hung up already.
+inline asio::error_code write_raw_hello(asio::ip::tcp::socket& s, const WorkerInfo& who, int world_size) {
+  detail::OutFrame f = detail::prepare(hello_message(who, world_size, false, WireLimits{}));
+  asio::error_code ec;
+  asio::write(s, std::array<asio::const_buffer, 2>{asio::buffer(&f.head, sizeof f.head), asio::buffer(f.body)}, ec);
+  return ec;
 }
 
 // True once the worker has closed `s` (reads until EOF or an error, discarding what arrives).

@@ -16,37 +16,37 @@
     if (!(cond)) throw std::runtime_error(std::string(__FILE__ ":") + std::to_string(__LINE__) + ": " #cond); \
   } while (0)
 
-#define EXPECT_EQ(a, b)                                                                                         \
-  do {                                                                                                          \
-    auto&& va_ = (a);                                                                                           \
-    auto&& vb_ = (b);                                                                                           \
-    if (!(va_ == vb_)) {                                                                                        \
-      std::ostringstream os_;                                                                                   \
-      os_ << __FILE__ << ":" << __LINE__ << ": " #a " == " #b " failed: " << va_ << " vs " << vb_;               \
-      throw std::runtime_error(os_.str());                                                                      \
-    }                                                                                                           \
+#define EXPECT_EQ(a, b)                                                                            \
+  do {                                                                                             \
+    auto&& va_ = (a);                                                                              \
+    auto&& vb_ = (b);                                                                              \
+    if (!(va_ == vb_)) {                                                                           \
+      std::ostringstream os_;                                                                      \
+      os_ << __FILE__ << ":" << __LINE__ << ": " #a " == " #b " failed: " << va_ << " vs " << vb_; \
+      throw std::runtime_error(os_.str());                                                         \
+    }                                                                                              \
   } while (0)
 
 // Expects `text` (a std::string) to contain `part`; the failure shows the whole text.
-#define EXPECT_CONTAINS(text, part)                                                                          \
-  do {                                                                                                       \
-    const std::string& t_ = (text);                                                                          \
-    if (t_.find(part) == std::string::npos)                                                                  \
+#define EXPECT_CONTAINS(text, part)                                                                              \
+  do {                                                                                                           \
+    const std::string& t_ = (text);                                                                              \
+    if (t_.find(part) == std::string::npos)                                                                      \
       throw std::runtime_error(std::string(__FILE__ ":") + std::to_string(__LINE__) + ": expected \"" + (part) + \
-                               "\" in: " + t_);                                                              \
+                               "\" in: " + t_);                                                                  \
   } while (0)
 
 // Expects `expr` to throw exactly type E (or a subclass); returns its message.
-#define EXPECT_THROWS_AS(expr, E)                                                                              \
-  [&]() -> std::string {                                                                                       \
-    try {                                                                                                      \
-      (void)(expr);                                                                                            \
-    } catch (const E& e_) {                                                                                    \
-      return e_.what();                                                                                        \
-    } catch (const std::exception& e_) {                                                                       \
-      throw std::runtime_error(std::string(__FILE__ ":") + std::to_string(__LINE__) + ": " #expr " threw " +   \
-                               typeid(e_).name() + " (" + e_.what() + "), expected " #E);                      \
-    }                                                                                                          \
+#define EXPECT_THROWS_AS(expr, E)                                                                                 \
+  [&]() -> std::string {                                                                                          \
+    try {                                                                                                         \
+      (void)(expr);                                                                                               \
+    } catch (const E& e_) {                                                                                       \
+      return e_.what();                                                                                           \
+    } catch (const std::exception& e_) {                                                                          \
+      throw std::runtime_error(std::string(__FILE__ ":") + std::to_string(__LINE__) + ": " #expr " threw " +      \
+                               typeid(e_).name() + " (" + e_.what() + "), expected " #E);                         \
+    }                                                                                                             \
     throw std::runtime_error(std::string(__FILE__ ":") + std::to_string(__LINE__) + ": " #expr " did not throw"); \
   }()
 
@@ -112,11 +112,14 @@ inline void expect_only_rank_lost(int rank, const std::string& reason, const std
 inline void run_world(int world, const std::function<void(int)>& body, RpcOptions options = quick_options(),
                       std::chrono::seconds timeout = std::chrono::seconds(120)) {
   const LaunchOptions so = launch_options(timeout);
-  launch_processes(world, [&](int rank) {
-    init_rpc(worker_name(rank), rank, world, options);
-    body(rank);
-    shutdown(true);
-  }, so);
+  launch_processes(
+      world,
+      [&](int rank) {
+        init_rpc(worker_name(rank), rank, world, options);
+        body(rank);
+        shutdown(true);
+      },
+      so);
 }
 
 }  // namespace corpc::test

@@ -68,7 +68,7 @@ TEST_CASE("a no-op call allocates nothing in steady state, on the caller and on 
   run_world(2, [](int rank) {
     if (rank != 0) return;
     const std::uint64_t probe = g_allocations.load();
-    ::operator delete(::operator new(16));  // a direct call: new-expressions may be elided
+    ::operator delete(::operator new(16));        // a direct call: new-expressions may be elided
     EXPECT_EQ(g_allocations.load() - probe, 1u);  // the hook counts (else this test could not fail)
     for (int i = 0; i < kWarmup; ++i) rpc_sync<&noop>(1);
     const std::uint64_t callee_before = rpc_sync<&allocations>(1);

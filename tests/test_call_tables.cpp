@@ -101,7 +101,7 @@ TEST_CASE("PendingCalls: a reply finds its call by id, once; an id never issued 
   Added a = add_call(p, 1, far), b = add_call(p, 2, far), c = add_call(p, 3, far);
   for (auto* x : {&a, &b, &c}) {
     CHECK(is_id(x->id));
-    CHECK(x->send_now);                 // no limit set
+    CHECK(x->send_now);                // no limit set
     CHECK(x->frame.head.id == x->id);  // the frame carries the id the reply will echo
   }
   CHECK(a.id != b.id);
@@ -410,7 +410,7 @@ TEST_CASE("PendingCalls: a caller that blocks for room goes when a reply frees i
   CHECK(is_id(blocked.id));
   CHECK(blocked.send_now);  // it sends its own frame
   CHECK(blocked.frame.head.id == blocked.id);
-  CHECK(ready.empty());     // nothing was queued here for it
+  CHECK(ready.empty());  // nothing was queued here for it
   CHECK(p.size() == 1);
 
   // No room before its deadline: not registered, the frame untouched.
@@ -820,8 +820,9 @@ class BudgetedServer {
 
 }  // namespace
 
-TEST_CASE("ReceiveBudget on TCP connections: a connection's share and the process total each pause reading; "
-          "a give-back resumes it; a request over the share is refused without a reservation") {
+TEST_CASE(
+    "ReceiveBudget on TCP connections: a connection's share and the process total each pause reading; "
+    "a give-back resumes it; a request over the share is refused without a reservation") {
   // Room for three requests in the process, two per connection.
   BudgetedServer server(3 * kFrame, 2 * kFrame);
   const int a = server.connect(), b = server.connect();
@@ -1113,7 +1114,7 @@ TEST_CASE("PeerTable: one connection speaks for a rank; a claimant is refused wh
   auto refusal = table.claim(1, second, [&] { ++admitted; });
   REQUIRE(refusal.has_value());
   CHECK(refusal->find("rank 1 is already connected here (from 10.0.0.1)") != std::string::npos);
-  CHECK(admitted == 1);         // nothing recorded for the refused one
+  CHECK(admitted == 1);  // nothing recorded for the refused one
   CHECK(second->peer_rank == -1);
   CHECK_FALSE(table.claim(2, second).has_value());  // another rank is free
   // The loss of a connection that does not speak for the rank is its own: the holder stays.
@@ -1151,7 +1152,7 @@ TEST_CASE("PeerTable: our connection is dialed once; a dead rank refuses calls w
 
   auto news = table.mark_dead(1, "it went silent");
   REQUIRE(news.has_value());
-  CHECK(*news == ours);                                 // to be closed by the caller
+  CHECK(*news == ours);                                  // to be closed by the caller
   CHECK_FALSE(table.mark_dead(1, "again").has_value());  // not news
   CHECK_FALSE(table.is_alive(1));
   CHECK(table.deaths() == std::vector<std::string>{"", "it went silent"});

@@ -138,20 +138,23 @@ RpcOptions one_pool_thread() {
 }  // namespace
 
 TEST_CASE("a call cancelled before it starts is dropped on the callee; its future says cancelled") {
-  run_world(2, [](int rank) {
-    if (rank != 0) return;
-    auto busy = rpc_async<&hold_until_released>(1);  // takes worker1's only pool thread
-    auto queued = rpc_async<&count_start>(1);        // waits in worker1's queue behind it
-    queued.cancel();
-    EXPECT(queued.done() && queued.cancelled());
-    EXPECT_THROWS_AS(queued.wait(), CancelledError);
-    rpc_sync<&release_hold>(1);  // after the cancel on the same connection: worker1 has read it
-    busy.wait();
-    EXPECT_EQ(rpc_sync<&started>(1), 0);  // dropped, never run
-    queued.cancel();                      // idempotent
-    EXPECT_EQ(in_flight(), 0u);
-    eventually<&handlers>(1, std::uint64_t{0});
-  }, one_pool_thread());
+  run_world(
+      2,
+      [](int rank) {
+        if (rank != 0) return;
+        auto busy = rpc_async<&hold_until_released>(1);  // takes worker1's only pool thread
+        auto queued = rpc_async<&count_start>(1);        // waits in worker1's queue behind it
+        queued.cancel();
+        EXPECT(queued.done() && queued.cancelled());
+        EXPECT_THROWS_AS(queued.wait(), CancelledError);
+        rpc_sync<&release_hold>(1);  // after the cancel on the same connection: worker1 has read it
+        busy.wait();
+        EXPECT_EQ(rpc_sync<&started>(1), 0);  // dropped, never run
+        queued.cancel();                      // idempotent
+        EXPECT_EQ(in_flight(), 0u);
+        eventually<&handlers>(1, std::uint64_t{0});
+      },
+      one_pool_thread());
 }
 
 TEST_CASE("a stop token stops a coroutine function at its next await, on the callee") {
@@ -209,7 +212,8 @@ TEST_CASE("cancelling during a large tensor transfer: the callee never runs the 
     // The dropped reference's delete is a call of this worker's own, in flight until the owner answers it.
     for (int i = 0; i < 1000 && in_flight() != 0; ++i) std::this_thread::sleep_for(10ms);
     EXPECT_EQ(in_flight(), 0u);
-    for (int i = 0; i < 1000 && dist_autograd::detail::live_contexts(1).wait() != 0; ++i) std::this_thread::sleep_for(10ms);
+    for (int i = 0; i < 1000 && dist_autograd::detail::live_contexts(1).wait() != 0; ++i)
+      std::this_thread::sleep_for(10ms);
     EXPECT_EQ(dist_autograd::detail::live_contexts(1).wait(), 0u);
     EXPECT_EQ(dist_autograd::detail::live_contexts(), 0u);
   });
@@ -236,60 +240,70 @@ TEST_CASE("a deadline travels down a chain of three workers and stops the work o
 
 TEST_CASE("graceful shutdown waits for the runtime's background work, then joins it: nothing is left running") {
   const LaunchOptions lo = launch_options(60s);
-  launch_processes(2, [](int rank) {
-    init_rpc(worker_name(rank), rank, 2, quick_options());
-    // Acknowledged at once; the value is still being computed (and will call rank 0) when both ranks shut down.
-    if (rank == 0) g_kept = remote<&late_value>(1);
-    shutdown(true);
-    g_kept = {};
-    if (rank == 1) {
-      EXPECT_EQ(g_created.load(), 1);       // rank 0 stayed until the creation had finished with it
-      EXPECT_EQ(g_values_live.load(), 0);   // and the value went with the runtime
-    }
-  }, lo);
+  launch_processes(
+      2,
+      [](int rank) {
+        init_rpc(worker_name(rank), rank, 2, quick_options());
+        // Acknowledged at once; the value is still being computed (and will call rank 0) when both ranks shut down.
+        if (rank == 0) g_kept = remote<&late_value>(1);
+        shutdown(true);
+        g_kept = {};
+        if (rank == 1) {
+          EXPECT_EQ(g_created.load(), 1);      // rank 0 stayed until the creation had finished with it
+          EXPECT_EQ(g_values_live.load(), 0);  // and the value went with the runtime
+        }
+      },
+      lo);
 }
 
 TEST_CASE("a shutdown that does not wait stops the background work and joins it") {
   const LaunchOptions lo = launch_options(60s);
-  launch_processes(2, [](int rank) {
-    init_rpc(worker_name(rank), rank, 2, quick_options());
-    if (rank == 0) {
-      g_kept = remote<&parked_value>(1);
-      shutdown(true);  // rank 1 leaves without waiting: that ends this one's wait too
-      g_kept = {};
-      return;
-    }
-    for (int i = 0; i < 1000 && started() == 0; ++i) std::this_thread::sleep_for(10ms);
-    EXPECT_EQ(started(), 1);
-    shutdown(false);
-    EXPECT_EQ(stopped(), 1);  // the parked creation saw the stop and unwound before shutdown returned
-    EXPECT_EQ(g_values_live.load(), 0);
-  }, lo);
+  launch_processes(
+      2,
+      [](int rank) {
+        init_rpc(worker_name(rank), rank, 2, quick_options());
+        if (rank == 0) {
+          g_kept = remote<&parked_value>(1);
+          shutdown(true);  // rank 1 leaves without waiting: that ends this one's wait too
+          g_kept = {};
+          return;
+        }
+        for (int i = 0; i < 1000 && started() == 0; ++i) std::this_thread::sleep_for(10ms);
+        EXPECT_EQ(started(), 1);
+        shutdown(false);
+        EXPECT_EQ(stopped(), 1);  // the parked creation saw the stop and unwound before shutdown returned
+        EXPECT_EQ(g_values_live.load(), 0);
+      },
+      lo);
 }
 
 TEST_CASE("a remote() whose creation timed out fails every later use, and the creation never runs") {
-  run_world(2, [](int rank) {
-    if (rank != 0) return;
-    auto busy = rpc_async<&hold_until_released>(1);  // holds worker1's only pool thread: the creation waits in its queue
-    auto ref = remote<&parked_value>(1, with_timeout(50ms));
-    EXPECT_THROWS_AS(ref.state()->confirmed.wait(), TimeoutError);  // the owner did not acknowledge it in time
-    EXPECT_THROWS_AS(ref.to_here().wait(), TimeoutError);
-    EXPECT_THROWS_AS(ref.rpc_sync<&Value::get>(), TimeoutError);                  // a proxy call
-    EXPECT_THROWS_AS(rpc_sync<&value_of>(1, ref), TimeoutError);                 // passed as an argument
-    EXPECT_THROWS_AS((void)ref.remote<&Value::get>(), TimeoutError);           // a creation from it
-    EXPECT(!ref.confirmed_by_owner());
-    rpc_sync<&release_hold>(1);
-    busy.wait();
-    EXPECT_EQ(rpc_sync<&started>(1), 0);  // cancelled on the callee before it ran
-    ref = {};
-    eventually<&handlers>(1, std::uint64_t{0});
-    EXPECT_EQ(in_flight(), 0u);
-    auto rrefs_live = [](int w) {
-      auto s = rref_stats(w).wait();
-      return s.owned_values + s.user_references + s.pending_forks;
-    };
-    for (int i = 0; i < 1000 && rrefs_live(1) != 0; ++i) std::this_thread::sleep_for(10ms);
-    EXPECT_EQ(rrefs_live(1), 0u);
-    EXPECT_EQ(rrefs_live(0), 0u);
-  }, one_pool_thread());
+  run_world(
+      2,
+      [](int rank) {
+        if (rank != 0) return;
+        auto busy =
+            rpc_async<&hold_until_released>(1);  // holds worker1's only pool thread: the creation waits in its queue
+        auto ref = remote<&parked_value>(1, with_timeout(50ms));
+        EXPECT_THROWS_AS(ref.state()->confirmed.wait(), TimeoutError);  // the owner did not acknowledge it in time
+        EXPECT_THROWS_AS(ref.to_here().wait(), TimeoutError);
+        EXPECT_THROWS_AS(ref.rpc_sync<&Value::get>(), TimeoutError);      // a proxy call
+        EXPECT_THROWS_AS(rpc_sync<&value_of>(1, ref), TimeoutError);      // passed as an argument
+        EXPECT_THROWS_AS((void)ref.remote<&Value::get>(), TimeoutError);  // a creation from it
+        EXPECT(!ref.confirmed_by_owner());
+        rpc_sync<&release_hold>(1);
+        busy.wait();
+        EXPECT_EQ(rpc_sync<&started>(1), 0);  // cancelled on the callee before it ran
+        ref = {};
+        eventually<&handlers>(1, std::uint64_t{0});
+        EXPECT_EQ(in_flight(), 0u);
+        auto rrefs_live = [](int w) {
+          auto s = rref_stats(w).wait();
+          return s.owned_values + s.user_references + s.pending_forks;
+        };
+        for (int i = 0; i < 1000 && rrefs_live(1) != 0; ++i) std::this_thread::sleep_for(10ms);
+        EXPECT_EQ(rrefs_live(1), 0u);
+        EXPECT_EQ(rrefs_live(0), 0u);
+      },
+      one_pool_thread());
 }

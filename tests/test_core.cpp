@@ -147,7 +147,7 @@ TEST_CASE("the call context follows a coroutine across threads") {
     CallContext ctx;
     ctx.set(slot, 17);
     CallContextScope scope(ctx);
-    co_await later(1, 5ms);      // completes on a foreign thread, resumes on a pool thread
+    co_await later(1, 5ms);  // completes on a foreign thread, resumes on a pool thread
     co_await later(1, 5ms);
     co_return current_call_context().get(slot);
   };
@@ -163,12 +163,13 @@ TEST_CASE("when_all gathers in order and fails with the first error; collect_all
   CHECK(when_all(std::vector<Future<int>>{}).wait().empty());
 
   Promise<int> never;
-  std::vector<Future<int>> mixed{later(1, 1ms), make_exceptional_future<int>(std::make_exception_ptr(TimeoutError("t"))),
-                                 never.get_future()};
+  std::vector<Future<int>> mixed{
+      later(1, 1ms), make_exceptional_future<int>(std::make_exception_ptr(TimeoutError("t"))), never.get_future()};
   // Fails at once with the error, without waiting for the future that never completes.
   CHECK_THROWS_AS(when_all(mixed).wait(5s), TimeoutError);
 
-  std::vector<Future<int>> two{later(3, 5ms), make_exceptional_future<int>(std::make_exception_ptr(std::runtime_error("e")))};
+  std::vector<Future<int>> two{later(3, 5ms),
+                               make_exceptional_future<int>(std::make_exception_ptr(std::runtime_error("e")))};
   auto collected = collect_all(two).wait(5s);
   REQUIRE(collected.size() == 2);
   CHECK(collected[0].value() == 3);
@@ -184,9 +185,10 @@ TEST_CASE("when_all gathers in order and fails with the first error; collect_all
 TEST_CASE("the deprecated wait_all and WaitAll still join") {
   CHECK(wait_all(std::vector<Future<int>>{later(1, 1ms), later(2, 1ms)}).wait(5s) == std::vector<int>{1, 2});
   Promise<int> running;
-  auto all = wait_all(std::vector<Future<int>>{running.get_future(), make_exceptional_future<int>(
-                                                                         std::make_exception_ptr(TimeoutError("t")))},
-                      WaitAll::stop_rest_on_failure);
+  auto all =
+      wait_all(std::vector<Future<int>>{running.get_future(),
+                                        make_exceptional_future<int>(std::make_exception_ptr(TimeoutError("t")))},
+               WaitAll::stop_rest_on_failure);
   CHECK_THROWS_AS(all.wait(5s), TimeoutError);
 }
 #pragma GCC diagnostic pop
@@ -336,8 +338,7 @@ TEST_CASE("a BoundedExecutor never runs more than its width at once, and starts 
         }
         int now = ++running;
         int seen = peak.load();
-        while (now > seen && !peak.compare_exchange_weak(seen, now)) {
-        }
+        while (now > seen && !peak.compare_exchange_weak(seen, now)) {}
         std::this_thread::sleep_for(1ms);
         --running;
         p->set_value();

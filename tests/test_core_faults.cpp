@@ -80,8 +80,7 @@ bool run_until(asio::io_context& io, asio::ip::tcp::socket& s, const bool& finis
     }
   });
   io.restart();
-  while (!finished && io.run_one()) {
-  }
+  while (!finished && io.run_one()) {}
   timer.cancel();
   io.run();  // the timer's handler
   return !expired;
@@ -177,8 +176,7 @@ class UnreadStderr {
     const int flags = ::fcntl(STDERR_FILENO, F_GETFL);
     ::fcntl(STDERR_FILENO, F_SETFL, flags | O_NONBLOCK);
     const std::string filler(4096, '\0');  // told apart from the log's lines when it is drained
-    while (::write(STDERR_FILENO, filler.data(), filler.size()) > 0) {
-    }
+    while (::write(STDERR_FILENO, filler.data(), filler.size()) > 0) {}
     ::fcntl(STDERR_FILENO, F_SETFL, flags);
   }
   // The launcher's own lines (a failure) go where they always went. The pipe stays open: a write still blocked on it
@@ -255,12 +253,15 @@ TEST_CASE("a call whose arguments fail to encode fails alone, and graceful shutd
 TEST_CASE("an asynchronous handler whose reply fails to encode answers with an error, not a timeout") {
   auto options = quick_options();
   options.rpc_timeout = 120s;  // longer than the launcher allows: only a prompt error passes
-  run_world(2, [](int rank) {
-    if (rank != 0) return;
-    auto msg = EXPECT_THROWS_AS(rpc_async<&sparse_later>(1).wait(60s), RemoteError);
-    EXPECT(msg.find("dense") != std::string::npos);
-    EXPECT_EQ(rpc_sync<&add>(1, 2, 3), 5);
-  }, options, 90s);  // and worker1's running-handler count came back to zero, or shutdown would hang
+  run_world(
+      2,
+      [](int rank) {
+        if (rank != 0) return;
+        auto msg = EXPECT_THROWS_AS(rpc_async<&sparse_later>(1).wait(60s), RemoteError);
+        EXPECT(msg.find("dense") != std::string::npos);
+        EXPECT_EQ(rpc_sync<&add>(1, 2, 3), 5);
+      },
+      options, 90s);  // and worker1's running-handler count came back to zero, or shutdown would hang
 }
 
 TEST_CASE("a task spawned on main that blocks after its first co_await does not block the I/O thread") {
@@ -311,19 +312,22 @@ TEST_CASE("the sender checks the receiver's limits before anything is sent; the 
   auto options = quick_options();
   options.limits.max_tensor_bytes = 1 << 20;
   options.limits.max_body_bytes = 1 << 16;
-  run_world(2, [](int rank) {
-    if (rank != 0) return;
-    auto big = at::zeros({(1 << 20) / 4 + 1});  // one float over 1 MiB
-    auto msg = EXPECT_THROWS_AS(rpc_async<&size_of>(1, big).wait(30s), MessageTooLargeError);
-    EXPECT(msg.find("worker1") != std::string::npos);
-    EXPECT_THROWS_AS(rpc_async<&length>(1, std::string(70000, 'x')).wait(30s), MessageTooLargeError);
-    EXPECT_EQ(rpc_sync<&length>(1, std::string(60000, 'x')), 60000u);
-    // A reply over the caller's limit fails on the callee's side and comes back as an error.
-    EXPECT_THROWS_AS(rpc_async<&make_big>(1, (1 << 20) / 4 + 1).wait(30s), RpcError);
-    EXPECT(Runtime::get().is_alive(1));
-    EXPECT_EQ(rpc_sync<&size_of>(1, at::zeros({16})).item<double>(), 16.0);
-    EXPECT_EQ(Runtime::get().stats().calls_in_flight, 0u);
-  }, options);
+  run_world(
+      2,
+      [](int rank) {
+        if (rank != 0) return;
+        auto big = at::zeros({(1 << 20) / 4 + 1});  // one float over 1 MiB
+        auto msg = EXPECT_THROWS_AS(rpc_async<&size_of>(1, big).wait(30s), MessageTooLargeError);
+        EXPECT(msg.find("worker1") != std::string::npos);
+        EXPECT_THROWS_AS(rpc_async<&length>(1, std::string(70000, 'x')).wait(30s), MessageTooLargeError);
+        EXPECT_EQ(rpc_sync<&length>(1, std::string(60000, 'x')), 60000u);
+        // A reply over the caller's limit fails on the callee's side and comes back as an error.
+        EXPECT_THROWS_AS(rpc_async<&make_big>(1, (1 << 20) / 4 + 1).wait(30s), RpcError);
+        EXPECT(Runtime::get().is_alive(1));
+        EXPECT_EQ(rpc_sync<&size_of>(1, at::zeros({16})).item<double>(), 16.0);
+        EXPECT_EQ(Runtime::get().stats().calls_in_flight, 0u);
+      },
+      options);
 }
 
 TEST_CASE("a distributed-autograd context opened in a coroutine stays with the coroutine") {
@@ -344,7 +348,7 @@ TEST_CASE("a distributed-autograd context opened in a coroutine stays with the c
     auto x = at::ones({2}).requires_grad_();
     auto y = rpc_sync<&twice>(1, x);  // recorded into a leaked context, y's grad_fn would be a recv function
     auto z = (x * 3).sum() + y.sum();
-    z.backward();                      // ... and this would throw "RecvFunction is captured, never executed"
+    z.backward();  // ... and this would throw "RecvFunction is captured, never executed"
     EXPECT(at::allclose(x.grad(), at::full({2}, 3.0)));
   });
 }
@@ -362,72 +366,81 @@ TEST_CASE("handlers blocking on nested calls cannot starve the worker pool") {
 // ---- exits, duplicate names, late replies ----
 
 TEST_CASE("a second connection claiming a connected rank is refused; the real rank and shutdown are untouched") {
-  run_world(3, [](int rank) {
-    if (rank != 0) return;
-    EXPECT_EQ(rpc_sync<&whoami_via>(2, 1), worker_name(1));  // the real worker2 is connected to worker1
-    // A process with the secret claims to be worker2, asks for a function nobody has, and leaves politely.
-    asio::io_context io;
-    auto s = authenticated_socket(io, get_worker_info(1));
-    corpc::detail::FrameHeader unknown;
-    unknown.kind = corpc::detail::FrameKind::Request;
-    unknown.id = 1;
-    unknown.function = 0x5eed;
-    corpc::detail::FrameHeader goodbye;
-    goodbye.kind = corpc::detail::FrameKind::Goodbye;
-    asio::write(s, asio::buffer(claim(get_worker_info(2), 3, serialized(unknown) + serialized(goodbye))));
-    expect_claim_refused(io, s);
-    s.close();
-    EXPECT(rpc_sync<&is_alive_here>(1, 2));  // worker1 still counts the real worker2 alive ...
-    EXPECT_EQ(rpc_sync<&whoami_via>(1, 2), worker_name(2));  // ... and reaches it
-    EXPECT_EQ(rpc_sync<&whoami_via>(2, 1), worker_name(1));  // the real worker2's own connection still works
-  }, quick_options(), 60s);  // and the graceful shutdown balances: the refused request counted for nobody
+  run_world(
+      3,
+      [](int rank) {
+        if (rank != 0) return;
+        EXPECT_EQ(rpc_sync<&whoami_via>(2, 1), worker_name(1));  // the real worker2 is connected to worker1
+        // A process with the secret claims to be worker2, asks for a function nobody has, and leaves politely.
+        asio::io_context io;
+        auto s = authenticated_socket(io, get_worker_info(1));
+        corpc::detail::FrameHeader unknown;
+        unknown.kind = corpc::detail::FrameKind::Request;
+        unknown.id = 1;
+        unknown.function = 0x5eed;
+        corpc::detail::FrameHeader goodbye;
+        goodbye.kind = corpc::detail::FrameKind::Goodbye;
+        asio::write(s, asio::buffer(claim(get_worker_info(2), 3, serialized(unknown) + serialized(goodbye))));
+        expect_claim_refused(io, s);
+        s.close();
+        EXPECT(rpc_sync<&is_alive_here>(1, 2));                  // worker1 still counts the real worker2 alive ...
+        EXPECT_EQ(rpc_sync<&whoami_via>(1, 2), worker_name(2));  // ... and reaches it
+        EXPECT_EQ(rpc_sync<&whoami_via>(2, 1), worker_name(1));  // the real worker2's own connection still works
+      },
+      quick_options(), 60s);  // and the graceful shutdown balances: the refused request counted for nobody
 }
 
 TEST_CASE("replies forged on a claimed rank's behalf close only the claimant; the real rank's calls go on") {
-  run_world(2, [](int rank) {
-    if (rank != 0) return;
-    auto slow = rpc_async<&held_until_released>(1);  // the real worker1 has a call of ours in flight
-    // A process with the secret claims to be worker1 to us and answers request ids it was never sent.
-    asio::io_context io;
-    auto s = authenticated_socket(io, get_worker_info(0));
-    corpc::detail::Message forged = corpc::detail::encode_reply(7, 0);
-    std::string replies;
-    for (std::uint64_t idx = 0; idx < 64; ++idx) {
-      corpc::detail::FrameHeader h;
-      h.kind = corpc::detail::FrameKind::Response;
-      h.id = idx;
-      h.body_len = static_cast<std::uint32_t>(forged.body.size());
-      replies += serialized(h, forged.body);
-    }
-    asio::write(s, asio::buffer(claim(get_worker_info(1), 2, replies)));
-    expect_claim_refused(io, s);
-    s.close();
-    EXPECT(Runtime::get().is_alive(1));
-    EXPECT(!slow.done());
-    rpc_sync<&release>(1);
-    EXPECT_EQ(slow.wait(30s), 500);  // the real answer, from the real peer
-    EXPECT_EQ(rpc_sync<&add>(1, 2, 3), 5);
-  }, quick_options(), 60s);
+  run_world(
+      2,
+      [](int rank) {
+        if (rank != 0) return;
+        auto slow = rpc_async<&held_until_released>(1);  // the real worker1 has a call of ours in flight
+        // A process with the secret claims to be worker1 to us and answers request ids it was never sent.
+        asio::io_context io;
+        auto s = authenticated_socket(io, get_worker_info(0));
+        corpc::detail::Message forged = corpc::detail::encode_reply(7, 0);
+        std::string replies;
+        for (std::uint64_t idx = 0; idx < 64; ++idx) {
+          corpc::detail::FrameHeader h;
+          h.kind = corpc::detail::FrameKind::Response;
+          h.id = idx;
+          h.body_len = static_cast<std::uint32_t>(forged.body.size());
+          replies += serialized(h, forged.body);
+        }
+        asio::write(s, asio::buffer(claim(get_worker_info(1), 2, replies)));
+        expect_claim_refused(io, s);
+        s.close();
+        EXPECT(Runtime::get().is_alive(1));
+        EXPECT(!slow.done());
+        rpc_sync<&release>(1);
+        EXPECT_EQ(slow.wait(30s), 500);  // the real answer, from the real peer
+        EXPECT_EQ(rpc_sync<&add>(1, 2, 3), 5);
+      },
+      quick_options(), 60s);
 }
 
 TEST_CASE("strangers flooding a worker whose stderr nobody reads: it answers, summarises, and shuts down") {
   constexpr int kStrangers = 2000;
-  launch_processes(2, [](int rank) {
-    if (rank == 1) g_unread_stderr.emplace();
-    init_rpc(worker_name(rank), rank, 2, quick_options());
-    if (rank == 0) {
-      EXPECT(flood_with_strangers(get_worker_info(1), kStrangers) > kStrangers / 2);
-      // A worker whose I/O thread blocked on its log misses this deadline (and, 15 s on, is declared unreachable).
-      EXPECT_EQ(rpc_async<&add>(1, with_timeout(10s), 2, 3).wait(20s), 5);
-      EXPECT_EQ(rpc_async<&whoami>(1, with_timeout(10s)).wait(20s), worker_name(1));
-      // Its log: a few refusals in full, the rest in a summary.
-      const auto log = rpc_async<&drain_stderr_until_summary>(1, with_timeout(40s)).wait(60s);
-      EXPECT(count_of(log, "refused a connection") <= 5);  // RefusalLog::kInFull (src/core/refusal_log.hpp)
-      EXPECT_CONTAINS(log, "more connections refused");
-    }
-    shutdown(true);
-    g_unread_stderr.reset();
-  }, launch_options(120s));
+  launch_processes(
+      2,
+      [](int rank) {
+        if (rank == 1) g_unread_stderr.emplace();
+        init_rpc(worker_name(rank), rank, 2, quick_options());
+        if (rank == 0) {
+          EXPECT(flood_with_strangers(get_worker_info(1), kStrangers) > kStrangers / 2);
+          // A worker whose I/O thread blocked on its log misses this deadline (and, 15 s on, is declared unreachable).
+          EXPECT_EQ(rpc_async<&add>(1, with_timeout(10s), 2, 3).wait(20s), 5);
+          EXPECT_EQ(rpc_async<&whoami>(1, with_timeout(10s)).wait(20s), worker_name(1));
+          // Its log: a few refusals in full, the rest in a summary.
+          const auto log = rpc_async<&drain_stderr_until_summary>(1, with_timeout(40s)).wait(60s);
+          EXPECT(count_of(log, "refused a connection") <= 5);  // RefusalLog::kInFull (src/core/refusal_log.hpp)
+          EXPECT_CONTAINS(log, "more connections refused");
+        }
+        shutdown(true);
+        g_unread_stderr.reset();
+      },
+      launch_options(120s));
 }
 
 TEST_CASE("a peer announcing a large frame and sending nothing commits no memory on the receiver") {
@@ -440,48 +453,52 @@ TEST_CASE("a peer announcing a large frame and sending nothing commits no memory
   // `meson test` sets MALLOC_PERTURB_, with which glibc fills every allocation and so commits it: measure corpc's
   // own behaviour, as a program that does not set it sees it.
   ::mallopt(M_PERTURB, 0);
-  run_world(2, [&](int rank) {
-    if (rank != 0) return;
-    const auto before = rpc_sync<&held_and_rss>(1);
-    asio::io_context io;
-    // Each announces a large request and sends none of what it announced: a body, a tensor table, tensor data.
-    auto body_only = authenticated_socket(io, get_worker_info(1));
-    corpc::detail::FrameHeader h;
-    h.kind = corpc::detail::FrameKind::Request;
-    h.id = 1;
-    h.body_len = kBody;
-    asio::write(body_only, asio::buffer(serialized(h)));
-    auto meta_only = authenticated_socket(io, get_worker_info(1));
-    h = corpc::detail::FrameHeader{};
-    h.kind = corpc::detail::FrameKind::Request;
-    h.id = 1;
-    h.num_tensors = 1;
-    h.meta_len = kMeta;
-    h.tensor_bytes = 4;
-    asio::write(meta_only, asio::buffer(serialized(h)));
-    auto data_only = authenticated_socket(io, get_worker_info(1));
-    corpc::detail::Message m;
-    m.head.id = 1;
-    m.tensors.push_back(at::empty({kTensor / 4}));  // never touched here either
-    corpc::detail::OutFrame tensor_frame = corpc::detail::prepare(std::move(m));
-    asio::write(data_only, std::array<asio::const_buffer, 2>{asio::buffer(&tensor_frame.head, sizeof tensor_frame.head),
-                                                             asio::buffer(tensor_frame.meta)});
-    const std::int64_t announced = kBody + kMeta + kTensor;
-    std::vector<std::int64_t> now;
-    const auto deadline = std::chrono::steady_clock::now() + 30s;
-    do {
-      now = rpc_sync<&held_and_rss>(1);
-    } while (now[0] - before[0] < announced && std::chrono::steady_clock::now() < deadline);
-    MESSAGE("announced " << announced / kMiB << " MiB, reserved " << (now[0] - before[0]) / kMiB
-                         << " MiB, the receiver's RSS grew by " << (now[1] - before[1]) / kMiB << " MiB");
-    EXPECT(now[0] - before[0] >= announced);  // all three headers were read and acted on
-    EXPECT(now[1] - before[1] < 32 * kMiB);
-    // The real traffic still works, large bodies and tensors included, byte for byte.
-    std::string large(5 * kMiB + 17, 'x');
-    for (std::size_t i = 0; i < large.size(); i += 4093) large[i] = static_cast<char>('a' + i % 26);
-    EXPECT(rpc_sync<&echo>(1, large) == large);
-    const auto t = at::arange(4 * kMiB, at::kFloat);
-    EXPECT(at::equal(rpc_sync<&twice>(1, t), t * 2));
-    EXPECT_EQ(rpc_sync<&add>(1, 2, 3), 5);
-  }, options, 90s);
+  run_world(
+      2,
+      [&](int rank) {
+        if (rank != 0) return;
+        const auto before = rpc_sync<&held_and_rss>(1);
+        asio::io_context io;
+        // Each announces a large request and sends none of what it announced: a body, a tensor table, tensor data.
+        auto body_only = authenticated_socket(io, get_worker_info(1));
+        corpc::detail::FrameHeader h;
+        h.kind = corpc::detail::FrameKind::Request;
+        h.id = 1;
+        h.body_len = kBody;
+        asio::write(body_only, asio::buffer(serialized(h)));
+        auto meta_only = authenticated_socket(io, get_worker_info(1));
+        h = corpc::detail::FrameHeader{};
+        h.kind = corpc::detail::FrameKind::Request;
+        h.id = 1;
+        h.num_tensors = 1;
+        h.meta_len = kMeta;
+        h.tensor_bytes = 4;
+        asio::write(meta_only, asio::buffer(serialized(h)));
+        auto data_only = authenticated_socket(io, get_worker_info(1));
+        corpc::detail::Message m;
+        m.head.id = 1;
+        m.tensors.push_back(at::empty({kTensor / 4}));  // never touched here either
+        corpc::detail::OutFrame tensor_frame = corpc::detail::prepare(std::move(m));
+        asio::write(data_only,
+                    std::array<asio::const_buffer, 2>{asio::buffer(&tensor_frame.head, sizeof tensor_frame.head),
+                                                      asio::buffer(tensor_frame.meta)});
+        const std::int64_t announced = kBody + kMeta + kTensor;
+        std::vector<std::int64_t> now;
+        const auto deadline = std::chrono::steady_clock::now() + 30s;
+        do {
+          now = rpc_sync<&held_and_rss>(1);
+        } while (now[0] - before[0] < announced && std::chrono::steady_clock::now() < deadline);
+        MESSAGE("announced " << announced / kMiB << " MiB, reserved " << (now[0] - before[0]) / kMiB
+                             << " MiB, the receiver's RSS grew by " << (now[1] - before[1]) / kMiB << " MiB");
+        EXPECT(now[0] - before[0] >= announced);  // all three headers were read and acted on
+        EXPECT(now[1] - before[1] < 32 * kMiB);
+        // The real traffic still works, large bodies and tensors included, byte for byte.
+        std::string large(5 * kMiB + 17, 'x');
+        for (std::size_t i = 0; i < large.size(); i += 4093) large[i] = static_cast<char>('a' + i % 26);
+        EXPECT(rpc_sync<&echo>(1, large) == large);
+        const auto t = at::arange(4 * kMiB, at::kFloat);
+        EXPECT(at::equal(rpc_sync<&twice>(1, t), t * 2));
+        EXPECT_EQ(rpc_sync<&add>(1, 2, 3), 5);
+      },
+      options, 90s);
 }

@@ -49,14 +49,17 @@ const c10::Device kCuda0(c10::kCUDA, 0);
 // Two ranks sharing cuda:0. The master maps its cuda:0 to worker1's cuda:0; with `both_sides`, worker1 sets the same
 // map back (it must be the inverse, which it is), otherwise worker1 uses the inverse of the master's.
 void run_pair(const std::function<void(int)>& body, bool both_sides = false) {
-  launch_processes(2, [&](int rank) {
-    auto options = quick_options();
-    if (rank == 0) options.set_device_map("worker1", {{kCuda0, kCuda0}});
-    if (rank == 1 && both_sides) options.set_device_map("master", {{kCuda0, kCuda0}});
-    init_rpc(worker_name(rank), rank, 2, options);
-    body(rank);
-    shutdown(true);
-  }, launch_options(std::chrono::seconds(240)));
+  launch_processes(
+      2,
+      [&](int rank) {
+        auto options = quick_options();
+        if (rank == 0) options.set_device_map("worker1", {{kCuda0, kCuda0}});
+        if (rank == 1 && both_sides) options.set_device_map("master", {{kCuda0, kCuda0}});
+        init_rpc(worker_name(rank), rank, 2, options);
+        body(rank);
+        shutdown(true);
+      },
+      launch_options(std::chrono::seconds(240)));
 }
 
 // Float results whose elements come from library code (cuBLAS, CUDA's math functions) rather than one rounding.
@@ -115,7 +118,8 @@ TEST_CASE("CUDA tensors through rpc_sync and rpc_async arrive on the mapped devi
         EXPECT(same(back, h));
       }
     }
-    EXPECT_EQ(rpc_sync<&device_of>("worker1", at::ones({3}, at::TensorOptions().device(kCuda0))), std::string("cuda:0"));
+    EXPECT_EQ(rpc_sync<&device_of>("worker1", at::ones({3}, at::TensorOptions().device(kCuda0))),
+              std::string("cuda:0"));
     EXPECT_EQ(rpc_sync<&device_of>("worker1", at::ones({3})), std::string("cpu"));  // CPU tensors stay on the CPU
     EXPECT_EQ(rpc_sync<&device_of>("master", at::ones({3}, at::TensorOptions().device(kCuda0))), std::string("cuda:0"));
 
@@ -146,11 +150,13 @@ TEST_CASE("CUDA tensors through rpc_sync and rpc_async arrive on the mapped devi
 }
 
 TEST_CASE("CUDA tensors with maps set on both sides (inverses of each other)" * doctest::skip(g_no_gpu)) {
-  run_pair([](int rank) {
-    const at::Tensor x = at::arange(1000, at::kFloat).reshape({10, 100});
-    at::Tensor back = rpc_sync<&affine>(rank == 0 ? "worker1" : "master", x.to(kCuda0), 0.5, 2.0);
-    EXPECT(same(back, x * 0.5 + 2.0));
-  }, /*both_sides=*/true);
+  run_pair(
+      [](int rank) {
+        const at::Tensor x = at::arange(1000, at::kFloat).reshape({10, 100});
+        at::Tensor back = rpc_sync<&affine>(rank == 0 ? "worker1" : "master", x.to(kCuda0), 0.5, 2.0);
+        EXPECT(same(back, x * 0.5 + 2.0));
+      },
+      /*both_sides=*/true);
 }
 
 TEST_CASE("remote() and to_here() keep CUDA values on the owner's device and fetch them through the map" *
@@ -168,7 +174,7 @@ TEST_CASE("remote() and to_here() keep CUDA values on the owner's device and fet
       EXPECT_EQ(rpc_sync<&value_device>("worker1", r), std::string("cuda:0"));
       EXPECT(same(r.to_here().wait(30s), x * -2.0 + 3.0));
       EXPECT(same(rpc_sync<&times_of_ref>("worker1", r, 4.0), (x * -2.0 + 3.0) * 4.0));  // used on its owner
-      EXPECT(same(sync_wait(times_of_ref(r, 0.5)), (x * -2.0 + 3.0) * 0.5));           // used here
+      EXPECT(same(sync_wait(times_of_ref(r, 0.5)), (x * -2.0 + 3.0) * 0.5));             // used here
 
       // Owned here, on our device, read by worker1 through the map and returned.
       RRef<at::Tensor> mine(x.to(kCuda0));
@@ -192,8 +198,8 @@ TEST_CASE("RemoteModule on worker1/cuda:0 computes what the same Linear computes
       torch::manual_seed(3);
       const at::Tensor x = at::randn({5, 16});
       const at::Tensor expected = at::linear(x, w.cpu(), b.cpu());
-      EXPECT(close_matmul(lin.forward(x), expected));                                 // a CPU input, moved there
-      EXPECT(close_matmul(lin.forward_async(x.to(kCuda0)).wait(30s), expected));      // a CUDA input, mapped
+      EXPECT(close_matmul(lin.forward(x), expected));                             // a CPU input, moved there
+      EXPECT(close_matmul(lin.forward_async(x.to(kCuda0)).wait(30s), expected));  // a CUDA input, mapped
     }
     expect_no_references(2);
   });
@@ -225,7 +231,7 @@ TEST_CASE("distributed autograd across two processes on cuda:0 gives the CPU's g
       at::Tensor v = p.to_here().wait(30s);
       ctx.backward({(v * q).sum()}).wait(60s);
       at::Tensor g = rpc_sync<&grad_of>("worker1", ctx.id(), p);
-      EXPECT(same(g, q.detach().cpu()));           // d/dv sum(v * q) = q, exactly
+      EXPECT(same(g, q.detach().cpu()));  // d/dv sum(v * q) = q, exactly
       EXPECT(same(ctx.gradients().at(q), v.detach().cpu()));
     }
     expect_no_contexts(2);

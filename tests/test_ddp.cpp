@@ -100,8 +100,8 @@ void launch(const std::function<void(int)>& body) {
 
 // Trains `steps` SGD steps with DDP (each rank on its rows) and the reference (one process, whole batch), and
 // compares the parameters. `micro` > 1: gradient accumulation over micro-batches with no_sync on all but the last.
-void ddp_matches_reference(corpc::ddp::DdpOptions options, int steps, int micro, double tol,
-                           size_t min_buckets = 1, bool expect_overlap = true) {
+void ddp_matches_reference(corpc::ddp::DdpOptions options, int steps, int micro, double tol, size_t min_buckets = 1,
+                           bool expect_overlap = true) {
   launch([=](int rank) {
     auto group = corpc::ddp::init_process_group();
     EXPECT_EQ(group->getRank(), rank);
@@ -155,9 +155,7 @@ TEST_CASE("ddp: without find_unused_parameters an unused parameter still neither
   ddp_matches_reference(o, 2, 1, 1e-5, 4, /*expect_overlap=*/false);
 }
 
-TEST_CASE("ddp: parameters equal one process with one bucket") {
-  ddp_matches_reference({}, 4, 1, 1e-5);
-}
+TEST_CASE("ddp: parameters equal one process with one bucket") { ddp_matches_reference({}, 4, 1, 1e-5); }
 
 TEST_CASE("ddp: no_sync accumulates exactly like the whole batch") {
   corpc::ddp::DdpOptions o;
@@ -464,7 +462,8 @@ at::Tensor remote_part(at::Tensor h) {
 // DDP inside a distributed autograd context (the DDP + RPC hybrid): two trainers, each with a DDP-wrapped dense part
 // whose output goes through worker 2; backward runs through dist_autograd, so gradients are captured into the
 // context rather than .grad; DDP must average them there, and DistributedOptimizer steps from the context.
-TEST_CASE("ddp: inside a distributed autograd context, trainers' dense parameters equal one process on the whole batch") {
+TEST_CASE(
+    "ddp: inside a distributed autograd context, trainers' dense parameters equal one process on the whole batch") {
   corpc::test::run_world(3, [](int rank) {
     if (rank == 2) return;  // the remote part only answers RPCs
     corpc::ddp::ProcessGroupOptions po;
@@ -601,40 +600,43 @@ TEST_CASE("ddp: a rank dies mid-training, the group restarts and resumes from th
   std::remove(path.c_str());
   constexpr int kSteps = 6, kCheckpointEvery = 2, kDieAt = 3;
   const corpc::LaunchOptions lo = corpc::test::launch_options(std::chrono::seconds(120));
-  const int restarts = corpc::ddp::launch_with_restarts(kWorld, [&](int rank, int restart) {
-    corpc::ddp::ProcessGroupOptions po;
-    po.timeout = std::chrono::seconds(5);
-    auto group = corpc::ddp::init_process_group(po);
-    // Resume as torchelastic programs do: load the checkpoint into the bare model, then wrap it.
-    Net net = rank_model(rank);
-    int start = 0;
-    if (FILE* f = std::fopen(path.c_str(), "r")) {
-      std::fclose(f);
-      corpc::ddp::load_checkpoint(*net, nullptr, path);
-      start = kDieAt - kDieAt % kCheckpointEvery;  // the step after the last checkpoint
-    }
-    DistributedDataParallel ddp(net, group);
-    torch::optim::SGD opt(ddp->parameters(), 0.1);
-    EXPECT_EQ(start > 0, restart > 0);
-    for (int step = start; step < kSteps; ++step) {
-      if (restart == 0 && rank == 1 && step == kDieAt) std::_Exit(9);
-      opt.zero_grad();
-      auto d = batch(step);
-      torch::mse_loss(ddp.forward(rows(d.x, rank)), rows(d.y, rank)).backward();
-      opt.step();
-      if ((step + 1) % kCheckpointEvery == 0) corpc::ddp::save_checkpoint(*ddp.module(), nullptr, path, *group);
-    }
-    // Equal to an uninterrupted single-process run of all the steps.
-    Net reference = rank_model(0);
-    torch::optim::SGD ref_opt(reference->parameters(), 0.1);
-    for (int step = 0; step < kSteps; ++step) {
-      ref_opt.zero_grad();
-      auto d = batch(step);
-      torch::mse_loss(reference->forward(d.x), d.y).backward();
-      ref_opt.step();
-    }
-    expect_close(snapshot(*ddp.module()), snapshot(*reference), 1e-5);
-  }, /*max_restarts=*/2, lo);
+  const int restarts = corpc::ddp::launch_with_restarts(
+      kWorld,
+      [&](int rank, int restart) {
+        corpc::ddp::ProcessGroupOptions po;
+        po.timeout = std::chrono::seconds(5);
+        auto group = corpc::ddp::init_process_group(po);
+        // Resume as torchelastic programs do: load the checkpoint into the bare model, then wrap it.
+        Net net = rank_model(rank);
+        int start = 0;
+        if (FILE* f = std::fopen(path.c_str(), "r")) {
+          std::fclose(f);
+          corpc::ddp::load_checkpoint(*net, nullptr, path);
+          start = kDieAt - kDieAt % kCheckpointEvery;  // the step after the last checkpoint
+        }
+        DistributedDataParallel ddp(net, group);
+        torch::optim::SGD opt(ddp->parameters(), 0.1);
+        EXPECT_EQ(start > 0, restart > 0);
+        for (int step = start; step < kSteps; ++step) {
+          if (restart == 0 && rank == 1 && step == kDieAt) std::_Exit(9);
+          opt.zero_grad();
+          auto d = batch(step);
+          torch::mse_loss(ddp.forward(rows(d.x, rank)), rows(d.y, rank)).backward();
+          opt.step();
+          if ((step + 1) % kCheckpointEvery == 0) corpc::ddp::save_checkpoint(*ddp.module(), nullptr, path, *group);
+        }
+        // Equal to an uninterrupted single-process run of all the steps.
+        Net reference = rank_model(0);
+        torch::optim::SGD ref_opt(reference->parameters(), 0.1);
+        for (int step = 0; step < kSteps; ++step) {
+          ref_opt.zero_grad();
+          auto d = batch(step);
+          torch::mse_loss(reference->forward(d.x), d.y).backward();
+          ref_opt.step();
+        }
+        expect_close(snapshot(*ddp.module()), snapshot(*reference), 1e-5);
+      },
+      /*max_restarts=*/2, lo);
   std::remove(path.c_str());
   REQUIRE(restarts == 1);
 }
@@ -648,8 +650,9 @@ const std::string kTorchrun = "timeout 120 torchrun --no_python --standalone --n
 // reported as skipped rather than passed.
 bool torchrun_can_start() {
   if (std::system("command -v torchrun >/dev/null 2>&1") != 0) return false;
-  return std::system("timeout 120 torchrun --no_python --standalone --nproc_per_node=1 --redirects 1 --tee 1 true "
-                     ">/dev/null 2>&1") == 0;
+  return std::system(
+             "timeout 120 torchrun --no_python --standalone --nproc_per_node=1 --redirects 1 --tee 1 true "
+             ">/dev/null 2>&1") == 0;
 }
 const bool g_no_torchrun = !torchrun_can_start();
 }  // namespace

@@ -42,8 +42,9 @@ bool contains(const std::string& s, const std::string& part) { return s.find(par
 // the copy is concerned. Never touched as device memory here (no kernel can run on it).
 at::Tensor labelled_cuda(const at::Tensor& host, int index) {
   auto* keep = new at::Tensor(host);
-  return at::from_blob(host.data_ptr(), host.sizes(), host.strides(), [keep](void*) { delete keep; },
-                       host.options().device(cuda(index)), cuda(index));
+  return at::from_blob(
+      host.data_ptr(), host.sizes(), host.strides(), [keep](void*) { delete keep; }, host.options().device(cuda(index)),
+      cuda(index));
 }
 
 at::Tensor echo(at::Tensor t) { return t; }
@@ -95,11 +96,11 @@ std::string resolve_error(const std::vector<DeviceConfig>& configs) {
 TEST_CASE("device maps: one to one between CUDA devices with indices, or UsageError") {
   DOCTEST_CHECK_NOTHROW(cd::check_invertible({{cuda(0), cuda(1)}, {cuda(1), cuda(0)}}, "w"));
   DOCTEST_CHECK_THROWS_WITH_AS(cd::check_invertible({{cuda(0), cuda(1)}, {cuda(2), cuda(1)}}, "w"),
-                       doctest::Contains("not invertible"), UsageError);
+                               doctest::Contains("not invertible"), UsageError);
   DOCTEST_CHECK_THROWS_WITH_AS(cd::check_invertible({{c10::Device(c10::kCPU), cuda(1)}}, "w"),
-                       doctest::Contains("is not a CUDA device"), UsageError);
+                               doctest::Contains("is not a CUDA device"), UsageError);
   DOCTEST_CHECK_THROWS_WITH_AS(cd::check_invertible({{cuda(0), c10::Device(c10::kCUDA)}}, "w"),
-                       doctest::Contains("index"), UsageError);
+                               doctest::Contains("index"), UsageError);
   const DeviceMap inv = cd::inverse({{cuda(0), cuda(3)}, {cuda(1), cuda(2)}});
   DOCTEST_CHECK((inv == DeviceMap{{cuda(3), cuda(0)}, {cuda(2), cuda(1)}}));
 }
@@ -110,7 +111,8 @@ TEST_CASE("device maps: RpcOptions::set_device_map merges, refuses contradiction
   o.set_device_map("w1", {{cuda(1), cuda(0)}, {cuda(0), cuda(1)}});  // the same entry again is fine
   DOCTEST_CHECK((o.device_maps.at("w1").size() == 2));
   DOCTEST_CHECK_THROWS_WITH_AS(o.set_device_map("w1", {{cuda(0), cuda(2)}}), doctest::Contains("already"), UsageError);
-  DOCTEST_CHECK_THROWS_WITH_AS(o.set_device_map("w1", {{cuda(2), cuda(1)}}), doctest::Contains("not invertible"), UsageError);
+  DOCTEST_CHECK_THROWS_WITH_AS(o.set_device_map("w1", {{cuda(2), cuda(1)}}), doctest::Contains("not invertible"),
+                               UsageError);
   DOCTEST_CHECK_THROWS_AS(o.set_device_map("w2", {{cuda(0), cuda(0)}, {cuda(1), cuda(0)}}), UsageError);
   DOCTEST_CHECK((o.device_maps.size() == 1));  // no empty entry left behind by the failed call
   DOCTEST_CHECK((o.device_maps.at("w1") == DeviceMap{{cuda(0), cuda(1)}, {cuda(1), cuda(0)}}));
@@ -125,7 +127,8 @@ TEST_CASE("device maps: a tensor's device on send: CPU unchanged, CUDA mapped or
   DOCTEST_CHECK((cd::map_device(m, c10::Device(c10::kCPU), "w1") == c10::Device(c10::kCPU)));
   DOCTEST_CHECK((cd::map_device({}, c10::Device(c10::kCPU), "w1") == c10::Device(c10::kCPU)));
   DOCTEST_CHECK((cd::map_device(m, cuda(0), "w1") == cuda(1)));
-  DOCTEST_CHECK_THROWS_WITH_AS(cd::map_device(m, cuda(1), "w1"), doctest::Contains("has no entry for cuda:1"), UsageError);
+  DOCTEST_CHECK_THROWS_WITH_AS(cd::map_device(m, cuda(1), "w1"), doctest::Contains("has no entry for cuda:1"),
+                               UsageError);
   DOCTEST_CHECK_THROWS_WITH_AS(cd::map_device({}, cuda(0), "w1"), doctest::Contains("no device map to it"), UsageError);
 }
 
@@ -152,19 +155,23 @@ TEST_CASE("device maps: the job's maps are checked together; a map back must be 
   DOCTEST_CHECK((a.by_rank[1] == DeviceMap{{cuda(0), cuda(1)}}));
   DOCTEST_CHECK((a.devices == std::vector<c10::Device>{cuda(0)}));
   // Both set one, mutual inverses: fine.
-  DOCTEST_CHECK(resolve_error({config(2, {{"b", {{cuda(0), cuda(1)}}}}), config(2, {{"a", {{cuda(1), cuda(0)}}}})}).empty());
+  DOCTEST_CHECK(
+      resolve_error({config(2, {{"b", {{cuda(0), cuda(1)}}}}), config(2, {{"a", {{cuda(1), cuda(0)}}}})}).empty());
   // Both set one, not inverses: refused (replies would go elsewhere than the map back sends requests).
-  DOCTEST_CHECK(contains(resolve_error({config(2, {{"b", {{cuda(0), cuda(1)}}}}), config(2, {{"a", {{cuda(0), cuda(1)}}}})}),
-                 "not its inverse"));
+  DOCTEST_CHECK(
+      contains(resolve_error({config(2, {{"b", {{cuda(0), cuda(1)}}}}), config(2, {{"a", {{cuda(0), cuda(1)}}}})}),
+               "not its inverse"));
   // Devices that do not exist, on either side.
   DOCTEST_CHECK(contains(resolve_error({config(0, {{"b", {{cuda(0), cuda(0)}}}}), config(1)}), "has 0 CUDA devices"));
   DOCTEST_CHECK(contains(resolve_error({config(1, {{"b", {{cuda(0), cuda(3)}}}}), config(2)}), "to cuda:3 on 'b'"));
   // Declared devices bound the maps.
-  DOCTEST_CHECK(contains(resolve_error({config(2, {{"b", {{cuda(1), cuda(0)}}}}, {cuda(0)}), config(1)}), "not among its devices"));
+  DOCTEST_CHECK(contains(resolve_error({config(2, {{"b", {{cuda(1), cuda(0)}}}}, {cuda(0)}), config(1)}),
+                         "not among its devices"));
   DOCTEST_CHECK(contains(resolve_error({config(2, {}, {cuda(0), cuda(0)}), config(1)}), "twice"));
   DOCTEST_CHECK(contains(resolve_error({config(1, {}, {cuda(1)}), config(1)}), "declares cuda:1"));
   // Maps name workers of the job.
-  DOCTEST_CHECK(contains(resolve_error({config(1, {{"c", {{cuda(0), cuda(0)}}}}), config(1)}), "not a worker of this job"));
+  DOCTEST_CHECK(
+      contains(resolve_error({config(1, {{"c", {{cuda(0), cuda(0)}}}}), config(1)}), "not a worker of this job"));
 }
 
 TEST_CASE("device transfers: the continuation runs once, after every part and the seal, with the first error") {
@@ -196,8 +203,9 @@ TEST_CASE("device maps on the wire: a tensor bound for a device is announced, pa
   std::string meta;
   std::uint64_t total = 0;
   // A CUDA tensor without a map entry never gets as far as a copy.
-  DOCTEST_CHECK_THROWS_WITH_AS(corpc::detail::encode_tensor_meta({labelled_cuda(cpu, 1)}, meta, total, {{cuda(0), cuda(1)}}, "w1"),
-                       doctest::Contains("cuda:1"), UsageError);
+  DOCTEST_CHECK_THROWS_WITH_AS(
+      corpc::detail::encode_tensor_meta({labelled_cuda(cpu, 1)}, meta, total, {{cuda(0), cuda(1)}}, "w1"),
+      doctest::Contains("cuda:1"), UsageError);
   // A hand-made entry for cuda:1 (what a sender with a GPU writes): float, 1 dim, size 6, stride 1, on device 1.
   meta.clear();
   Writer w(meta);
@@ -213,9 +221,11 @@ TEST_CASE("device maps on the wire: a tensor bound for a device is announced, pa
   DOCTEST_REQUIRE(tensors.size() == 1);
   DOCTEST_CHECK(tensors[0].device().is_cpu());  // received in host memory; the runtime copies it to cuda:1
   DOCTEST_CHECK((devices == std::vector<std::int8_t>{1}));
-  DOCTEST_CHECK_THROWS_AS(corpc::detail::decode_tensor_meta(meta.data(), meta.size(), 1, 24, WireLimits{}, nullptr), ProtocolError);
+  DOCTEST_CHECK_THROWS_AS(corpc::detail::decode_tensor_meta(meta.data(), meta.size(), 1, 24, WireLimits{}, nullptr),
+                          ProtocolError);
   meta[meta.size() - 9] = static_cast<char>(-3);  // a negative device index
-  DOCTEST_CHECK_THROWS_AS(corpc::detail::decode_tensor_meta(meta.data(), meta.size(), 1, 24, WireLimits{}, &devices), ProtocolError);
+  DOCTEST_CHECK_THROWS_AS(corpc::detail::decode_tensor_meta(meta.data(), meta.size(), 1, 24, WireLimits{}, &devices),
+                          ProtocolError);
   // CPU tensors: no device entry, no device list.
   meta.clear();
   devices.clear();
@@ -224,52 +234,58 @@ TEST_CASE("device maps on the wire: a tensor bound for a device is announced, pa
   DOCTEST_CHECK(devices.empty());
 }
 
-TEST_CASE("device maps end to end: CPU tensors unchanged with maps configured; unmapped CUDA tensors fail at the caller") {
+TEST_CASE(
+    "device maps end to end: CPU tensors unchanged with maps configured; unmapped CUDA tensors fail at the caller") {
   PretendTwoDevices pretend;
-  launch_processes(2, [](int rank) {
-    auto options = quick_options();
-    if (rank == 0) options.set_device_map("worker1", {{cuda(0), cuda(1)}});  // worker1 uses the inverse
-    init_rpc(worker_name(rank), rank, 2, options);
-    if (rank != 0) return shutdown(true);
-    // Calls, RRefs and distributed autograd carry CPU tensors as before, every dtype and layout.
-    for (auto dtype : {at::kFloat, at::kDouble, at::kInt, at::kLong, at::kByte, at::kBool, at::kHalf}) {
-      at::Tensor t = at::arange(24, at::kInt).mul_(7).remainder_(11).to(dtype).reshape({2, 3, 4});
-      for (const at::Tensor& x : {t, t.transpose(0, 2), t.select(1, 1)}) {
-        at::Tensor back = rpc_sync<&echo>("worker1", x);
-        EXPECT(back.device().is_cpu());
-        EXPECT(back.sizes() == x.sizes());
-        EXPECT(at::equal(back, x));
-      }
-    }
-    EXPECT_EQ(rpc_sync<&device_of>("worker1", at::ones({2})), std::string("cpu"));
-    RRef<at::Tensor> ref = remote<&echo>("worker1", at::full({3}, 5.0));
-    EXPECT(at::equal(ref.to_here().wait(30s), at::full({3}, 5.0)));
-    {
-      da::Context ctx;
-      at::Tensor x = at::arange(4, at::kFloat).requires_grad_();
-      at::Tensor y = rpc_sync<&times_three_sum>("worker1", x);
-      ctx.backward({y}).wait(30s);
-      auto grads = da::get_gradients(ctx.id());
-      EXPECT(grads.count(x) == 1);
-      EXPECT(at::equal(grads.at(x), at::full({4}, 3.0)));
-    }
-    // cuda:1 has no entry in the map to worker1, cuda:7 none in the master's to itself: both fail here, typed.
-    const std::string why = EXPECT_THROWS_AS(rpc_sync<&echo>("worker1", labelled_cuda(at::ones({2}), 1)), UsageError);
-    EXPECT(contains(why, "cuda:1") && contains(why, "worker1"));
-    EXPECT_THROWS_AS(rpc_sync<&echo>("master", labelled_cuda(at::ones({2}), 7)), UsageError);
-    // A callee's result on a device its map back does not name: the error reaches the caller's future.
-    const std::string back = EXPECT_THROWS_AS(rpc_sync<&labelled_result>("worker1", 5), RpcError);
-    EXPECT(contains(back, "cuda:5"));
-    // cuda:0 is mapped: the copy itself needs a GPU (or a CUDA build): a typed error past the map, and the job goes on.
-    const std::string copy = EXPECT_THROWS_AS(rpc_sync<&echo>("worker1", labelled_cuda(at::ones({2}), 0)), RpcError);
-    EXPECT(!contains(copy, "device map"));
-    // worker1 set no map: it uses the inverse of ours, {cuda:1 -> cuda:0}, for its own calls to us too.
-    EXPECT(contains(rpc_sync<&send_labelled_to_master>("worker1", 0), "has no entry for cuda:0"));
-    const std::string inverse = rpc_sync<&send_labelled_to_master>("worker1", 1);
-    EXPECT(!inverse.empty() && !contains(inverse, "device map"));
-    EXPECT(at::equal(rpc_sync<&echo>("worker1", at::ones({2})), at::ones({2})));
-    shutdown(true);
-  }, launch_options(120s, 10s));
+  launch_processes(
+      2,
+      [](int rank) {
+        auto options = quick_options();
+        if (rank == 0) options.set_device_map("worker1", {{cuda(0), cuda(1)}});  // worker1 uses the inverse
+        init_rpc(worker_name(rank), rank, 2, options);
+        if (rank != 0) return shutdown(true);
+        // Calls, RRefs and distributed autograd carry CPU tensors as before, every dtype and layout.
+        for (auto dtype : {at::kFloat, at::kDouble, at::kInt, at::kLong, at::kByte, at::kBool, at::kHalf}) {
+          at::Tensor t = at::arange(24, at::kInt).mul_(7).remainder_(11).to(dtype).reshape({2, 3, 4});
+          for (const at::Tensor& x : {t, t.transpose(0, 2), t.select(1, 1)}) {
+            at::Tensor back = rpc_sync<&echo>("worker1", x);
+            EXPECT(back.device().is_cpu());
+            EXPECT(back.sizes() == x.sizes());
+            EXPECT(at::equal(back, x));
+          }
+        }
+        EXPECT_EQ(rpc_sync<&device_of>("worker1", at::ones({2})), std::string("cpu"));
+        RRef<at::Tensor> ref = remote<&echo>("worker1", at::full({3}, 5.0));
+        EXPECT(at::equal(ref.to_here().wait(30s), at::full({3}, 5.0)));
+        {
+          da::Context ctx;
+          at::Tensor x = at::arange(4, at::kFloat).requires_grad_();
+          at::Tensor y = rpc_sync<&times_three_sum>("worker1", x);
+          ctx.backward({y}).wait(30s);
+          auto grads = da::get_gradients(ctx.id());
+          EXPECT(grads.count(x) == 1);
+          EXPECT(at::equal(grads.at(x), at::full({4}, 3.0)));
+        }
+        // cuda:1 has no entry in the map to worker1, cuda:7 none in the master's to itself: both fail here, typed.
+        const std::string why =
+            EXPECT_THROWS_AS(rpc_sync<&echo>("worker1", labelled_cuda(at::ones({2}), 1)), UsageError);
+        EXPECT(contains(why, "cuda:1") && contains(why, "worker1"));
+        EXPECT_THROWS_AS(rpc_sync<&echo>("master", labelled_cuda(at::ones({2}), 7)), UsageError);
+        // A callee's result on a device its map back does not name: the error reaches the caller's future.
+        const std::string back = EXPECT_THROWS_AS(rpc_sync<&labelled_result>("worker1", 5), RpcError);
+        EXPECT(contains(back, "cuda:5"));
+        // cuda:0 is mapped: the copy itself needs a GPU (or a CUDA build): a typed error past the map, and the job goes on.
+        const std::string copy =
+            EXPECT_THROWS_AS(rpc_sync<&echo>("worker1", labelled_cuda(at::ones({2}), 0)), RpcError);
+        EXPECT(!contains(copy, "device map"));
+        // worker1 set no map: it uses the inverse of ours, {cuda:1 -> cuda:0}, for its own calls to us too.
+        EXPECT(contains(rpc_sync<&send_labelled_to_master>("worker1", 0), "has no entry for cuda:0"));
+        const std::string inverse = rpc_sync<&send_labelled_to_master>("worker1", 1);
+        EXPECT(!inverse.empty() && !contains(inverse, "device map"));
+        EXPECT(at::equal(rpc_sync<&echo>("worker1", at::ones({2})), at::ones({2})));
+        shutdown(true);
+      },
+      launch_options(120s, 10s));
 }
 
 TEST_CASE("device maps: bad maps fail init_rpc on every worker with UsageError") {
@@ -278,40 +294,52 @@ TEST_CASE("device maps: bad maps fail init_rpc on every worker with UsageError")
   bad.device_maps["w1"] = {{cuda(0), cuda(0)}, {cuda(1), cuda(0)}};
   DOCTEST_CHECK_THROWS_WITH_AS(init_rpc("solo", 0, 1, bad), doctest::Contains("not invertible"), UsageError);
   auto expect_init_fails = [](auto configure, std::string expected) {
-    launch_processes(2, [&](int rank) {
-      auto options = quick_options();
-      options.init_timeout = 20s;
-      configure(rank, options);
-      const std::string why = EXPECT_THROWS_AS(init_rpc(worker_name(rank), rank, 2, options), UsageError);
-      if (!contains(why, expected)) throw std::runtime_error("unexpected message: " + why);
-    }, launch_options(60s, 10s));
+    launch_processes(
+        2,
+        [&](int rank) {
+          auto options = quick_options();
+          options.init_timeout = 20s;
+          configure(rank, options);
+          const std::string why = EXPECT_THROWS_AS(init_rpc(worker_name(rank), rank, 2, options), UsageError);
+          if (!contains(why, expected)) throw std::runtime_error("unexpected message: " + why);
+        },
+        launch_options(60s, 10s));
   };
   // Devices that this machine does not have (no override of the device count: no GPU here).
-  expect_init_fails([](int rank, RpcOptions& o) {
-    if (rank == 0) o.set_device_map("worker1", {{cuda(0), cuda(0)}});
-  }, "CUDA devices");
+  expect_init_fails(
+      [](int rank, RpcOptions& o) {
+        if (rank == 0) o.set_device_map("worker1", {{cuda(0), cuda(0)}});
+      },
+      "CUDA devices");
   // Two maps between one pair that are not inverses.
-  expect_init_fails([](int rank, RpcOptions& o) {
-    pretend_two_devices();
-    o.set_device_map(rank == 0 ? "worker1" : "master", {{cuda(0), cuda(1)}});
-  }, "not its inverse");
+  expect_init_fails(
+      [](int rank, RpcOptions& o) {
+        pretend_two_devices();
+        o.set_device_map(rank == 0 ? "worker1" : "master", {{cuda(0), cuda(1)}});
+      },
+      "not its inverse");
   // A map to oneself (the same options on every rank, say): refused, naming the worker.
-  expect_init_fails([](int, RpcOptions& o) {
-    pretend_two_devices();
-    o.set_device_map("worker1", {{cuda(0), cuda(1)}});
-  }, "to itself");
+  expect_init_fails(
+      [](int, RpcOptions& o) {
+        pretend_two_devices();
+        o.set_device_map("worker1", {{cuda(0), cuda(1)}});
+      },
+      "to itself");
   // A map to a worker that is not in the job.
-  expect_init_fails([](int rank, RpcOptions& o) {
-    pretend_two_devices();
-    if (rank == 1) o.set_device_map("worker7", {{cuda(0), cuda(1)}});
-  }, "not a worker of this job");
+  expect_init_fails(
+      [](int rank, RpcOptions& o) {
+        pretend_two_devices();
+        if (rank == 1) o.set_device_map("worker7", {{cuda(0), cuda(1)}});
+      },
+      "not a worker of this job");
 }
 
 // ---- CUDA IPC (src/memory/cuda_ipc.hpp): everything but the copies ------------------------------------------------------
 
 namespace {
 // A CUDA IPC entry as a sender writes it: float, 1 dim of `numel`, on device 1, lent as `ref`.
-std::string ipc_entry(const cd::CudaIpcRef& ref, std::int64_t numel = 6, std::uint8_t flags = cd::kTensorOnDevice | cd::kTensorCudaIpc) {
+std::string ipc_entry(const cd::CudaIpcRef& ref, std::int64_t numel = 6,
+                      std::uint8_t flags = cd::kTensorOnDevice | cd::kTensorCudaIpc) {
   std::string meta;
   Writer w(meta);
   w.put(static_cast<std::uint8_t>(at::kFloat));
@@ -352,9 +380,9 @@ struct Released {
 
 TEST_CASE("CUDA IPC: a pair uses it only when both can and share a host") {
   DOCTEST_CHECK(cd::cuda_ipc_agreed(true, "boot/net", true, "boot/net"));
-  DOCTEST_CHECK_FALSE(cd::cuda_ipc_agreed(false, "boot/net", true, "boot/net"));   // we cannot
-  DOCTEST_CHECK_FALSE(cd::cuda_ipc_agreed(true, "boot/net", false, "boot/net"));   // they cannot
-  DOCTEST_CHECK_FALSE(cd::cuda_ipc_agreed(true, "boot/net", true, "other/net"));   // across hosts
+  DOCTEST_CHECK_FALSE(cd::cuda_ipc_agreed(false, "boot/net", true, "boot/net"));  // we cannot
+  DOCTEST_CHECK_FALSE(cd::cuda_ipc_agreed(true, "boot/net", false, "boot/net"));  // they cannot
+  DOCTEST_CHECK_FALSE(cd::cuda_ipc_agreed(true, "boot/net", true, "other/net"));  // across hosts
   DOCTEST_CHECK_FALSE(cd::cuda_ipc_agreed(true, "boot/net", true, "boot/net2"));  // another network namespace
   DOCTEST_CHECK_FALSE(cd::cuda_ipc_agreed(true, "", true, ""));                   // unknown hosts are not one host
   // What a worker announces: RpcOptions::cuda_ipc, which CORPC_CUDA_IPC=0 turns off unless the program set it.
@@ -395,23 +423,30 @@ TEST_CASE("CUDA IPC metadata: round-trips; refused from a peer that did not agre
   DOCTEST_CHECK(table[0].ipc->offset == ref.offset);
   DOCTEST_CHECK(table[0].ipc->allocation_bytes == ref.allocation_bytes);
   // Announcing its 24 bytes as frame data is a mismatch: they never travel.
-  DOCTEST_CHECK_THROWS_AS(cd::parse_tensor_meta(meta.data(), meta.size(), 1, 24, WireLimits{}, kFloatOnly, true), ProtocolError);
+  DOCTEST_CHECK_THROWS_AS(cd::parse_tensor_meta(meta.data(), meta.size(), 1, 24, WireLimits{}, kFloatOnly, true),
+                          ProtocolError);
   // A receiver that did not agree to CUDA IPC refuses the entry, however well formed.
   DOCTEST_CHECK_THROWS_WITH_AS(cd::parse_tensor_meta(meta.data(), meta.size(), 1, 0, WireLimits{}, kFloatOnly, false),
                                doctest::Contains("did not agree"), ProtocolError);
-  DOCTEST_CHECK_THROWS_AS(corpc::detail::decode_tensor_meta(meta.data(), meta.size(), 1, 0, WireLimits{}), ProtocolError);
+  DOCTEST_CHECK_THROWS_AS(corpc::detail::decode_tensor_meta(meta.data(), meta.size(), 1, 0, WireLimits{}),
+                          ProtocolError);
   std::vector<std::int8_t> devices;
-  DOCTEST_CHECK_THROWS_AS(corpc::detail::decode_tensor_meta(meta.data(), meta.size(), 1, 0, WireLimits{}, &devices), ProtocolError);
+  DOCTEST_CHECK_THROWS_AS(corpc::detail::decode_tensor_meta(meta.data(), meta.size(), 1, 0, WireLimits{}, &devices),
+                          ProtocolError);
   // Truncated anywhere, or with bytes left over: ProtocolError.
   for (std::size_t cut = 0; cut < meta.size(); ++cut)
-    DOCTEST_CHECK_THROWS_AS(cd::parse_tensor_meta(meta.data(), cut, 1, 0, WireLimits{}, kFloatOnly, true), ProtocolError);
+    DOCTEST_CHECK_THROWS_AS(cd::parse_tensor_meta(meta.data(), cut, 1, 0, WireLimits{}, kFloatOnly, true),
+                            ProtocolError);
   const std::string longer = meta + "x";
-  DOCTEST_CHECK_THROWS_AS(cd::parse_tensor_meta(longer.data(), longer.size(), 1, 0, WireLimits{}, kFloatOnly, true), ProtocolError);
+  DOCTEST_CHECK_THROWS_AS(cd::parse_tensor_meta(longer.data(), longer.size(), 1, 0, WireLimits{}, kFloatOnly, true),
+                          ProtocolError);
   // Lent without a device to deliver on; unknown flags.
   const std::string no_device = ipc_entry(ref, 6, cd::kTensorCudaIpc);
-  DOCTEST_CHECK_THROWS_AS(cd::parse_tensor_meta(no_device.data(), no_device.size(), 1, 0, WireLimits{}, kFloatOnly, true), ProtocolError);
+  DOCTEST_CHECK_THROWS_AS(
+      cd::parse_tensor_meta(no_device.data(), no_device.size(), 1, 0, WireLimits{}, kFloatOnly, true), ProtocolError);
   const std::string unknown = ipc_entry(ref, 6, cd::kTensorOnDevice | cd::kTensorCudaIpc | 64);
-  DOCTEST_CHECK_THROWS_AS(cd::parse_tensor_meta(unknown.data(), unknown.size(), 1, 0, WireLimits{}, kFloatOnly, true), ProtocolError);
+  DOCTEST_CHECK_THROWS_AS(cd::parse_tensor_meta(unknown.data(), unknown.size(), 1, 0, WireLimits{}, kFloatOnly, true),
+                          ProtocolError);
   // The tensor must lie inside the allocation it names (the receiver copies exactly that range of the mapping).
   auto outside = [&](std::uint64_t offset, std::uint64_t allocation, std::int64_t numel) {
     cd::CudaIpcRef r = ref;
@@ -437,11 +472,13 @@ TEST_CASE("CUDA IPC metadata: round-trips; refused from a peer that did not agre
     w.put(std::uint64_t{12});
   }
   DOCTEST_CHECK(cd::parse_tensor_meta(mixed.data(), mixed.size(), 2, 12, WireLimits{}, kFloatOnly, true).size() == 2);
-  DOCTEST_CHECK_THROWS_AS(cd::parse_tensor_meta(mixed.data(), mixed.size(), 2, 36, WireLimits{}, kFloatOnly, true), ProtocolError);
+  DOCTEST_CHECK_THROWS_AS(cd::parse_tensor_meta(mixed.data(), mixed.size(), 2, 36, WireLimits{}, kFloatOnly, true),
+                          ProtocolError);
   // As the transport decodes it: a placeholder without bytes, its device recorded, its entry handed to the runtime.
   std::shared_ptr<cd::CudaIpcArrivals> arrivals;
   devices.clear();
-  auto tensors = corpc::detail::decode_tensor_meta(mixed.data(), mixed.size(), 2, 12, WireLimits{}, &devices, &arrivals);
+  auto tensors =
+      corpc::detail::decode_tensor_meta(mixed.data(), mixed.size(), 2, 12, WireLimits{}, &devices, &arrivals);
   DOCTEST_REQUIRE(tensors.size() == 2);
   DOCTEST_CHECK(tensors[0].nbytes() == 0);
   DOCTEST_CHECK(tensors[0].dim() == 1);
@@ -500,8 +537,8 @@ TEST_CASE("CUDA IPC loans: kept until the peer returns them, the connection is l
   DOCTEST_CHECK(link->mapping(h1, open) == m1);
   link->mapping(h2, open);
   DOCTEST_CHECK(opened == 2);
-  DOCTEST_CHECK_THROWS_AS(link->mapping(cd::CudaIpcHandle{'x'}, []() -> std::shared_ptr<void> { throw RpcError("refused"); }),
-                          RpcError);
+  DOCTEST_CHECK_THROWS_AS(
+      link->mapping(cd::CudaIpcHandle{'x'}, []() -> std::shared_ptr<void> { throw RpcError("refused"); }), RpcError);
   DOCTEST_CHECK_FALSE(link->ask_peer_to_stop());
   link->borrowing_failed("cudaIpcOpenMemHandle: invalid handle");
   DOCTEST_CHECK(link->ask_peer_to_stop());
@@ -526,8 +563,8 @@ TEST_CASE("CUDA IPC: a tensor that cannot be lent is staged instead (no CUDA lib
   std::uint64_t total = 0;
   std::shared_ptr<cd::DeviceTransfer> staged;
   std::shared_ptr<cd::CudaIpcLoans> lent;
-  DOCTEST_CHECK_THROWS_AS(corpc::detail::encode_tensor_meta({labelled_cuda(at::ones({4}), 0)}, meta, total, {{cuda(0), cuda(0)}}, "w1",
-                                             &staged, link, &lent),
+  DOCTEST_CHECK_THROWS_AS(corpc::detail::encode_tensor_meta({labelled_cuda(at::ones({4}), 0)}, meta, total,
+                                                            {{cuda(0), cuda(0)}}, "w1", &staged, link, &lent),
                           RpcError);
   DOCTEST_CHECK(!lent);
   DOCTEST_CHECK(link->on_loan() == 0);
@@ -607,24 +644,28 @@ TEST_CASE("CUDA IPC on the wire: a worker that did not agree hangs up on IPC ent
 // copies are compiled here, not run.
 bool on_cuda0(at::Tensor t) { return t.device() == cuda(0); }
 
-TEST_CASE("device maps with a GPU (skipped without one): tensors arrive on the mapped device, the reply on the original" *
-          doctest::skip(!g_gpu)) {
-  launch_processes(2, [](int rank) {
-    auto options = quick_options();
-    if (rank == 0) options.set_device_map("worker1", {{cuda(0), cuda(0)}});
-    init_rpc(worker_name(rank), rank, 2, options);
-    if (rank == 0) {
-      at::Tensor host = at::arange(1 << 20, at::kFloat).reshape({1024, 1024});
-      for (const at::Tensor& h : {host, host.t()}) {
-        at::Tensor dev = cd::cuda::copy_to_device(h, 0);
-        EXPECT(rpc_sync<&on_cuda0>("worker1", dev));
-        at::Tensor back = rpc_sync<&echo>("worker1", dev);
-        EXPECT(back.device() == cuda(0));
-        EXPECT(at::equal(cd::cuda::copy_to_host(back), h.contiguous()));
-      }
-    }
-    shutdown(true);
-  }, launch_options(120s, 10s));
+TEST_CASE(
+    "device maps with a GPU (skipped without one): tensors arrive on the mapped device, the reply on the original" *
+    doctest::skip(!g_gpu)) {
+  launch_processes(
+      2,
+      [](int rank) {
+        auto options = quick_options();
+        if (rank == 0) options.set_device_map("worker1", {{cuda(0), cuda(0)}});
+        init_rpc(worker_name(rank), rank, 2, options);
+        if (rank == 0) {
+          at::Tensor host = at::arange(1 << 20, at::kFloat).reshape({1024, 1024});
+          for (const at::Tensor& h : {host, host.t()}) {
+            at::Tensor dev = cd::cuda::copy_to_device(h, 0);
+            EXPECT(rpc_sync<&on_cuda0>("worker1", dev));
+            at::Tensor back = rpc_sync<&echo>("worker1", dev);
+            EXPECT(back.device() == cuda(0));
+            EXPECT(at::equal(cd::cuda::copy_to_host(back), h.contiguous()));
+          }
+        }
+        shutdown(true);
+      },
+      launch_options(120s, 10s));
 }
 
 // On a GPU, between two workers on this host: CUDA tensors are lent by CUDA IPC where this corpc can (a CUDA build of
@@ -640,42 +681,45 @@ TEST_CASE("CUDA IPC with a GPU (skipped without one): lent where it can be, stag
           doctest::skip(!g_gpu)) {
   for (const char* setting : {"1", "0"}) {
     ::setenv("CORPC_CUDA_IPC", setting, 1);  // inherited by the ranks
-    launch_processes(2, [&](int rank) {
-      auto options = quick_options();
-      if (rank == 0) options.set_device_map("worker1", {{cuda(0), cuda(0)}});
-      init_rpc(worker_name(rank), rank, 2, options);
-      if (rank == 0) {
-        const bool lends = cd::cuda::ipc_capable() && std::string(setting) == "1";
-        const auto before = ipc_counts();
-        // IPC rides on the same-host channel, set up just after the Hellos alongside the first calls: call until a
-        // tensor was lent (once, where none can be).
-        const auto deadline = std::chrono::steady_clock::now() + 20s;
-        const at::Tensor probe = cd::cuda::copy_to_device(at::ones({4}), 0);
-        do {
-          EXPECT(std::chrono::steady_clock::now() < deadline);
-          rpc_sync<&echo>("worker1", probe);
-        } while (lends && ipc_counts()[0] == before[0]);
-        const auto start = ipc_counts();
-        at::Tensor host = at::arange(1 << 20, at::kFloat).reshape({1024, 1024});
-        at::Tensor dev = cd::cuda::copy_to_device(host, 0);
-        for (const at::Tensor& d : {dev, dev.t(), dev.narrow(0, 3, 100)}) {
-          EXPECT(rpc_sync<&on_cuda0>("worker1", d));
-          at::Tensor back = rpc_sync<&echo>("worker1", d);
-          EXPECT(back.device() == cuda(0));
-          EXPECT(at::equal(cd::cuda::copy_to_host(back), cd::cuda::copy_to_host(d)));
-        }
-        const auto after = ipc_counts();
-        if (lends) {
-          EXPECT(after[0] - start[0] == 6);   // every request's tensor
-          EXPECT(after[2] - start[2] == 3);   // every echo's, lent back
-          EXPECT(after[3] == before[3]);      // nothing refused
-        } else {
-          EXPECT(after[0] == before[0] && after[2] == before[2]);
-        }
-        EXPECT(after[1] - before[1] == after[0] - before[0]);  // every loan returned (IpcDone precedes each reply)
-      }
-      shutdown(true);
-    }, launch_options(120s, 10s));
+    launch_processes(
+        2,
+        [&](int rank) {
+          auto options = quick_options();
+          if (rank == 0) options.set_device_map("worker1", {{cuda(0), cuda(0)}});
+          init_rpc(worker_name(rank), rank, 2, options);
+          if (rank == 0) {
+            const bool lends = cd::cuda::ipc_capable() && std::string(setting) == "1";
+            const auto before = ipc_counts();
+            // IPC rides on the same-host channel, set up just after the Hellos alongside the first calls: call until a
+            // tensor was lent (once, where none can be).
+            const auto deadline = std::chrono::steady_clock::now() + 20s;
+            const at::Tensor probe = cd::cuda::copy_to_device(at::ones({4}), 0);
+            do {
+              EXPECT(std::chrono::steady_clock::now() < deadline);
+              rpc_sync<&echo>("worker1", probe);
+            } while (lends && ipc_counts()[0] == before[0]);
+            const auto start = ipc_counts();
+            at::Tensor host = at::arange(1 << 20, at::kFloat).reshape({1024, 1024});
+            at::Tensor dev = cd::cuda::copy_to_device(host, 0);
+            for (const at::Tensor& d : {dev, dev.t(), dev.narrow(0, 3, 100)}) {
+              EXPECT(rpc_sync<&on_cuda0>("worker1", d));
+              at::Tensor back = rpc_sync<&echo>("worker1", d);
+              EXPECT(back.device() == cuda(0));
+              EXPECT(at::equal(cd::cuda::copy_to_host(back), cd::cuda::copy_to_host(d)));
+            }
+            const auto after = ipc_counts();
+            if (lends) {
+              EXPECT(after[0] - start[0] == 6);  // every request's tensor
+              EXPECT(after[2] - start[2] == 3);  // every echo's, lent back
+              EXPECT(after[3] == before[3]);     // nothing refused
+            } else {
+              EXPECT(after[0] == before[0] && after[2] == before[2]);
+            }
+            EXPECT(after[1] - before[1] == after[0] - before[0]);  // every loan returned (IpcDone precedes each reply)
+          }
+          shutdown(true);
+        },
+        launch_options(120s, 10s));
   }
   ::unsetenv("CORPC_CUDA_IPC");
 }
@@ -727,5 +771,6 @@ TEST_CASE("a launcher variable that is not a number is a UsageError naming it, n
   DOCTEST_CHECK_THROWS_WITH_AS(cd::rank_from_environment(), "RANK='abc' is not a number", UsageError);
   ::setenv("RANK", "3", 1);
   DOCTEST_CHECK(cd::rank_from_environment() == 3);
-  if (saved) ::setenv("RANK", before.c_str(), 1); else ::unsetenv("RANK");
+  if (saved) ::setenv("RANK", before.c_str(), 1);
+  else ::unsetenv("RANK");
 }

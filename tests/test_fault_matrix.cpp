@@ -37,9 +37,7 @@ at::Tensor scaled_sum(RRef<at::Tensor> p, at::Tensor x) { return (p.local_value(
 // Runs a 3-rank job in which rank 2 is expected to be killed: the survivors must end by themselves, and only rank 2
 // may be reported failed, by a signal.
 void run_world_losing_rank2(const std::function<void(int)>& body) {
-  expect_only_rank_lost(2, "signal", [&] {
-    run_world(3, body, quick_options(), 60s);
-  });
+  expect_only_rank_lost(2, "signal", [&] { run_world(3, body, quick_options(), 60s); });
 }
 
 }  // namespace

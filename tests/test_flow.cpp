@@ -54,8 +54,7 @@ void start_sampling(int stall_ms) {
   g_sampler = std::thread([] {
     while (g_sampling) {
       std::int64_t now = rss_bytes(), peak = g_rss_peak.load();
-      while (now > peak && !g_rss_peak.compare_exchange_weak(peak, now)) {
-      }
+      while (now > peak && !g_rss_peak.compare_exchange_weak(peak, now)) {}
       std::this_thread::sleep_for(1ms);
     }
   });
@@ -76,8 +75,7 @@ void set_slow(bool slow) { g_slow = slow; }
 std::atomic<int> g_running{0}, g_most_running{0};
 int held(int i) {
   int now = ++g_running, most = g_most_running.load();
-  while (now > most && !g_most_running.compare_exchange_weak(most, now)) {
-  }
+  while (now > most && !g_most_running.compare_exchange_weak(most, now)) {}
   std::this_thread::sleep_for(5ms);
   --g_running;
   return i;
@@ -106,70 +104,79 @@ TEST_CASE("a producer flooding a slow consumer: the consumer's memory stays with
   options.receive_budget_per_process = kBudget;
   options.receive_budget_per_connection = kBudget;
   options.num_worker_threads = 2;
-  run_world(2, [&](int rank) {
-    if (rank != 0) return;
-    const auto tensor = at::ones({static_cast<std::int64_t>(kMiB / sizeof(float))});
-    for (int i = 0; i < 8; ++i) rpc_sync<&consume>(1, -1, tensor);  // warm the consumer's allocator up
-    rpc_sync<&start_sampling>(1, 1500);
-    std::vector<Future<std::int64_t>> calls;
-    const auto flood_start = std::chrono::steady_clock::now();
-    const auto until = flood_start + 1500ms;
-    while (calls.size() < kMaxCalls && std::chrono::steady_clock::now() < until)
-      calls.push_back(rpc_async<&consume>(1, static_cast<std::int64_t>(calls.size()), tensor));
-    for (std::size_t i = 0; i < calls.size(); ++i) EXPECT_EQ(calls[i].wait(), static_cast<std::int64_t>(i) + tensor.numel());
-    const auto drained = std::chrono::steady_clock::now();
-    const auto report = rpc_sync<&stop_sampling>(1, static_cast<int>(calls.size()));
-    MESSAGE("flood: " << calls.size() << " calls of 1 MiB, consumer RSS grew by " << report[1] / kMiB
-                      << " MiB (budget " << kBudget / kMiB << " MiB + margin " << kMargin / kMiB << ")");
-    EXPECT_EQ(report[0], 0);  // every call arrived exactly once
-    EXPECT(report[1] < static_cast<std::int64_t>(kBudget) + kMargin);
-    // The consumer catches up: the paused connection reads again and a fast consumer takes calls at full speed.
-    rpc_sync<&set_slow>(1, false);
-    const auto again = std::chrono::steady_clock::now();
-    std::vector<Future<std::int64_t>> more;
-    for (int i = 0; i < 200; ++i) more.push_back(rpc_async<&consume>(1, -1, tensor));
-    for (auto& f : more) EXPECT_EQ(f.wait(), -1 + tensor.numel());
-    const auto secs = [](auto d) { return std::chrono::duration<double>(d).count(); };
-    MESSAGE("slow consumer: " << calls.size() / secs(drained - flood_start)
-                              << " calls/s; after it caught up: " << 200 / secs(std::chrono::steady_clock::now() - again)
-                              << " calls/s");
-  }, options);
+  run_world(
+      2,
+      [&](int rank) {
+        if (rank != 0) return;
+        const auto tensor = at::ones({static_cast<std::int64_t>(kMiB / sizeof(float))});
+        for (int i = 0; i < 8; ++i) rpc_sync<&consume>(1, -1, tensor);  // warm the consumer's allocator up
+        rpc_sync<&start_sampling>(1, 1500);
+        std::vector<Future<std::int64_t>> calls;
+        const auto flood_start = std::chrono::steady_clock::now();
+        const auto until = flood_start + 1500ms;
+        while (calls.size() < kMaxCalls && std::chrono::steady_clock::now() < until)
+          calls.push_back(rpc_async<&consume>(1, static_cast<std::int64_t>(calls.size()), tensor));
+        for (std::size_t i = 0; i < calls.size(); ++i)
+          EXPECT_EQ(calls[i].wait(), static_cast<std::int64_t>(i) + tensor.numel());
+        const auto drained = std::chrono::steady_clock::now();
+        const auto report = rpc_sync<&stop_sampling>(1, static_cast<int>(calls.size()));
+        MESSAGE("flood: " << calls.size() << " calls of 1 MiB, consumer RSS grew by " << report[1] / kMiB
+                          << " MiB (budget " << kBudget / kMiB << " MiB + margin " << kMargin / kMiB << ")");
+        EXPECT_EQ(report[0], 0);  // every call arrived exactly once
+        EXPECT(report[1] < static_cast<std::int64_t>(kBudget) + kMargin);
+        // The consumer catches up: the paused connection reads again and a fast consumer takes calls at full speed.
+        rpc_sync<&set_slow>(1, false);
+        const auto again = std::chrono::steady_clock::now();
+        std::vector<Future<std::int64_t>> more;
+        for (int i = 0; i < 200; ++i) more.push_back(rpc_async<&consume>(1, -1, tensor));
+        for (auto& f : more) EXPECT_EQ(f.wait(), -1 + tensor.numel());
+        const auto secs = [](auto d) { return std::chrono::duration<double>(d).count(); };
+        MESSAGE("slow consumer: " << calls.size() / secs(drained - flood_start) << " calls/s; after it caught up: "
+                                  << 200 / secs(std::chrono::steady_clock::now() - again) << " calls/s");
+      },
+      options);
 }
 
 TEST_CASE("a request larger than the receiver's whole budget fails with MessageTooLargeError, the peer stays") {
   auto options = quick_options();
   options.receive_budget_per_connection = 8 * kMiB;
   options.receive_budget_per_process = 16 * kMiB;
-  run_world(2, [](int rank) {
-    if (rank != 0) return;
-    const auto big = at::ones({static_cast<std::int64_t>(12 * kMiB / sizeof(float))});
-    // The first call on a new connection leaves before the receiver's Hello (with its budget) is back: the receiver
-    // drops its bytes and answers; the second is refused by the sender, which knows the budget by then.
-    for (int i = 0; i < 2; ++i) {
-      auto msg = EXPECT_THROWS_AS(rpc_async<&consume>(1, -1, big).wait(30s), MessageTooLargeError);
-      EXPECT(msg.find("receive_budget") != std::string::npos);
-    }
-    const auto fits = at::ones({static_cast<std::int64_t>(4 * kMiB / sizeof(float))});
-    EXPECT_EQ(rpc_sync<&consume>(1, -1, fits), -1 + fits.numel());
-    EXPECT(Runtime::get().is_alive(1));
-  }, options);
+  run_world(
+      2,
+      [](int rank) {
+        if (rank != 0) return;
+        const auto big = at::ones({static_cast<std::int64_t>(12 * kMiB / sizeof(float))});
+        // The first call on a new connection leaves before the receiver's Hello (with its budget) is back: the receiver
+        // drops its bytes and answers; the second is refused by the sender, which knows the budget by then.
+        for (int i = 0; i < 2; ++i) {
+          auto msg = EXPECT_THROWS_AS(rpc_async<&consume>(1, -1, big).wait(30s), MessageTooLargeError);
+          EXPECT(msg.find("receive_budget") != std::string::npos);
+        }
+        const auto fits = at::ones({static_cast<std::int64_t>(4 * kMiB / sizeof(float))});
+        EXPECT_EQ(rpc_sync<&consume>(1, -1, fits), -1 + fits.numel());
+        EXPECT(Runtime::get().is_alive(1));
+      },
+      options);
 }
 
 TEST_CASE("calls to one peer beyond the limit wait for room: a blocking caller blocks, a coroutine suspends") {
   auto options = quick_options();
   options.max_calls_in_flight_per_peer = 4;
   options.num_worker_threads = 8;  // the callee could run 8 at once: only the caller's limit keeps it at 4
-  run_world(2, [](int rank) {
-    if (rank != 0) return;
-    constexpr int kCalls = 40;
-    std::vector<Future<int>> calls;
-    for (int i = 0; i < kCalls; ++i) calls.push_back(rpc_async<&held>(1, i));  // main blocks at the limit
-    for (int i = 0; i < kCalls; ++i) EXPECT_EQ(calls[i].wait(), i);
-    EXPECT(rpc_sync<&most_running>(1) <= 4);
-    EXPECT_EQ(sync_wait(issue_and_await(kCalls)), kCalls * (kCalls - 1) / 2);
-    EXPECT(rpc_sync<&most_running>(1) <= 4);
-    EXPECT_EQ(Runtime::get().stats().calls_in_flight, 0u);
-  }, options);
+  run_world(
+      2,
+      [](int rank) {
+        if (rank != 0) return;
+        constexpr int kCalls = 40;
+        std::vector<Future<int>> calls;
+        for (int i = 0; i < kCalls; ++i) calls.push_back(rpc_async<&held>(1, i));  // main blocks at the limit
+        for (int i = 0; i < kCalls; ++i) EXPECT_EQ(calls[i].wait(), i);
+        EXPECT(rpc_sync<&most_running>(1) <= 4);
+        EXPECT_EQ(sync_wait(issue_and_await(kCalls)), kCalls * (kCalls - 1) / 2);
+        EXPECT(rpc_sync<&most_running>(1) <= 4);
+        EXPECT_EQ(Runtime::get().stats().calls_in_flight, 0u);
+      },
+      options);
 }
 
 TEST_CASE("a stopped worker (SIGSTOP) is declared unreachable; its peers' calls fail and their shutdown completes") {

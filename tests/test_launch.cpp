@@ -64,9 +64,12 @@ bool g_first_launch_failed = false;
 
 TEST_CASE("spawned ranks run this program again; a failed rank is named with its error") {
   try {
-    launch_processes(2, [](int rank) {
-      if (rank == 1) throw std::runtime_error("boom from rank 1");
-    }, spawned());
+    launch_processes(
+        2,
+        [](int rank) {
+          if (rank == 1) throw std::runtime_error("boom from rank 1");
+        },
+        spawned());
     FAIL("rank 1 was expected to fail");
   } catch (const LaunchError& e) {
     g_first_launch_failed = true;
@@ -74,14 +77,17 @@ TEST_CASE("spawned ranks run this program again; a failed rank is named with its
     CHECK(e.failures()[0].rank == 1);
     CHECK(e.failures()[0].reason == "boom from rank 1");
   }
-  launch_processes(3, [](int rank) {
-    // A new process that started from main (a fork would not know a launched rank), told its rank.
-    if (launched_rank() != rank) throw std::runtime_error("launched_rank() does not say this rank");
-    if (!g_first_launch_failed) throw std::runtime_error("the earlier launch's failure was not replayed");
-    init_rpc(worker_name(rank), -1, -1, quick_options());
-    if (rpc_sync<&add>((rank + 1) % 3, rank, 10) != rank + 10) throw std::runtime_error("wrong sum");
-    shutdown();
-  }, spawned());
+  launch_processes(
+      3,
+      [](int rank) {
+        // A new process that started from main (a fork would not know a launched rank), told its rank.
+        if (launched_rank() != rank) throw std::runtime_error("launched_rank() does not say this rank");
+        if (!g_first_launch_failed) throw std::runtime_error("the earlier launch's failure was not replayed");
+        init_rpc(worker_name(rank), -1, -1, quick_options());
+        if (rpc_sync<&add>((rank + 1) % 3, rank, 10) != rank + 10) throw std::runtime_error("wrong sum");
+        shutdown();
+      },
+      spawned());
 }
 
 TEST_CASE("a caller whose libtorch runs threads still launches; fork refuses it with a clear error") {
@@ -93,43 +99,53 @@ TEST_CASE("a caller whose libtorch runs threads still launches; fork refuses it 
     REQUIRE(threads_here() > before);  // the situation this case is about: libtorch has started its threads
   }
   // With fork, each rank hung in the parent's OpenMP pool (libtorch 1.13) or autograd (2.6) until the timeout.
-  launch_processes(2, [](int) {
-    if (!(train_a_little() > 0)) throw std::runtime_error("no gradient");
-  }, spawned(120s));
+  launch_processes(
+      2,
+      [](int) {
+        if (!(train_a_little() > 0)) throw std::runtime_error("no gradient");
+      },
+      spawned(120s));
   LaunchOptions forked = launch_options(60s, 5s);
-  CHECK_THROWS_WITH_AS(launch_processes(2, [](int) {}, forked), doctest::Contains("StartMethod::fork refused"),
-                       UsageError);
+  CHECK_THROWS_WITH_AS(launch_processes(
+                           2, [](int) {}, forked),
+                       doctest::Contains("StartMethod::fork refused"), UsageError);
   if (!launched_rank()) CHECK(expected > 0);
 }
 
 TEST_CASE("a rank that leaves without shutdown() is shut down gracefully for it, without a signal") {
   // Rank 1 returns from its function; rank 2 exits the process (as a main that returns) with the runtime running.
-  launch_processes(3, [](int rank) {
-    init_rpc(worker_name(rank), -1, -1, quick_options());
-    if (rank == 0) {
-      for (int r = 1; r < 3; ++r)
-        if (rpc_sync<&add>(r, r, 1) != r + 1) throw std::runtime_error("wrong sum");
-      shutdown();
-    } else if (rank == 2) {
-      std::exit(0);
-    }
-  }, spawned());
+  launch_processes(
+      3,
+      [](int rank) {
+        init_rpc(worker_name(rank), -1, -1, quick_options());
+        if (rank == 0) {
+          for (int r = 1; r < 3; ++r)
+            if (rpc_sync<&add>(r, r, 1) != r + 1) throw std::runtime_error("wrong sum");
+          shutdown();
+        } else if (rank == 2) {
+          std::exit(0);
+        }
+      },
+      spawned());
 }
 
 TEST_CASE("a job that lost a rank fails on every rank, and the rank that leaves after the error exits cleanly") {
   try {
-    launch_processes(3, [](int rank) {
-      init_rpc(worker_name(rank), -1, -1, quick_options());
-      if (rank == 1) ::raise(SIGKILL);
-      if (rank == 0) {
-        try {
-          (void)rpc_sync<&add>(1, 1, 1);
-        } catch (const ConnectionError&) {
-          std::exit(1);  // what a main that catches, reports and returns 1 does, without shutdown()
-        }
-      }
-      shutdown();  // rank 2: the job lost rank 1, so this must not end as a success
-    }, spawned());
+    launch_processes(
+        3,
+        [](int rank) {
+          init_rpc(worker_name(rank), -1, -1, quick_options());
+          if (rank == 1) ::raise(SIGKILL);
+          if (rank == 0) {
+            try {
+              (void)rpc_sync<&add>(1, 1, 1);
+            } catch (const ConnectionError&) {
+              std::exit(1);  // what a main that catches, reports and returns 1 does, without shutdown()
+            }
+          }
+          shutdown();  // rank 2: the job lost rank 1, so this must not end as a success
+        },
+        spawned());
     FAIL("the job was expected to fail");
   } catch (const LaunchError& e) {
     INFO(e.what());
@@ -143,14 +159,17 @@ TEST_CASE("a job that lost a rank fails on every rank, and the rank that leaves 
 
 TEST_CASE("a rank that stops after an error tells the others why; their shutdown() fails with it") {
   try {
-    launch_processes(2, [](int rank) {
-      init_rpc(worker_name(rank), -1, -1, quick_options());
-      if (rank == 0) {
-        shutdown_after_error("bad batch 7");
-        return;
-      }
-      shutdown();
-    }, spawned());
+    launch_processes(
+        2,
+        [](int rank) {
+          init_rpc(worker_name(rank), -1, -1, quick_options());
+          if (rank == 0) {
+            shutdown_after_error("bad batch 7");
+            return;
+          }
+          shutdown();
+        },
+        spawned());
     FAIL("rank 1 was expected to fail");
   } catch (const LaunchError& e) {
     INFO(e.what());
@@ -160,11 +179,14 @@ TEST_CASE("a rank that stops after an error tells the others why; their shutdown
   }
   // The same when the rank's function throws with its runtime running: launch_processes stops it after the error.
   try {
-    launch_processes(2, [](int rank) {
-      init_rpc(worker_name(rank), -1, -1, quick_options());
-      if (rank == 0) throw std::runtime_error("loss is NaN");
-      shutdown();
-    }, spawned());
+    launch_processes(
+        2,
+        [](int rank) {
+          init_rpc(worker_name(rank), -1, -1, quick_options());
+          if (rank == 0) throw std::runtime_error("loss is NaN");
+          shutdown();
+        },
+        spawned());
     FAIL("both ranks were expected to fail");
   } catch (const LaunchError& e) {
     INFO(e.what());
@@ -192,23 +214,29 @@ TEST_CASE("under a launcher (RANK and WORLD_SIZE set) launch_processes runs this
   const pid_t here = ::getpid();
   int ran = -1;
   pid_t ran_in = 0;
-  launch_processes(2, [&](int rank) {
-    ran = rank;
-    ran_in = ::getpid();
-  }, spawned());
+  launch_processes(
+      2,
+      [&](int rank) {
+        ran = rank;
+        ran_in = ::getpid();
+      },
+      spawned());
   if (!launched_rank()) {  // a replay returns without running anything
     CHECK(ran == 1);
     CHECK(ran_in == here);
   }
   ::setenv("WORLD_SIZE", "3", 1);
-  CHECK_THROWS_WITH_AS(launch_processes(2, [](int) {}, spawned()), doctest::Contains("WORLD_SIZE=3"), UsageError);
+  CHECK_THROWS_WITH_AS(launch_processes(
+                           2, [](int) {}, spawned()),
+                       doctest::Contains("WORLD_SIZE=3"), UsageError);
 }
 
 // Last: its ranks leave before reaching the launch, which the cases above would then never replay.
 TEST_CASE("a spawned rank that exits before reaching its launch_processes call is reported, even with status 0") {
   if (launched_rank()) std::exit(0);
   try {
-    launch_processes(2, [](int) {}, spawned());
+    launch_processes(
+        2, [](int) {}, spawned());
     FAIL("the ranks were expected to fail");
   } catch (const LaunchError& e) {
     INFO(e.what());

@@ -41,12 +41,10 @@ class Hosts {
                          "ip -n " + ns("sw") + " link set br0 up; ";
     for (int r = 0; r < kWorld; ++r) {
       const std::string host = ns(std::to_string(r)), port = "mh" + id_ + "p" + std::to_string(r);
-      script += "ip netns add " + host + "; ip -n " + host + " link set lo up; " +
-                "ip link add " + port + " type veth peer name eth0 netns " + host + "; " +
-                "ip link set " + port + " netns " + ns("sw") + "; " +
-                "ip -n " + ns("sw") + " link set " + port + " master br0 up; " +
-                "ip -n " + host + " addr add " + address(r) + "/24 dev eth0; " +
-                "ip -n " + host + " link set eth0 up; ";
+      script += "ip netns add " + host + "; ip -n " + host + " link set lo up; " + "ip link add " + port +
+                " type veth peer name eth0 netns " + host + "; " + "ip link set " + port + " netns " + ns("sw") + "; " +
+                "ip -n " + ns("sw") + " link set " + port + " master br0 up; " + "ip -n " + host + " addr add " +
+                address(r) + "/24 dev eth0; " + "ip -n " + host + " link set eth0 up; ";
     }
     if (std::system(("(" + script + ") >/dev/null 2>&1").c_str()) != 0)
       why_not_ = "cannot create network namespaces and veth pairs here (ip netns / ip link failed)";
@@ -70,19 +68,22 @@ class Hosts {
   // Runs `body(rank)` with each rank inside its own namespace, rendezvous at rank 0's address.
   void run(const std::function<void(int)>& body, RpcOptions options = quick_options()) const {
     const LaunchOptions lo = launch_options(120s);
-    launch_processes(kWorld, [&](int rank) {
-      const int fd = ::open(("/run/netns/" + ns(std::to_string(rank))).c_str(), O_RDONLY | O_CLOEXEC);
-      if (fd < 0 || ::setns(fd, CLONE_NEWNET) != 0) throw std::runtime_error("cannot enter this rank's namespace");
-      ::close(fd);
-      // The launcher's pre-bound socket is in the test's own namespace: rendezvous on this host's address instead.
-      ::unsetenv("CORPC_LISTEN_FD");
-      ::setenv("MASTER_ADDR", address(0).c_str(), 1);
-      ::setenv("MASTER_PORT", "29517", 1);
-      options.listen_address = address(rank);
-      init_rpc(worker_name(rank), rank, kWorld, options);
-      body(rank);
-      shutdown(true);
-    }, lo);
+    launch_processes(
+        kWorld,
+        [&](int rank) {
+          const int fd = ::open(("/run/netns/" + ns(std::to_string(rank))).c_str(), O_RDONLY | O_CLOEXEC);
+          if (fd < 0 || ::setns(fd, CLONE_NEWNET) != 0) throw std::runtime_error("cannot enter this rank's namespace");
+          ::close(fd);
+          // The launcher's pre-bound socket is in the test's own namespace: rendezvous on this host's address instead.
+          ::unsetenv("CORPC_LISTEN_FD");
+          ::setenv("MASTER_ADDR", address(0).c_str(), 1);
+          ::setenv("MASTER_PORT", "29517", 1);
+          options.listen_address = address(rank);
+          init_rpc(worker_name(rank), rank, kWorld, options);
+          body(rank);
+          shutdown(true);
+        },
+        lo);
   }
 
  private:
@@ -95,7 +96,8 @@ bool hosts_can_be_made() {
   if (::geteuid() != 0) return false;
   const std::string probe = "corpc-mh-probe-" + std::to_string(::getpid());
   const std::string script = "set -e; ip netns add " + probe + "; ip -n " + probe + " link set lo up; ip link add " +
-                             probe.substr(0, 8) + std::to_string(::getpid() % 100000) + " type veth peer name eth0 netns " + probe;
+                             probe.substr(0, 8) + std::to_string(::getpid() % 100000) +
+                             " type veth peer name eth0 netns " + probe;
   const bool ok = std::system(("(" + script + ") >/dev/null 2>&1").c_str()) == 0;
   int rc = std::system(("ip netns del " + probe + " >/dev/null 2>&1").c_str());  // takes the veth pair with it
   (void)rc;

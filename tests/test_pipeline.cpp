@@ -35,7 +35,9 @@ at::Tensor summed_mse(const at::Tensor& out, const at::Tensor& target) {
 std::unique_ptr<torch::optim::Optimizer> make_sgd(std::vector<at::Tensor> params) {
   return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(kLr));
 }
-torch::nn::Sequential tiny_resnet(std::uint64_t seed) { return make_resnet_sequential(kWidth, kBlocks, kClasses, seed); }
+torch::nn::Sequential tiny_resnet(std::uint64_t seed) {
+  return make_resnet_sequential(kWidth, kBlocks, kClasses, seed);
+}
 
 // Float32 with the batch cut into micro-batches: the loss mean and every weight gradient become sums of per-micro-
 // batch partial sums, a different order of float additions than the whole batch's; over a few hundred terms of
@@ -45,7 +47,8 @@ bool close(const at::Tensor& a, const at::Tensor& b) { return at::allclose(a, b,
 
 // One SGD step of the unsplit model in this process; returns (loss, parameters after the step).
 std::pair<at::Tensor, std::vector<at::Tensor>> reference_step(const at::Tensor& x, const at::Tensor& y,
-                                                              at::Tensor (*loss_fn)(const at::Tensor&, const at::Tensor&) = &mse) {
+                                                              at::Tensor (*loss_fn)(const at::Tensor&,
+                                                                                    const at::Tensor&) = &mse) {
   auto net = tiny_resnet(1);
   net->eval();
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(kLr));
@@ -76,96 +79,115 @@ TEST_CASE("every schedule's order is complete and deadlock-free, with the bubble
         const double span = simulate_schedule(plan, K * v, M);  // throws on a deadlock or a missing backward
         const double bubble = 1.0 - 3.0 * v * M / span;         // each worker works 3 units per stage and micro-batch
         INFO(to_string(s) << " K=" << K << " M=" << M);
-        if (s != Schedule::Interleaved1F1B || M % K == 0) REQUIRE(bubble == doctest::Approx(bubble_formula(s, K, v, M)));
+        if (s != Schedule::Interleaved1F1B || M % K == 0)
+          REQUIRE(bubble == doctest::Approx(bubble_formula(s, K, v, M)));
       }
 }
 
 TEST_CASE("every schedule, with 2 and 4 stages and 1, 2, 4, 8 micro-batches, equals the unsplit model in one process") {
-  run_world(5, [](int rank) {
-    if (rank != 0) return;
-    auto x = random_images(kBatch, kImage, 7);
-    auto y = one_hot_labels(kBatch, kClasses, 8);
-    auto [ref_loss, ref_params] = reference_step(x, y);
-    for (auto schedule : {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved1F1B, Schedule::ZeroBubbleH1})
-      for (int stages : {2, 4})
-        for (int micro : {1, 2, 4, 8}) {
-          auto pipe = Pipeline::create<&tiny_resnet, &mse, &make_sgd>(layout(schedule, stages, micro), std::uint64_t{1});
-          pipe.train(false);  // BatchNorm in eval mode: micro-batches then compute exactly what the whole batch does
-          auto result = sync_wait(pipe.train_step(x, y));
-          auto params = pipe.parameters();
-          INFO(to_string(schedule) << ", " << stages << " stages, " << micro << " micro-batches");
-          EXPECT(close(result.loss, ref_loss));
-          EXPECT_EQ(params.size(), ref_params.size());
-          for (std::size_t i = 0; i < params.size(); ++i) EXPECT(close(params[i], ref_params[i]));
-          auto plan = pipe.plan(micro);
-          for (std::size_t w = 0; w < result.workers.size(); ++w) EXPECT_EQ(result.workers[w].records.size(), plan[w].size());
-        }
-  }, quick_options(), std::chrono::seconds(300));
+  run_world(
+      5,
+      [](int rank) {
+        if (rank != 0) return;
+        auto x = random_images(kBatch, kImage, 7);
+        auto y = one_hot_labels(kBatch, kClasses, 8);
+        auto [ref_loss, ref_params] = reference_step(x, y);
+        for (auto schedule : {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved1F1B, Schedule::ZeroBubbleH1})
+          for (int stages : {2, 4})
+            for (int micro : {1, 2, 4, 8}) {
+              auto pipe =
+                  Pipeline::create<&tiny_resnet, &mse, &make_sgd>(layout(schedule, stages, micro), std::uint64_t{1});
+              pipe.train(
+                  false);  // BatchNorm in eval mode: micro-batches then compute exactly what the whole batch does
+              auto result = sync_wait(pipe.train_step(x, y));
+              auto params = pipe.parameters();
+              INFO(to_string(schedule) << ", " << stages << " stages, " << micro << " micro-batches");
+              EXPECT(close(result.loss, ref_loss));
+              EXPECT_EQ(params.size(), ref_params.size());
+              for (std::size_t i = 0; i < params.size(); ++i) EXPECT(close(params[i], ref_params[i]));
+              auto plan = pipe.plan(micro);
+              for (std::size_t w = 0; w < result.workers.size(); ++w)
+                EXPECT_EQ(result.workers[w].records.size(), plan[w].size());
+            }
+      },
+      quick_options(), std::chrono::seconds(300));
 }
 
 TEST_CASE("a sum-reduced loss, declared as such, gives the one-process loss and gradients (not divided by M)") {
-  run_world(3, [](int rank) {
-    if (rank != 0) return;
-    auto x = random_images(kBatch, kImage, 7);
-    auto y = one_hot_labels(kBatch, kClasses, 8);
-    auto [ref_loss, ref_params] = reference_step(x, y, &summed_mse);
-    for (auto schedule : {Schedule::GPipe, Schedule::OneFOneB, Schedule::ZeroBubbleH1}) {
-      PipelineOptions o = layout(schedule, 2, 4);
-      o.loss_reduction = LossReduction::sum;
-      auto pipe = Pipeline::create<&tiny_resnet, &summed_mse, &make_sgd>(o, std::uint64_t{1});
-      pipe.train(false);
-      auto result = sync_wait(pipe.train_step(x, y));
-      auto params = pipe.parameters();
-      INFO(to_string(schedule) << ": loss " << result.loss.item<double>() << ", one process " << ref_loss.item<double>());
-      EXPECT(close(result.loss, ref_loss));
-      EXPECT_EQ(params.size(), ref_params.size());
-      for (std::size_t i = 0; i < params.size(); ++i) EXPECT(close(params[i], ref_params[i]));
-    }
-  }, quick_options(), std::chrono::seconds(120));
+  run_world(
+      3,
+      [](int rank) {
+        if (rank != 0) return;
+        auto x = random_images(kBatch, kImage, 7);
+        auto y = one_hot_labels(kBatch, kClasses, 8);
+        auto [ref_loss, ref_params] = reference_step(x, y, &summed_mse);
+        for (auto schedule : {Schedule::GPipe, Schedule::OneFOneB, Schedule::ZeroBubbleH1}) {
+          PipelineOptions o = layout(schedule, 2, 4);
+          o.loss_reduction = LossReduction::sum;
+          auto pipe = Pipeline::create<&tiny_resnet, &summed_mse, &make_sgd>(o, std::uint64_t{1});
+          pipe.train(false);
+          auto result = sync_wait(pipe.train_step(x, y));
+          auto params = pipe.parameters();
+          INFO(to_string(schedule) << ": loss " << result.loss.item<double>() << ", one process "
+                                   << ref_loss.item<double>());
+          EXPECT(close(result.loss, ref_loss));
+          EXPECT_EQ(params.size(), ref_params.size());
+          for (std::size_t i = 0; i < params.size(); ++i) EXPECT(close(params[i], ref_params[i]));
+        }
+      },
+      quick_options(), std::chrono::seconds(120));
 }
 
 TEST_CASE("inputs and targets of different batch sizes are a UsageError naming both, before anything is sent") {
-  run_world(3, [](int rank) {
-    if (rank != 0) return;
-    auto pipe = Pipeline::create<&tiny_resnet, &mse, &make_sgd>(layout(Schedule::GPipe, 2, 4), std::uint64_t{1});
-    // 4 against 8 chunks into 4 micro-batches each: counting micro-batches alone would train on broadcast targets.
-    for (auto [n_in, n_out] : {std::pair<long, long>{4, 8}, {kBatch, kBatch - 1}}) {
-      try {
-        sync_wait(pipe.train_step(random_images(n_in, kImage, 7), one_hot_labels(n_out, kClasses, 8)));
-        EXPECT(!"train_step accepted mismatched batches");
-      } catch (const UsageError& e) {
-        EXPECT_CONTAINS(std::string(e.what()), std::to_string(n_in) + " inputs, " + std::to_string(n_out) + " targets");
-      }
-    }
-    auto result = sync_wait(pipe.train_step(random_images(kBatch, kImage, 7), one_hot_labels(kBatch, kClasses, 8)));
-    EXPECT(std::isfinite(result.loss.item<double>()));  // refusals sent nothing: the pipeline still steps
-  }, quick_options(), std::chrono::seconds(120));
+  run_world(
+      3,
+      [](int rank) {
+        if (rank != 0) return;
+        auto pipe = Pipeline::create<&tiny_resnet, &mse, &make_sgd>(layout(Schedule::GPipe, 2, 4), std::uint64_t{1});
+        // 4 against 8 chunks into 4 micro-batches each: counting micro-batches alone would train on broadcast targets.
+        for (auto [n_in, n_out] : {std::pair<long, long>{4, 8}, {kBatch, kBatch - 1}}) {
+          try {
+            sync_wait(pipe.train_step(random_images(n_in, kImage, 7), one_hot_labels(n_out, kClasses, 8)));
+            EXPECT(!"train_step accepted mismatched batches");
+          } catch (const UsageError& e) {
+            EXPECT_CONTAINS(std::string(e.what()),
+                            std::to_string(n_in) + " inputs, " + std::to_string(n_out) + " targets");
+          }
+        }
+        auto result = sync_wait(pipe.train_step(random_images(kBatch, kImage, 7), one_hot_labels(kBatch, kClasses, 8)));
+        EXPECT(std::isfinite(result.loss.item<double>()));  // refusals sent nothing: the pipeline still steps
+      },
+      quick_options(), std::chrono::seconds(120));
 }
 
 TEST_CASE("1F1B frees each micro-batch's activations: at 8 micro-batches and 2 stages, a quarter of GPipe's peak") {
-  run_world(3, [](int rank) {
-    if (rank != 0) return;
-    auto x = random_images(32, 32, 7);
-    auto y = one_hot_labels(32, kClasses, 8);
-    std::map<Schedule, std::vector<WorkerReport>> reports;
-    for (auto schedule : {Schedule::GPipe, Schedule::OneFOneB, Schedule::ZeroBubbleH1}) {
-      auto pipe = Pipeline::create<&tiny_resnet, &mse, &make_sgd>(layout(schedule, 2, 8), std::uint64_t{1});
-      sync_wait(pipe.train_step(x, y));  // the first step also allocates gradients and optimizer state
-      reports[schedule] = sync_wait(pipe.train_step(x, y)).workers;
-    }
-    // Micro-batches held at once: exactly the schedule's formula.
-    for (auto schedule : {Schedule::GPipe, Schedule::OneFOneB, Schedule::ZeroBubbleH1})
-      for (int r = 0; r < 2; ++r)
-        EXPECT_EQ(reports[schedule][r].peak_micro_batches_held, static_cast<int>(peak_held_formula(schedule, 2, 1, 8, r)));
-    // Bytes: stage 0 holds 2 of 8 micro-batches under 1F1B. The constant: one micro-batch's worth of GPipe's peak,
-    // for what any schedule allocates transiently (a backward's gradient buffers, the received activation).
-    const double gpipe = static_cast<double>(reports[Schedule::GPipe][0].peak_activation_bytes);
-    const double one_f_one_b = static_cast<double>(reports[Schedule::OneFOneB][0].peak_activation_bytes);
-    std::fprintf(stderr, "peak activation bytes of stage 0 at 8 micro-batches: GPipe %.0f, 1F1B %.0f (%.3f)\n", gpipe,
-                 one_f_one_b, one_f_one_b / gpipe);
-    EXPECT(gpipe > 0);
-    EXPECT(one_f_one_b <= 2.0 / 8.0 * gpipe + gpipe / 8.0);
-  }, quick_options(), std::chrono::seconds(120));
+  run_world(
+      3,
+      [](int rank) {
+        if (rank != 0) return;
+        auto x = random_images(32, 32, 7);
+        auto y = one_hot_labels(32, kClasses, 8);
+        std::map<Schedule, std::vector<WorkerReport>> reports;
+        for (auto schedule : {Schedule::GPipe, Schedule::OneFOneB, Schedule::ZeroBubbleH1}) {
+          auto pipe = Pipeline::create<&tiny_resnet, &mse, &make_sgd>(layout(schedule, 2, 8), std::uint64_t{1});
+          sync_wait(pipe.train_step(x, y));  // the first step also allocates gradients and optimizer state
+          reports[schedule] = sync_wait(pipe.train_step(x, y)).workers;
+        }
+        // Micro-batches held at once: exactly the schedule's formula.
+        for (auto schedule : {Schedule::GPipe, Schedule::OneFOneB, Schedule::ZeroBubbleH1})
+          for (int r = 0; r < 2; ++r)
+            EXPECT_EQ(reports[schedule][r].peak_micro_batches_held,
+                      static_cast<int>(peak_held_formula(schedule, 2, 1, 8, r)));
+        // Bytes: stage 0 holds 2 of 8 micro-batches under 1F1B. The constant: one micro-batch's worth of GPipe's peak,
+        // for what any schedule allocates transiently (a backward's gradient buffers, the received activation).
+        const double gpipe = static_cast<double>(reports[Schedule::GPipe][0].peak_activation_bytes);
+        const double one_f_one_b = static_cast<double>(reports[Schedule::OneFOneB][0].peak_activation_bytes);
+        std::fprintf(stderr, "peak activation bytes of stage 0 at 8 micro-batches: GPipe %.0f, 1F1B %.0f (%.3f)\n",
+                     gpipe, one_f_one_b, one_f_one_b / gpipe);
+        EXPECT(gpipe > 0);
+        EXPECT(one_f_one_b <= 2.0 / 8.0 * gpipe + gpipe / 8.0);
+      },
+      quick_options(), std::chrono::seconds(120));
 }
 
 TEST_CASE("balancing puts every layer on exactly one stage and minimizes the slowest stage") {
@@ -175,19 +197,22 @@ TEST_CASE("balancing puts every layer on exactly one stage and minimizes the slo
   CHECK_THROWS_AS(partition_by_cost({1, 2}, 3), UsageError);
   // Profiling runs backward passes: in a child, because a process that has run one cannot fork ranks that use
   // autograd on libtorch builds with a device thread (Debian 13's 2.6 registers Vulkan), and later cases fork.
-  launch_processes(1, [](int) {
-    auto net = tiny_resnet(1);
-    for (int stages : {1, 2, 4, 11}) {
-      auto balance = balance_by_time(net, random_images(4, kImage, 3), stages, 1);
-      EXPECT_EQ(balance.size(), static_cast<std::size_t>(stages));
-      int total = 0;
-      for (int b : balance) {
-        EXPECT(b >= 1);
-        total += b;
-      }
-      EXPECT_EQ(total, static_cast<int>(net->size()));
-    }
-  }, launch_options(std::chrono::seconds(120)));
+  launch_processes(
+      1,
+      [](int) {
+        auto net = tiny_resnet(1);
+        for (int stages : {1, 2, 4, 11}) {
+          auto balance = balance_by_time(net, random_images(4, kImage, 3), stages, 1);
+          EXPECT_EQ(balance.size(), static_cast<std::size_t>(stages));
+          int total = 0;
+          for (int b : balance) {
+            EXPECT(b >= 1);
+            total += b;
+          }
+          EXPECT_EQ(total, static_cast<int>(net->size()));
+        }
+      },
+      launch_options(std::chrono::seconds(120)));
 }
 
 namespace {
@@ -221,9 +246,9 @@ TEST_CASE("refining a balance with measured stage times moves the cut toward the
   // A stage that ran nothing keeps its profile.
   std::vector<double> idle{1, 2, 3};
   CHECK((refine_balance(idle, {1, 2}, {0.0, 5.0}) == partition_by_cost({1, 2, 3}, 2)));
-  CHECK_THROWS_AS(refine_balance(idle, {1, 1}, {1.0, 1.0}), UsageError);       // does not cover every layer
-  CHECK((idle == std::vector<double>{1, 2, 3}));                                // and a refusal changes nothing
-  CHECK_THROWS_AS(refine_balance(idle, {1, 2}, {1.0}), UsageError);            // one time per stage
+  CHECK_THROWS_AS(refine_balance(idle, {1, 1}, {1.0, 1.0}), UsageError);  // does not cover every layer
+  CHECK((idle == std::vector<double>{1, 2, 3}));                          // and a refusal changes nothing
+  CHECK_THROWS_AS(refine_balance(idle, {1, 2}, {1.0}), UsageError);       // one time per stage
   // stage_busy_seconds sums each stage's actions from a step's timeline.
   WorkerReport w;
   w.records.push_back({Action{ActionKind::Forward, 0, 0}, 1, 0, 2'000'000'000});
@@ -241,27 +266,35 @@ TEST_CASE("a stage's worker killed mid-step fails the step with PipelineError na
       auto o = layout(Schedule::OneFOneB, 2, 4);
       o.balance = {5, 7};  // the doomed layer is on stage 1, worker2
       auto pipe = Pipeline::create<&doomed_resnet, &mse, &make_sgd>(o, std::uint64_t{1});
-      auto msg = EXPECT_THROWS_AS(sync_wait(pipe.train_step(random_images(kBatch, kImage, 7),
-                                                            one_hot_labels(kBatch, kClasses, 8))), PipelineError);
+      auto msg = EXPECT_THROWS_AS(
+          sync_wait(pipe.train_step(random_images(kBatch, kImage, 7), one_hot_labels(kBatch, kClasses, 8))),
+          PipelineError);
       EXPECT(msg.find("worker2") != std::string::npos);
       EXPECT(msg.find("stage 1") != std::string::npos);
     });
   });
 }
 
-TEST_CASE("a stage's worker stopped mid-step (SIGSTOP): the step fails with PipelineError naming it once it is silent") {
+TEST_CASE(
+    "a stage's worker stopped mid-step (SIGSTOP): the step fails with PipelineError naming it once it is silent") {
   RpcOptions options = quick_options();
-  options.liveness_timeout = std::chrono::seconds(2);  // a stopped peer answers no heartbeat: declared unreachable after this
+  options.liveness_timeout =
+      std::chrono::seconds(2);  // a stopped peer answers no heartbeat: declared unreachable after this
   expect_only_rank_lost(2, "", [&] {
-    run_world(3, [](int rank) {
-      if (rank != 0) return;
-      auto pipe = Pipeline::create<&tiny_resnet, &mse, &make_sgd>(layout(Schedule::OneFOneB, 2, 4), std::uint64_t{1});
-      const pid_t pid = rpc_sync<&pid_of>(2);
-      stop_process(pid);
-      auto msg = EXPECT_THROWS_AS(sync_wait(pipe.train_step(random_images(kBatch, kImage, 7),
-                                                            one_hot_labels(kBatch, kClasses, 8))), PipelineError);
-      EXPECT(msg.find("worker2") != std::string::npos);
-      ::kill(pid, SIGKILL);  // it would find every connection closed when continued; the test ends it
-    }, options);
+    run_world(
+        3,
+        [](int rank) {
+          if (rank != 0) return;
+          auto pipe =
+              Pipeline::create<&tiny_resnet, &mse, &make_sgd>(layout(Schedule::OneFOneB, 2, 4), std::uint64_t{1});
+          const pid_t pid = rpc_sync<&pid_of>(2);
+          stop_process(pid);
+          auto msg = EXPECT_THROWS_AS(
+              sync_wait(pipe.train_step(random_images(kBatch, kImage, 7), one_hot_labels(kBatch, kClasses, 8))),
+              PipelineError);
+          EXPECT(msg.find("worker2") != std::string::npos);
+          ::kill(pid, SIGKILL);  // it would find every connection closed when continued; the test ends it
+        },
+        options);
   });
 }

@@ -132,7 +132,8 @@ struct Agent : EnableRRefFromThis<Agent> {
   int report(int reward) { return total += reward; }
   Task<int> run(int episodes) {
     std::vector<Future<int>> steps;
-    for (int i = 1; i <= episodes; ++i) steps.push_back(rpc_async<&observe>(i % 2 ? "worker2" : "worker1", rref_from_this(), i));
+    for (int i = 1; i <= episodes; ++i)
+      steps.push_back(rpc_async<&observe>(i % 2 ? "worker2" : "worker1", rref_from_this(), i));
     co_await when_all(std::move(steps));
     co_return total.load();
   }
@@ -203,9 +204,9 @@ TEST_CASE("RemoteModule<EmbeddingBag> built from options without a default const
       const at::Tensor expected = local->forward(input, offsets);
       EXPECT(at::equal(remote_bag.forward(input, offsets), expected));
       // kSum really arrived: the default (kMean) would give a quarter of it.
-      EXPECT(!at::allclose(expected, torch::nn::EmbeddingBag(torch::nn::EmbeddingBagOptions(10, 3)
-                                                                 ._weight(local->weight.detach()))
-                                          ->forward(input, offsets)));
+      EXPECT(!at::allclose(
+          expected, torch::nn::EmbeddingBag(torch::nn::EmbeddingBagOptions(10, 3)._weight(local->weight.detach()))
+                        ->forward(input, offsets)));
     }
     expect_no_references(2);
   });
@@ -273,14 +274,14 @@ TEST_CASE("torch's value types round-trip, and a malformed one is a ProtocolErro
   DOCTEST_CHECK((opts.max_norm() == 0.5));
   DOCTEST_CHECK((opts.padding_idx() == 3));
 
-  expect_rejected<c10::Scalar>(std::uint8_t{9}, 1.0);                      // unknown kind
-  expect_rejected<c10::Scalar>(std::uint8_t{2}, 1.0);                      // complex, truncated
+  expect_rejected<c10::Scalar>(std::uint8_t{9}, 1.0);  // unknown kind
+  expect_rejected<c10::Scalar>(std::uint8_t{2}, 1.0);  // complex, truncated
   expect_rejected<c10::ScalarType>(std::int8_t{-1});
   expect_rejected<c10::ScalarType>(static_cast<std::int8_t>(at::ScalarType::NumOptions));
-  expect_rejected<c10::Device>(std::int8_t{100}, std::int8_t{0});           // unknown device type
-  expect_rejected<c10::Device>(std::int8_t{0}, std::int8_t{3});             // cpu:3
+  expect_rejected<c10::Device>(std::int8_t{100}, std::int8_t{0});  // unknown device type
+  expect_rejected<c10::Device>(std::int8_t{0}, std::int8_t{3});    // cpu:3
   expect_rejected<c10::Device>(std::int8_t{1}, std::int8_t{-5});
-  expect_rejected<c10::Device>(std::int8_t{1});                             // truncated
+  expect_rejected<c10::Device>(std::int8_t{1});  // truncated
   expect_rejected<c10::optional<int>>(std::uint8_t{5});
   expect_rejected<torch::nn::EmbeddingBagMode>(std::uint32_t{3});
   expect_rejected<IntOrDouble>(std::uint32_t{1}, std::int32_t{1});  // a double cut short
@@ -299,7 +300,8 @@ TEST_CASE("by-name calls take string literals and torch's value types") {
                                                at::kInt, c10::Device("cpu"))
                              .wait(10s);
     EXPECT(at::equal(t, at::full({2, 3}, 7, at::kInt)));
-    EXPECT(rpc_sync<&full_on>("worker1", std::vector<std::int64_t>{1}, 2.5, at::kDouble, c10::kCPU).item<double>() == 2.5);
+    EXPECT(rpc_sync<&full_on>("worker1", std::vector<std::int64_t>{1}, 2.5, at::kDouble, c10::kCPU).item<double>() ==
+           2.5);
   });
 }
 

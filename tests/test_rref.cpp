@@ -33,7 +33,7 @@ at::Tensor ones(std::int64_t n) { return at::ones({n}); }
 Task<int> read_ref(RRef<int> r) { co_return co_await r.to_here(); }
 bool is_owner_here(RRef<int> r) { return r.is_owner(); }
 RRef<int> own_value(int v) { return RRef<int>(v); }  // owner -> user, as a result
-RRef<int> pass_back(RRef<int> r) { return r; }        // a user hands the reference on
+RRef<int> pass_back(RRef<int> r) { return r; }       // a user hands the reference on
 Task<int> add_refs(RRef<int> a, RRef<int> b) { co_return (co_await a.to_here()) + (co_await b.to_here()); }
 int plus_one_of(RRef<int> r) { return r.to_here().wait() + 1; }
 Task<int> plus_one_async(RRef<int> r) { co_return (co_await r.to_here()) + 1; }
@@ -139,7 +139,7 @@ TEST_CASE("chains of remote() whose inputs are still being computed need no roun
   run_world(3, [](int rank) {
     if (rank != 0) return;
     {
-      auto a = remote<&slow_square>("worker1", 3);   // still computing for 200 ms
+      auto a = remote<&slow_square>("worker1", 3);     // still computing for 200 ms
       auto b = remote<&plus_one_async>("worker2", a);  // worker2 waits for it on worker1
       auto c = remote<&plus_one_of>("worker1", b);     // and worker1 for that one on worker2
       auto d = remote<&add_refs>("worker2", c, a);
@@ -212,7 +212,7 @@ TEST_CASE("a dead owner fails every waiting use with ConnectionError") {
         std::this_thread::sleep_for(300ms);
         ::raise(SIGKILL);
       }
-      auto r = remote<&very_slow>("worker1", 2);  // worker1 dies long before this is ready
+      auto r = remote<&very_slow>("worker1", 2);             // worker1 dies long before this is ready
       auto waiting = remote<&plus_one_async>("worker2", r);  // worker2 waits on the doomed owner
       std::this_thread::sleep_for(600ms);
       EXPECT_THROWS_AS(r.to_here().wait(20s), ConnectionError);

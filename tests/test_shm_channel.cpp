@@ -77,7 +77,8 @@ void wait_for_channel(int peer) {
 
 }  // namespace
 
-TEST_CASE("ring regions: released in any order, never handed out twice; a peer's bad offsets and segments are refused") {
+TEST_CASE(
+    "ring regions: released in any order, never handed out twice; a peer's bad offsets and segments are refused") {
   using corpc::detail::ShmChannel;
   auto dialer = ShmChannel::create(256 * kKiB);
   dialer->enable_sending();
@@ -118,100 +119,110 @@ TEST_CASE("ring regions: released in any order, never handed out twice; a peer's
 }
 
 TEST_CASE("every dtype, layout and size class carries the same bytes over the same-host channel and over TCP") {
-  const std::vector<at::ScalarType> dtypes = {at::kBool,  at::kByte,   at::kChar,     at::kShort,         at::kInt,
-                                              at::kLong,  at::kHalf,   at::kBFloat16, at::kFloat,         at::kDouble,
-                                              at::kComplexFloat, at::kComplexDouble};
+  const std::vector<at::ScalarType> dtypes = {at::kBool,  at::kByte,   at::kChar,         at::kShort,
+                                              at::kInt,   at::kLong,   at::kHalf,         at::kBFloat16,
+                                              at::kFloat, at::kDouble, at::kComplexFloat, at::kComplexDouble};
   // Bytes of the contiguous tensor: empty, small, just over the threshold, mid, and larger than the ring. The gapped
   // layout sends half of them (its elements only): below the threshold, ..., still larger than the ring.
   const std::vector<std::int64_t> sizes = {0, 1000, 100 * kKiB, kMiB + 96, 9 * kMiB};
   for (const bool on : {true, false}) {
     CAPTURE(on);
-    run_world(2, [&](int rank) {
-      if (rank != 0) return;
-      if (on) wait_for_channel(1);
-      for (auto dtype : dtypes) {
-        const std::int64_t item = static_cast<std::int64_t>(c10::elementSize(dtype));
-        for (std::int64_t bytes : sizes) {
-          const std::int64_t numel = bytes / item / 2 * 2;
-          const at::Tensor base = pattern(numel, bytes + item, dtype);
-          // contiguous; dense but not contiguous (sent as it is, strides kept); with gaps (only elements travel).
-          const std::vector<at::Tensor> layouts = {base, base.view({2, numel / 2}).t(), base.slice(0, 0, numel, 2)};
-          for (std::size_t l = 0; l < layouts.size(); ++l) {
-            const at::Tensor& sent = layouts[l];
-            const auto wire = static_cast<std::uint64_t>(sent.numel() * item);
-            const std::uint64_t expected = on && wire >= corpc::detail::kShmMinBytes && wire <= kRing / 3 ? 1 : 0;
-            const auto before = counters();
-            const at::Tensor back = rpc_sync<&echo>(1, std::vector<at::Tensor>{sent})[0];
-            const auto after = counters();
-            CAPTURE(dtype);
-            CAPTURE(bytes);
-            CAPTURE(l);
-            EXPECT(back.scalar_type() == dtype);
-            EXPECT(back.sizes() == sent.sizes());
-            if (l < 2) EXPECT(back.strides() == sent.strides());
-            EXPECT(at::equal(back, sent));
-            EXPECT_EQ(after[0] - before[0], expected);  // our request
-            EXPECT_EQ(after[1] - before[1], expected);  // its reply
-            EXPECT_EQ(after[2] - before[2], expected * wire);
+    run_world(
+        2,
+        [&](int rank) {
+          if (rank != 0) return;
+          if (on) wait_for_channel(1);
+          for (auto dtype : dtypes) {
+            const std::int64_t item = static_cast<std::int64_t>(c10::elementSize(dtype));
+            for (std::int64_t bytes : sizes) {
+              const std::int64_t numel = bytes / item / 2 * 2;
+              const at::Tensor base = pattern(numel, bytes + item, dtype);
+              // contiguous; dense but not contiguous (sent as it is, strides kept); with gaps (only elements travel).
+              const std::vector<at::Tensor> layouts = {base, base.view({2, numel / 2}).t(), base.slice(0, 0, numel, 2)};
+              for (std::size_t l = 0; l < layouts.size(); ++l) {
+                const at::Tensor& sent = layouts[l];
+                const auto wire = static_cast<std::uint64_t>(sent.numel() * item);
+                const std::uint64_t expected = on && wire >= corpc::detail::kShmMinBytes && wire <= kRing / 3 ? 1 : 0;
+                const auto before = counters();
+                const at::Tensor back = rpc_sync<&echo>(1, std::vector<at::Tensor>{sent})[0];
+                const auto after = counters();
+                CAPTURE(dtype);
+                CAPTURE(bytes);
+                CAPTURE(l);
+                EXPECT(back.scalar_type() == dtype);
+                EXPECT(back.sizes() == sent.sizes());
+                if (l < 2) EXPECT(back.strides() == sent.strides());
+                EXPECT(at::equal(back, sent));
+                EXPECT_EQ(after[0] - before[0], expected);  // our request
+                EXPECT_EQ(after[1] - before[1], expected);  // its reply
+                EXPECT_EQ(after[2] - before[2], expected * wire);
+              }
+            }
           }
-        }
-      }
-      // Several tensors of odd sizes in one message: each starts aligned in the ring, and comes back where it was.
-      const std::vector<at::Tensor> mixed = {pattern(1001, 3, at::kChar), pattern(25 * kKiB + 1, 4, at::kFloat),
-                                             pattern(3, 5, at::kDouble), at::empty({0, 4}), pattern(7, 6, at::kBool),
-                                             pattern(40 * kKiB, 7, at::kHalf).view({-1, 8}).t()};
-      const auto before = counters();
-      const auto back = rpc_sync<&echo>(1, mixed);
-      EXPECT_EQ(counters()[1] - before[1], on ? 1u : 0u);
-      EXPECT_EQ(back.size(), mixed.size());
-      for (std::size_t i = 0; i < mixed.size(); ++i) EXPECT(at::equal(back[i], mixed[i]));
-      // No memfd is left open on either side; with the option off, nothing went through shared memory there either.
-      EXPECT_EQ(open_memfds(), 0);
-      EXPECT_EQ(rpc_sync<&open_memfds>(1), 0);
-      if (!on) EXPECT(rpc_sync<&counters>(1) == std::vector<std::uint64_t>(4, 0));
-    }, channel_options(on));
+          // Several tensors of odd sizes in one message: each starts aligned in the ring, and comes back where it was.
+          const std::vector<at::Tensor> mixed = {
+              pattern(1001, 3, at::kChar), pattern(25 * kKiB + 1, 4, at::kFloat),
+              pattern(3, 5, at::kDouble),  at::empty({0, 4}),
+              pattern(7, 6, at::kBool),    pattern(40 * kKiB, 7, at::kHalf).view({-1, 8}).t()};
+          const auto before = counters();
+          const auto back = rpc_sync<&echo>(1, mixed);
+          EXPECT_EQ(counters()[1] - before[1], on ? 1u : 0u);
+          EXPECT_EQ(back.size(), mixed.size());
+          for (std::size_t i = 0; i < mixed.size(); ++i) EXPECT(at::equal(back[i], mixed[i]));
+          // No memfd is left open on either side; with the option off, nothing went through shared memory there either.
+          EXPECT_EQ(open_memfds(), 0);
+          EXPECT_EQ(rpc_sync<&open_memfds>(1), 0);
+          if (!on) EXPECT(rpc_sync<&counters>(1) == std::vector<std::uint64_t>(4, 0));
+        },
+        channel_options(on));
   }
 }
 
 TEST_CASE("received tensors held at once keep their bytes, and one kept for long does not block the ring") {
-  run_world(2, [&](int rank) {
-    if (rank != 0) return;
-    wait_for_channel(1);
-    // 16 MiB held through a 4 MiB ring: the first replies stay views of the ring (their regions must not be
-    // reused), the later ones are copied out; either way every one keeps its own bytes.
-    std::vector<at::Tensor> sent, back;
-    const auto before = counters();
-    for (int i = 0; i < 16; ++i) {
-      sent.push_back(pattern(kMiB / 4, 1000 + i, at::kFloat));
-      back.push_back(rpc_sync<&echo_one>(1, sent.back()));
-    }
-    EXPECT(counters()[1] - before[1] == 16u);
-    for (int i = 0; i < 16; ++i) EXPECT(at::equal(back[i], sent[i]));
-    back[0].add_(1);  // a view of the ring is an ordinary tensor: writable, resizable
-    EXPECT(at::equal(back[0], sent[0] + 1));
-    back[1].resize_({2 * kMiB});
-    EXPECT(at::equal(back[1].narrow(0, 0, kMiB / 4), sent[1]));
-    // One reply kept for long pins only its own region: the traffic after it still goes through the ring.
-    back.resize(1);
-    const auto later = counters();
-    for (int i = 0; i < 20; ++i) EXPECT(at::equal(rpc_sync<&echo_one>(1, sent[i % 16]), sent[i % 16]));
-    EXPECT(counters()[1] - later[1] == 20u);
-    EXPECT(at::equal(back[0], sent[0] + 1));
-  }, channel_options(true));
+  run_world(
+      2,
+      [&](int rank) {
+        if (rank != 0) return;
+        wait_for_channel(1);
+        // 16 MiB held through a 4 MiB ring: the first replies stay views of the ring (their regions must not be
+        // reused), the later ones are copied out; either way every one keeps its own bytes.
+        std::vector<at::Tensor> sent, back;
+        const auto before = counters();
+        for (int i = 0; i < 16; ++i) {
+          sent.push_back(pattern(kMiB / 4, 1000 + i, at::kFloat));
+          back.push_back(rpc_sync<&echo_one>(1, sent.back()));
+        }
+        EXPECT(counters()[1] - before[1] == 16u);
+        for (int i = 0; i < 16; ++i) EXPECT(at::equal(back[i], sent[i]));
+        back[0].add_(1);  // a view of the ring is an ordinary tensor: writable, resizable
+        EXPECT(at::equal(back[0], sent[0] + 1));
+        back[1].resize_({2 * kMiB});
+        EXPECT(at::equal(back[1].narrow(0, 0, kMiB / 4), sent[1]));
+        // One reply kept for long pins only its own region: the traffic after it still goes through the ring.
+        back.resize(1);
+        const auto later = counters();
+        for (int i = 0; i < 20; ++i) EXPECT(at::equal(rpc_sync<&echo_one>(1, sent[i % 16]), sent[i % 16]));
+        EXPECT(counters()[1] - later[1] == 20u);
+        EXPECT(at::equal(back[0], sent[0] + 1));
+      },
+      channel_options(true));
 }
 
 TEST_CASE("a peer killed while a tensor is in its ring fails the call with ConnectionError") {
   expect_only_rank_lost(1, "signal", [&] {
-    run_world(2, [&](int rank) {
-      if (rank != 0) return;
-      wait_for_channel(1);
-      const auto before = counters();
-      auto doomed = rpc_async<&die_on_receipt>(1, pattern(kMiB, 9, at::kFloat));
-      auto also = rpc_async<&echo_one>(1, pattern(kMiB / 2, 10, at::kFloat));  // in flight behind it
-      EXPECT_THROWS_AS(doomed.wait(20s), ConnectionError);
-      EXPECT_THROWS_AS(also.wait(20s), ConnectionError);
-      EXPECT(counters()[0] - before[0] >= 1u);  // the doomed tensor did go through the ring
-      EXPECT_THROWS_AS(rpc_sync<&echo_one>(1, pattern(kMiB, 11, at::kFloat)), ConnectionError);
-    }, channel_options(true));
+    run_world(
+        2,
+        [&](int rank) {
+          if (rank != 0) return;
+          wait_for_channel(1);
+          const auto before = counters();
+          auto doomed = rpc_async<&die_on_receipt>(1, pattern(kMiB, 9, at::kFloat));
+          auto also = rpc_async<&echo_one>(1, pattern(kMiB / 2, 10, at::kFloat));  // in flight behind it
+          EXPECT_THROWS_AS(doomed.wait(20s), ConnectionError);
+          EXPECT_THROWS_AS(also.wait(20s), ConnectionError);
+          EXPECT(counters()[0] - before[0] >= 1u);  // the doomed tensor did go through the ring
+          EXPECT_THROWS_AS(rpc_sync<&echo_one>(1, pattern(kMiB, 11, at::kFloat)), ConnectionError);
+        },
+        channel_options(true));
   });
 }

@@ -48,50 +48,53 @@ void finished() { ++g_finished; }
 TEST_CASE("mixed calls, references and backward passes keep RSS flat and leave nothing behind") {
   const char* env = std::getenv("CORPC_SOAK_SECONDS");
   const auto duration = std::chrono::seconds(env ? std::atoi(env) : 16);
-  run_world(kWorld, [&](int rank) {
-    const auto start = std::chrono::steady_clock::now();
-    const auto warm = start + duration / 4;
-    std::int64_t after_warmup = 0, peak_after = 0;
-    long rounds = 0;
-    for (int i = 0; std::chrono::steady_clock::now() - start < duration; ++i) {
-      const int a = (rank + 1 + i % (kWorld - 1)) % kWorld;  // another worker
-      const int b = (a + 1) % kWorld == rank ? (a + 2) % kWorld : (a + 1) % kWorld;  // a third one
-      EXPECT_EQ(rpc_sync<&add>(a, i, 1), i + 1);
-      {
-        auto ref = remote<&make_tensor>(a, std::int64_t{256});
-        EXPECT_EQ(rpc_sync<&sum_of>(b, ref), 256.0);  // forked to b, used there, dropped
-      }
-      {
-        da::Context ctx;
-        auto w = at::ones({64}).set_requires_grad(true);
-        auto loss = rpc_sync<&times_three_sum>(a, w * 2);
-        ctx.backward({loss}).wait(30s);
-        EXPECT(at::allclose(ctx.gradients().at(w), at::full({64}, 6.0)));
-      }
-      ++rounds;
-      if (i % 64 == 0) {
-        const auto now = std::chrono::steady_clock::now();
-        if (now >= warm && after_warmup == 0) after_warmup = rss_bytes();
-        if (after_warmup) peak_after = std::max(peak_after, rss_bytes());
-      }
-    }
-    // Flat: after the warm-up (allocator pools, caches and connections settle), growth stays within allocator noise.
-    // A leak per round (a reference, a context, a connection buffer) grows with the rounds run and shows above it.
-    if (after_warmup) {
-      const auto growth = peak_after - after_warmup;
-      std::fprintf(stderr, "[soak rank %d] %ld rounds; RSS after warm-up %.1f MiB, peak later +%.1f MiB\n", rank,
-                   rounds, after_warmup / 1048576.0, growth / 1048576.0);
-      EXPECT(growth < after_warmup / 10 + (8 << 20));
-    }
-    // Checked once everyone has stopped creating references and contexts.
-    if (rank != 0) return rpc_sync<&finished>(0);
-    for (const auto until = std::chrono::steady_clock::now() + 60s; g_finished.load() < kWorld - 1;) {
-      EXPECT(std::chrono::steady_clock::now() < until);
-      std::this_thread::sleep_for(10ms);
-    }
-    {
-      expect_no_references(kWorld);
-      expect_no_contexts(kWorld);
-    }
-  }, quick_options(), duration + 120s);
+  run_world(
+      kWorld,
+      [&](int rank) {
+        const auto start = std::chrono::steady_clock::now();
+        const auto warm = start + duration / 4;
+        std::int64_t after_warmup = 0, peak_after = 0;
+        long rounds = 0;
+        for (int i = 0; std::chrono::steady_clock::now() - start < duration; ++i) {
+          const int a = (rank + 1 + i % (kWorld - 1)) % kWorld;                          // another worker
+          const int b = (a + 1) % kWorld == rank ? (a + 2) % kWorld : (a + 1) % kWorld;  // a third one
+          EXPECT_EQ(rpc_sync<&add>(a, i, 1), i + 1);
+          {
+            auto ref = remote<&make_tensor>(a, std::int64_t{256});
+            EXPECT_EQ(rpc_sync<&sum_of>(b, ref), 256.0);  // forked to b, used there, dropped
+          }
+          {
+            da::Context ctx;
+            auto w = at::ones({64}).set_requires_grad(true);
+            auto loss = rpc_sync<&times_three_sum>(a, w * 2);
+            ctx.backward({loss}).wait(30s);
+            EXPECT(at::allclose(ctx.gradients().at(w), at::full({64}, 6.0)));
+          }
+          ++rounds;
+          if (i % 64 == 0) {
+            const auto now = std::chrono::steady_clock::now();
+            if (now >= warm && after_warmup == 0) after_warmup = rss_bytes();
+            if (after_warmup) peak_after = std::max(peak_after, rss_bytes());
+          }
+        }
+        // Flat: after the warm-up (allocator pools, caches and connections settle), growth stays within allocator noise.
+        // A leak per round (a reference, a context, a connection buffer) grows with the rounds run and shows above it.
+        if (after_warmup) {
+          const auto growth = peak_after - after_warmup;
+          std::fprintf(stderr, "[soak rank %d] %ld rounds; RSS after warm-up %.1f MiB, peak later +%.1f MiB\n", rank,
+                       rounds, after_warmup / 1048576.0, growth / 1048576.0);
+          EXPECT(growth < after_warmup / 10 + (8 << 20));
+        }
+        // Checked once everyone has stopped creating references and contexts.
+        if (rank != 0) return rpc_sync<&finished>(0);
+        for (const auto until = std::chrono::steady_clock::now() + 60s; g_finished.load() < kWorld - 1;) {
+          EXPECT(std::chrono::steady_clock::now() < until);
+          std::this_thread::sleep_for(10ms);
+        }
+        {
+          expect_no_references(kWorld);
+          expect_no_contexts(kWorld);
+        }
+      },
+      quick_options(), duration + 120s);
 }

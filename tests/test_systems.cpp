@@ -22,16 +22,20 @@ namespace {
 void run_ranks(int world, const std::function<void(int)>& body) {
   RpcOptions options = quick_options();
   options.worker_thread_init = [] { at::set_num_threads(1); };
-  run_world(world, [&](int rank) {
-    systems::single_threaded();
-    body(rank);
-  }, options);
+  run_world(
+      world,
+      [&](int rank) {
+        systems::single_threaded();
+        body(rank);
+      },
+      options);
 }
 
 template <class Server>
 std::vector<ps::TrainerResult> train(RRef<Server> server, int trainers, std::int64_t steps, std::uint64_t seed) {
   std::vector<Future<ps::TrainerResult>> loops;
-  for (int t = 0; t < trainers; ++t) loops.push_back(rpc_async<&ps::run_trainer<Server>>(t + 1, server, t, steps, seed));
+  for (int t = 0; t < trainers; ++t)
+    loops.push_back(rpc_async<&ps::run_trainer<Server>>(t + 1, server, t, steps, seed));
   return when_all(std::move(loops)).wait(60s);
 }
 
@@ -129,7 +133,8 @@ TEST_CASE("distributed REINFORCE: the agent's running reward passes 50 on CartPo
         agent.local_value().run_episode(agent);
         if (agent.local_value().finish_episode().running_reward > 50) break;
       }
-      if (episode > 250) throw std::runtime_error("running reward " + std::to_string(agent.local_value().running_reward()));
+      if (episode > 250)
+        throw std::runtime_error("running reward " + std::to_string(agent.local_value().running_reward()));
     }
     expect_no_references(3);
   });

@@ -114,7 +114,8 @@ class TappingRelay {
   // The target may not listen yet (rank 1 can reach the relay before rank 0 is up): retry for a while.
   void connect(Socket client, int attempt) {
     auto server = std::make_shared<asio::ip::tcp::socket>(io_);
-    server->async_connect({asio::ip::make_address("127.0.0.1"), target_}, [this, client, server, attempt](const asio::error_code& ec) {
+    server->async_connect({asio::ip::make_address("127.0.0.1"), target_}, [this, client, server,
+                                                                           attempt](const asio::error_code& ec) {
       if (!ec) {
         {
           std::lock_guard lock(mutex_);
@@ -143,11 +144,12 @@ class TappingRelay {
         std::lock_guard lock(mutex_);
         seen_.append(buf->data(), n);
       }
-      asio::async_write(*to, asio::buffer(buf->data(), n), [this, from, to, buf](const asio::error_code& ec, std::size_t) {
-        if (!ec) return pump(from, to);
-        std::lock_guard lock(mutex_);
-        if (--open_pumps_ == 0) quiet_.notify_all();
-      });
+      asio::async_write(*to, asio::buffer(buf->data(), n),
+                        [this, from, to, buf](const asio::error_code& ec, std::size_t) {
+                          if (!ec) return pump(from, to);
+                          std::lock_guard lock(mutex_);
+                          if (--open_pumps_ == 0) quiet_.notify_all();
+                        });
     });
   }
 
@@ -167,26 +169,29 @@ TEST_CASE("a job over TLS: calls with tensors both ways, large transfers, remote
   ThrowawayPki pki;
   // One certificate per rank, from the environment (the launchers' way).
   const std::vector<TlsOptions> certs{pki.issue("rank0"), pki.issue("rank1"), pki.issue("rank2")};
-  launch_processes(3, [&](int rank) {
-    setenv_tls(certs[rank]);
-    init_rpc(worker_name(rank), rank, 3, quick_options());
-    for (int peer = 0; peer < 3; ++peer) {
-      if (peer == rank) continue;
-      EXPECT_EQ(rpc_sync<&whoami>(peer), worker_name(peer));
-      // Small (parsed from the read buffer), and 6 MiB (read straight into its storage, many TLS records).
-      for (std::int64_t n : {std::int64_t{1000}, std::int64_t{3} << 19}) {
-        const at::Tensor t = pattern(n, rank * 10 + peer);
-        const at::Tensor back = rpc_sync<&echo_tensor>(peer, t);
-        EXPECT(back.nbytes() == t.nbytes() && std::memcmp(back.data_ptr(), t.data_ptr(), t.nbytes()) == 0);
-      }
-      std::vector<Future<int>> many;
-      for (int i = 0; i < 200; ++i) many.push_back(rpc_async<&add>(peer, i, rank));
-      for (int i = 0; i < 200; ++i) EXPECT_EQ(many[i].wait(30s), i + rank);
-      RRef<at::Tensor> r = remote<&arange>(peer, std::int64_t{5000});
-      EXPECT(at::equal(r.to_here().wait(30s), at::arange(5000, at::kLong)));
-    }
-    shutdown(true);
-  }, launch_options(std::chrono::seconds(120)));
+  launch_processes(
+      3,
+      [&](int rank) {
+        setenv_tls(certs[rank]);
+        init_rpc(worker_name(rank), rank, 3, quick_options());
+        for (int peer = 0; peer < 3; ++peer) {
+          if (peer == rank) continue;
+          EXPECT_EQ(rpc_sync<&whoami>(peer), worker_name(peer));
+          // Small (parsed from the read buffer), and 6 MiB (read straight into its storage, many TLS records).
+          for (std::int64_t n : {std::int64_t{1000}, std::int64_t{3} << 19}) {
+            const at::Tensor t = pattern(n, rank * 10 + peer);
+            const at::Tensor back = rpc_sync<&echo_tensor>(peer, t);
+            EXPECT(back.nbytes() == t.nbytes() && std::memcmp(back.data_ptr(), t.data_ptr(), t.nbytes()) == 0);
+          }
+          std::vector<Future<int>> many;
+          for (int i = 0; i < 200; ++i) many.push_back(rpc_async<&add>(peer, i, rank));
+          for (int i = 0; i < 200; ++i) EXPECT_EQ(many[i].wait(30s), i + rank);
+          RRef<at::Tensor> r = remote<&arange>(peer, std::int64_t{5000});
+          EXPECT(at::equal(r.to_here().wait(30s), at::arange(5000, at::kLong)));
+        }
+        shutdown(true);
+      },
+      launch_options(std::chrono::seconds(120)));
 }
 
 TEST_CASE("a TLS worker refuses plain peers, untrusted and expired certificates, and keeps serving") {
@@ -210,44 +215,45 @@ TEST_CASE("a TLS worker refuses plain peers, untrusted and expired certificates,
     o.ca_file = rogue.ca_file();  // presents a good certificate, but cannot verify the worker's
     return o;
   }();
-  run_world(2, [&](int rank) {
-    if (rank != 0) return;
-    asio::io_context io;
-    const auto target = get_worker_info(1);
-    const std::string secret = corpc::detail::secret_from_environment();
-    auto dial = [&](const TlsOptions* tls) {
-      corpc::detail::AuthConfig config{secret, std::chrono::seconds(5), tls ? corpc::detail::make_tls_context(*tls) : nullptr};
-      return authenticated_transport(io, target, config);
-    };
-    // The control: the right certificate and secret pass.
-    dial(&good);
-    // A plain peer that knows the secret: the worker waits for a TLS handshake, the peer for a challenge.
-    std::string why = EXPECT_THROWS_AS(dial(nullptr), ConnectionError);
-    EXPECT(why.find("expect TLS") != std::string::npos);
-    // A plain peer speaking frames at once (a worker without secret nor TLS): the handshake fails, dropped.
-    {
-      auto s = raw_socket(io, target);
-      corpc::detail::Message hello = hello_message(get_worker_info(0), 2, false, WireLimits{});
-      corpc::detail::OutFrame f = corpc::detail::prepare(std::move(hello));
-      asio::error_code ec;
-      asio::write(s, std::array<asio::const_buffer, 2>{asio::buffer(&f.head, sizeof f.head), asio::buffer(f.body)}, ec);
-      EXPECT(hung_up(s));
-    }
-    // Certificates the job's CA did not sign, or that expired: the worker refuses them (TLS 1.3 tells the client
-    // after its side of the handshake, so it learns it when it reads the challenge).
-    why = EXPECT_THROWS_AS(dial(&untrusted), ConnectionError);
-    EXPECT(why.find("unknown ca") != std::string::npos);
-    why = EXPECT_THROWS_AS(dial(&self_signed), ConnectionError);
-    EXPECT(why.find("unknown ca") != std::string::npos);
-    why = EXPECT_THROWS_AS(dial(&expired), ConnectionError);
-    EXPECT(why.find("expired") != std::string::npos);
-    // The other way round: a dialer that does not trust the worker's CA refuses the worker.
-    why = EXPECT_THROWS_AS(dial(&trusts_rogue), ConnectionError);
-    EXPECT(why.find("certificate verify failed") != std::string::npos);
-    // The worker still serves, and the job's own connections were never disturbed.
-    const at::Tensor t = pattern(4096, 1);
-    EXPECT(at::equal(rpc_sync<&echo_tensor>(1, t), t));
-  }, tls_options(good));
+  run_world(
+      2,
+      [&](int rank) {
+        if (rank != 0) return;
+        asio::io_context io;
+        const auto target = get_worker_info(1);
+        const std::string secret = corpc::detail::secret_from_environment();
+        auto dial = [&](const TlsOptions* tls) {
+          corpc::detail::AuthConfig config{secret, std::chrono::seconds(5),
+                                           tls ? corpc::detail::make_tls_context(*tls) : nullptr};
+          return authenticated_transport(io, target, config);
+        };
+        // The control: the right certificate and secret pass.
+        dial(&good);
+        // A plain peer that knows the secret: the worker waits for a TLS handshake, the peer for a challenge.
+        std::string why = EXPECT_THROWS_AS(dial(nullptr), ConnectionError);
+        EXPECT(why.find("expect TLS") != std::string::npos);
+        // A plain peer speaking frames at once (a worker without secret nor TLS): the handshake fails, dropped.
+        {
+          auto s = raw_socket(io, target);
+          (void)write_raw_hello(s, get_worker_info(0), 2);
+          EXPECT(hung_up(s));
+        }
+        // Certificates the job's CA did not sign, or that expired: the worker refuses them (TLS 1.3 tells the client
+        // after its side of the handshake, so it learns it when it reads the challenge).
+        why = EXPECT_THROWS_AS(dial(&untrusted), ConnectionError);
+        EXPECT(why.find("unknown ca") != std::string::npos);
+        why = EXPECT_THROWS_AS(dial(&self_signed), ConnectionError);
+        EXPECT(why.find("unknown ca") != std::string::npos);
+        why = EXPECT_THROWS_AS(dial(&expired), ConnectionError);
+        EXPECT(why.find("expired") != std::string::npos);
+        // The other way round: a dialer that does not trust the worker's CA refuses the worker.
+        why = EXPECT_THROWS_AS(dial(&trusts_rogue), ConnectionError);
+        EXPECT(why.find("certificate verify failed") != std::string::npos);
+        // The worker still serves, and the job's own connections were never disturbed.
+        const at::Tensor t = pattern(4096, 1);
+        EXPECT(at::equal(rpc_sync<&echo_tensor>(1, t), t));
+      },
+      tls_options(good));
 }
 
 TEST_CASE("over TLS a stopped worker misses its deadlines, then is declared unreachable; the others go on") {
@@ -267,20 +273,23 @@ TEST_CASE("ranks that disagree about TLS fail init_rpc with a typed error, never
   const TlsOptions cert = pki.issue("rank");
   for (int tls_rank : {0, 1}) {
     INFO("the rank with TLS: " << tls_rank);
-    launch_processes(2, [&](int rank) {
-      auto options = quick_options();
-      options.init_timeout = 2s;
-      options.handshake_timeout = 300ms;
-      if (rank == tls_rank) options.tls = cert;
-      if (rank == 0) {
-        // Nobody registers: rank 0 gives up at its init timeout.
-        EXPECT_THROWS_AS(init_rpc(worker_name(rank), rank, 2, options), TimeoutError);
-      } else {
-        // Rank 1 learns it from the handshake with rank 0.
-        const std::string why = EXPECT_THROWS_AS(init_rpc(worker_name(rank), rank, 2, options), ConnectionError);
-        EXPECT(why.find("TLS") != std::string::npos);
-      }
-    }, launch_options(std::chrono::seconds(60)));
+    launch_processes(
+        2,
+        [&](int rank) {
+          auto options = quick_options();
+          options.init_timeout = 2s;
+          options.handshake_timeout = 300ms;
+          if (rank == tls_rank) options.tls = cert;
+          if (rank == 0) {
+            // Nobody registers: rank 0 gives up at its init timeout.
+            EXPECT_THROWS_AS(init_rpc(worker_name(rank), rank, 2, options), TimeoutError);
+          } else {
+            // Rank 1 learns it from the handshake with rank 0.
+            const std::string why = EXPECT_THROWS_AS(init_rpc(worker_name(rank), rank, 2, options), ConnectionError);
+            EXPECT(why.find("TLS") != std::string::npos);
+          }
+        },
+        launch_options(std::chrono::seconds(60)));
   }
 }
 
@@ -297,77 +306,87 @@ TEST_CASE("a lazily dialed peer whose certificate is not trusted fails the call 
   std::vector<TlsOptions> certs{pki.issue("rank0"), pki.issue("rank1"), other.issue("rank2")};
   certs[0].ca_file = both;
   certs[2].ca_file = both;
-  launch_processes(3, [&](int rank) {
-    init_rpc(worker_name(rank), rank, 3, tls_options(certs[rank]));
-    if (rank == 1) {
-      const std::string why = EXPECT_THROWS_AS(rpc_sync<&add>(2, 1, 1), ConnectionError);
-      EXPECT_CONTAINS(why, "worker2");
-      EXPECT_CONTAINS(why, "certificate verify failed");
-      EXPECT_EQ(rpc_sync<&add>(0, 1, 1), 2);  // rank 0 is still reachable
-    } else if (rank == 2) {
-      EXPECT_EQ(rpc_sync<&add>(0, 2, 2), 4);
-    }
-    // Rank 1 counts rank 2 as lost, which a graceful shutdown would wait on: end after everyone is done instead
-    // (rank 2 too must stay until rank 1 has dialed it, or rank 1 sees a refused connection, not the certificate).
-    if (rank == 0) {
-      while (reached(1) < 2) std::this_thread::sleep_for(10ms);  // the others have seen each other done
-    } else {
-      rpc_sync<&mark_reached>(0, 0);
-      while (rpc_sync<&reached>(0, 0) < 2) std::this_thread::sleep_for(10ms);
-      rpc_sync<&mark_reached>(0, 1);
-    }
-    shutdown(false);
-  }, launch_options(std::chrono::seconds(60)));
+  launch_processes(
+      3,
+      [&](int rank) {
+        init_rpc(worker_name(rank), rank, 3, tls_options(certs[rank]));
+        if (rank == 1) {
+          const std::string why = EXPECT_THROWS_AS(rpc_sync<&add>(2, 1, 1), ConnectionError);
+          EXPECT_CONTAINS(why, "worker2");
+          EXPECT_CONTAINS(why, "certificate verify failed");
+          EXPECT_EQ(rpc_sync<&add>(0, 1, 1), 2);  // rank 0 is still reachable
+        } else if (rank == 2) {
+          EXPECT_EQ(rpc_sync<&add>(0, 2, 2), 4);
+        }
+        // Rank 1 counts rank 2 as lost, which a graceful shutdown would wait on: end after everyone is done instead
+        // (rank 2 too must stay until rank 1 has dialed it, or rank 1 sees a refused connection, not the certificate).
+        if (rank == 0) {
+          while (reached(1) < 2) std::this_thread::sleep_for(10ms);  // the others have seen each other done
+        } else {
+          rpc_sync<&mark_reached>(0, 0);
+          while (rpc_sync<&reached>(0, 0) < 2) std::this_thread::sleep_for(10ms);
+          rpc_sync<&mark_reached>(0, 1);
+        }
+        shutdown(false);
+      },
+      launch_options(std::chrono::seconds(60)));
 }
 
 TEST_CASE("without certificate checks the secret still stops a relay that terminates TLS on both sides") {
   ThrowawayPki pki;
   TlsOptions unverified = pki.issue("rank");
   unverified.verify_peer = false;
-  run_world(2, [&](int rank) {
-    if (rank != 0) return;
-    const auto worker = get_worker_info(1);
-    const std::string secret = corpc::detail::secret_from_environment();
-    const auto ctx = corpc::detail::make_tls_context(unverified);
-    // The relay: TLS server to us, TLS client to worker1, passing the decrypted bytes on both ways.
-    asio::io_context relay_io;
-    asio::ip::tcp::acceptor acceptor(relay_io, {asio::ip::make_address("127.0.0.1"), 0});
-    using corpc::detail::AuthRole;
-    using corpc::detail::Transport;
-    auto pump = [](Transport& from, Transport& to) -> asio::awaitable<void> {
-      std::array<char, 4096> buf;
-      for (;;) {
-        const std::size_t n = co_await from.async_read_some(asio::buffer(buf), asio::use_awaitable);
-        co_await asio::async_write(to, asio::buffer(buf.data(), n), asio::use_awaitable);
-      }
-    };
-    asio::co_spawn(relay_io, [&]() -> asio::awaitable<void> {
-      Transport us{co_await acceptor.async_accept(asio::use_awaitable)};
-      Transport them{asio::ip::tcp::socket(relay_io)};
-      co_await them.socket().async_connect({asio::ip::make_address(worker.host), worker.port}, asio::use_awaitable);
-      co_await us.start_tls(*ctx, AuthRole::acceptor);
-      co_await them.start_tls(*ctx, AuthRole::dialer);
-      using namespace asio::experimental::awaitable_operators;
-      co_await (pump(us, them) || pump(them, us));
-    }, asio::detached);
-    std::thread relay_thread([&] { relay_io.run(); });
-    struct StopOnExit {  // also when an EXPECT throws
-      asio::io_context& io;
-      std::thread& thread;
-      ~StopOnExit() {
-        io.stop();
-        thread.join();
-      }
-    } stop_relay{relay_io, relay_thread};
-    asio::io_context io;
-    corpc::detail::AuthConfig config{secret, std::chrono::seconds(5), ctx};
-    authenticated_transport(io, worker, config);  // the control: directly, the secret passes
-    WorkerInfo via_relay = worker;
-    via_relay.port = acceptor.local_endpoint().port();
-    // Through it, the worker finds our proof made for another TLS session and hangs up.
-    EXPECT_THROWS_AS(authenticated_transport(io, via_relay, config), ConnectionError);
-    EXPECT_EQ(rpc_sync<&add>(1, 2, 3), 5);
-  }, tls_options(unverified));
+  run_world(
+      2,
+      [&](int rank) {
+        if (rank != 0) return;
+        const auto worker = get_worker_info(1);
+        const std::string secret = corpc::detail::secret_from_environment();
+        const auto ctx = corpc::detail::make_tls_context(unverified);
+        // The relay: TLS server to us, TLS client to worker1, passing the decrypted bytes on both ways.
+        asio::io_context relay_io;
+        asio::ip::tcp::acceptor acceptor(relay_io, {asio::ip::make_address("127.0.0.1"), 0});
+        using corpc::detail::AuthRole;
+        using corpc::detail::Transport;
+        auto pump = [](Transport& from, Transport& to) -> asio::awaitable<void> {
+          std::array<char, 4096> buf;
+          for (;;) {
+            const std::size_t n = co_await from.async_read_some(asio::buffer(buf), asio::use_awaitable);
+            co_await asio::async_write(to, asio::buffer(buf.data(), n), asio::use_awaitable);
+          }
+        };
+        asio::co_spawn(
+            relay_io,
+            [&]() -> asio::awaitable<void> {
+              Transport us{co_await acceptor.async_accept(asio::use_awaitable)};
+              Transport them{asio::ip::tcp::socket(relay_io)};
+              co_await them.socket().async_connect({asio::ip::make_address(worker.host), worker.port},
+                                                   asio::use_awaitable);
+              co_await us.start_tls(*ctx, AuthRole::acceptor);
+              co_await them.start_tls(*ctx, AuthRole::dialer);
+              using namespace asio::experimental::awaitable_operators;
+              co_await (pump(us, them) || pump(them, us));
+            },
+            asio::detached);
+        std::thread relay_thread([&] { relay_io.run(); });
+        struct StopOnExit {  // also when an EXPECT throws
+          asio::io_context& io;
+          std::thread& thread;
+          ~StopOnExit() {
+            io.stop();
+            thread.join();
+          }
+        } stop_relay{relay_io, relay_thread};
+        asio::io_context io;
+        corpc::detail::AuthConfig config{secret, std::chrono::seconds(5), ctx};
+        authenticated_transport(io, worker, config);  // the control: directly, the secret passes
+        WorkerInfo via_relay = worker;
+        via_relay.port = acceptor.local_endpoint().port();
+        // Through it, the worker finds our proof made for another TLS session and hangs up.
+        EXPECT_THROWS_AS(authenticated_transport(io, via_relay, config), ConnectionError);
+        EXPECT_EQ(rpc_sync<&add>(1, 2, 3), 5);
+      },
+      tls_options(unverified));
 }
 
 TEST_CASE("over TLS the wire carries no plaintext (a relay between the ranks sees none)") {
@@ -388,22 +407,25 @@ TEST_CASE("over TLS the wire carries no plaintext (a relay between the ranks see
     // Rank 1 reaches rank 0 through the relay: its calls to rank 0 (and their replies) travel on that connection.
     // The relay runs in a process of its own (the third one): a thread in this process would be inherited by none of
     // the forked ranks, which ThreadSanitizer refuses.
-    launch_processes(3, [&](int rank) {
-      if (rank == 2) {
-        TappingRelay relay(port, TappingRelay::Listening{::dup(relay_listener.native_handle())});
-        relay.wait_until_all_closed();
-        std::ofstream(tap_file, std::ios::binary) << relay.seen();
-        return;
-      }
-      auto options = tls ? tls_options(cert) : quick_options();
-      options.init_method = "tcp://127.0.0.1:" + std::to_string(rank == 0 ? port : relay_port);
-      init_rpc(worker_name(rank), rank, 2, options);
-      if (rank == 1) {
-        EXPECT_EQ(rpc_sync<&echo_string>(0, std::string(kMarker)), kMarker);
-        EXPECT(at::equal(rpc_sync<&echo_tensor>(0, payload), payload));
-      }
-      shutdown(true);
-    }, launch_options(60s));
+    launch_processes(
+        3,
+        [&](int rank) {
+          if (rank == 2) {
+            TappingRelay relay(port, TappingRelay::Listening{::dup(relay_listener.native_handle())});
+            relay.wait_until_all_closed();
+            std::ofstream(tap_file, std::ios::binary) << relay.seen();
+            return;
+          }
+          auto options = tls ? tls_options(cert) : quick_options();
+          options.init_method = "tcp://127.0.0.1:" + std::to_string(rank == 0 ? port : relay_port);
+          init_rpc(worker_name(rank), rank, 2, options);
+          if (rank == 1) {
+            EXPECT_EQ(rpc_sync<&echo_string>(0, std::string(kMarker)), kMarker);
+            EXPECT(at::equal(rpc_sync<&echo_tensor>(0, payload), payload));
+          }
+          shutdown(true);
+        },
+        launch_options(60s));
     std::ostringstream tapped;
     tapped << std::ifstream(tap_file, std::ios::binary).rdbuf();
     const std::string seen = tapped.str();

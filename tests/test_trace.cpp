@@ -58,28 +58,31 @@ TEST_CASE("a 3-worker job's trace: a track per worker, calls and their execution
   const std::string path = dir.path + "/job.json";
   RpcOptions options = quick_options();
   options.trace_path = path;
-  run_world(3, [](int rank) {
-    if (rank != 0) return;
-    EXPECT_EQ(rpc_sync<&add>("worker1", 2, 3), 5);
-    EXPECT_EQ(rpc_sync<&relay>("worker1", std::string("worker2")), std::string("worker2"));
-    RRef<int> r = remote<&add>("worker2", 4, 5);
-    EXPECT_EQ(r.to_here().wait(), 9);
-    const at::Tensor big = at::ones({512, 512});  // 1 MiB each way: a large transfer
-    EXPECT(rpc_sync<&scale>("worker1", big, 2.0).sum().item<double>() == 2.0 * 512 * 512);
-    dist_autograd::Context ctx;
-    const at::Tensor x = at::ones({4}).set_requires_grad(true);
-    ctx.backward({rpc_sync<&scale>("worker2", x, 3.0).sum()}).wait();
-    EXPECT(at::allclose(ctx.gradients().at(x), at::full({4}, 3.0)));
-  }, options);
+  run_world(
+      3,
+      [](int rank) {
+        if (rank != 0) return;
+        EXPECT_EQ(rpc_sync<&add>("worker1", 2, 3), 5);
+        EXPECT_EQ(rpc_sync<&relay>("worker1", std::string("worker2")), std::string("worker2"));
+        RRef<int> r = remote<&add>("worker2", 4, 5);
+        EXPECT_EQ(r.to_here().wait(), 9);
+        const at::Tensor big = at::ones({512, 512});  // 1 MiB each way: a large transfer
+        EXPECT(rpc_sync<&scale>("worker1", big, 2.0).sum().item<double>() == 2.0 * 512 * 512);
+        dist_autograd::Context ctx;
+        const at::Tensor x = at::ones({4}).set_requires_grad(true);
+        ctx.backward({rpc_sync<&scale>("worker2", x, 3.0).sum()}).wait();
+        EXPECT(at::allclose(ctx.gradients().at(x), at::full({4}, 3.0)));
+      },
+      options);
 
   // Merged by rank 0 at shutdown; the parts are gone.
   for (int r = 0; r < 3; ++r) DOCTEST_CHECK_FALSE(std::filesystem::exists(trace::part_path(path, r)));
   const auto trace = read_json(path);
   const auto& events = trace["traceEvents"].arr();
 
-  std::map<int, std::string> processes;                  // pid -> worker name
-  std::map<int, std::multiset<std::string>> slices;      // pid -> names of its complete events
-  std::map<std::string, std::pair<int, int>> flows[2];   // by name ("call", "reply"): id -> (start pid, end pid)
+  std::map<int, std::string> processes;                 // pid -> worker name
+  std::map<int, std::multiset<std::string>> slices;     // pid -> names of its complete events
+  std::map<std::string, std::pair<int, int>> flows[2];  // by name ("call", "reply"): id -> (start pid, end pid)
   std::map<std::string, int> starts, ends;
   for (const auto& e : events) {
     const std::string ph = e["ph"].str();
@@ -109,16 +112,16 @@ TEST_CASE("a 3-worker job's trace: a track per worker, calls and their execution
   DOCTEST_CHECK(has(1, "add → worker1"));
   DOCTEST_CHECK(has(2, "add ← master"));
   DOCTEST_CHECK(has(1, "reply add ← worker1"));
-  DOCTEST_CHECK(has(2, "relay ← master"));     // the nested call: master → worker1 → worker2
+  DOCTEST_CHECK(has(2, "relay ← master"));  // the nested call: master → worker1 → worker2
   DOCTEST_CHECK(has(2, "whoami → worker2"));
   DOCTEST_CHECK(has(3, "whoami ← worker1"));
   DOCTEST_CHECK(has(2, "reply relay → master"));
-  DOCTEST_CHECK(has(3, "add> ← master"));      // remote() runs add on worker2 (corpc::rref_remote<add>) ...
-  DOCTEST_CHECK(has(3, "rref_fetch"));         // ... and to_here fetches the value
+  DOCTEST_CHECK(has(3, "add> ← master"));  // remote() runs add on worker2 (corpc::rref_remote<add>) ...
+  DOCTEST_CHECK(has(3, "rref_fetch"));     // ... and to_here fetches the value
   DOCTEST_CHECK(has(1, "send 1.0 MiB → worker1"));
   DOCTEST_CHECK(has(2, "receive 1.0 MiB ← master"));
   DOCTEST_CHECK(has(2, "send 1.0 MiB → master"));
-  DOCTEST_CHECK(has(1, "backward ctx 0:"));     // the backward pass on the master and on worker2
+  DOCTEST_CHECK(has(1, "backward ctx 0:"));  // the backward pass on the master and on worker2
   DOCTEST_CHECK(has(3, "backward ctx 0:"));
 
   // Every flow that starts ends exactly once, in another worker: call arrows from caller to callee, reply arrows back.
@@ -132,11 +135,13 @@ TEST_CASE("a 3-worker job's trace: a track per worker, calls and their execution
 TEST_CASE("merging by hand: parts that exist merge, a truncated last line is dropped") {
   TempDir dir;
   const std::string a = dir.path + "/a.json", b = dir.path + "/b.json", out = dir.path + "/out.json";
-  REQUIRE(trace::write_chrome_trace(a, {trace::process_name_event(1, "w\"0", 0),
-                                        trace::ChromeEvent('X', 1, 1).name("f → w1").cat("call").ts(1).dur(2).arg("bytes", 64).str()}));
+  REQUIRE(trace::write_chrome_trace(
+      a, {trace::process_name_event(1, "w\"0", 0),
+          trace::ChromeEvent('X', 1, 1).name("f → w1").cat("call").ts(1).dur(2).arg("bytes", 64).str()}));
   {
     std::ofstream f(b);  // a worker killed while writing its part
-    f << "{\"traceEvents\":[\n" << trace::ChromeEvent('X', 2, 1).name("g").ts(3).dur(1).str() << ",\n{\"ph\":\"X\",\"na";
+    f << "{\"traceEvents\":[\n"
+      << trace::ChromeEvent('X', 2, 1).name("g").ts(3).dur(1).str() << ",\n{\"ph\":\"X\",\"na";
   }
   DOCTEST_CHECK(trace::merge_chrome_traces(out, {a, b, dir.path + "/missing.json"}) == 4);
   const auto merged = read_json(out);

@@ -47,7 +47,7 @@ TEST_CASE("block cache: a released block is reused for its size class; cached me
   REQUIRE(capacity == Pool::size_class(3 * kMiB - 4096));  // one class covers nearby sizes
   REQUIRE(pool.release(a) == capacity);
   void* b = pool.acquire(3 * kMiB - 100);
-  REQUIRE(b == a);  // the cached block, not a fresh mapping
+  REQUIRE(b == a);                   // the cached block, not a fresh mapping
   void* c = pool.acquire(3 * kMiB);  // b is in use: another block
   REQUIRE(c != b);
   int not_ours = 0;
@@ -76,29 +76,32 @@ TEST_CASE("steady receives of one size take no page faults, and carry the same b
   for (const bool same_host : {false, true}) {
     RpcOptions options = quick_options();
     options.same_host_channel = same_host;
-    run_world(2, [&](int rank) {
-      if (rank != 0) return;
-      std::vector<at::Tensor> tensors;  // made first: the measure counts the transfers, not the making
-      const at::Tensor base = pattern(kNumel, 0);
-      for (int i = 0; i < kWarm + kSteady; ++i) tensors.push_back(base + i);
-      std::int64_t here = 0, there = 0;
-      for (int i = 0; i < kWarm + kSteady; ++i) {
-        if (i == kWarm) {
-          here = minor_faults();
-          there = rpc_sync<&faults_here>(1);
-        }
-        const at::Tensor& sent = tensors[i];
-        at::Tensor back = rpc_sync<&echo>(1, sent);
-        EXPECT(at::equal(back, sent));
-      }
-      const std::int64_t here_total = minor_faults() - here;
-      const std::int64_t there_total = rpc_sync<&faults_here>(1) - there;
-      MESSAGE("same-host channel " << same_host << ": minor faults per 16 MiB echo in steady state: caller "
-                                   << here_total / kSteady << ", callee " << there_total / kSteady);
-      const std::int64_t bound = same_host ? 4096 + 16 * kSteady : 16 * kSteady;
-      EXPECT(here_total < bound);
-      EXPECT(there_total < bound);
-    }, options);
+    run_world(
+        2,
+        [&](int rank) {
+          if (rank != 0) return;
+          std::vector<at::Tensor> tensors;  // made first: the measure counts the transfers, not the making
+          const at::Tensor base = pattern(kNumel, 0);
+          for (int i = 0; i < kWarm + kSteady; ++i) tensors.push_back(base + i);
+          std::int64_t here = 0, there = 0;
+          for (int i = 0; i < kWarm + kSteady; ++i) {
+            if (i == kWarm) {
+              here = minor_faults();
+              there = rpc_sync<&faults_here>(1);
+            }
+            const at::Tensor& sent = tensors[i];
+            at::Tensor back = rpc_sync<&echo>(1, sent);
+            EXPECT(at::equal(back, sent));
+          }
+          const std::int64_t here_total = minor_faults() - here;
+          const std::int64_t there_total = rpc_sync<&faults_here>(1) - there;
+          MESSAGE("same-host channel " << same_host << ": minor faults per 16 MiB echo in steady state: caller "
+                                       << here_total / kSteady << ", callee " << there_total / kSteady);
+          const std::int64_t bound = same_host ? 4096 + 16 * kSteady : 16 * kSteady;
+          EXPECT(here_total < bound);
+          EXPECT(there_total < bound);
+        },
+        options);
   }
 }
 
@@ -122,28 +125,32 @@ TEST_CASE("received tensors held at once keep their own buffers") {
 // are faulted in again). Both are checked, so the test fails if the allocator is not installed or not used.
 TEST_CASE("large CPU allocations reuse cached pages when the host allocator is on, and not when it is off") {
   for (const bool on : {true, false}) {
-    run_world(1, [&](int) {
-      // After init_rpc, which applied the defaults: the latest configuration holds.
-      HostMemoryOptions memory;
-      memory.cache_cpu_allocations = on;
-      configure_host_memory(memory);
-      // Floats: 64 MiB, 16384 pages. Above glibc's largest mmap threshold (32 MiB), so without the cache every
-      // allocation is a fresh mapping, whatever the heap's history in this process.
-      constexpr std::int64_t kNumel = 16 * kMiB;
-      const void* first = nullptr;
-      std::int64_t faults_before = 0;
-      for (int round = 0; round < 3; ++round) {
-        if (round == 1) faults_before = minor_faults();
-        at::Tensor t = at::empty({kNumel});
-        t.fill_(static_cast<float>(round));  // touches every page
-        if (round == 0) first = t.data_ptr();
-        if (on && round > 0) EXPECT(t.data_ptr() == first);  // (a fresh mapping may land at the same address)
-        EXPECT(t[kNumel - 1].item<float>() == static_cast<float>(round));
-      }
-      const std::int64_t per_round = (minor_faults() - faults_before) / 2;
-      MESSAGE("cache_cpu_allocations " << on << ": minor faults per 64 MiB allocation after the first: " << per_round);
-      if (on) EXPECT(per_round < 16);
-      else EXPECT(per_round > 4000);  // glibc maps and unmaps a buffer this size every time
-    }, quick_options());
+    run_world(
+        1,
+        [&](int) {
+          // After init_rpc, which applied the defaults: the latest configuration holds.
+          HostMemoryOptions memory;
+          memory.cache_cpu_allocations = on;
+          configure_host_memory(memory);
+          // Floats: 64 MiB, 16384 pages. Above glibc's largest mmap threshold (32 MiB), so without the cache every
+          // allocation is a fresh mapping, whatever the heap's history in this process.
+          constexpr std::int64_t kNumel = 16 * kMiB;
+          const void* first = nullptr;
+          std::int64_t faults_before = 0;
+          for (int round = 0; round < 3; ++round) {
+            if (round == 1) faults_before = minor_faults();
+            at::Tensor t = at::empty({kNumel});
+            t.fill_(static_cast<float>(round));  // touches every page
+            if (round == 0) first = t.data_ptr();
+            if (on && round > 0) EXPECT(t.data_ptr() == first);  // (a fresh mapping may land at the same address)
+            EXPECT(t[kNumel - 1].item<float>() == static_cast<float>(round));
+          }
+          const std::int64_t per_round = (minor_faults() - faults_before) / 2;
+          MESSAGE("cache_cpu_allocations " << on
+                                           << ": minor faults per 64 MiB allocation after the first: " << per_round);
+          if (on) EXPECT(per_round < 16);
+          else EXPECT(per_round > 4000);  // glibc maps and unmaps a buffer this size every time
+        },
+        quick_options());
   }
 }

@@ -22,14 +22,16 @@
 namespace {
 
 int usage() {
-  std::fputs("usage: corpc-trace merge OUT.json PART.json...\n"
-             "       corpc-trace plot TRACE.json OUT.png [--from MS] [--to MS]\n",
-             stderr);
+  std::fputs(
+      "usage: corpc-trace merge OUT.json PART.json...\n"
+      "       corpc-trace plot TRACE.json OUT.png [--from MS] [--to MS]\n",
+      stderr);
   return 2;
 }
 
 int colour_of(const std::string& cat) {
-  static const std::map<std::string, int> colours{{"call", 0}, {"run", 1}, {"reply", 2}, {"tensors", 3}, {"autograd", 4}};
+  static const std::map<std::string, int> colours{
+      {"call", 0}, {"run", 1}, {"reply", 2}, {"tensors", 3}, {"autograd", 4}};
   auto it = colours.find(cat);
   return it == colours.end() ? 5 : it->second;
 }
@@ -95,7 +97,8 @@ int plot(const std::string& in, const std::string& png, double from_ms, double t
   for (auto& [key, f] : flows)
     if (f.second == 3) chart.arrows.push_back(f.first);
   chart.min_width = hi > lo ? (hi - lo) * 0.002 : 0;
-  chart.title = "corpc trace: call (blue), run (green), reply (orange), transfer (purple), backward (red); arrows: flows";
+  chart.title =
+      "corpc trace: call (blue), run (green), reply (orange), transfer (purple), backward (red); arrows: flows";
   chart.xlabel = "ms from the first slice";
   chart.palette = {"#3b75af", "#519e3e", "#ef8636", "#8c62aa", "#c03d3e", "#999999"};
   return gantt::draw(png, chart) ? 0 : 1;

@@ -32,7 +32,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-Clock::duration seconds(double s) { return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s)); }
+Clock::duration seconds(double s) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+}
 
 volatile sig_atomic_t g_signal = 0;
 void on_signal(int sig) { g_signal = sig; }
@@ -121,8 +123,10 @@ int main(int argc, char** argv) {
     else if (a == "--grace") grace_s = std::atof(value());
     else if (a == "--timeout") timeout_s = std::atof(value());
     else if (a == "-h" || a == "--help") usage(0);
-    else if (a == "--") { ++i; break; }
-    else if (a[0] == '-') usage(2);
+    else if (a == "--") {
+      ++i;
+      break;
+    } else if (a[0] == '-') usage(2);
     else break;
   }
   if (i >= argc || nproc <= 0) usage(2);
@@ -233,8 +237,7 @@ int main(int argc, char** argv) {
       if (!rk.failure.empty()) continue;  // killed by us: the reason is already set
       if (WIFEXITED(status) && WEXITSTATUS(status) != 0)
         rk.failure = "exited with code " + std::to_string(WEXITSTATUS(status));
-      else if (WIFSIGNALED(status))
-        rk.failure = std::string("killed by signal ") + ::strsignal(WTERMSIG(status));
+      else if (WIFSIGNALED(status)) rk.failure = std::string("killed by signal ") + ::strsignal(WTERMSIG(status));
       if (!rk.failure.empty() && !kill_at) {
         kill_at = Clock::now() + seconds(grace_s);
         kill_reason = "killed: still running " + std::to_string(static_cast<int>(grace_s)) + " s after rank " +
@@ -244,8 +247,7 @@ int main(int argc, char** argv) {
     const auto now = Clock::now();
     if (timeout_s > 0 && now - start > seconds(timeout_s))
       kill_rest("killed: timed out after " + std::to_string(static_cast<int>(timeout_s)) + " s");
-    else if (kill_at && now > *kill_at)
-      kill_rest(kill_reason);
+    else if (kill_at && now > *kill_at) kill_rest(kill_reason);
   }
   // What the ranks wrote last (a grandchild that still holds a pipe open does not keep us waiting).
   for (int r = 0; r < nproc; ++r)
@@ -260,7 +262,8 @@ int main(int argc, char** argv) {
 
   std::string failed;
   for (int r = 0; r < nproc; ++r)
-    if (!ranks[r].failure.empty()) failed += (failed.empty() ? "" : "; ") + ("rank " + std::to_string(r) + " " + ranks[r].failure);
+    if (!ranks[r].failure.empty())
+      failed += (failed.empty() ? "" : "; ") + ("rank " + std::to_string(r) + " " + ranks[r].failure);
   if (failed.empty()) return 0;
   std::fprintf(stderr, "corpcrun: %s\n", failed.c_str());
   return 1;

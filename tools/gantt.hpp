@@ -27,10 +27,10 @@ struct Arrow {
 
 struct Chart {
   std::string title, xlabel;
-  std::vector<std::string> palette;                // colours ('#3b75af'), by Box::colour
-  std::vector<std::pair<std::string, int>> rows;   // (label, row); rows run top to bottom
-  int row_count = 0;                               // rows, gaps included
-  double min_width = 0;                            // boxes narrower than this are widened to it, so they show
+  std::vector<std::string> palette;               // colours ('#3b75af'), by Box::colour
+  std::vector<std::pair<std::string, int>> rows;  // (label, row); rows run top to bottom
+  int row_count = 0;                              // rows, gaps included
+  double min_width = 0;                           // boxes narrower than this are widened to it, so they show
   std::vector<Box> boxes;
   std::vector<Arrow> arrows;
   int width_px = 1400;
@@ -66,12 +66,13 @@ inline bool draw(const std::string& png, const Chart& c) {
     std::ofstream g(script);
     g << "set terminal pngcairo size " << c.width_px << "," << 120 + 28 * c.row_count << " font 'sans,10'\n"
       << "set output '" << png << "'\nset xlabel '" << c.xlabel << "'\nset yrange [" << c.row_count << ":-1]\n"
-      << "set ytics (" << ytics << ")\nset palette defined (" << palette << ")\nset cbrange [0:"
-      << (c.palette.empty() ? 1 : c.palette.size() - 1) << "]\nunset colorbox\nset title '" << c.title
-      << "'\nset grid xtics\n"
+      << "set ytics (" << ytics << ")\nset palette defined (" << palette
+      << ")\nset cbrange [0:" << (c.palette.empty() ? 1 : c.palette.size() - 1) << "]\nunset colorbox\nset title '"
+      << c.title << "'\nset grid xtics\n"
       << "plot '" << data << "' using 1:2:3:4:5 with boxxyerror fs solid 0.9 noborder lc palette notitle";
     if (!c.arrows.empty())
-      g << ", '" << arrows << "' using 1:2:3:4 with vectors head filled size screen 0.006,20 lw 0.8 lc rgb '#555555' notitle";
+      g << ", '" << arrows
+        << "' using 1:2:3:4 with vectors head filled size screen 0.006,20 lw 0.8 lc rgb '#555555' notitle";
     g << '\n';
   }
   const std::string cmd = "gnuplot '" + script + "'";

@@ -119,7 +119,9 @@ class Parser {
       if (i_ >= s_.size()) fail("unexpected end in an escape");
       c = s_[i_++];
       switch (c) {
-        case '"': case '\\': case '/': out += c; break;
+        case '"':
+        case '\\':
+        case '/': out += c; break;
         case 'n': out += '\n'; break;
         case 't': out += '\t'; break;
         case 'r': out += '\r'; break;
@@ -144,7 +146,8 @@ class Parser {
     const std::size_t start = i_;
     if (i_ < s_.size() && s_[i_] == '-') ++i_;
     bool digits = false;
-    while (i_ < s_.size() && std::string_view("0123456789.eE+-").find(s_[i_]) != std::string_view::npos) ++i_, digits = true;
+    while (i_ < s_.size() && std::string_view("0123456789.eE+-").find(s_[i_]) != std::string_view::npos)
+      ++i_, digits = true;
     if (!digits) fail("expected a value");
     const std::string text(s_.substr(start, i_ - start));
     char* end = nullptr;

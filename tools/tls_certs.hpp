@@ -44,8 +44,8 @@ class ThrowawayPki {
   // key; returns TlsOptions presenting it and trusting this CA.
   TlsOptions issue(const std::string& name, bool expired = false) const {
     std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> key(new_key(), EVP_PKEY_free);
-    std::unique_ptr<X509, decltype(&X509_free)> cert(make_cert(name, key.get(), ca_cert_.get(), ca_key_.get(), false, expired),
-                                                     X509_free);
+    std::unique_ptr<X509, decltype(&X509_free)> cert(
+        make_cert(name, key.get(), ca_cert_.get(), ca_key_.get(), false, expired), X509_free);
     TlsOptions o;
     o.certificate_chain_file = dir_ + "/" + name + ".pem";
     o.private_key_file = dir_ + "/" + name + ".key";
@@ -82,7 +82,8 @@ class ThrowawayPki {
   }
 
   // issuer == nullptr: self-signed with `key`.
-  static X509* make_cert(const std::string& name, EVP_PKEY* key, X509* issuer, EVP_PKEY* issuer_key, bool ca, bool expired) {
+  static X509* make_cert(const std::string& name, EVP_PKEY* key, X509* issuer, EVP_PKEY* issuer_key, bool ca,
+                         bool expired) {
     static long serial = 1;
     X509* x = X509_new();
     X509_set_version(x, 2);
@@ -91,12 +92,14 @@ class ThrowawayPki {
     X509_gmtime_adj(X509_getm_notAfter(x), expired ? -3600 : 86400);
     X509_set_pubkey(x, key);
     X509_NAME* subject = X509_get_subject_name(x);
-    X509_NAME_add_entry_by_txt(subject, "CN", MBSTRING_ASC, reinterpret_cast<const unsigned char*>(name.c_str()), -1, -1, 0);
+    X509_NAME_add_entry_by_txt(subject, "CN", MBSTRING_ASC, reinterpret_cast<const unsigned char*>(name.c_str()), -1,
+                               -1, 0);
     X509_set_issuer_name(x, issuer ? X509_get_subject_name(issuer) : subject);
     add_ext(x, issuer, NID_basic_constraints, ca ? "critical,CA:TRUE" : "critical,CA:FALSE");
     add_ext(x, issuer, NID_key_usage, ca ? "critical,keyCertSign,cRLSign" : "critical,digitalSignature");
     add_ext(x, issuer, NID_subject_key_identifier, "hash");
-    if (X509_sign(x, issuer_key ? issuer_key : key, EVP_sha256()) == 0) throw std::runtime_error("ThrowawayPki: signing failed");
+    if (X509_sign(x, issuer_key ? issuer_key : key, EVP_sha256()) == 0)
+      throw std::runtime_error("ThrowawayPki: signing failed");
     return x;
   }
 

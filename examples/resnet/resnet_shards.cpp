@@ -12,10 +12,8 @@ namespace nn = torch::nn;
 
 namespace {
 
-nn::Conv2d conv(int64_t in, int64_t out, int64_t k, int64_t stride,
-                int64_t pad) {
-  nn::Conv2d c(nn::Conv2dOptions(in, out, k).stride(stride).padding(pad).bias(
-      false));
+nn::Conv2d conv(int64_t in, int64_t out, int64_t k, int64_t stride, int64_t pad) {
+  nn::Conv2d c(nn::Conv2dOptions(in, out, k).stride(stride).padding(pad).bias(false));
   // torchvision's init; libtorch's default (kaiming_uniform a=sqrt(5)) would
   // make the deep stack's activations shrink.
   nn::init::kaiming_normal_(c->weight, 0.0, torch::kFanOut, torch::kReLU);
@@ -28,8 +26,7 @@ nn::BatchNorm2d bn(int64_t channels) {
 }
 
 // Appends `blocks` Bottlenecks; only the first may change stride/width.
-nn::Sequential make_layer(int64_t& inplanes, int64_t planes, int64_t blocks,
-                          int64_t stride) {
+nn::Sequential make_layer(int64_t& inplanes, int64_t planes, int64_t blocks, int64_t stride) {
   nn::Sequential layer;
   for (int64_t i = 0; i < blocks; ++i) {
     layer->push_back(Bottleneck(inplanes, planes, i == 0 ? stride : 1));
@@ -47,8 +44,7 @@ ResNetConfig with_width(int64_t base_width, int64_t num_classes = 1000) {
 
 }  // namespace
 
-BottleneckImpl::BottleneckImpl(int64_t inplanes, int64_t planes,
-                               int64_t stride) {
+BottleneckImpl::BottleneckImpl(int64_t inplanes, int64_t planes, int64_t stride) {
   conv1 = register_module("conv1", conv(inplanes, planes, 1, 1, 0));
   bn1 = register_module("bn1", bn(planes));
   conv2 = register_module("conv2", conv(planes, planes, 3, stride, 1));
@@ -56,8 +52,7 @@ BottleneckImpl::BottleneckImpl(int64_t inplanes, int64_t planes,
   conv3 = register_module("conv3", conv(planes, planes * kExpansion, 1, 1, 0));
   bn3 = register_module("bn3", bn(planes * kExpansion));
   if (stride != 1 || inplanes != planes * kExpansion) {
-    downsample_conv = register_module(
-        "downsample_conv", conv(inplanes, planes * kExpansion, 1, stride, 0));
+    downsample_conv = register_module("downsample_conv", conv(inplanes, planes * kExpansion, 1, stride, 0));
     downsample_bn = register_module("downsample_bn", bn(planes * kExpansion));
   }
 }
@@ -75,15 +70,12 @@ ResNetShard1Impl::ResNetShard1Impl(const ResNetConfig& cfg) {
   int64_t inplanes = w;
   conv1 = register_module("conv1", conv(3, w, 7, 2, 3));
   bn1 = register_module("bn1", bn(w));
-  maxpool = register_module(
-      "maxpool", nn::MaxPool2d(nn::MaxPool2dOptions(3).stride(2).padding(1)));
+  maxpool = register_module("maxpool", nn::MaxPool2d(nn::MaxPool2dOptions(3).stride(2).padding(1)));
   layer1 = register_module("layer1", make_layer(inplanes, w, cfg.blocks[0], 1));
-  layer2 =
-      register_module("layer2", make_layer(inplanes, 2 * w, cfg.blocks[1], 2));
+  layer2 = register_module("layer2", make_layer(inplanes, 2 * w, cfg.blocks[1], 2));
 }
 
-ResNetShard1Impl::ResNetShard1Impl(int64_t base_width)
-    : ResNetShard1Impl(with_width(base_width)) {}
+ResNetShard1Impl::ResNetShard1Impl(int64_t base_width) : ResNetShard1Impl(with_width(base_width)) {}
 
 torch::Tensor ResNetShard1Impl::forward(torch::Tensor x) {
   x = maxpool(torch::relu(bn1(conv1(x))));
@@ -94,10 +86,8 @@ ResNetShard2Impl::ResNetShard2Impl(const ResNetConfig& cfg) {
   const int64_t w = cfg.base_width;
   // Shard 2 starts where layer2 ended.
   int64_t inplanes = 2 * w * BottleneckImpl::kExpansion;
-  layer3 =
-      register_module("layer3", make_layer(inplanes, 4 * w, cfg.blocks[2], 2));
-  layer4 =
-      register_module("layer4", make_layer(inplanes, 8 * w, cfg.blocks[3], 2));
+  layer3 = register_module("layer3", make_layer(inplanes, 4 * w, cfg.blocks[2], 2));
+  layer4 = register_module("layer4", make_layer(inplanes, 8 * w, cfg.blocks[3], 2));
   avgpool = register_module("avgpool", nn::AdaptiveAvgPool2d(1));
   fc = register_module("fc", nn::Linear(inplanes, cfg.num_classes));
 }
@@ -115,9 +105,7 @@ ResNet50Impl::ResNet50Impl(const ResNetConfig& cfg) {
   shard2 = register_module("shard2", ResNetShard2(cfg));
 }
 
-torch::Tensor ResNet50Impl::forward(torch::Tensor x) {
-  return shard2(shard1(x));
-}
+torch::Tensor ResNet50Impl::forward(torch::Tensor x) { return shard2(shard1(x)); }
 
 ResNetConfig make_config(int64_t base_width, const std::vector<int64_t>& blocks, int64_t num_classes) {
   ResNetConfig cfg;
@@ -165,8 +153,7 @@ std::vector<int> tutorial_balance(const std::vector<int64_t>& blocks) {
   return {static_cast<int>(4 + blocks.at(0) + blocks.at(1)), static_cast<int>(blocks.at(2) + blocks.at(3) + 3)};
 }
 
-torch::Tensor one_hot_labels(int64_t batch, int64_t num_classes,
-                             uint64_t seed) {
+torch::Tensor one_hot_labels(int64_t batch, int64_t num_classes, uint64_t seed) {
   auto gen = at::detail::createCPUGenerator(seed);
   auto idx = torch::randint(num_classes, {batch, 1}, gen, torch::kLong);
   return torch::zeros({batch, num_classes}).scatter_(1, idx, 1.0);

@@ -61,8 +61,7 @@ TORCH_MODULE(ResNetShard1);
 class ResNetShard2Impl : public torch::nn::Module {
  public:
   explicit ResNetShard2Impl(const ResNetConfig& cfg);
-  explicit ResNetShard2Impl(int64_t base_width = 64,
-                            int64_t num_classes = 1000);
+  explicit ResNetShard2Impl(int64_t base_width = 64, int64_t num_classes = 1000);
   torch::Tensor forward(torch::Tensor x);
 
  private:
@@ -98,8 +97,7 @@ ResNetConfig make_config(int64_t base_width, const std::vector<int64_t>& blocks,
 
 // Deterministic inputs independent of the global RNG, so runs with
 // different split counts train on identical data.
-torch::Tensor one_hot_labels(int64_t batch, int64_t num_classes,
-                             uint64_t seed);
+torch::Tensor one_hot_labels(int64_t batch, int64_t num_classes, uint64_t seed);
 torch::Tensor random_images(int64_t batch, int64_t image_size, uint64_t seed);
 
 }  // namespace corpc::examples

@@ -50,7 +50,8 @@ class CartPole {
 
  private:
   State state() const {
-    return {static_cast<float>(x_), static_cast<float>(x_dot_), static_cast<float>(theta_), static_cast<float>(theta_dot_)};
+    return {static_cast<float>(x_), static_cast<float>(x_dot_), static_cast<float>(theta_),
+            static_cast<float>(theta_dot_)};
   }
 
   std::mt19937_64 rng_;

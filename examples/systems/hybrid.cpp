@@ -38,7 +38,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> trainer_group(int trainer, const std::str
   return group;
 }
 
-at::Tensor weight_of(corpc::RRef<torch::nn::EmbeddingBag> table) { return table.local_value()->weight.detach().clone(); }
+at::Tensor weight_of(corpc::RRef<torch::nn::EmbeddingBag> table) {
+  return table.local_value()->weight.detach().clone();
+}
 
 }  // namespace
 
@@ -53,11 +55,13 @@ torch::nn::EmbeddingBag make_embedding_table(std::uint64_t seed) {
 std::vector<at::Tensor> initial_dense(std::uint64_t seed) {
   auto gen = generator(seed * 31 + 2);
   const double bound = 1.0 / std::sqrt(static_cast<double>(kEmbeddingDim));
-  return {at::empty({kClasses, kEmbeddingDim}).uniform_(-bound, bound, gen), at::empty({kClasses}).uniform_(-bound, bound, gen)};
+  return {at::empty({kClasses, kEmbeddingDim}).uniform_(-bound, bound, gen),
+          at::empty({kClasses}).uniform_(-bound, bound, gen)};
 }
 
 Batch make_batch(std::uint64_t seed, int trainer, std::int64_t step) {
-  auto gen = generator(seed * 1'000'003 + static_cast<std::uint64_t>(trainer) * 1'000'000 + static_cast<std::uint64_t>(step));
+  auto gen =
+      generator(seed * 1'000'003 + static_cast<std::uint64_t>(trainer) * 1'000'000 + static_cast<std::uint64_t>(step));
   const std::int64_t n = randint(20, 51, gen);
   auto indices = at::randint(0, kEmbeddings, {n}, gen);
   std::vector<std::int64_t> offsets;
@@ -113,7 +117,8 @@ std::vector<at::Tensor> reference(const Config& config) {
       auto batch = make_batch(config.seed, t, step);
       std::vector<at::Tensor> leaves{embedding.detach().requires_grad_(true), dense[0].detach().requires_grad_(true),
                                      dense[1].detach().requires_grad_(true)};
-      auto e = F::embedding_bag(batch.indices, leaves[0], F::EmbeddingBagFuncOptions().offsets(batch.offsets).mode(torch::kSum));
+      auto e = F::embedding_bag(batch.indices, leaves[0],
+                                F::EmbeddingBagFuncOptions().offsets(batch.offsets).mode(torch::kSum));
       auto loss = F::cross_entropy(F::linear(e, leaves[1], leaves[2]), batch.target);
       grads.push_back(torch::autograd::grad({loss}, leaves));
     }

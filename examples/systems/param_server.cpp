@@ -123,7 +123,8 @@ corpc::Future<Snapshot> BatchUpdatingParameterServer::update_and_fetch(int train
       throw corpc::UsageError("update_and_fetch: no trainer " + std::to_string(trainer));
     if (grads.size() != params_.size()) throw corpc::UsageError("update_and_fetch: wrong number of gradients");
     auto& slot = round_[static_cast<std::size_t>(trainer)];
-    if (!slot.empty()) throw corpc::UsageError("update_and_fetch: trainer " + std::to_string(trainer) + " sent twice in one round");
+    if (!slot.empty())
+      throw corpc::UsageError("update_and_fetch: trainer " + std::to_string(trainer) + " sent twice in one round");
     slot = std::move(grads);
     mine = round_done_.get_future();
     if (++received_ < static_cast<int>(round_.size())) return mine;

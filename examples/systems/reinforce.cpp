@@ -31,7 +31,8 @@ corpc::Task<float> Observer::run_episode(corpc::RRef<Agent> agent) {
   auto state = env_.reset();
   float total = 0;
   for (;;) {
-    const int action = co_await agent.rpc_async<&Agent::select_action>(id_, std::vector<float>(state.begin(), state.end()));
+    const int action =
+        co_await agent.rpc_async<&Agent::select_action>(id_, std::vector<float>(state.begin(), state.end()));
     auto step = env_.step(action);
     co_await agent.rpc_async<&Agent::report_reward>(id_, step.reward);
     total += step.reward;

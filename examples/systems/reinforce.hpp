@@ -29,7 +29,7 @@ namespace systems::rl {
 
 struct Config {
   std::uint64_t seed = 1;
-  int max_steps = 500;       // per observer and episode (CartPole-v1's limit)
+  int max_steps = 500;  // per observer and episode (CartPole-v1's limit)
   double gamma = 0.99;
   double lr = 1e-2;
   double dropout = 0.6;
@@ -63,8 +63,8 @@ class Observer {
 };
 
 struct EpisodeResult {
-  float min_reward = 0;       // the worst observer's episode reward (what the tutorial tracks)
-  float running_reward = 0;   // exponential average of min_reward, weight 0.05
+  float min_reward = 0;      // the worst observer's episode reward (what the tutorial tracks)
+  float running_reward = 0;  // exponential average of min_reward, weight 0.05
 };
 
 class Agent {

@@ -205,8 +205,10 @@ Future<void> local_pass(const std::shared_ptr<ContextState>& ctx, const ag::edge
   };
   for (std::size_t i = 0; i < roots.size(); ++i) {
     ag::Node* fn = roots[i].function.get();
-    if (auto* acc = dynamic_cast<ag::AccumulateGrad*>(fn)) accumulate_leaf(*ctx, hook_pass, *acc, grads[i]);  // a leaf, sent as is
-    else if (auto* recv = dynamic_cast<RecvFunction*>(fn)) ship(recv, roots[i].input_nr, grads[i]);  // passed straight on
+    if (auto* acc = dynamic_cast<ag::AccumulateGrad*>(fn))
+      accumulate_leaf(*ctx, hook_pass, *acc, grads[i]);  // a leaf, sent as is
+    else if (auto* recv = dynamic_cast<RecvFunction*>(fn))
+      ship(recv, roots[i].input_nr, grads[i]);  // passed straight on
     else if (fn) engine_roots.push_back(roots[i]), engine_grads.push_back(grads[i]);
   }
 
@@ -251,36 +253,42 @@ Future<void> local_pass(const std::shared_ptr<ContextState>& ctx, const ag::edge
   for (auto& fn : hook_pass.at_end) fn();
   std::vector<Future<void>> remote;
   CallContextScope no_ctx(detail::with_context(-1));
-  for (auto& [recv, g] : shipped) remote.push_back(rpc_async<&continue_from_send>(recv->src(), ctx->id, recv->msg_id(), g));
+  for (auto& [recv, g] : shipped)
+    remote.push_back(rpc_async<&continue_from_send>(recv->src(), ctx->id, recv->msg_id(), g));
   return when_all(std::move(remote));
 }
 
 Future<void> run_pass(std::shared_ptr<ContextState> ctx, ag::edge_list roots, ag::variable_list grads) {
   auto done = std::make_shared<Promise<void>>();
   auto result = done->get_future();
-  container()->passes().post([ctx = std::move(ctx), roots = std::move(roots), grads = std::move(grads), done]() mutable {
-    Future<void> shipped;
-    try {
-      trace::detail::ScopedRecord slice([&] {
-        return trace::detail::Record{.kind = trace::detail::Kind::backward, .request = static_cast<std::uint64_t>(ctx->id), .bytes = 0, .name = {}};
+  container()->passes().post(
+      [ctx = std::move(ctx), roots = std::move(roots), grads = std::move(grads), done]() mutable {
+        Future<void> shipped;
+        try {
+          trace::detail::ScopedRecord slice([&] {
+            return trace::detail::Record{.kind = trace::detail::Kind::backward,
+                                         .request = static_cast<std::uint64_t>(ctx->id),
+                                         .bytes = 0,
+                                         .name = {}};
+          });
+          shipped = local_pass(ctx, roots, std::move(grads));
+        } catch (...) {
+          shipped = make_exceptional_future<void>(std::current_exception());
+        }
+        corpc::detail::on_ready_inline(shipped, [shipped, done] {
+          if (auto e = shipped.error()) done->set_exception(e);
+          else done->set_value();
+        });
       });
-      shipped = local_pass(ctx, roots, std::move(grads));
-    } catch (...) {
-      shipped = make_exceptional_future<void>(std::current_exception());
-    }
-    corpc::detail::on_ready_inline(shipped, [shipped, done] {
-      if (auto e = shipped.error()) done->set_exception(e);
-      else done->set_value();
-    });
-  });
   return result;
 }
 
 // Runs on the sender of message `msg_id`, when its receiver's backward pass reached the matching recv function.
 Future<void> continue_from_send(std::int64_t ctx_id, std::int64_t msg_id, std::vector<at::Tensor> grads) {
   auto ctx = container()->find(ctx_id);
-  if (!ctx) throw UsageError("distributed autograd context " + std::to_string(ctx_id) + " is not alive on worker '" +
-                             get_worker_info().name + "'");
+  if (!ctx)
+    throw UsageError("distributed autograd context " + std::to_string(ctx_id) + " is not alive on worker '" +
+                     get_worker_info().name + "'");
   ag::edge_list roots;
   {
     std::lock_guard lock(ctx->mutex);
@@ -303,14 +311,17 @@ void release_context(std::int64_t ctx_id) {
   }
   CallContextScope no_ctx(detail::with_context(-1));
   for (int p : peers)
-    if (p != Runtime::get().rank() && Runtime::get().is_alive(p)) corpc::detail::send_control<&release_context>(p, ctx_id);
+    if (p != Runtime::get().rank() && Runtime::get().is_alive(p))
+      corpc::detail::send_control<&release_context>(p, ctx_id);
 }
 
 std::uint64_t live_contexts_here() { return container()->size(); }
 
 }  // namespace
 
-Context::Context() : id_(container()->new_id()), scope_(detail::with_context(id_)) { (void)container()->get_or_create(id_); }
+Context::Context() : id_(container()->new_id()), scope_(detail::with_context(id_)) {
+  (void)container()->get_or_create(id_);
+}
 
 Context::~Context() {
   try {
@@ -328,7 +339,8 @@ GradientMap Context::gradients() const { return get_gradients(id_); }
 Future<void> backward(std::int64_t context_id, std::vector<at::Tensor> roots, bool) {
   try {
     auto ctx = container()->find(context_id);
-    if (!ctx) throw UsageError("backward: distributed autograd context " + std::to_string(context_id) + " is not alive");
+    if (!ctx)
+      throw UsageError("backward: distributed autograd context " + std::to_string(context_id) + " is not alive");
     ag::edge_list edges;
     ag::variable_list grads;
     for (auto& r : roots) {
@@ -348,7 +360,6 @@ GradientMap get_gradients(std::int64_t context_id) {
   std::lock_guard lock(ctx->mutex);
   return ctx->grads;
 }
-
 
 namespace leaf_hooks {
 std::int64_t pass_context_id() { return tls_leaf_pass ? tls_leaf_pass->context : -1; }

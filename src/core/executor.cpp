@@ -76,7 +76,9 @@ ExecutorScope::~ExecutorScope() { tls_executor = previous_; }
 void set_default_executor(Executor* e) noexcept { g_default_executor.store(e, std::memory_order_release); }
 Executor* default_executor() noexcept { return g_default_executor.load(std::memory_order_acquire); }
 
-detail::NonBlockingThreadScope::NonBlockingThreadScope() noexcept : previous_(tls_no_blocking) { tls_no_blocking = true; }
+detail::NonBlockingThreadScope::NonBlockingThreadScope() noexcept : previous_(tls_no_blocking) {
+  tls_no_blocking = true;
+}
 detail::NonBlockingThreadScope::~NonBlockingThreadScope() { tls_no_blocking = previous_; }
 bool blocking_forbidden() noexcept { return tls_no_blocking; }
 void check_may_block(const char* what) {
@@ -86,7 +88,9 @@ void check_may_block(const char* what) {
                      "instead, or run this function on the worker pool (the default)");
 }
 
-void detail::set_spin_before_block(std::chrono::nanoseconds d) noexcept { g_spin_ns.store(d.count(), std::memory_order_relaxed); }
+void detail::set_spin_before_block(std::chrono::nanoseconds d) noexcept {
+  g_spin_ns.store(d.count(), std::memory_order_relaxed);
+}
 std::chrono::nanoseconds detail::spin_before_block() noexcept { return std::chrono::nanoseconds(g_spin_ns.load()); }
 
 // ---- Event ------------------------------------------------------------------------------------------------------

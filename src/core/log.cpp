@@ -85,8 +85,7 @@ class LogQueue {
     try {
       std::thread([this] { run(); }).detach();
       started_ = true;
-    } catch (...) {
-    }
+    } catch (...) {}
     return started_;
   }
 

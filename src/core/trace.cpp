@@ -26,7 +26,8 @@ std::int64_t now_ns() noexcept {
 }
 
 Span::~Span() {
-  if (start_ && enabled()) detail::record({.kind = detail::Kind::span, .t0 = start_, .t1 = now_ns(), .name = std::string(name_)});
+  if (start_ && enabled())
+    detail::record({.kind = detail::Kind::span, .t0 = start_, .t1 = now_ns(), .name = std::string(name_)});
 }
 
 // ---- Chrome trace events ------------------------------------------------------------------------------------------
@@ -132,7 +133,8 @@ bool write_chrome_trace(const std::string& path, const std::vector<std::string>&
 namespace {
 // A whole event line: an object whose braces balance outside strings (a truncated line does not).
 bool complete_event_line(std::string_view line) {
-  if (line.size() < 2 || line.front() != '{' || line.back() != '}' || line.rfind("{\"traceEvents\"", 0) == 0) return false;
+  if (line.size() < 2 || line.front() != '{' || line.back() != '}' || line.rfind("{\"traceEvents\"", 0) == 0)
+    return false;
   int depth = 0;
   bool in_string = false;
   for (std::size_t i = 0; i < line.size(); ++i) {
@@ -237,14 +239,19 @@ void format(const Record& r, int rank, std::int64_t tid, const std::vector<std::
     out.push_back(e.str());
   };
   auto in_flight = [&](char phase) {  // the caller's async slice of the call, begun at `call`, ended at its outcome
-    out.push_back(ChromeEvent(phase, pid, tid).name(r.name + " → " + peer).cat("in flight").ts(t0)
-                      .id(flow_id(rank, r.peer, r.request, false)).str());
+    out.push_back(ChromeEvent(phase, pid, tid)
+                      .name(r.name + " → " + peer)
+                      .cat("in flight")
+                      .ts(t0)
+                      .id(flow_id(rank, r.peer, r.request, false))
+                      .str());
   };
   const auto bytes = static_cast<std::int64_t>(r.bytes);
   const auto request = static_cast<std::int64_t>(r.request);
   switch (r.kind) {
     case Kind::call:
-      out.push_back(slice(r.name + " → " + peer, "call").arg("to", peer).arg("bytes", bytes).arg("request", request).str());
+      out.push_back(
+          slice(r.name + " → " + peer, "call").arg("to", peer).arg("bytes", bytes).arg("request", request).str());
       flow('s', "call", flow_id(rank, r.peer, r.request, false));
       in_flight('b');
       break;
@@ -253,18 +260,25 @@ void format(const Record& r, int rank, std::int64_t tid, const std::vector<std::
       in_flight('e');
       break;
     case Kind::reply_received:
-      out.push_back(slice("reply " + r.name + " ← " + peer, "reply").arg("from", peer).arg("bytes", bytes)
-                        .arg("error", r.error ? 1 : 0).str());
+      out.push_back(slice("reply " + r.name + " ← " + peer, "reply")
+                        .arg("from", peer)
+                        .arg("bytes", bytes)
+                        .arg("error", r.error ? 1 : 0)
+                        .str());
       flow('f', "reply", flow_id(rank, r.peer, r.request, true));
       in_flight('e');
       break;
     case Kind::run:
-      out.push_back(slice(r.name + " ← " + peer, "run").arg("from", peer).arg("bytes", bytes).arg("request", request).str());
+      out.push_back(
+          slice(r.name + " ← " + peer, "run").arg("from", peer).arg("bytes", bytes).arg("request", request).str());
       flow('f', "call", flow_id(r.peer, rank, r.request, false));
       break;
     case Kind::reply_sent:
-      out.push_back(slice("reply " + r.name + " → " + peer, "reply").arg("to", peer).arg("bytes", bytes)
-                        .arg("error", r.error ? 1 : 0).str());
+      out.push_back(slice("reply " + r.name + " → " + peer, "reply")
+                        .arg("to", peer)
+                        .arg("bytes", bytes)
+                        .arg("error", r.error ? 1 : 0)
+                        .str());
       flow('s', "reply", flow_id(r.peer, rank, r.request, true));
       break;
     case Kind::tensor_send:
@@ -272,13 +286,17 @@ void format(const Record& r, int rank, std::int64_t tid, const std::vector<std::
       break;
     case Kind::tensor_receive:
       out.push_back(slice("receive " + mib(r.bytes) + " ← " + peer, "tensors", kConnectionTracks + r.peer)
-                        .arg("bytes", bytes).str());
+                        .arg("bytes", bytes)
+                        .str());
       break;
     case Kind::backward: {
       // Context ids are (creator rank + 1) << 40 | sequence number.
       const auto ctx = static_cast<std::int64_t>(r.request);
-      out.push_back(slice("backward ctx " + std::to_string((ctx >> 40) - 1) + ":" + std::to_string(ctx & ((1LL << 40) - 1)),
-                          "autograd").arg("context", ctx).str());
+      out.push_back(
+          slice("backward ctx " + std::to_string((ctx >> 40) - 1) + ":" + std::to_string(ctx & ((1LL << 40) - 1)),
+                "autograd")
+              .arg("context", ctx)
+              .str());
       break;
     }
     case Kind::span: out.push_back(slice(r.name, "user").str()); break;
@@ -328,7 +346,8 @@ bool write_part(const std::vector<std::string>& names) {
   if (rec.path.empty()) return true;
   const int rank = rec.rank;
   std::vector<std::string> events;
-  events.push_back(process_name_event(rank + 1, rank < static_cast<int>(names.size()) ? names[rank] : "rank " + std::to_string(rank), rank));
+  events.push_back(process_name_event(
+      rank + 1, rank < static_cast<int>(names.size()) ? names[rank] : "rank " + std::to_string(rank), rank));
   std::vector<bool> receive_track(names.size());
   for (auto& b : rec.buffers) {
     std::vector<Record> records;
@@ -347,7 +366,9 @@ bool write_part(const std::vector<std::string>& names) {
     }
   }
   for (std::size_t p = 0; p < receive_track.size(); ++p)
-    if (receive_track[p]) events.push_back(thread_name_event(rank + 1, kConnectionTracks + static_cast<std::int64_t>(p), "receive ← " + names[p]));
+    if (receive_track[p])
+      events.push_back(
+          thread_name_event(rank + 1, kConnectionTracks + static_cast<std::int64_t>(p), "receive ← " + names[p]));
   return write_chrome_trace(part_path(rec.path, rank), events);
 }
 

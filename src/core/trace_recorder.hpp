@@ -12,16 +12,16 @@
 namespace corpc::trace::detail {
 
 enum class Kind : std::uint8_t {
-  call,            // caller: start_call (peer = callee)
-  call_failed,     // caller: a registered call ended without a reply (timeout, cancel, lost connection)
-  reply_received,  // caller: a reply or error frame completed the call
-  run,             // callee: the synchronous part of a handler (peer = caller)
-  reply_sent,      // callee: the reply or error frame left
-  tensor_send,     // a message with large tensor data written (peer = receiver)
-  tensor_receive,  // ... read (peer = sender); drawn on the connection's own track
-  backward,        // one worker's share of a backward pass (request = context id)
-  span,            // a user's trace::Span
-  pipeline_action, // a pipeline stage's action (F3/s1: forward of micro-batch 3 on stage 1), as in its timeline
+  call,             // caller: start_call (peer = callee)
+  call_failed,      // caller: a registered call ended without a reply (timeout, cancel, lost connection)
+  reply_received,   // caller: a reply or error frame completed the call
+  run,              // callee: the synchronous part of a handler (peer = caller)
+  reply_sent,       // callee: the reply or error frame left
+  tensor_send,      // a message with large tensor data written (peer = receiver)
+  tensor_receive,   // ... read (peer = sender); drawn on the connection's own track
+  backward,         // one worker's share of a backward pass (request = context id)
+  span,             // a user's trace::Span
+  pipeline_action,  // a pipeline stage's action (F3/s1: forward of micro-batch 3 on stage 1), as in its timeline
 };
 
 struct Record {
@@ -44,7 +44,8 @@ template <class Fill>
 class ScopedRecord {
  public:
   // `wanted`: a condition of the site's own (tested after enabled(), so it costs nothing when off).
-  explicit ScopedRecord(Fill fill, bool wanted = true) noexcept : t0_(enabled() && wanted ? now_ns() : 0), fill_(fill) {}
+  explicit ScopedRecord(Fill fill, bool wanted = true) noexcept
+      : t0_(enabled() && wanted ? now_ns() : 0), fill_(fill) {}
   ~ScopedRecord() { finish(); }
   // Ends the slice now (once). A site ends it before the work stops counting for graceful shutdown, so that a worker
   // never looks idle, and writes its part of the trace, with a record still to come.

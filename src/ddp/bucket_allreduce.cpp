@@ -80,7 +80,7 @@ at::Tensor GradientSync::State::wait_bucket_locked(size_t bi) {
     reset_locked();
     in_backward = false;
     throw RpcError("DDP: gradient allreduce of bucket " + std::to_string(bi) + " failed on rank " +
-                             std::to_string(group->getRank()) + " (a peer died or timed out?): " + why);
+                   std::to_string(group->getRank()) + " (a peer died or timed out?): " + why);
   }
   const auto value = b.result->value();
   b.result.reset();

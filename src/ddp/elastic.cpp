@@ -13,7 +13,8 @@ int launch_with_restarts(int world_size, const std::function<void(int rank, int 
   for (int restart = 0;; ++restart) {
     ::setenv("TORCHELASTIC_RESTART_COUNT", std::to_string(restart).c_str(), 1);  // the children inherit it
     try {
-      launch_processes(world_size, [&](int rank) { fn(rank, restart); }, options);
+      launch_processes(
+          world_size, [&](int rank) { fn(rank, restart); }, options);
       ::unsetenv("TORCHELASTIC_RESTART_COUNT");
       return restart;
     } catch (const LaunchError& e) {

@@ -38,8 +38,8 @@ at::Tensor GradientSync::State::view_of(const Bucket& b, size_t k) const {
   const auto& p = params[b.params[k]];
   std::vector<int64_t> strides(p.dim(), 1);
   for (int64_t d = p.dim() - 1; d > 0; --d) strides[d - 1] = strides[d] * p.size(d);
-  return at::empty({0}, b.flat.options()).set_(b.flat.storage(), b.flat.storage_offset() + b.offsets[k], p.sizes(),
-                                               strides);
+  return at::empty({0}, b.flat.options())
+      .set_(b.flat.storage(), b.flat.storage_offset() + b.offsets[k], p.sizes(), strides);
 }
 
 bool GradientSync::State::is_bucket_view(const at::Tensor& grad, const Bucket& b, size_t k) const {

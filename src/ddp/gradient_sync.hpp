@@ -48,14 +48,14 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
   size_t launched_early = 0;  // of the current / last backward
   // The distributed autograd context whose backward pass this is (its gradients live there, not in .grad), or -1.
   std::int64_t pass_context = -1;
-  std::vector<bool> unused;   // find_unused_parameters: not reachable from the last forward's output
+  std::vector<bool> unused;  // find_unused_parameters: not reachable from the last forward's output
 
   // Join (uneven inputs): see ddp.hpp.
   bool joining = false;
   JoinOptions join_options;
-  int64_t divisor = 1;           // of the current step's gradients
-  int64_t source_rank = 0;       // buffers come from here: the highest rank still training
-  int64_t last_source_rank = -1; // source_rank of the last step any rank trained in
+  int64_t divisor = 1;            // of the current step's gradients
+  int64_t source_rank = 0;        // buffers come from here: the highest rank still training
+  int64_t last_source_rank = -1;  // source_rank of the last step any rank trained in
 
   // Buckets (gradient_buckets.cpp): reverse registration order, up to bucket_cap_mb, one dtype and device each.
   void build_buckets();

@@ -72,7 +72,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const ProcessGroupOpti
     world = launcher_or(corpc::detail::world_size_from_environment(), rpc ? rpc->world_size() : -1, "WORLD_SIZE");
   if (rank >= world) {
     throw UsageError("init_process_group: rank " + std::to_string(rank) + " is not below the group size " +
-                                std::to_string(world));
+                     std::to_string(world));
   }
   const std::string addr = env_or("MASTER_ADDR", "127.0.0.1");
   // Groups made one after another in a process (on every rank in the same order, as in PyTorch) get their own keys.

@@ -61,7 +61,8 @@ std::mutex g_streams_mutex;
 cudaStream_t transfer_stream(int device) {
   if (device < 0 || device >= kMaxDevices) throw UsageError("CUDA device index " + std::to_string(device));
   std::lock_guard lock(g_streams_mutex);
-  if (!g_streams[device]) check(cudaStreamCreateWithFlags(&g_streams[device], cudaStreamNonBlocking), "cudaStreamCreate");
+  if (!g_streams[device])
+    check(cudaStreamCreateWithFlags(&g_streams[device], cudaStreamNonBlocking), "cudaStreamCreate");
   return g_streams[device];
 }
 
@@ -79,9 +80,11 @@ cudaStream_t producer_stream(int device) {
 at::Tensor device_empty(at::IntArrayRef sizes, at::IntArrayRef strides, at::ScalarType dtype, int device,
                         cudaStream_t written_on) {
   const auto index = static_cast<c10::DeviceIndex>(device);
-  at::Tensor dev = at::empty_strided(sizes, strides, at::TensorOptions().dtype(dtype).device(at::Device(at::kCUDA, index)));
+  at::Tensor dev =
+      at::empty_strided(sizes, strides, at::TensorOptions().dtype(dtype).device(at::Device(at::kCUDA, index)));
   if (dev.storage().data_ptr().get())
-    c10::cuda::CUDACachingAllocator::recordStream(dev.storage().data_ptr(), c10::cuda::getStreamFromExternal(written_on, index));
+    c10::cuda::CUDACachingAllocator::recordStream(dev.storage().data_ptr(),
+                                                  c10::cuda::getStreamFromExternal(written_on, index));
   return dev;
 }
 
@@ -243,7 +246,8 @@ void complete_after(cudaStream_t stream, const std::shared_ptr<DeviceTransfer>& 
   if (cudaError_t e = cudaLaunchHostFunc(stream, &on_copied, done); e != cudaSuccess) {
     // The copy may still be running into or out of `keep`: wait for it before anything is released (error path).
     cudaStreamSynchronize(stream);
-    done->transfer->part_done(std::make_exception_ptr(RpcError(std::string("CUDA cudaLaunchHostFunc: ") + cudaGetErrorString(e))));
+    done->transfer->part_done(
+        std::make_exception_ptr(RpcError(std::string("CUDA cudaLaunchHostFunc: ") + cudaGetErrorString(e))));
     delete done;
   }
 }
@@ -282,7 +286,8 @@ class IpcEvents {
     }
     IpcEvent e;
     e.device = device;
-    if (cudaError_t r = cudaEventCreateWithFlags(&e.event, cudaEventDisableTiming | cudaEventInterprocess); r != cudaSuccess)
+    if (cudaError_t r = cudaEventCreateWithFlags(&e.event, cudaEventDisableTiming | cudaEventInterprocess);
+        r != cudaSuccess)
       throw RpcError(cuda_error("cudaEventCreateWithFlags(cudaEventInterprocess)", r));
     if (cudaError_t r = cudaIpcGetEventHandle(&e.handle, e.event); r != cudaSuccess) {
       cudaEventDestroy(e.event);
@@ -474,9 +479,10 @@ std::optional<CudaIpcRef> lend(const at::Tensor& t, CudaIpcLink& link) {
   if (n == 0) return std::nullopt;  // nothing to lend: staging an empty tensor costs nothing
   const c10::Storage& storage = t.storage();
   if (storage.allocator() != c10::cuda::CUDACachingAllocator::get()) {
-    link.lending_failed("a CUDA tensor not made by libtorch's caching allocator (from_blob, say) cannot be lent: it "
-                        "goes through host memory",
-                        /*for_good=*/false);
+    link.lending_failed(
+        "a CUDA tensor not made by libtorch's caching allocator (from_blob, say) cannot be lent: it "
+        "goes through host memory",
+        /*for_good=*/false);
     return std::nullopt;
   }
   const int device = t.device().index();
@@ -528,8 +534,8 @@ at::Tensor copy_to_device(const at::Tensor& host, int device) {
   void* p = nullptr;
   if (bytes_of(src)) check(cudaMalloc(&p, bytes_of(src)), "cudaMalloc");
   const c10::Device target(c10::kCUDA, static_cast<c10::DeviceIndex>(device));
-  at::Tensor dev = at::from_blob(p, src.sizes(), src.strides(), [](void* q) { cudaFree(q); },
-                                 src.options().device(target), target);
+  at::Tensor dev = at::from_blob(
+      p, src.sizes(), src.strides(), [](void* q) { cudaFree(q); }, src.options().device(target), target);
   if (p) check(cudaMemcpy(p, src.data_ptr(), bytes_of(src), cudaMemcpyHostToDevice), "cudaMemcpy");
   return dev;
 }

@@ -9,7 +9,8 @@ namespace corpc::detail::cuda {
 
 namespace {
 [[noreturn]] void unavailable() {
-  throw UsageError("a CUDA tensor reached corpc's CUDA path, but this corpc was built without CUDA (meson -Dcuda=enabled)");
+  throw UsageError(
+      "a CUDA tensor reached corpc's CUDA path, but this corpc was built without CUDA (meson -Dcuda=enabled)");
 }
 }  // namespace
 

@@ -21,8 +21,7 @@ std::atomic<std::int64_t> live{0}, peak{0};
 void add(std::int64_t bytes) {
   const auto now = live.fetch_add(bytes, std::memory_order_relaxed) + bytes;
   auto seen = peak.load(std::memory_order_relaxed);
-  while (now > seen && !peak.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
-  }
+  while (now > seen && !peak.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {}
 }
 void sub(std::int64_t bytes) { live.fetch_sub(bytes, std::memory_order_relaxed); }
 
@@ -39,8 +38,7 @@ class HostAllocator final : public CpuAllocatorBase<> {
       // error libtorch users expect (c10::Error, "can't allocate memory"), not a bare std::bad_alloc.
       try {
         block = HostBlockCache::instance().acquire(n);
-      } catch (const std::bad_alloc&) {
-      }
+      } catch (const std::bad_alloc&) {}
     }
     if (block) {
       add(static_cast<std::int64_t>(HostBlockCache::size_class(n)));
@@ -89,8 +87,8 @@ void install_host_allocator() {
 namespace {
 std::once_flag configured;  // by the user, or with the defaults
 void apply(const HostMemoryOptions& options) {
-  const std::uint64_t quarter_of_memory = static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
-                                          static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE)) / 4;
+  const std::uint64_t quarter_of_memory =
+      static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) * static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE)) / 4;
   HostBlockCache::instance().set_cache_limit(static_cast<std::size_t>(options.cache_bytes.value_or(quarter_of_memory)));
   if (options.cache_cpu_allocations) install_host_allocator();
   cache_large_host_allocations(options.cache_cpu_allocations);

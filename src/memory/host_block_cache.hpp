@@ -58,8 +58,8 @@ class HostBlockCache {
 
   mutable std::mutex mutex_;
   std::size_t limit_ = 0, cached_ = 0;
-  std::vector<Block> cache_;                              // free, least recently released first
-  std::unordered_map<void*, std::size_t> in_use_;         // data -> capacity
+  std::vector<Block> cache_;                       // free, least recently released first
+  std::unordered_map<void*, std::size_t> in_use_;  // data -> capacity
 };
 
 }  // namespace corpc::detail

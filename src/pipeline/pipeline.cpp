@@ -14,8 +14,8 @@ Pipeline::Pipeline(const PipelineOptions& options) : options_(options), state_(s
   const int stages = static_cast<int>(options.balance.size()), workers = static_cast<int>(options.workers.size());
   if (workers < 1) throw UsageError("a pipeline needs at least one worker");
   if (stages < workers || stages % workers != 0)
-    throw UsageError("a pipeline needs a whole number of stages per worker: " + std::to_string(stages) +
-                     " stages on " + std::to_string(workers) + " workers");
+    throw UsageError("a pipeline needs a whole number of stages per worker: " + std::to_string(stages) + " stages on " +
+                     std::to_string(workers) + " workers");
   if (options.micro_batches < 1) throw UsageError("a pipeline needs at least one micro-batch");
   for (int b : options.balance)
     if (b < 1) throw UsageError("every pipeline stage needs at least one layer");
@@ -54,7 +54,8 @@ Pipeline::State::~State() {
 
 void Pipeline::train(bool on) const {
   std::vector<Future<void>> all;
-  for (int rank : state_->worker_ranks) all.push_back(rpc_async<&detail::set_training>(rank, state_->placement.pipeline_id, on));
+  for (int rank : state_->worker_ranks)
+    all.push_back(rpc_async<&detail::set_training>(rank, state_->placement.pipeline_id, on));
   when_all(std::move(all)).wait();
 }
 
@@ -87,8 +88,7 @@ Task<StepResult> Pipeline::train_step(at::Tensor inputs, at::Tensor targets) {
   std::vector<Future<WorkerReport>> parts;
   for (std::size_t w = 0; w < state->worker_ranks.size(); ++w) {
     const int rank = state->worker_ranks[w];
-    parts.push_back(rpc_async<&detail::run_step>(rank, id, step, lists[w],
-                                                 w == 0 ? xs : std::vector<at::Tensor>{},
+    parts.push_back(rpc_async<&detail::run_step>(rank, id, step, lists[w], w == 0 ? xs : std::vector<at::Tensor>{},
                                                  rank == last_rank ? ys : std::vector<at::Tensor>{},
                                                  options_.loss_reduction == LossReduction::mean ? inputs.size(0) : 0));
   }
@@ -116,8 +116,7 @@ Task<StepResult> Pipeline::train_step(at::Tensor inputs, at::Tensor targets) {
     std::string name = "rank " + std::to_string(rank);
     try {
       name = get_worker_info(rank).name;
-    } catch (const std::exception&) {
-    }
+    } catch (const std::exception&) {}
     throw PipelineError("pipeline step " + std::to_string(step) + " failed at stage " + stages + " on worker '" + name +
                         "': " + exception_text(done[w].error()));
   }

@@ -31,10 +31,10 @@ struct HostedStage {
 
 // One micro-batch on one stage, from its forward to the end of its backward.
 struct Held {
-  at::Tensor input;                        // a leaf that requires grad, except on the first stage
-  at::Tensor output;                       // the stage's output; on the last stage, the scaled loss
-  std::vector<at::Tensor> layer_outputs;   // zero bubble only: each layer's output ...
-  std::vector<at::Tensor> layer_grads;     // ... and its gradient, computed by I, consumed by W
+  at::Tensor input;                       // a leaf that requires grad, except on the first stage
+  at::Tensor output;                      // the stage's output; on the last stage, the scaled loss
+  std::vector<at::Tensor> layer_outputs;  // zero bubble only: each layer's output ...
+  std::vector<at::Tensor> layer_grads;    // ... and its gradient, computed by I, consumed by W
 };
 
 struct Host {
@@ -92,7 +92,8 @@ struct Host {
   }
   void forget_before(std::int64_t step) {  // leftovers of an aborted step
     std::lock_guard lock(mutex);
-    for (auto it = slots.begin(); it != slots.end();) it = std::get<0>(it->first) < step ? slots.erase(it) : std::next(it);
+    for (auto it = slots.begin(); it != slots.end();)
+      it = std::get<0>(it->first) < step ? slots.erase(it) : std::next(it);
   }
 };
 
@@ -128,7 +129,8 @@ at::Tensor grad_or_zeros(const at::Tensor& leaf) { return leaf.grad().defined() 
 
 }  // namespace
 
-void host_stages(const StagePlacement& placement, torch::nn::Sequential model, LossFn loss, OptimizerFactory optimizer) {
+void host_stages(const StagePlacement& placement, torch::nn::Sequential model, LossFn loss,
+                 OptimizerFactory optimizer) {
   // Peak activation memory: the host allocator counts what it hands out (libtorch's CPU allocator keeps no statistics).
   install_host_allocator();
   auto host = std::make_shared<Host>();
@@ -163,7 +165,8 @@ void host_stages(const StagePlacement& placement, torch::nn::Sequential model, L
   g_hosts[placement.pipeline_id] = std::move(host);
 }
 
-void deliver(std::uint64_t id, std::int64_t step, std::int32_t stage, std::int32_t micro, bool gradient, at::Tensor value) {
+void deliver(std::uint64_t id, std::int64_t step, std::int32_t stage, std::int32_t micro, bool gradient,
+             at::Tensor value) {
   if (auto host = find_host(id)) host->fill({step, stage, micro, gradient}, std::move(value));
 }
 
@@ -208,13 +211,14 @@ Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Act
   reset_host_peak_bytes();
   const std::int64_t baseline = host_live_bytes();
 
-  const bool split_backward = std::any_of(actions.begin(), actions.end(),
-                                          [](const Action& a) { return a.kind == ActionKind::BackwardInput; });
+  const bool split_backward =
+      std::any_of(actions.begin(), actions.end(), [](const Action& a) { return a.kind == ActionKind::BackwardInput; });
   std::map<std::pair<int, int>, Held> held;
   std::vector<Future<void>> sends;
   for (const Action& a : actions) {
     auto found = host->stages.find(a.stage);
-    if (found == host->stages.end()) throw UsageError("action for stage " + std::to_string(a.stage) + " not hosted here");
+    if (found == host->stages.end())
+      throw UsageError("action for stage " + std::to_string(a.stage) + " not hosted here");
     HostedStage& st = found->second;
     const std::pair<int, int> key{a.stage, a.micro};
     const bool first_stage = a.stage == 0, last_stage = a.stage == last;
@@ -247,7 +251,8 @@ Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Act
         sends.push_back(send(*host, step, a.stage + 1, a.micro, false, y.detach()));
       }
       held.emplace(key, std::move(h));
-      report.peak_micro_batches_held = std::max<std::int32_t>(report.peak_micro_batches_held, static_cast<std::int32_t>(held.size()));
+      report.peak_micro_batches_held =
+          std::max<std::int32_t>(report.peak_micro_batches_held, static_cast<std::int32_t>(held.size()));
     } else if (a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardInput) {
       at::Tensor g;
       if (!last_stage) g = co_await host->receive({step, a.stage, a.micro, true});
@@ -303,7 +308,9 @@ Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Act
     record.end_ns = now_ns();
     report.records.push_back(record);
     if (trace::enabled()) [[unlikely]] {
-      trace::detail::record({.kind = trace::detail::Kind::pipeline_action, .t0 = record.start_ns, .t1 = record.end_ns,
+      trace::detail::record({.kind = trace::detail::Kind::pipeline_action,
+                             .t0 = record.start_ns,
+                             .t1 = record.end_ns,
                              .name = action_letter(a.kind) + std::to_string(a.micro) + "/s" + std::to_string(a.stage)});
     }
   }

@@ -50,8 +50,7 @@ std::chrono::milliseconds Runtime::Impl::effective_timeout(std::optional<std::ch
   const auto inherited = current_call_context().deadline;
   if (inherited != detail::Clock::time_point::max()) {
     const auto left = std::chrono::ceil<std::chrono::milliseconds>(inherited - detail::Clock::now());
-    if (left <= std::chrono::milliseconds(0))
-      throw TimeoutError("the deadline of the call being handled has passed");
+    if (left <= std::chrono::milliseconds(0)) throw TimeoutError("the deadline of the call being handled has passed");
     timeout = std::min(timeout, left);
   }
   return timeout;
@@ -99,14 +98,19 @@ void Runtime::Impl::start_call(detail::OutboundCall&& call) {
     throw ConnectionError("worker '" + name_of(dst) + "' (rank " + std::to_string(dst) + ") is gone");
   }
   if (id == detail::PendingCalls::kNoRoom) {
-    throw TimeoutError("call to '" + std::string(call.function) + "' on worker '" + name_of(dst) + "' timed out after " +
-                       std::to_string(timeout.count()) + " ms waiting for room (" +
+    throw TimeoutError("call to '" + std::string(call.function) + "' on worker '" + name_of(dst) +
+                       "' timed out after " + std::to_string(timeout.count()) + " ms waiting for room (" +
                        std::to_string(options.max_calls_in_flight_per_peer) + " calls in flight to it)");
   }
   if (!call.control) activity->call_started();
   if (trace_t0) [[unlikely]] {  // before it leaves: its reply must not find this worker idle without the record
-    trace::detail::record({.kind = trace::detail::Kind::call, .peer = dst, .t0 = trace_t0, .t1 = trace::now_ns(),
-                           .request = id, .bytes = frame.wire_bytes(), .name = std::string(call.function)});
+    trace::detail::record({.kind = trace::detail::Kind::call,
+                           .peer = dst,
+                           .t0 = trace_t0,
+                           .t1 = trace::now_ns(),
+                           .request = id,
+                           .bytes = frame.wire_bytes(),
+                           .name = std::string(call.function)});
   }
   if (earliest && calls.pending.earliest() < calls.timer_armed_for.load(std::memory_order_acquire)) {
     asio::post(conn->io(), [this, conn] { arm_deadline_timer(conn); });
@@ -126,8 +130,11 @@ void Runtime::Impl::start_call(detail::OutboundCall&& call) {
 // first, before the call stops counting as in flight: a worker is never idle (and writing its trace) without it.
 void Runtime::Impl::finish_without_reply(detail::PendingCall& p, std::exception_ptr error) noexcept {
   if (trace::enabled() && p.counted) [[unlikely]] {
-    trace::detail::record({.kind = trace::detail::Kind::call_failed, .peer = p.dst, .t0 = trace::now_ns(),
-                           .t1 = trace::now_ns(), .request = p.id,
+    trace::detail::record({.kind = trace::detail::Kind::call_failed,
+                           .peer = p.dst,
+                           .t0 = trace::now_ns(),
+                           .t1 = trace::now_ns(),
+                           .request = p.id,
                            .name = std::string(p.function.empty() ? std::string_view(p.owned_name) : p.function)});
   }
   if (p.counted) activity->call_done();
@@ -139,18 +146,20 @@ detail::OutFrame Runtime::Impl::prepare_for(detail::Message&& m, int rank, detai
     return detail::prepare(std::move(m));
   // Only frames with CUDA tensors mapped to the peer can be lent anything: the others skip the link's lock.
   const bool lendable = conn && !device_maps[rank].empty() && !m.tensors.empty();
-  return detail::prepare(std::move(m), device_maps[rank], workers[rank].name, lendable ? conn->cuda_ipc_for_lending() : nullptr);
+  return detail::prepare(std::move(m), device_maps[rank], workers[rank].name,
+                         lendable ? conn->cuda_ipc_for_lending() : nullptr);
 }
 
 void Runtime::Impl::when_staged(const std::shared_ptr<detail::Connection>& conn, detail::OutFrame&& frame,
-                                std::function<void(detail::OutFrame&&)> send, std::function<void(std::exception_ptr)> failed) {
+                                std::function<void(detail::OutFrame&&)> send,
+                                std::function<void(std::exception_ptr)> failed) {
   if (!frame.staged) return send(std::move(frame));
   auto staged = frame.staged;
   auto held = std::make_shared<detail::OutFrame>(std::move(frame));
   // The continuation may run on a CUDA host-function thread: it only posts, and keeps no reference to the frame
   // there (its pinned memory must not be freed on that thread).
-  staged->then([conn, held = std::move(held), send = std::move(send), failed = std::move(failed)](
-                   std::exception_ptr error) mutable {
+  staged->then([conn, held = std::move(held), send = std::move(send),
+                failed = std::move(failed)](std::exception_ptr error) mutable {
     auto& io = conn->io();
     asio::post(io, [conn = std::move(conn), held = std::move(held), send = std::move(send), failed = std::move(failed),
                     error = std::move(error)]() mutable {
@@ -172,11 +181,13 @@ void Runtime::Impl::fail_pending(const std::shared_ptr<detail::Connection>& conn
 }
 
 // Counted for graceful shutdown when it leaves: a call that waited for room and timed out was never sent.
-void Runtime::Impl::send_request(const std::shared_ptr<detail::Connection>& conn, detail::OutFrame&& frame, bool counted) {
+void Runtime::Impl::send_request(const std::shared_ptr<detail::Connection>& conn, detail::OutFrame&& frame,
+                                 bool counted) {
   if (frame.staged) [[unlikely]] {  // CUDA tensors still being copied out: sent from the copy's completion
     const std::uint64_t id = frame.head.id;
     return when_staged(
-        conn, std::move(frame), [this, conn, counted](detail::OutFrame&& f) { send_request(conn, std::move(f), counted); },
+        conn, std::move(frame),
+        [this, conn, counted](detail::OutFrame&& f) { send_request(conn, std::move(f), counted); },
         [this, conn, id](std::exception_ptr error) { fail_pending(conn, id, std::move(error)); });
   }
   if (counted) {
@@ -195,7 +206,8 @@ void Runtime::Impl::cancel_call(detail::Connection* where, int dst, std::uint64_
   if (!conn) return;  // the connection is gone, and every call on it failed with it
   detail::PendingCall p;
   std::vector<detail::OutFrame> ready;  // calls that waited for room, which the cancelled one frees
-  if (detail::calls_on(*conn).pending.take(id, p, ready) != detail::PendingCalls::Lookup::Found) return;  // completed already
+  if (detail::calls_on(*conn).pending.take(id, p, ready) != detail::PendingCalls::Lookup::Found)
+    return;  // completed already
   for (auto& f : ready) send_request(conn, std::move(f), true);
   finish_without_reply(p, detail::cancelled_error());
   send_cancel(*conn, id);
@@ -210,8 +222,7 @@ void Runtime::Impl::send_cancel(detail::Connection& conn, std::uint64_t id) noex
     m.head.flags = detail::kFlagControl | detail::kFlagCancel;
     m.head.id = id;
     conn.send(detail::prepare(std::move(m)));
-  } catch (...) {
-  }
+  } catch (...) {}
 }
 
 void Runtime::Impl::arm_deadline_timer(const std::shared_ptr<detail::Connection>& conn) {
@@ -238,9 +249,9 @@ void Runtime::Impl::arm_deadline_timer(const std::shared_ptr<detail::Connection>
 }
 
 std::exception_ptr Runtime::Impl::timed_out(const detail::PendingCall& p) const {
-  return std::make_exception_ptr(TimeoutError("call to '" + std::string(p.function.empty() ? p.owned_name : p.function) +
-                                              "' on worker '" + name_of(p.dst) + "' timed out after " +
-                                              std::to_string(p.timeout.count()) + " ms"));
+  return std::make_exception_ptr(
+      TimeoutError("call to '" + std::string(p.function.empty() ? p.owned_name : p.function) + "' on worker '" +
+                   name_of(p.dst) + "' timed out after " + std::to_string(p.timeout.count()) + " ms"));
 }
 
 void Runtime::Impl::deliver_reply(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {
@@ -256,9 +267,14 @@ void Runtime::Impl::deliver_reply(const std::shared_ptr<detail::Connection>& con
   for (auto& f : ready) send_request(conn, std::move(f), true);
   const std::string_view function = p.function.empty() ? std::string_view(p.owned_name) : p.function;
   if (trace::enabled() && p.counted) [[unlikely]] {  // before call_done: see finish_without_reply
-    trace::detail::record({.kind = trace::detail::Kind::reply_received, .error = msg.head.kind == detail::FrameKind::Error,
-                           .peer = p.dst, .t0 = trace::now_ns(), .t1 = trace::now_ns(), .request = p.id,
-                           .bytes = detail::frame_bytes(msg.head), .name = std::string(function)});
+    trace::detail::record({.kind = trace::detail::Kind::reply_received,
+                           .error = msg.head.kind == detail::FrameKind::Error,
+                           .peer = p.dst,
+                           .t0 = trace::now_ns(),
+                           .t1 = trace::now_ns(),
+                           .request = p.id,
+                           .bytes = detail::frame_bytes(msg.head),
+                           .name = std::string(function)});
   }
   if (p.counted) activity->call_done();
   if (msg.head.kind == detail::FrameKind::Error) {
@@ -271,9 +287,9 @@ void Runtime::Impl::deliver_reply(const std::shared_ptr<detail::Connection>& con
       try {
         std::rethrow_exception(error);
       } catch (const ArgumentTypeError& e) {
-        error = std::make_exception_ptr(ArgumentTypeError(std::string(e.what()) + "; this call sent " + std::string(p.sent_types)));
-      } catch (...) {
-      }
+        error = std::make_exception_ptr(
+            ArgumentTypeError(std::string(e.what()) + "; this call sent " + std::string(p.sent_types)));
+      } catch (...) {}
     }
     return p.finish(nullptr, std::move(error));
   }

@@ -20,13 +20,28 @@ class RequestScope {
  public:
   RequestScope(Runtime::Impl& rt, std::shared_ptr<detail::Connection> conn, const detail::FrameHeader& h,
                const detail::HandlerEntry& entry, std::stop_token stop)
-      : rt_(rt), conn_(std::move(conn)), id_(h.id), src_(conn_->peer_rank), ctx_(h.context_id),
-        counted_(!(h.flags & detail::kFlagControl)), entry_(&entry), stop_(std::move(stop)),
+      : rt_(rt),
+        conn_(std::move(conn)),
+        id_(h.id),
+        src_(conn_->peer_rank),
+        ctx_(h.context_id),
+        counted_(!(h.flags & detail::kFlagControl)),
+        entry_(&entry),
+        stop_(std::move(stop)),
         deadline_(h.deadline_ms ? detail::Clock::now() + std::chrono::milliseconds(h.deadline_ms)
                                 : detail::Clock::time_point::max()) {}
   RequestScope(RequestScope&& o) noexcept
-      : rt_(o.rt_), conn_(std::move(o.conn_)), id_(o.id_), src_(o.src_), ctx_(o.ctx_), counted_(o.counted_),
-        entry_(o.entry_), credit_(std::move(o.credit_)), stop_(std::move(o.stop_)), deadline_(o.deadline_), done_(std::exchange(o.done_, true)) {}
+      : rt_(o.rt_),
+        conn_(std::move(o.conn_)),
+        id_(o.id_),
+        src_(o.src_),
+        ctx_(o.ctx_),
+        counted_(o.counted_),
+        entry_(o.entry_),
+        credit_(std::move(o.credit_)),
+        stop_(std::move(o.stop_)),
+        deadline_(o.deadline_),
+        done_(std::exchange(o.done_, true)) {}
 
   // What the handler runs with: the caller's autograd context, this request's stop token and deadline.
   CallContext handler_context() const noexcept { return rt_.handler_context(ctx_, stop_, deadline_); }
@@ -67,8 +82,11 @@ class RequestScope {
       {
         trace::detail::ScopedRecord slice(
             [&, bytes = frame.wire_bytes()] {
-              return trace::detail::Record{.kind = trace::detail::Kind::reply_sent, .peer = src_, .request = id_,
-                                           .bytes = bytes, .name = entry_->name};
+              return trace::detail::Record{.kind = trace::detail::Kind::reply_sent,
+                                           .peer = src_,
+                                           .request = id_,
+                                           .bytes = bytes,
+                                           .name = entry_->name};
             },
             counted_);
         conn_->send(std::move(frame));
@@ -112,11 +130,15 @@ class RequestScope {
 };
 
 // Runs `entry` on `msg` on the calling thread; the reply leaves from here, or when the handler's future completes.
-void run_request(Runtime::Impl& rt, RequestScope scope, const detail::HandlerEntry& entry, detail::Message& msg, int src) {
+void run_request(Runtime::Impl& rt, RequestScope scope, const detail::HandlerEntry& entry, detail::Message& msg,
+                 int src) {
   trace::detail::ScopedRecord slice(
       [&] {  // the handler's synchronous part (a coroutine's, up to its first suspension)
-        return trace::detail::Record{.kind = trace::detail::Kind::run, .peer = src, .request = msg.head.id,
-                                     .bytes = detail::frame_bytes(msg.head), .name = entry.name};
+        return trace::detail::Record{.kind = trace::detail::Kind::run,
+                                     .peer = src,
+                                     .request = msg.head.id,
+                                     .bytes = detail::frame_bytes(msg.head),
+                                     .name = entry.name};
       },
       !(msg.head.flags & detail::kFlagControl));
   if (scope.stop_requested()) {  // cancelled before it started: dropped
@@ -188,7 +210,8 @@ CallContext Runtime::Impl::handler_context(std::int64_t context_id, std::stop_to
 void Runtime::Impl::on_frame(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {
   if (conn->hello_refused) return;  // closing once our refusal is out: nothing it says counts
   if (conn->delivering_refused()) return refuse_too_large(conn, msg.head);
-  if (!msg.devices.empty()) [[unlikely]] return deliver_on_devices(conn, std::move(msg));
+  if (!msg.devices.empty()) [[unlikely]]
+    return deliver_on_devices(conn, std::move(msg));
   switch (msg.head.kind) {
     case detail::FrameKind::Hello: return on_hello(conn, std::move(msg));
     case detail::FrameKind::World:
@@ -245,7 +268,8 @@ void Runtime::Impl::deliver_on_devices(const std::shared_ptr<detail::Connection>
         // lost meanwhile released them on the lender's side, which may have reused the memory under the copy.
         return_ipc_loans(conn, *held->ipc);
         if (!error && held->ipc->link && held->ipc->link->closed())
-          error = std::make_exception_ptr(ConnectionError("the connection was lost while a CUDA IPC tensor was copied"));
+          error =
+              std::make_exception_ptr(ConnectionError("the connection was lost while a CUDA IPC tensor was copied"));
         held->ipc.reset();
       }
       if (!error) return on_frame(conn, std::move(*held));
@@ -297,13 +321,14 @@ void Runtime::Impl::on_request(const std::shared_ptr<detail::Connection>& conn, 
 }
 
 void Runtime::Impl::refuse_too_large(const std::shared_ptr<detail::Connection>& conn, const detail::FrameHeader& h) {
-  if (h.kind != detail::FrameKind::Request || conn->peer_rank < 0) return conn->close("protocol error: an oversized frame");
+  if (h.kind != detail::FrameKind::Request || conn->peer_rank < 0)
+    return conn->close("protocol error: an oversized frame");
   const std::uint64_t size = sizeof(detail::FrameHeader) + std::uint64_t{h.meta_len} + h.body_len + h.tensor_bytes;
   send_error(conn, h.id,
-             std::make_exception_ptr(MessageTooLargeError(
-                 "a request of " + std::to_string(size) + " bytes is over the " +
-                 std::to_string(options.limits.max_request_bytes) + " that worker '" + self.name +
-                 "' may hold (its RpcOptions::receive_budget_per_connection / _per_process)")),
+             std::make_exception_ptr(
+                 MessageTooLargeError("a request of " + std::to_string(size) + " bytes is over the " +
+                                      std::to_string(options.limits.max_request_bytes) + " that worker '" + self.name +
+                                      "' may hold (its RpcOptions::receive_budget_per_connection / _per_process)")),
              "", !(h.flags & detail::kFlagControl));
   if (!(h.flags & detail::kFlagControl)) activity->request_handled(conn->peer_rank);
 }
@@ -313,8 +338,12 @@ void Runtime::Impl::send_error(const std::shared_ptr<detail::Connection>& conn, 
   detail::OutFrame frame = detail::prepare(error_frame(id, std::move(error), self.name, function));
   trace::detail::ScopedRecord slice(
       [&, bytes = frame.wire_bytes()] {
-        return trace::detail::Record{.kind = trace::detail::Kind::reply_sent, .error = true, .peer = conn->peer_rank,
-                                     .request = id, .bytes = bytes, .name = std::string(function)};
+        return trace::detail::Record{.kind = trace::detail::Kind::reply_sent,
+                                     .error = true,
+                                     .peer = conn->peer_rank,
+                                     .request = id,
+                                     .bytes = bytes,
+                                     .name = std::string(function)};
       },
       traced);
   conn->send(std::move(frame));

@@ -20,9 +20,9 @@ namespace corpc::detail {
 
 RpcOptions with_environment(RpcOptions options);
 
-std::string secret_from_environment();  // CORPC_SECRET, or empty
-int rank_from_environment();            // -1 if no launcher said; UsageError if not a number
-int world_size_from_environment();      // -1 if no launcher said
+std::string secret_from_environment();          // CORPC_SECRET, or empty
+int rank_from_environment();                    // -1 if no launcher said; UsageError if not a number
+int world_size_from_environment();              // -1 if no launcher said
 std::string master_address_from_environment();  // MASTER_ADDR, or empty
 int master_port_from_environment();             // MASTER_PORT, or -1
 int listen_fd_from_environment();               // CORPC_LISTEN_FD, or -1

@@ -23,7 +23,8 @@ std::string current_exception_type() {
 
 }  // namespace
 
-detail::Message error_frame(std::uint64_t id, std::exception_ptr error, const std::string& worker, std::string_view function) {
+detail::Message error_frame(std::uint64_t id, std::exception_ptr error, const std::string& worker,
+                            std::string_view function) {
   ErrorCode code = ErrorCode::Remote;
   std::string type, message;
   try {
@@ -74,8 +75,8 @@ std::exception_ptr decode_error(const detail::Message& msg, const std::string& w
       default: return std::make_exception_ptr(RemoteError(remote_worker, fn, type, message));
     }
   } catch (const ProtocolError& e) {
-    return std::make_exception_ptr(ProtocolError("malformed error reply from '" + worker + "' for '" +
-                                                 std::string(function) + "': " + e.what()));
+    return std::make_exception_ptr(
+        ProtocolError("malformed error reply from '" + worker + "' for '" + std::string(function) + "': " + e.what()));
   }
 }
 

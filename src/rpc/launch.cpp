@@ -254,7 +254,8 @@ Program this_program() {
   Program p;
   std::array<char, 4096> buf{};
   const auto n = ::readlink("/proc/self/exe", buf.data(), buf.size() - 1);
-  if (n <= 0) throw RpcError(std::string("launch_processes: cannot find this program (/proc/self/exe): ") + std::strerror(errno));
+  if (n <= 0)
+    throw RpcError(std::string("launch_processes: cannot find this program (/proc/self/exe): ") + std::strerror(errno));
   p.path.assign(buf.data(), static_cast<std::size_t>(n));
   std::ifstream cmdline("/proc/self/cmdline", std::ios::binary);
   std::string arg;
@@ -336,9 +337,10 @@ std::optional<int> launcher_rank(int world_size) {
   const int r = std::atoi(rank), n = std::atoi(size);
   if (n != world_size)
     throw UsageError("launch_processes(" + std::to_string(world_size) + "): this process runs under a launcher that " +
-                     "started WORLD_SIZE=" + std::to_string(n) + " ranks; start it with " +
-                     std::to_string(world_size) + " (or without a launcher)");
-  if (r < 0 || r >= n) throw UsageError("launch_processes: RANK=" + std::string(rank) + " is not below WORLD_SIZE=" + size);
+                     "started WORLD_SIZE=" + std::to_string(n) + " ranks; start it with " + std::to_string(world_size) +
+                     " (or without a launcher)");
+  if (r < 0 || r >= n)
+    throw UsageError("launch_processes: RANK=" + std::string(rank) + " is not below WORLD_SIZE=" + size);
   return r;
 }
 
@@ -350,7 +352,8 @@ std::string started_late(const std::string& text) {
 
 }  // namespace
 
-LaunchError::LaunchError(std::vector<RankFailure> failures) : RpcError(describe(failures)), failures_(std::move(failures)) {}
+LaunchError::LaunchError(std::vector<RankFailure> failures)
+    : RpcError(describe(failures)), failures_(std::move(failures)) {}
 
 namespace {
 
@@ -421,12 +424,14 @@ namespace {
 void launch_group(int world_size, int call, const std::function<void(int rank)>& fn, const LaunchOptions& options) {
   if (world_size <= 0) throw UsageError("launch_processes: world_size must be positive");
   if (options.start == StartMethod::spawn && g_running_spawned_rank)
-    throw UsageError("launch_processes: a rank that StartMethod::spawn started cannot spawn ranks of its own (they "
-                     "would run the program from its start); use StartMethod::fork there");
+    throw UsageError(
+        "launch_processes: a rank that StartMethod::spawn started cannot spawn ranks of its own (they "
+        "would run the program from its start); use StartMethod::fork there");
   if (options.start == StartMethod::fork) {
     if (const int started = threads_fork_would_strand(); started > 0)
       throw UsageError("launch_processes: StartMethod::fork refused: this process has started " +
-                       std::to_string(started) + " thread(s) (libtorch's intra-op pool after a parallel operation, its "
+                       std::to_string(started) +
+                       " thread(s) (libtorch's intra-op pool after a parallel operation, its "
                        "autograd workers after a backward, an RPC runtime), and a forked rank would hang in them. Use "
                        "StartMethod::spawn (the default), or launch before anything starts threads");
   }
@@ -493,8 +498,7 @@ void launch_group(int world_size, int call, const std::function<void(int rank)>&
   auto reason_of = [&](const Child& c, int status) -> std::string {
     const bool started = !c.report.empty() && c.report[0] == kStarted;
     const std::string text = started ? c.report.substr(1) : c.report;
-    if (WIFEXITED(status) && WEXITSTATUS(status) == 0)
-      return started ? "" : "exited (code 0) " + started_late(text);
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return started ? "" : "exited (code 0) " + started_late(text);
     if (WIFEXITED(status)) {
       const std::string code = "exited with code " + std::to_string(WEXITSTATUS(status));
       if (!started) return code + " " + started_late(text);

@@ -81,7 +81,9 @@ class PeerTable {
     admitted();
     return std::nullopt;
   }
-  std::optional<std::string> claim(int rank, const ConnectionPtr& conn) { return claim(rank, conn, [] {}); }
+  std::optional<std::string> claim(int rank, const ConnectionPtr& conn) {
+    return claim(rank, conn, [] {});
+  }
 
   // What the loss of `conn` means to the table.
   struct Loss {

@@ -15,10 +15,11 @@ std::function<void(const std::shared_ptr<detail::Connection>&, const std::string
 }
 
 void Runtime::Impl::init_flow_control() {
-  receive_budget = std::make_unique<detail::ReceiveBudget>(options.receive_budget_per_process, options.max_requests_held);
+  receive_budget =
+      std::make_unique<detail::ReceiveBudget>(options.receive_budget_per_process, options.max_requests_held);
   // Announced in our Hello: senders refuse what we could never hold, instead of it waiting here for ever.
-  options.limits.max_request_bytes = std::min({options.limits.max_request_bytes, options.receive_budget_per_connection,
-                                               options.receive_budget_per_process});
+  options.limits.max_request_bytes = std::min(
+      {options.limits.max_request_bytes, options.receive_budget_per_connection, options.receive_budget_per_process});
   detail::configure_host_memory_defaults();  // unless the program configured the process's host memory itself
 }
 
@@ -86,10 +87,11 @@ void Runtime::Impl::on_close(const std::shared_ptr<detail::Connection>& conn, co
   if (world.known() && rank >= 0 && loss.speaks_for_rank && !was_closing) mark_dead(rank, reason);
   // Our requests on this connection cannot be answered any more, whatever the reason.
   auto error = was_closing ? std::make_exception_ptr(ShutdownError("corpc runtime shut down"))
-                           : std::make_exception_ptr(ConnectionError(
-                                 "worker '" + name_of(rank) + "' (rank " + std::to_string(rank) + ") is gone: " + reason));
+                           : std::make_exception_ptr(ConnectionError("worker '" + name_of(rank) + "' (rank " +
+                                                                     std::to_string(rank) + ") is gone: " + reason));
   fail_calls(*conn, error);
-  detail::calls_on(*conn).inbound.cancel_all();  // the peer's requests running here: nobody waits for their replies any more
+  detail::calls_on(*conn)
+      .inbound.cancel_all();  // the peer's requests running here: nobody waits for their replies any more
   if (!world.known()) {
     if (self.rank == 0) {
       registrations.forget(conn);  // a worker that left before the world was complete may come back
@@ -116,25 +118,31 @@ void Runtime::Impl::accept_loop() {
     // Nothing is read as a frame before the peer has proved it knows the secret; a failure is logged and changes
     // nothing else (no name is revealed, no rank is marked).
     auto& io = static_cast<asio::io_context&>(socket.get_executor().context());
-    asio::co_spawn(io, [this, socket = std::move(socket)]() mutable -> asio::awaitable<void> {
-      std::string peer = "?";
-      asio::error_code ec;
-      if (auto ep = socket.remote_endpoint(ec); !ec) peer = ep.address().to_string() + ":" + std::to_string(ep.port());
-      std::string refused;
-      detail::Transport transport(std::move(socket));
-      try {
-        co_await detail::authenticate(transport, auth, detail::AuthRole::acceptor);
-      } catch (const std::exception& e) {
-        refused = e.what();
-      }
-      if (!refused.empty()) {
-        refused_connections++;
-        refused_handshakes.refused(main_io(), self.name, fmt::format("refused a connection from {}: {}", peer, refused));
-        co_return;
-      }
-      auto conn = detail::make_tcp_connection(std::move(transport), connection_settings(), frame_handler(), close_handler());
-      if (!peers->add_incoming(conn)) conn->close("shutting down");
-    }, asio::detached);
+    asio::co_spawn(
+        io,
+        [this, socket = std::move(socket)]() mutable -> asio::awaitable<void> {
+          std::string peer = "?";
+          asio::error_code ec;
+          if (auto ep = socket.remote_endpoint(ec); !ec)
+            peer = ep.address().to_string() + ":" + std::to_string(ep.port());
+          std::string refused;
+          detail::Transport transport(std::move(socket));
+          try {
+            co_await detail::authenticate(transport, auth, detail::AuthRole::acceptor);
+          } catch (const std::exception& e) {
+            refused = e.what();
+          }
+          if (!refused.empty()) {
+            refused_connections++;
+            refused_handshakes.refused(main_io(), self.name,
+                                       fmt::format("refused a connection from {}: {}", peer, refused));
+            co_return;
+          }
+          auto conn = detail::make_tcp_connection(std::move(transport), connection_settings(), frame_handler(),
+                                                  close_handler());
+          if (!peers->add_incoming(conn)) conn->close("shutting down");
+        },
+        asio::detached);
   });
 }
 

@@ -28,8 +28,8 @@ using Clock = std::chrono::steady_clock;
 struct PendingCall {
   CompleteFn complete = nullptr;
   void* target = nullptr;
-  std::string_view function;   // for error messages: static storage (function_name<F>), or `owned_name`
-  std::string owned_name;      // by-name calls
+  std::string_view function;    // for error messages: static storage (function_name<F>), or `owned_name`
+  std::string owned_name;       // by-name calls
   std::string_view sent_types;  // OutboundCall::sent_types
   Clock::time_point deadline;
   std::chrono::milliseconds timeout{0};
@@ -225,7 +225,7 @@ class PendingCalls {
   bool closed_ = false;
   std::size_t limit_ = ~std::size_t{0};
   std::size_t in_flight_ = 0;
-  std::size_t blocked_ = 0;      // threads waiting in `add` for room
+  std::size_t blocked_ = 0;  // threads waiting in `add` for room
   std::condition_variable room_;
   std::deque<Waiting> waiting_;  // registered, not sent: in order
   std::vector<Slot> slots_;

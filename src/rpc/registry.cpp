@@ -32,7 +32,8 @@ void Registry::add(HandlerEntry entry) {
 const HandlerEntry* Registry::find(std::uint64_t id) const noexcept {
   const Table* t = current_.load(std::memory_order_acquire);
   if (!t) return nullptr;
-  auto it = std::lower_bound(t->by_id.begin(), t->by_id.end(), id, [](const auto& e, std::uint64_t k) { return e->id < k; });
+  auto it =
+      std::lower_bound(t->by_id.begin(), t->by_id.end(), id, [](const auto& e, std::uint64_t k) { return e->id < k; });
   return it != t->by_id.end() && (*it)->id == id ? it->get() : nullptr;
 }
 

@@ -37,7 +37,8 @@ detail::Message hello_message(const detail::Hello& hello) {
 }
 
 detail::Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits) {
-  return hello_message(detail::Hello{detail::kProtocolVersion, self, world_size, rendezvous, limits, {}, {}, {}, {}, false});
+  return hello_message(
+      detail::Hello{detail::kProtocolVersion, self, world_size, rendezvous, limits, {}, {}, {}, {}, false});
 }
 
 detail::Hello Runtime::Impl::our_hello(bool registering) const {
@@ -103,49 +104,55 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
 
   const auto deadline = std::chrono::steady_clock::now() + options.init_timeout;
   if (my_rank != 0) {
-    asio::co_spawn(main_io(), [this, master_host, master_port, deadline]() -> asio::awaitable<void> {
-      asio::steady_timer pause(main_io());
-      for (;;) {
-        detail::Transport transport{asio::ip::tcp::socket(main_io())};
-        std::string failure;
-        try {
-          asio::ip::tcp::resolver resolver(main_io());
-          auto endpoints = co_await resolver.async_resolve(master_host, std::to_string(master_port), asio::use_awaitable);
-          co_await asio::async_connect(transport.socket(), endpoints, asio::use_awaitable);
-        } catch (const std::exception& e) {
-          failure = e.what();
-        }
-        if (failure.empty()) {
-          std::string refused;
-          try {
-            co_await detail::authenticate(transport, auth, detail::AuthRole::dialer);
-          } catch (const std::exception& e) {
-            refused = e.what();
-          }
-          if (!refused.empty()) {  // a different secret does not get better by retrying
-            world_ready.set_exception(ConnectionError("rank 0 at " + master_host + ":" + std::to_string(master_port) +
-                                                      " refused us: " + refused));
+    asio::co_spawn(
+        main_io(),
+        [this, master_host, master_port, deadline]() -> asio::awaitable<void> {
+          asio::steady_timer pause(main_io());
+          for (;;) {
+            detail::Transport transport{asio::ip::tcp::socket(main_io())};
+            std::string failure;
+            try {
+              asio::ip::tcp::resolver resolver(main_io());
+              auto endpoints =
+                  co_await resolver.async_resolve(master_host, std::to_string(master_port), asio::use_awaitable);
+              co_await asio::async_connect(transport.socket(), endpoints, asio::use_awaitable);
+            } catch (const std::exception& e) {
+              failure = e.what();
+            }
+            if (failure.empty()) {
+              std::string refused;
+              try {
+                co_await detail::authenticate(transport, auth, detail::AuthRole::dialer);
+              } catch (const std::exception& e) {
+                refused = e.what();
+              }
+              if (!refused.empty()) {  // a different secret does not get better by retrying
+                world_ready.set_exception(ConnectionError("rank 0 at " + master_host + ":" +
+                                                          std::to_string(master_port) + " refused us: " + refused));
+                co_return;
+              }
+            }
+            if (!failure.empty()) {
+              if (std::chrono::steady_clock::now() >= deadline) {
+                world_ready.set_exception(TimeoutError("could not reach rank 0 at " + master_host + ":" +
+                                                       std::to_string(master_port) +
+                                                       " within the init timeout: " + failure));
+                co_return;
+              }
+              pause.expires_after(std::chrono::milliseconds(50));
+              co_await pause.async_wait(asio::use_awaitable);
+              continue;
+            }
+            auto conn = detail::make_tcp_connection(std::move(transport), connection_settings(), frame_handler(),
+                                                    close_handler());
+            conn->peer_rank = 0;
+            conn->outgoing = true;
+            peers->set_outgoing(0, conn);
+            conn->send(detail::prepare(hello_message(our_hello(true))));
             co_return;
           }
-        }
-        if (!failure.empty()) {
-          if (std::chrono::steady_clock::now() >= deadline) {
-            world_ready.set_exception(TimeoutError("could not reach rank 0 at " + master_host + ":" +
-                                                   std::to_string(master_port) + " within the init timeout: " + failure));
-            co_return;
-          }
-          pause.expires_after(std::chrono::milliseconds(50));
-          co_await pause.async_wait(asio::use_awaitable);
-          continue;
-        }
-        auto conn = detail::make_tcp_connection(std::move(transport), connection_settings(), frame_handler(), close_handler());
-        conn->peer_rank = 0;
-        conn->outgoing = true;
-        peers->set_outgoing(0, conn);
-        conn->send(detail::prepare(hello_message(our_hello(true))));
-        co_return;
-      }
-    }, asio::detached);
+        },
+        asio::detached);
   }
 
   auto ready = world_ready.get_future();
@@ -153,13 +160,12 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
     ready.wait(options.init_timeout + std::chrono::milliseconds(200));
   } catch (const TimeoutError&) {
     const std::string missing = registrations.missing(world_size);
-    throw TimeoutError("init_rpc: workers did not all arrive within " + std::to_string(options.init_timeout.count()) +
-                       " ms" +
-                       (my_rank == 0 ? " (missing ranks: " + missing + "; " + std::to_string(accepted.load()) +
-                                             " connections accepted, " + std::to_string(accept_errors.load()) +
-                                             " accept errors, " + std::to_string(refused_connections.load()) +
-                                             " refused by the handshake)"
-                                       : " (no answer from rank 0)"));
+    throw TimeoutError(
+        "init_rpc: workers did not all arrive within " + std::to_string(options.init_timeout.count()) + " ms" +
+        (my_rank == 0 ? " (missing ranks: " + missing + "; " + std::to_string(accepted.load()) +
+                            " connections accepted, " + std::to_string(accept_errors.load()) + " accept errors, " +
+                            std::to_string(refused_connections.load()) + " refused by the handshake)"
+                      : " (no answer from rank 0)"));
   }
 }
 
@@ -195,7 +201,8 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, de
   if (!conn->outgoing && conn->peer_rank >= 0) return conn->close("protocol error: a second hello on one connection");
   if (conn->outgoing) {
     // The answer to our own Hello: what the peer accepts. Until it arrives we assume our own limits.
-    if (info.rank != conn->peer_rank) return conn->close("protocol error: hello from rank " + std::to_string(info.rank));
+    if (info.rank != conn->peer_rank)
+      return conn->close("protocol error: hello from rank " + std::to_string(info.rank));
     conn->peer_limits = theirs;
     dial_same_host(conn, hello);
     return;
@@ -207,7 +214,8 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, de
   auto answer = our_hello(false);
   if (!registering) {
     if (world.known() && workers[info.rank].name != info.name)
-      return refuse(conn, "rank " + std::to_string(info.rank) + " is '" + workers[info.rank].name + "', not '" + info.name + "'");
+      return refuse(
+          conn, "rank " + std::to_string(info.rank) + " is '" + workers[info.rank].name + "', not '" + info.name + "'");
     if (auto refusal = peers->claim(info.rank, conn)) return refuse_claim(conn, info, *refusal);
     conn->peer_limits = theirs;
     offer_same_host(conn, hello, answer);

@@ -47,10 +47,12 @@ class Registrations {
   Outcome add(const WorkerInfo& info, const ConnectionPtr& conn, std::string device_config, Admit&& admit) {
     std::lock_guard lock(mutex_);
     if (auto same = entries_.find(info.rank); same != entries_.end())
-      return {"rank " + std::to_string(info.rank) + " already registered by '" + same->second.info.name + "'", {}, {}, {}};
+      return {
+          "rank " + std::to_string(info.rank) + " already registered by '" + same->second.info.name + "'", {}, {}, {}};
     for (const auto& [rank, other] : entries_) {
       if (other.info.name != info.name) continue;
-      Outcome dup{std::nullopt, std::nullopt,
+      Outcome dup{std::nullopt,
+                  std::nullopt,
                   "worker name '" + info.name + "' is already taken by rank " + std::to_string(rank) + " (rank " +
                       std::to_string(info.rank) + " claims it too): every worker needs its own name",
                   {}};
@@ -82,9 +84,9 @@ class Registrations {
   // The complete table, once: the first call after all `world_size` ranks registered gets it, every other call
   // nullopt (the last two registrations may complete at once).
   struct World {
-    std::vector<WorkerInfo> workers;           // by rank
-    std::vector<std::string> device_configs;   // by rank
-    std::vector<ConnectionPtr> registrants;    // everyone's but ours
+    std::vector<WorkerInfo> workers;          // by rank
+    std::vector<std::string> device_configs;  // by rank
+    std::vector<ConnectionPtr> registrants;   // everyone's but ours
   };
   std::optional<World> take_if_complete(int world_size) {
     std::lock_guard lock(mutex_);

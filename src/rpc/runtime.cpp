@@ -66,13 +66,12 @@ const WorkerInfo& Runtime::worker(const WorkerRef& ref) const {
   return impl_->workers[ref.rank()];
 }
 
-bool Runtime::is_alive(int rank) const {
-  return impl_->peers->is_alive(rank);
-}
+bool Runtime::is_alive(int rank) const { return impl_->peers->is_alive(rank); }
 
 RuntimeStats Runtime::stats() const {
   const auto& a = *impl_->activity;
-  return {a.requests_sent(), a.requests_handled(), a.calls_in_flight(), a.handlers_running(), impl_->pool->threads_started()};
+  return {a.requests_sent(), a.requests_handled(), a.calls_in_flight(), a.handlers_running(),
+          impl_->pool->threads_started()};
 }
 
 std::shared_ptr<void> Runtime::extension_slot(std::type_index key, const std::function<std::shared_ptr<void>()>& make) {
@@ -231,8 +230,7 @@ std::string close_runtime(bool graceful, const std::string& failure) {
   if (graceful && !outcome.quiet && impl.self.rank != 0) {
     const auto farewell = impl.peers->farewell(0);
     const auto death = impl.peers->deaths()[0];
-    if (!farewell.empty())
-      lost = "rank 0 stopped after an error (" + farewell + ")";
+    if (!farewell.empty()) lost = "rank 0 stopped after an error (" + farewell + ")";
     else if (!death.empty() && death != Runtime::Impl::kShutDownReason)
       lost = "rank 0 died before the job ended (" + death + ")";
   }
@@ -246,17 +244,14 @@ std::string close_runtime(bool graceful, const std::string& failure) {
 
 // Whether this thread belongs to the runtime (a handler, an I/O thread): a graceful shutdown from it would wait for
 // itself.
-bool on_runtime_thread(Runtime::Impl& impl) {
-  return impl.pool->running_here() || impl.io_threads->running_here();
-}
+bool on_runtime_thread(Runtime::Impl& impl) { return impl.pool->running_here() || impl.io_threads->running_here(); }
 
 // Registered by init_rpc: a process that exits with its runtime still running (main returned without shutdown())
 // would destroy it under its running threads. Shut it down instead, and say so.
 void close_runtime_at_exit() {
   try {
     (void)detail::close_runtime_left_open("");
-  } catch (...) {
-  }
+  } catch (...) {}
 }
 
 }  // namespace

@@ -75,7 +75,8 @@ struct Runtime::Impl {
   // Connections and the state of every peer (peer_table.hpp); made by init_rpc once the world size is known.
   std::unique_ptr<detail::PeerTable> peers;
 
-  std::atomic<std::uint64_t> accepted{0}, accept_errors{0}, refused_connections{0};  // diagnostics for rendezvous failures
+  std::atomic<std::uint64_t> accepted{0}, accept_errors{0},
+      refused_connections{0};  // diagnostics for rendezvous failures
   // What strangers and impostors provoke at will is logged at a bounded rate (after io_threads: its timer runs there).
   detail::RefusalLog refused_handshakes{"accept", "connections refused"};
   detail::RefusalLog refused_hellos{"hello", "hellos refused"};
@@ -86,12 +87,14 @@ struct Runtime::Impl {
   std::map<std::type_index, std::shared_ptr<void>> extensions;
 
   detail::TensorHooks tensor_hooks;  // set by runtime initializers, read-only afterwards
-  std::mutex hooks_mutex;    // guards the one below
+  std::mutex hooks_mutex;            // guards the one below
   std::vector<std::function<void(int, const std::string&)>> failure_listeners;
 
   // Local idleness, for graceful shutdown (shutdown.cpp): the activity counters at zero and nothing in the
   // background scope.
-  bool locally_idle() const { return activity->idle([this] { return background.active() == 0; }); }
+  bool locally_idle() const {
+    return activity->idle([this] { return background.active() == 0; });
+  }
   // Declared after what its tasks' wake-ups touch; joined by shutdown() before the Impl goes.
   TaskScope background;
 
@@ -118,7 +121,8 @@ struct Runtime::Impl {
   static constexpr const char* kShutDownReason = "it shut down";
   CallContext handler_context(std::int64_t context_id) const noexcept;
   // The same, for a request's handler: with its stop token and its deadline.
-  CallContext handler_context(std::int64_t context_id, std::stop_token stop, detail::Clock::time_point deadline) const noexcept;
+  CallContext handler_context(std::int64_t context_id, std::stop_token stop,
+                              detail::Clock::time_point deadline) const noexcept;
   std::int64_t outbound_context() const noexcept {
     return tensor_hooks.context_slot >= 0 ? current_call_context().get(tensor_hooks.context_slot) : -1;
   }
@@ -211,7 +215,8 @@ struct Runtime::Impl {
 
   // ---- same_host.cpp ----
   void start_same_host();
-  void offer_same_host(const std::shared_ptr<detail::Connection>& conn, const detail::Hello& theirs, detail::Hello& answer);
+  void offer_same_host(const std::shared_ptr<detail::Connection>& conn, const detail::Hello& theirs,
+                       detail::Hello& answer);
   void dial_same_host(const std::shared_ptr<detail::Connection>& conn, const detail::Hello& answer);
   void same_host_failed(int rank, const std::string& why);
   // The CUDA IPC link for a connection to `rank` whose Hellos agreed to it (null otherwise).
@@ -231,7 +236,8 @@ detail::Message hello_message(const detail::Hello& hello);
 // A plain one, without same-host fields (tests that play a peer by hand, tests/raw_peer.hpp).
 detail::Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits);
 // Error frames (error_frames.cpp): [u8 code][worker][function][type][message].
-detail::Message error_frame(std::uint64_t id, std::exception_ptr error, const std::string& worker, std::string_view function);
+detail::Message error_frame(std::uint64_t id, std::exception_ptr error, const std::string& worker,
+                            std::string_view function);
 std::exception_ptr decode_error(const detail::Message& msg, const std::string& worker, std::string_view function);
 
 }  // namespace corpc

@@ -43,8 +43,9 @@ void Runtime::Impl::offer_same_host(const std::shared_ptr<detail::Connection>& c
                                     detail::Hello& answer) {
   if (!shm_listener || same_host_id.empty() || theirs.host != same_host_id) return;
   answer.shm_socket = shm_listener->name();
-  answer.shm_cookie = shm_listener->offer(install_on(conn, cuda_ipc_link(conn->peer_rank, theirs.cuda_ipc, theirs.host)),
-                                          [weak = std::weak_ptr(conn)] { return !weak.expired(); });
+  answer.shm_cookie =
+      shm_listener->offer(install_on(conn, cuda_ipc_link(conn->peer_rank, theirs.cuda_ipc, theirs.host)),
+                          [weak = std::weak_ptr(conn)] { return !weak.expired(); });
 }
 
 // Dialer: the peer's answer offered a channel and says it is on our host: set it up, without holding anything up.
@@ -52,13 +53,15 @@ void Runtime::Impl::dial_same_host(const std::shared_ptr<detail::Connection>& co
   if (same_host_id.empty() || answer.host != same_host_id || answer.shm_cookie.empty()) return;
   const int rank = conn->peer_rank;
   auto install = install_on(conn, cuda_ipc_link(rank, answer.cuda_ipc, answer.host));
-  asio::co_spawn(conn->io(), [this, rank, answer, install = std::move(install)]() -> asio::awaitable<void> {
-    const std::string failure = co_await detail::dial_shm_channel(answer.shm_socket, answer.shm_cookie,
-                                                                  options.same_host_ring_bytes, install,
-                                                                  options.handshake_timeout);
-    if (!failure.empty()) same_host_failed(rank, failure);
-    else detail::log(detail::LogLevel::debug, self.name, "same-host channel", "set up to rank {}", rank);
-  }, asio::detached);
+  asio::co_spawn(
+      conn->io(),
+      [this, rank, answer, install = std::move(install)]() -> asio::awaitable<void> {
+        const std::string failure = co_await detail::dial_shm_channel(
+            answer.shm_socket, answer.shm_cookie, options.same_host_ring_bytes, install, options.handshake_timeout);
+        if (!failure.empty()) same_host_failed(rank, failure);
+        else detail::log(detail::LogLevel::debug, self.name, "same-host channel", "set up to rank {}", rank);
+      },
+      asio::detached);
 }
 
 void Runtime::Impl::same_host_failed(int rank, const std::string& why) {
@@ -67,15 +70,18 @@ void Runtime::Impl::same_host_failed(int rank, const std::string& why) {
               rank >= 0 ? "none to rank " + std::to_string(rank) + ": " : std::string(), why);
 }
 
-std::shared_ptr<detail::CudaIpcLink> Runtime::Impl::cuda_ipc_link(int rank, bool theirs, const std::string& their_host) {
+std::shared_ptr<detail::CudaIpcLink> Runtime::Impl::cuda_ipc_link(int rank, bool theirs,
+                                                                  const std::string& their_host) {
   if (!detail::cuda_ipc_agreed(cuda_ipc_offered, same_host_id, theirs, their_host)) return nullptr;
   return std::make_shared<detail::CudaIpcLink>([this, rank](const std::string& why) { cuda_ipc_failed(rank, why); });
 }
 
 void Runtime::Impl::cuda_ipc_failed(int rank, const std::string& why) {
   const auto level = cuda_ipc_warned.exchange(true) ? detail::LogLevel::info : detail::LogLevel::warn;
-  detail::log(level, self.name, "CUDA IPC", "with rank {}: {}; CUDA tensors go through host memory (further failures "
-              "are logged at info)", rank, why);
+  detail::log(level, self.name, "CUDA IPC",
+              "with rank {}: {}; CUDA tensors go through host memory (further failures "
+              "are logged at info)",
+              rank, why);
 }
 
 // The lender's side: the I/O thread of the connection the tensors were lent on. The tensors are released here.

@@ -81,7 +81,7 @@ std::string Runtime::Impl::lost_ranks() {
 
 Runtime::Impl::ShutdownOutcome Runtime::Impl::graceful_shutdown() {
   const auto limit = options.shutdown_timeout.count() > 0 ? options.shutdown_timeout
-                                                           : std::chrono::milliseconds(std::chrono::hours(24 * 365));
+                                                          : std::chrono::milliseconds(std::chrono::hours(24 * 365));
   const auto deadline = std::chrono::steady_clock::now() + limit;
   auto remaining = [&] {
     return std::max<std::chrono::milliseconds>(
@@ -120,8 +120,7 @@ void Runtime::Impl::finish_trace(bool meet) {
     try {
       // Bounded: a worker that dies now only delays the merge, which then goes without its part.
       ask_round(*this, kTraceRound, true, std::max(options.rpc_timeout, std::chrono::milliseconds(1)));
-    } catch (const RpcError&) {
-    }
+    } catch (const RpcError&) {}
   }
   if (self.rank == 0) trace::detail::merge_parts(world_size);
 }

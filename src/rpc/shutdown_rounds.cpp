@@ -43,7 +43,8 @@ void ShutdownRounds::close() {
     pending.swap(rounds_);
   }
   // Outside the lock: each failure runs (or queues on an I/O thread) the continuation that answers the peer.
-  for (auto& [round, r] : pending) r.done.set_exception(ShutdownError("rank 0 shut down without waiting for the others"));
+  for (auto& [round, r] : pending)
+    r.done.set_exception(ShutdownError("rank 0 shut down without waiting for the others"));
 }
 
 }  // namespace corpc::detail

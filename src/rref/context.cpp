@@ -293,7 +293,8 @@ void RRefContext::on_peer_failure(int rank) {
     }
   }
   for (auto& s : orphans)
-    fail(s, std::make_exception_ptr(ConnectionError("the creator of this RRef (rank " + std::to_string(rank) + ") died")));
+    fail(s,
+         std::make_exception_ptr(ConnectionError("the creator of this RRef (rank " + std::to_string(rank) + ") died")));
   for (auto& id : touched) free_if_unreferenced(id);
 }
 

@@ -29,15 +29,16 @@ Nonce fresh_nonce() {
 }
 
 // `binding`: the TLS session's exported keying material, or empty without TLS.
-Mac mac(const std::string& secret, const char* label, const Nonce& first, const Nonce& second, const std::string& binding) {
+Mac mac(const std::string& secret, const char* label, const Nonce& first, const Nonce& second,
+        const std::string& binding) {
   std::string msg(label);
   msg.append(reinterpret_cast<const char*>(first.data()), first.size());
   msg.append(reinterpret_cast<const char*>(second.data()), second.size());
   msg += binding;
   Mac out;
   unsigned int len = 0;
-  if (!HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()), reinterpret_cast<const unsigned char*>(msg.data()),
-            msg.size(), out.data(), &len) ||
+  if (!HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()),
+            reinterpret_cast<const unsigned char*>(msg.data()), msg.size(), out.data(), &len) ||
       len != out.size())
     throw ConnectionError("authentication: HMAC failed");
   return out;
@@ -80,7 +81,8 @@ asio::awaitable<void> authenticate(Transport& socket, const AuthConfig& config, 
       if (std::memcmp(proof.data(), kTag, 4) != 0) {
         // 0x16 0x03: a TLS ClientHello.
         throw ConnectionError(proof[0] == 0x16 && proof[1] == 0x03
-                                  ? "the peer speaks TLS and this worker does not (is RpcOptions::tls / CORPC_TLS_CERT set on every rank?)"
+                                  ? "the peer speaks TLS and this worker does not (is RpcOptions::tls / CORPC_TLS_CERT "
+                                    "set on every rank?)"
                                   : "not a corpc peer (no authentication)");
       }
       Nonce theirs;
@@ -120,9 +122,10 @@ asio::awaitable<void> authenticate(Transport& socket, const AuthConfig& config, 
     const bool closed = !timed_out && dynamic_cast<const asio::system_error*>(&e) &&
                         static_cast<const asio::system_error&>(e).code() == asio::error::eof;
     const bool waited = std::chrono::steady_clock::now() - started >= std::chrono::milliseconds(250);
-    const char* hint = config.tls && !tls_up                                       ? " (does the peer use TLS?)"
-                       : !config.tls && role == AuthRole::dialer && (timed_out || (closed && waited)) ? " (does the peer expect TLS?)"
-                                                                                  : "";
+    const char* hint = config.tls && !tls_up ? " (does the peer use TLS?)"
+                       : !config.tls && role == AuthRole::dialer && (timed_out || (closed && waited))
+                           ? " (does the peer expect TLS?)"
+                           : "";
     throw ConnectionError((timed_out ? std::string("authentication timed out")
                            : closed  ? std::string("the peer closed the connection during authentication")
                                      : std::string("authentication: ") + e.what()) +

@@ -22,15 +22,14 @@
 namespace corpc::detail {
 
 struct AuthConfig {
-  std::string secret;                         // empty: no authentication
-  std::chrono::milliseconds timeout{5000};    // the whole handshake; a silent peer is dropped after it
-  std::shared_ptr<asio::ssl::context> tls;    // null: plain TCP
+  std::string secret;                       // empty: no authentication
+  std::chrono::milliseconds timeout{5000};  // the whole handshake; a silent peer is dropped after it
+  std::shared_ptr<asio::ssl::context> tls;  // null: plain TCP
 };
 
 // Secures `transport` as `role`: the TLS handshake (if configured), then the challenge-response (if there is a
 // secret). Throws ConnectionError (the reason, naming no worker) on failure or timeout.
 asio::awaitable<void> authenticate(Transport& transport, const AuthConfig& config, AuthRole role);
-
 
 // A fresh random secret (hex), for launchers that start all the ranks of a job.
 std::string random_secret();

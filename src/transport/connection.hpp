@@ -145,7 +145,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
  protected:
   ReceiveCredit* delivering_ = nullptr;  // I/O thread
-  bool delivering_refused_ = false;     // I/O thread
+  bool delivering_refused_ = false;      // I/O thread
 
  private:
   asio::io_context& io_;
@@ -176,8 +176,8 @@ std::shared_ptr<Connection> make_tcp_connection(Transport transport, const Conne
 // connect or authenticate closes it with the reason.
 // `peer_rank` is set before dialing starts, so that a connect that fails at once is still attributed to its peer.
 std::shared_ptr<Connection> dial_tcp_connection(asio::io_context& io, int peer_rank, std::string host,
-                                                std::uint16_t port, const ConnectionSettings& settings, FrameHandler on_frame,
-                                                CloseHandler on_close, AuthConfig auth);
+                                                std::uint16_t port, const ConnectionSettings& settings,
+                                                FrameHandler on_frame, CloseHandler on_close, AuthConfig auth);
 
 // Calls to ourselves: each frame comes back to `on_frame` as if received, through a copy of its tensors, so that a
 // self-call has exactly the semantics of a remote one.

@@ -23,10 +23,12 @@ class LoopbackConnection final : public Connection {
     msg.head = f.head;
     msg.body = std::move(f.body);
     if (f.head.num_tensors) {
-      msg.tensors = decode_tensor_meta(f.meta.data(), f.meta.size(), f.head.num_tensors, f.head.tensor_bytes, limits_, &msg.devices);
+      msg.tensors = decode_tensor_meta(f.meta.data(), f.meta.size(), f.head.num_tensors, f.head.tensor_bytes, limits_,
+                                       &msg.devices);
       for (std::size_t i = 0; i < msg.tensors.size(); ++i)
         if (msg.tensors[i].nbytes())
-          std::memcpy(msg.tensors[i].data_ptr(), f.tensors[i].data_ptr(), static_cast<std::size_t>(f.tensors[i].nbytes()));
+          std::memcpy(msg.tensors[i].data_ptr(), f.tensors[i].data_ptr(),
+                      static_cast<std::size_t>(f.tensors[i].nbytes()));
     }
     asio::post(io(), [self = shared_from_this(), msg = std::move(msg)]() mutable {
       auto* me = static_cast<LoopbackConnection*>(self.get());
@@ -36,7 +38,8 @@ class LoopbackConnection final : public Connection {
     });
   }
   void close(std::string) override {
-    asio::post(io(), [self = shared_from_this()] { static_cast<LoopbackConnection*>(self.get())->on_frame_ = nullptr; });
+    asio::post(io(),
+               [self = shared_from_this()] { static_cast<LoopbackConnection*>(self.get())->on_frame_ = nullptr; });
   }
   void close_when_flushed() override { close({}); }
 

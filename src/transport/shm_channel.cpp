@@ -23,7 +23,7 @@ namespace corpc::detail {
 
 namespace {
 
-constexpr std::uint64_t kControlBytes = 36864;  // 9 pages
+constexpr std::uint64_t kControlBytes = 36864;               // 9 pages
 constexpr std::uint64_t kSegmentMagic = 0x314d485343505243;  // "CRPCSHM1"
 constexpr unsigned kSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
 constexpr std::size_t kCookieChars = 64;  // random_secret()'s length
@@ -65,7 +65,8 @@ std::string read_line(const char* path) {
 
 // Receives up to `size` bytes and the descriptors that came with them (up to kMaxFds into `fds`, counted in `nfds`;
 // the caller closes them). Returns recvmsg's result; `truncated` tells that descriptors did not fit.
-[[gnu::noinline]] ssize_t receive_with_fds(int socket, char* data, std::size_t size, int* fds, int& nfds, bool& truncated) {
+[[gnu::noinline]] ssize_t receive_with_fds(int socket, char* data, std::size_t size, int* fds, int& nfds,
+                                           bool& truncated) {
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFds)];
   iovec iov{data, size};
   msghdr mh{};
@@ -77,7 +78,8 @@ std::string read_line(const char* path) {
   for (cmsghdr* c = n < 0 ? nullptr : CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
     if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
     const std::size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-    for (std::size_t i = 0; i < k && nfds < kMaxFds; ++i) std::memcpy(&fds[nfds++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+    for (std::size_t i = 0; i < k && nfds < kMaxFds; ++i)
+      std::memcpy(&fds[nfds++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
   }
   truncated = n >= 0 && (mh.msg_flags & MSG_CTRUNC);
   return n;
@@ -127,8 +129,12 @@ ShmChannel::Control* ShmChannel::control() const noexcept {
 }
 
 ShmChannel::ShmChannel(int fd, void* base, std::uint64_t map_bytes, std::uint64_t ring_bytes, Side side)
-    : fd_(fd), base_(base), map_bytes_(map_bytes), ring_bytes_(ring_bytes),
-      send_ring_(side == Side::dialer ? 0 : 1), recv_ring_(side == Side::dialer ? 1 : 0) {}
+    : fd_(fd),
+      base_(base),
+      map_bytes_(map_bytes),
+      ring_bytes_(ring_bytes),
+      send_ring_(side == Side::dialer ? 0 : 1),
+      recv_ring_(side == Side::dialer ? 1 : 0) {}
 
 ShmChannel::~ShmChannel() {
   close_fd();
@@ -193,7 +199,7 @@ std::optional<ShmChannel::Region> ShmChannel::reserve(std::uint64_t len) {
   auto& q = control()->released[send_ring_];
   const std::uint64_t head = q.head.load(std::memory_order_acquire);
   std::uint64_t tail = q.tail.load(std::memory_order_relaxed);
-  if (head - tail > kReleaseSlots) tail = head - kReleaseSlots;  // a broken peer: take what the slots hold
+  if (head - tail > kReleaseSlots) tail = head - kReleaseSlots;               // a broken peer: take what the slots hold
   for (; tail != head; ++tail) sent_.erase(q.offsets[tail % kReleaseSlots]);  // an unknown offset changes nothing
   q.tail.store(tail, std::memory_order_release);
   // First fit, from the ring's start: a steady exchange keeps using the same few regions, so it touches (and
@@ -345,7 +351,8 @@ asio::awaitable<std::string> dial_shm_channel(std::string socket_name, std::stri
     auto channel = ShmChannel::create(ring_bytes);
     co_await socket->async_connect(asio::local::stream_protocol::endpoint(socket_name), asio::use_awaitable);
     install(channel);  // before the peer can map it: what it sends through the ring must find us ready
-    const ssize_t n = send_with_fd(socket->native_handle(), cookie, channel->fd());  // tiny: a fresh socket takes it whole
+    const ssize_t n =
+        send_with_fd(socket->native_handle(), cookie, channel->fd());  // tiny: a fresh socket takes it whole
     channel->close_fd();
     if (n != static_cast<ssize_t>(cookie.size())) throw os_error("passing the segment");
     char ack = 0;

@@ -33,9 +33,11 @@ void check(int ok, const std::string& what) {
 
 std::shared_ptr<asio::ssl::context> make_tls_context(const TlsOptions& options) {
   if (options.certificate_chain_file.empty() || options.private_key_file.empty())
-    throw UsageError("TLS needs a certificate chain file and a private key file (RpcOptions::tls, CORPC_TLS_CERT, CORPC_TLS_KEY)");
+    throw UsageError(
+        "TLS needs a certificate chain file and a private key file (RpcOptions::tls, CORPC_TLS_CERT, CORPC_TLS_KEY)");
   if (options.verify_peer && options.ca_file.empty())
-    throw UsageError("TLS with verify_peer needs a CA file to verify peers against (RpcOptions::tls.ca_file, CORPC_TLS_CA)");
+    throw UsageError(
+        "TLS with verify_peer needs a CA file to verify peers against (RpcOptions::tls.ca_file, CORPC_TLS_CA)");
   auto ctx = std::make_shared<asio::ssl::context>(asio::ssl::context::tls);
   SSL_CTX* native = ctx->native_handle();
   ERR_clear_error();
@@ -47,7 +49,8 @@ std::shared_ptr<asio::ssl::context> make_tls_context(const TlsOptions& options) 
   check(SSL_CTX_use_PrivateKey_file(native, options.private_key_file.c_str(), SSL_FILETYPE_PEM),
         "private key " + options.private_key_file);
   check(SSL_CTX_check_private_key(native), "private key " + options.private_key_file + " with its certificate");
-  if (!options.ca_file.empty()) check(SSL_CTX_load_verify_locations(native, options.ca_file.c_str(), nullptr), "CA file " + options.ca_file);
+  if (!options.ca_file.empty())
+    check(SSL_CTX_load_verify_locations(native, options.ca_file.c_str(), nullptr), "CA file " + options.ca_file);
   // Mutual: the acceptor asks for the dialer's certificate and refuses a connection without one.
   ctx->set_verify_mode(options.verify_peer ? asio::ssl::verify_peer | asio::ssl::verify_fail_if_no_peer_cert
                                            : asio::ssl::verify_none);
@@ -60,8 +63,9 @@ asio::awaitable<void> Transport::start_tls(asio::ssl::context& context, AuthRole
   auto& tls = s_->tls.emplace(s_->socket, context);
   std::string failure;
   try {
-    co_await tls.async_handshake(role == AuthRole::dialer ? asio::ssl::stream_base::client : asio::ssl::stream_base::server,
-                                 asio::use_awaitable);
+    co_await tls.async_handshake(
+        role == AuthRole::dialer ? asio::ssl::stream_base::client : asio::ssl::stream_base::server,
+        asio::use_awaitable);
     co_return;
   } catch (const std::system_error& e) {
     failure = e.code().message();

@@ -27,7 +27,6 @@ enum class AuthRole { acceptor, dialer };
 // certificates must chain to. Throws UsageError naming the file and OpenSSL's reason when one cannot be used.
 std::shared_ptr<asio::ssl::context> make_tls_context(const TlsOptions& options);
 
-
 class Transport {
  public:
   using executor_type = asio::ip::tcp::socket::executor_type;

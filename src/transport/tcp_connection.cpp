@@ -8,12 +8,18 @@
 
 namespace corpc::detail {
 
-TcpConnection::TcpConnection(Transport t, const ConnectionSettings& settings, FrameHandler on_frame, CloseHandler on_close)
+TcpConnection::TcpConnection(Transport t, const ConnectionSettings& settings, FrameHandler on_frame,
+                             CloseHandler on_close)
     : Connection(static_cast<asio::io_context&>(t.get_executor().context()), settings.make_session),
       transport_(std::move(t)),
       socket_(transport_.socket()),
-      settings_(settings), limits_(settings.limits), on_frame_(std::move(on_frame)), on_close_(std::move(on_close)),
-      rbuf_(kReadBuffer), room_timer_(io()), liveness_timer_(io()) {
+      settings_(settings),
+      limits_(settings.limits),
+      on_frame_(std::move(on_frame)),
+      on_close_(std::move(on_close)),
+      rbuf_(kReadBuffer),
+      room_timer_(io()),
+      liveness_timer_(io()) {
   peer_limits = limits_;
 }
 

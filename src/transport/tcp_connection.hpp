@@ -49,9 +49,10 @@ inline void batch_end() {
 
 class TcpConnection final : public Connection {
  public:
-  static constexpr std::size_t kReadBuffer = 64 * 1024;    // frames whose header, metadata and body fit are parsed in place
+  static constexpr std::size_t kReadBuffer =
+      64 * 1024;  // frames whose header, metadata and body fit are parsed in place
   static constexpr std::size_t kCopyBodyBelow = 4 * 1024;  // smaller bodies are copied into the staging buffer
-  static constexpr std::size_t kCommitStep = 1 << 20;      // how far a large body's memory is committed ahead of its bytes
+  static constexpr std::size_t kCommitStep = 1 << 20;  // how far a large body's memory is committed ahead of its bytes
   static constexpr int kMaxIov = 64;
 
   TcpConnection(Transport t, const ConnectionSettings& settings, FrameHandler on_frame, CloseHandler on_close);
@@ -89,7 +90,9 @@ class TcpConnection final : public Connection {
   void fail(const std::string& why);
 
   // Writing.
-  bool corked_here() const noexcept { return tls_batch.open > 0 && tls_batch.io == &const_cast<TcpConnection*>(this)->io(); }
+  bool corked_here() const noexcept {
+    return tls_batch.open > 0 && tls_batch.io == &const_cast<TcpConnection*>(this)->io();
+  }
   ssize_t write_iov(iovec* iov, int n);
   void stage(OutFrame& f, std::size_t skip);
   void schedule_flush();
@@ -146,21 +149,21 @@ class TcpConnection final : public Connection {
   std::vector<char> rbuf_;  // I/O thread
   std::size_t rbeg_ = 0, rend_ = 0;
   asio::steady_timer room_timer_;  // a paused reader waits on it; cancelled when there may be room (I/O thread)
-  bool paused_ = false;             // I/O thread
-  std::uint64_t pauses_ = 0;        // I/O thread
-  std::atomic<std::uint64_t> received_held_{0};  // this connection's share of the receive budget in use
-  std::atomic<std::uint64_t> backlog_{0};        // staged bytes not yet written (changed under wmutex_)
-  asio::steady_timer liveness_timer_;              // I/O thread, like the counters below
-  std::uint64_t heard_ = 0, heard_checked_ = 0;    // reads that brought bytes
+  bool paused_ = false;            // I/O thread
+  std::uint64_t pauses_ = 0;       // I/O thread
+  std::atomic<std::uint64_t> received_held_{0};      // this connection's share of the receive budget in use
+  std::atomic<std::uint64_t> backlog_{0};            // staged bytes not yet written (changed under wmutex_)
+  asio::steady_timer liveness_timer_;                // I/O thread, like the counters below
+  std::uint64_t heard_ = 0, heard_checked_ = 0;      // reads that brought bytes
   std::uint64_t written_ = 0, written_checked_ = 0;  // staged writes that made progress
   int silent_checks_ = 0;
 
-  std::shared_ptr<ShmChannel> shm_rx_;  // I/O thread: shm_, once a frame needed it
-  std::shared_ptr<CudaIpcLink> ipc_rx_;  // I/O thread: ipc_, once attached
+  std::shared_ptr<ShmChannel> shm_rx_;     // I/O thread: shm_, once a frame needed it
+  std::shared_ptr<CudaIpcLink> ipc_rx_;    // I/O thread: ipc_, once attached
   std::atomic<bool> ipc_attached_{false};  // ipc_ was set (spares senders and readers the lock until then)
 
   std::mutex wmutex_;  // guards everything below, and the socket's descriptor against close while a sender writes
-  std::shared_ptr<ShmChannel> shm_;  // the same-host channel, once set up
+  std::shared_ptr<ShmChannel> shm_;   // the same-host channel, once set up
   std::shared_ptr<CudaIpcLink> ipc_;  // CUDA IPC with the peer, once agreed and attached
   std::string stage_;
   std::vector<Seg> segs_;

@@ -8,8 +8,8 @@ void TcpConnection::dial(std::string host, std::uint16_t port, AuthConfig auth) 
   asio::co_spawn(socket_.get_executor(), connect(self(), std::move(host), port, std::move(auth)), asio::detached);
 }
 
-asio::awaitable<void> TcpConnection::connect(std::shared_ptr<TcpConnection> self, std::string host,
-                                            std::uint16_t port, AuthConfig auth) {
+asio::awaitable<void> TcpConnection::connect(std::shared_ptr<TcpConnection> self, std::string host, std::uint16_t port,
+                                             AuthConfig auth) {
   try {
     asio::ip::tcp::resolver resolver(self->socket_.get_executor());
     auto endpoints = co_await resolver.async_resolve(host, std::to_string(port), asio::use_awaitable);
@@ -23,9 +23,10 @@ asio::awaitable<void> TcpConnection::connect(std::shared_ptr<TcpConnection> self
 }
 
 std::shared_ptr<Connection> dial_tcp_connection(asio::io_context& io, int peer_rank, std::string host,
-                                                std::uint16_t port, const ConnectionSettings& settings, FrameHandler on_frame,
-                                                CloseHandler on_close, AuthConfig auth) {
-  auto c = std::make_shared<TcpConnection>(Transport(asio::ip::tcp::socket(io)), settings, std::move(on_frame), std::move(on_close));
+                                                std::uint16_t port, const ConnectionSettings& settings,
+                                                FrameHandler on_frame, CloseHandler on_close, AuthConfig auth) {
+  auto c = std::make_shared<TcpConnection>(Transport(asio::ip::tcp::socket(io)), settings, std::move(on_frame),
+                                           std::move(on_close));
   c->peer_rank = peer_rank;
   c->outgoing = true;
   c->dial(std::move(host), port, std::move(auth));

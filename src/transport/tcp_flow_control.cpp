@@ -34,7 +34,8 @@ asio::awaitable<void> TcpConnection::wait_for_room(std::uint64_t need) {
 }
 
 bool TcpConnection::try_reserve(std::uint64_t need) noexcept {
-  if (received_held_.load() > settings_.budget_per_connection - need) return false;  // need <= the per-connection budget
+  if (received_held_.load() > settings_.budget_per_connection - need)
+    return false;  // need <= the per-connection budget
   if (!settings_.budget->try_take(need)) return false;
   received_held_.fetch_add(need);
   return true;

@@ -99,8 +99,12 @@ asio::awaitable<void> TcpConnection::read_frames(std::shared_ptr<Connection> bas
       }
     }
     if (trace_t0) [[unlikely]] {
-      trace::detail::record({.kind = trace::detail::Kind::tensor_receive, .peer = peer_rank, .t0 = trace_t0,
-                             .t1 = trace::now_ns(), .bytes = h.tensor_bytes, .name = {}});
+      trace::detail::record({.kind = trace::detail::Kind::tensor_receive,
+                             .peer = peer_rank,
+                             .t0 = trace_t0,
+                             .t1 = trace::now_ns(),
+                             .bytes = h.tensor_bytes,
+                             .name = {}});
     }
     if (h.kind == FrameKind::Goodbye) said_goodbye = true;
     if (closed_) co_return;
@@ -127,7 +131,7 @@ asio::awaitable<void> TcpConnection::read_more() {
     rbeg_ = 0;
   }
   std::size_t n = co_await transport_.async_read_some(asio::buffer(rbuf_.data() + rend_, rbuf_.size() - rend_),
-                                                   asio::use_awaitable);
+                                                      asio::use_awaitable);
   rend_ += n;
   ++heard_;
 }

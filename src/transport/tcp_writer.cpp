@@ -35,7 +35,10 @@ void DispatchBatch::flush() { batch_end(); }
 void TcpConnection::send(OutFrame&& f) {
   const std::uint64_t tensor_bytes = f.head.tensor_bytes;
   trace::detail::ScopedRecord slice(
-      [&] { return trace::detail::Record{.kind = trace::detail::Kind::tensor_send, .peer = peer_rank, .bytes = tensor_bytes, .name = {}}; },
+      [&] {
+        return trace::detail::Record{
+            .kind = trace::detail::Kind::tensor_send, .peer = peer_rank, .bytes = tensor_bytes, .name = {}};
+      },
       tensor_bytes >= trace::kLargeTransferBytes);
   std::unique_lock lock(wmutex_);
   if (closed_) return;

@@ -21,7 +21,8 @@ namespace {
 std::uint64_t dense_bytes(const at::Tensor& t) { return static_cast<std::uint64_t>(t.numel()) * t.element_size(); }
 
 std::size_t item_size(std::uint8_t raw) {
-  if (raw >= static_cast<std::uint8_t>(at::ScalarType::NumOptions) || raw == static_cast<std::uint8_t>(at::ScalarType::Undefined))
+  if (raw >= static_cast<std::uint8_t>(at::ScalarType::NumOptions) ||
+      raw == static_cast<std::uint8_t>(at::ScalarType::Undefined))
     return 0;
   return c10::elementSize(static_cast<at::ScalarType>(raw));
 }
@@ -59,8 +60,8 @@ at::Tensor lent_placeholder(std::uint8_t dtype, std::size_t dim) {
 
 // A tensor lent by CUDA IPC (m.ipc): recorded as tensor `i` of `count` in `devices` and in `*ipc` (made on the first),
 // a placeholder in the message meanwhile.
-at::Tensor receive_lent(const detail::TensorMeta& m, std::size_t i, std::size_t count, std::vector<std::int8_t>* devices,
-                        std::shared_ptr<detail::CudaIpcArrivals>* ipc) {
+at::Tensor receive_lent(const detail::TensorMeta& m, std::size_t i, std::size_t count,
+                        std::vector<std::int8_t>* devices, std::shared_ptr<detail::CudaIpcArrivals>* ipc) {
   if (!devices || !ipc) throw ProtocolError("a CUDA IPC tensor where none is accepted");
   devices->resize(count, -1);
   (*devices)[i] = m.device;
@@ -129,13 +130,13 @@ std::vector<at::Tensor> decode_tensor_meta(const char* meta, std::size_t meta_le
                                            std::uint64_t total_bytes, const WireLimits& limits,
                                            std::vector<std::int8_t>* devices,
                                            std::shared_ptr<detail::CudaIpcArrivals>* ipc) {
-  auto table = detail::parse_tensor_meta(meta, meta_len, num_tensors, total_bytes, limits, {&item_size, &differentiable},
-                                         ipc != nullptr);
+  auto table = detail::parse_tensor_meta(meta, meta_len, num_tensors, total_bytes, limits,
+                                         {&item_size, &differentiable}, ipc != nullptr);
   std::vector<at::Tensor> out;
   out.reserve(table.size());
   for (std::size_t i = 0; i < table.size(); ++i) {
     const auto& m = table[i];
-    at::Tensor t = m.ipc               ? receive_lent(m, i, table.size(), devices, ipc)
+    at::Tensor t = m.ipc           ? receive_lent(m, i, table.size(), devices, ipc)
                    : m.device >= 0 ? receive_for_device(m, i, table.size(), devices)
                                    : receive_tensor(m);
     if (m.requires_grad) t.set_requires_grad(true);
@@ -158,8 +159,10 @@ OutFrame prepare(Message&& msg, const DeviceMap& map, std::string_view receiver,
   f.head.tensor_bytes = total;
   f.body = std::move(msg.body);
   // Checked here, against our own limits' hard ceiling, so that no length is ever truncated by the 32-bit fields.
-  if (f.body.size() > std::numeric_limits<std::uint32_t>::max() || f.meta.size() > std::numeric_limits<std::uint32_t>::max())
-    throw MessageTooLargeError("message body of " + std::to_string(f.body.size()) + " bytes cannot be framed (4 GiB at most)");
+  if (f.body.size() > std::numeric_limits<std::uint32_t>::max() ||
+      f.meta.size() > std::numeric_limits<std::uint32_t>::max())
+    throw MessageTooLargeError("message body of " + std::to_string(f.body.size()) +
+                               " bytes cannot be framed (4 GiB at most)");
   return f;
 }
 
@@ -255,9 +258,10 @@ std::vector<at::Tensor> shm_receive(const std::shared_ptr<ShmChannel>& channel, 
       if (m.nbytes) std::memcpy(t.data_ptr(), data + off, static_cast<std::size_t>(m.nbytes));
     } else if (in_place) {
       const auto options = at::TensorOptions().dtype(static_cast<at::ScalarType>(m.dtype));
-      c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<std::size_t>(m.nbytes),
-                           c10::DataPtr(data + off, new std::shared_ptr<RingLease>(lease), &drop_lease, at::Device(at::kCPU)),
-                           c10::GetCPUAllocator(), /*resizable=*/true);
+      c10::Storage storage(
+          c10::Storage::use_byte_size_t(), static_cast<std::size_t>(m.nbytes),
+          c10::DataPtr(data + off, new std::shared_ptr<RingLease>(lease), &drop_lease, at::Device(at::kCPU)),
+          c10::GetCPUAllocator(), /*resizable=*/true);
       t = at::empty({0}, options);
       t.set_(std::move(storage), 0, m.sizes, m.strides);
     } else {

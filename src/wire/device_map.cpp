@@ -35,7 +35,8 @@ bool same_map(const DeviceMap& a, const DeviceMap& b) {
 
 void check_cuda_device(const c10::Device& d, std::string_view what) {
   if (!d.is_cuda())
-    throw UsageError(std::string(what) + ": " + str(d) + " is not a CUDA device (CPU tensors always arrive on the CPU; "
+    throw UsageError(std::string(what) + ": " + str(d) +
+                     " is not a CUDA device (CPU tensors always arrive on the CPU; "
                      "device maps and devices name CUDA devices only)");
   if (!d.has_index()) throw UsageError(std::string(what) + ": name the CUDA device's index (cuda:0, not cuda)");
 }
@@ -48,7 +49,8 @@ void check_invertible(const DeviceMap& map, std::string_view worker) {
     check_cuda_device(to, what);
     auto [it, fresh] = seen.emplace(to, from);
     if (!fresh)
-      throw UsageError(what + " is not invertible: " + str(it->second) + " and " + str(from) + " both map to " + str(to));
+      throw UsageError(what + " is not invertible: " + str(it->second) + " and " + str(from) + " both map to " +
+                       str(to));
   }
 }
 

@@ -48,8 +48,9 @@ CudaIpcRef read_cuda_ipc_ref(Reader& r, std::uint64_t nbytes) {
   r.raw(ref.event.data(), ref.event.size());
   // The receiver copies [offset, offset + nbytes) of the mapped allocation: nothing outside it may be named.
   if (ref.offset > ref.allocation_bytes || nbytes > ref.allocation_bytes - ref.offset)
-    throw ProtocolError("CUDA IPC tensor of " + std::to_string(nbytes) + " bytes at offset " + std::to_string(ref.offset) +
-                        " outside its allocation of " + std::to_string(ref.allocation_bytes));
+    throw ProtocolError("CUDA IPC tensor of " + std::to_string(nbytes) + " bytes at offset " +
+                        std::to_string(ref.offset) + " outside its allocation of " +
+                        std::to_string(ref.allocation_bytes));
   return ref;
 }
 }  // namespace
@@ -77,7 +78,8 @@ std::vector<TensorMeta> parse_tensor_meta(const char* meta, std::size_t meta_len
     const auto flags = r.get<std::uint8_t>();
     if (flags & ~(kTensorRequiresGrad | kTensorOnDevice | kTensorCudaIpc))
       throw ProtocolError("unknown tensor flags " + std::to_string(flags));
-    if ((flags & kTensorCudaIpc) && !(flags & kTensorOnDevice)) throw ProtocolError("a CUDA IPC tensor without its device");
+    if ((flags & kTensorCudaIpc) && !(flags & kTensorOnDevice))
+      throw ProtocolError("a CUDA IPC tensor without its device");
     if ((flags & kTensorCudaIpc) && !accept_cuda_ipc)
       throw ProtocolError("a CUDA IPC tensor from a peer that did not agree to CUDA IPC");
     if (flags & kTensorOnDevice) {
@@ -94,7 +96,8 @@ std::vector<TensorMeta> parse_tensor_meta(const char* meta, std::size_t meta_len
         throw ProtocolError("tensor size overflows");
       numel *= static_cast<std::uint64_t>(s);
     }
-    if (numel > limits.max_tensor_bytes / item || numel * item != m.nbytes) throw ProtocolError("tensor byte count mismatch");
+    if (numel > limits.max_tensor_bytes / item || numel * item != m.nbytes)
+      throw ProtocolError("tensor byte count mismatch");
     sum += m.wire_bytes();
     if (sum > total_bytes) throw ProtocolError("tensor bytes exceed the frame's total");
     if (!dense_layout(m.sizes, m.strides)) throw ProtocolError("tensor strides do not describe a dense layout");

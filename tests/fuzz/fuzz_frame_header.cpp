@@ -15,8 +15,9 @@ void check(const corpc::detail::FrameHeader& h, const corpc::WireLimits& lim) {
     return;
   }
   if (h.body_len > lim.max_body_bytes || h.meta_len > lim.max_meta_bytes || h.num_tensors > lim.max_tensors ||
-      h.tensor_bytes > lim.max_tensor_bytes || h.magic != corpc::detail::kFrameMagic || h.version != corpc::detail::kProtocolVersion ||
-      h.kind < corpc::detail::FrameKind::Hello || h.kind > corpc::detail::FrameKind::IpcDone)
+      h.tensor_bytes > lim.max_tensor_bytes || h.magic != corpc::detail::kFrameMagic ||
+      h.version != corpc::detail::kProtocolVersion || h.kind < corpc::detail::FrameKind::Hello ||
+      h.kind > corpc::detail::FrameKind::IpcDone)
     std::abort();
 }
 }  // namespace

@@ -18,8 +18,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     std::abort();
   const auto h2 = corpc::detail::decode_hello(again.data(), again.size());
   if (!(h2.self == h.self) || h2.world_size != h.world_size || h2.registering != h.registering ||
-      h2.limits.max_tensor_bytes != h.limits.max_tensor_bytes || h2.devices != h.devices || h2.host != h.host || h2.shm_socket != h.shm_socket ||
-      h2.shm_cookie != h.shm_cookie || h2.cuda_ipc != h.cuda_ipc)
+      h2.limits.max_tensor_bytes != h.limits.max_tensor_bytes || h2.devices != h.devices || h2.host != h.host ||
+      h2.shm_socket != h.shm_socket || h2.shm_cookie != h.shm_cookie || h2.cuda_ipc != h.cuda_ipc)
     std::abort();
   return 0;
 }

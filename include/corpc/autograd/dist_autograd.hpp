@@ -41,7 +41,9 @@ namespace corpc::dist_autograd {
 /// Hashes a tensor by identity (its TensorImpl), not by value: GradientMap's key hash.
 struct TensorIdentityHash {
   /// The hash of `t`'s TensorImpl pointer.
-  std::size_t operator()(const at::Tensor& t) const noexcept { return std::hash<const void*>()(t.unsafeGetTensorImpl()); }
+  std::size_t operator()(const at::Tensor& t) const noexcept {
+    return std::hash<const void*>()(t.unsafeGetTensorImpl());
+  }
 };
 /// Compares tensors by identity (`is_same`): GradientMap's key equality.
 struct TensorIdentityEqual {

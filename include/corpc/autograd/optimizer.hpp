@@ -46,7 +46,8 @@ namespace detail {
 template <class O>
 struct AdamLikeCodec {
   static void write(Writer& w, const O& o) {
-    w.put(std::make_tuple(o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(), o.amsgrad()));
+    w.put(std::make_tuple(o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(),
+                          o.amsgrad()));
   }
   static O read(Reader& r) {
     auto [lr, b1, b2, eps, wd, amsgrad] = r.get<std::tuple<double, double, double, double, double, bool>>();

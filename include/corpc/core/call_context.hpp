@@ -25,7 +25,7 @@ namespace corpc {
 /// The ambient state of one coroutine (see corpc/core/call_context.hpp): a few integer slots that upper layers own, and
 /// the stop token and deadline of the work the coroutine belongs to. A plain value; copying it is cheap.
 struct CallContext {
-  static constexpr int kSlots = 4;  ///< Slots available to layers in one process (new_slot() hands them out).
+  static constexpr int kSlots = 4;            ///< Slots available to layers in one process (new_slot() hands them out).
   static constexpr std::int64_t kUnset = -1;  ///< The value of a slot nobody has set.
   std::array<std::int64_t, kSlots> slots{kUnset, kUnset, kUnset, kUnset};  ///< One value per allocated slot.
   std::stop_token stop;  ///< asked to stop: awaits of corpc futures complete as cancelled
@@ -48,7 +48,9 @@ CallContext& current_call_context() noexcept;
 class CallContextScope {
  public:
   /// Makes `c` the calling thread's context until the guard is destroyed.
-  explicit CallContextScope(const CallContext& c) noexcept : previous_(current_call_context()) { current_call_context() = c; }
+  explicit CallContextScope(const CallContext& c) noexcept : previous_(current_call_context()) {
+    current_call_context() = c;
+  }
   ~CallContextScope() { current_call_context() = previous_; }
   CallContextScope(const CallContextScope&) = delete;
   CallContextScope& operator=(const CallContextScope&) = delete;

@@ -127,7 +127,8 @@ class ThreadPool final : public Executor {
 class BoundedExecutor final : public Executor {
  public:
   /// Runs jobs on `underlying`, at most `width` (0 counts as 1) at a time. The destructor waits for queued jobs.
-  explicit BoundedExecutor(Executor& underlying, std::size_t width = 1) : underlying_(underlying), width_(width ? width : 1) {}
+  explicit BoundedExecutor(Executor& underlying, std::size_t width = 1)
+      : underlying_(underlying), width_(width ? width : 1) {}
   ~BoundedExecutor() override;
   void enqueue(WorkItem* item) noexcept override;
 

@@ -184,9 +184,7 @@ class Promise {
   /// `promise.set_exception(corpc::TimeoutError("..."))`.
   template <class E>
     requires std::derived_from<std::remove_cvref_t<E>, std::exception>
-  bool set_exception(E&& e) {
-    return set_exception(std::make_exception_ptr(std::forward<E>(e)));
-  }
+  bool set_exception(E&& e) { return set_exception(std::make_exception_ptr(std::forward<E>(e))); }
 
  private:
   void abandon() noexcept {

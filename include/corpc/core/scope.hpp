@@ -79,7 +79,6 @@ class TaskScope {
   }
   /// request_stop(), then join().
   Future<void> stop_and_join() {
-
     request_stop();
     return join();
   }

@@ -110,7 +110,6 @@ class [[nodiscard]] Task {
   /// and resumes the awaiter where the task finishes; returns its value or rethrows its exception. Once only.
   Awaiter operator co_await() && noexcept { return Awaiter{h_}; }
 
-
  private:
   std::coroutine_handle<promise_type> h_;
 };

@@ -97,15 +97,15 @@ class ChromeEvent {
  public:
   /// 'X' complete, 'M' metadata, 's'/'f' flow start/end, 'b'/'e' async begin/end, 'i' instant.
   ChromeEvent(char phase, std::int64_t pid, std::int64_t tid);
-  ChromeEvent& name(std::string_view name);      ///< the slice's label
+  ChromeEvent& name(std::string_view name);     ///< the slice's label
   ChromeEvent& cat(std::string_view category);  ///< its category
-  ChromeEvent& ts(double us);                    ///< start time, microseconds
-  ChromeEvent& dur(double us);                   ///< duration, microseconds ('X' events)
+  ChromeEvent& ts(double us);                   ///< start time, microseconds
+  ChromeEvent& dur(double us);                  ///< duration, microseconds ('X' events)
   ChromeEvent& id(std::uint64_t id);  ///< flows and async slices: written as a hex string, as Perfetto reads it
   ChromeEvent& bind_enclosing();      ///< a flow end binds to the slice around it, not the next one ("bp":"e")
   ChromeEvent& arg(std::string_view key, std::string_view value);  ///< adds a string to the event's args
   ChromeEvent& arg(std::string_view key, std::int64_t value);      ///< adds a number to the event's args
-  std::string str() const;  ///< the event as one line of JSON
+  std::string str() const;                                         ///< the event as one line of JSON
 
  private:
   std::string head_, args_;

@@ -47,8 +47,8 @@ void arm_cancel_inputs(CancelSlot& out, std::shared_ptr<std::vector<Future<T>>> 
 /// input (or its first failure); continuations follow the usual resumption rule. Empty input: completes at once.
 /// Cancelling the returned future cancels the inputs.
 template <class T>
-Future<std::conditional_t<std::is_void_v<T>, void, std::vector<T>>> when_all(std::vector<Future<T>> futures,
-                                                                              WhenAll mode = WhenAll::keep_rest_running) {
+Future<std::conditional_t<std::is_void_v<T>, void, std::vector<T>>> when_all(
+    std::vector<Future<T>> futures, WhenAll mode = WhenAll::keep_rest_running) {
   using Out = std::conditional_t<std::is_void_v<T>, void, std::vector<T>>;
   struct Join {
     std::shared_ptr<std::vector<Future<T>>> inputs;

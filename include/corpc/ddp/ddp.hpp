@@ -70,14 +70,15 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const ProcessGroupOpti
 
 /// What a communication hook gets: one bucket of this rank's gradients, flattened.
 struct GradBucket {
-  at::Tensor buffer;    ///< this rank's gradients; the hook may reduce into it in place
-  size_t index;         ///< bucket number, in launch order (the same on every rank)
-  int64_t divisor;      ///< what the sum is divided by: the world size, or under Join the ranks still training
+  at::Tensor buffer;  ///< this rank's gradients; the hook may reduce into it in place
+  size_t index;       ///< bucket number, in launch order (the same on every rank)
+  int64_t divisor;    ///< what the sum is divided by: the world size, or under Join the ranks still training
 };
 
 /// A communication hook returns a future whose value is the bucket averaged over the group (a Tensor, or a TensorList
 /// whose first element is it). Returning `bucket.buffer` itself saves a copy.
-using CommHook = std::function<c10::intrusive_ptr<c10::ivalue::Future>(c10d::ProcessGroup& group, const GradBucket& bucket)>;
+using CommHook =
+    std::function<c10::intrusive_ptr<c10::ivalue::Future>(c10d::ProcessGroup& group, const GradBucket& bucket)>;
 
 /// Allreduce in place, then divide.
 CommHook allreduce_hook();
@@ -122,14 +123,14 @@ class GradientSync {
   GradientSync(const GradientSync&) = delete;
   GradientSync& operator=(const GradientSync&) = delete;
 
-  void before_forward();                          ///< broadcasts buffers if asked
-  void after_forward(const at::Tensor& output);   ///< find_unused_parameters' graph walk
-  void set_sync(bool enabled);         ///< false: backward accumulates locally only
-  void join_begin(JoinOptions options);  ///< see Join; std::logic_error if a join is open already
-  void join_finish();                    ///< Join::finish()
-  void join_abandon();                   ///< closes a join without shadowing the others (Join's destructor)
-  bool sync_enabled() const;             ///< false under no_sync()
-  size_t bucket_count() const;           ///< the number of gradient buckets
+  void before_forward();                         ///< broadcasts buffers if asked
+  void after_forward(const at::Tensor& output);  ///< find_unused_parameters' graph walk
+  void set_sync(bool enabled);                   ///< false: backward accumulates locally only
+  void join_begin(JoinOptions options);          ///< see Join; std::logic_error if a join is open already
+  void join_finish();                            ///< Join::finish()
+  void join_abandon();                           ///< closes a join without shadowing the others (Join's destructor)
+  bool sync_enabled() const;                     ///< false under no_sync()
+  size_t bucket_count() const;                   ///< the number of gradient buckets
   /// Buckets whose allreduce started from a gradient hook, that is, while the last synchronised backward still ran
   /// (the rest started in the end-of-backward callback). The overlap, observable without a clock.
   size_t buckets_launched_during_last_backward() const;
@@ -153,7 +154,8 @@ class DistributedDataParallel {
  public:
   /// Wraps `module` and broadcasts its parameters and buffers from rank 0 over `group` (collective).
   DistributedDataParallel(ModuleT module, c10::intrusive_ptr<c10d::ProcessGroup> group, DdpOptions options = {})
-      : module_(std::move(module)), sync_(std::make_unique<GradientSync>(*module_, std::move(group), std::move(options))) {}
+      : module_(std::move(module)),
+        sync_(std::make_unique<GradientSync>(*module_, std::move(group), std::move(options))) {}
 
   /// The module's forward, with DDP's part around it: the Join vote and buffer broadcast before, the unused-
   /// parameter search after (when asked for). Returns what the module's forward returns.
@@ -165,9 +167,9 @@ class DistributedDataParallel {
     return output;
   }
 
-  ModuleT& module() { return module_; }  ///< the wrapped module (checkpoint it through this)
+  ModuleT& module() { return module_; }                         ///< the wrapped module (checkpoint it through this)
   decltype(auto) operator->() { return module_.operator->(); }  ///< the module's members: `ddp->parameters()`
-  GradientSync& gradient_sync() { return *sync_; }  ///< the gradient machinery (bucket counts, overlap)
+  GradientSync& gradient_sync() { return *sync_; }              ///< the gradient machinery (bucket counts, overlap)
 
   /// Gradient accumulation: backward passes made while the guard lives only accumulate locally.
   class NoSyncGuard {

@@ -36,8 +36,8 @@ inline constexpr bool c10_optional_is_own_type = !std::is_same_v<c10::optional<T
 // allocator derives from CpuAllocatorBase<> and implements `allocate_bytes` (const) and `copy_bytes`; the base
 // overrides whichever `allocate` this libtorch declares. The base is a dependent type so that only the branch this
 // libtorch has is ever checked.
-template <class Base = c10::Allocator, bool ConstAllocate = requires(const Base& a) { a.allocate(std::size_t{}); }>
-class CpuAllocatorBase;
+template <class Base = c10::Allocator, bool ConstAllocate = requires(const Base& a) { a.allocate(std::size_t{}); }
+> class CpuAllocatorBase;
 
 template <class Base>
 class CpuAllocatorBase<Base, true> : public Base {
@@ -76,8 +76,8 @@ c10::intrusive_ptr<ProcessGroup> as_process_group(c10::intrusive_ptr<Backend> ba
       group = c10::make_intrusive<ProcessGroup>(store, rank, size);  // 2.6
     } else {
       // Earlier 2.x: the group takes options naming its backend.
-      group = c10::make_intrusive<ProcessGroup>(store, rank, size,
-                                                c10::make_intrusive<typename ProcessGroup::Options>(std::string("gloo")));
+      group = c10::make_intrusive<ProcessGroup>(
+          store, rank, size, c10::make_intrusive<typename ProcessGroup::Options>(std::string("gloo")));
     }
     if constexpr (requires { group->setDefaultBackend(ProcessGroup::BackendType::GLOO); }) {
       group->setDefaultBackend(ProcessGroup::BackendType::GLOO);

@@ -72,7 +72,7 @@ struct PipelineOptions {
   /// "worker1" or "worker1/cpu" (the stage's device); stage s runs on workers[s % workers.size()]. With more stages
   /// than workers, each worker hosts several (Interleaved1F1B needs that; the other schedules need one per worker).
   std::vector<std::string> workers;
-  std::vector<int> balance;  ///< consecutive layers per stage; its size is the number of stages
+  std::vector<int> balance;                ///< consecutive layers per stage; its size is the number of stages
   Schedule schedule = Schedule::OneFOneB;  ///< the order of each worker's actions (corpc/pipeline/schedule.hpp)
   int micro_batches = 4;  ///< M: the batch is cut into this many micro-batches (fewer if the batch is smaller)
   LossReduction loss_reduction = LossReduction::mean;  ///< how Loss reduces over the batch (see the top of this header)
@@ -80,8 +80,8 @@ struct PipelineOptions {
 
 /// What Pipeline::train_step returns.
 struct StepResult {
-  at::Tensor loss;                     ///< the whole batch's loss, as one process computes it
-  std::vector<WorkerReport> workers;   ///< one per worker, in stage order of their first stage
+  at::Tensor loss;                    ///< the whole batch's loss, as one process computes it
+  std::vector<WorkerReport> workers;  ///< one per worker, in stage order of their first stage
 };
 
 /// @cond INTERNAL
@@ -102,7 +102,8 @@ void host_stages(const StagePlacement& placement, torch::nn::Sequential model, L
 // mean_over: the batch size when the loss is a mean (each micro-batch's loss is scaled by its share), 0 for a sum.
 Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Action> actions,
                             std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets, std::int64_t mean_over);
-void deliver(std::uint64_t id, std::int64_t step, std::int32_t stage, std::int32_t micro, bool gradient, at::Tensor value);
+void deliver(std::uint64_t id, std::int64_t step, std::int32_t stage, std::int32_t micro, bool gradient,
+             at::Tensor value);
 void abort_step(std::uint64_t id, std::int64_t step, std::string reason);
 void drop_stages(std::uint64_t id);
 void set_training(std::uint64_t id, bool on);
@@ -151,9 +152,9 @@ class Pipeline {
   /// Copies of every parameter, in the unsplit model's order. Blocks (one RPC per worker).
   std::vector<at::Tensor> parameters() const;
 
-  Schedule schedule() const noexcept { return options_.schedule; }  ///< PipelineOptions::schedule
+  Schedule schedule() const noexcept { return options_.schedule; }       ///< PipelineOptions::schedule
   int micro_batches() const noexcept { return options_.micro_batches; }  ///< PipelineOptions::micro_batches
-  int num_stages() const noexcept { return static_cast<int>(options_.balance.size()); }  ///< stages in all
+  int num_stages() const noexcept { return static_cast<int>(options_.balance.size()); }       ///< stages in all
   int num_workers() const noexcept { return static_cast<int>(state_->worker_ranks.size()); }  ///< workers hosting them
   int stages_per_worker() const noexcept { return num_stages() / num_workers(); }  ///< v: stages on each worker
   /// This pipeline's action lists for M micro-batches (plan[i] for the i-th worker of `options.workers`).

@@ -86,9 +86,9 @@ inline char action_letter(ActionKind k) {
 
 /// One step of a worker's action list: compute `kind` for micro-batch `micro` on stage `stage`.
 struct Action {
-  ActionKind kind = ActionKind::Forward;  ///< what to compute
-  std::int32_t stage = 0;  ///< global stage index
-  std::int32_t micro = 0;  ///< micro-batch index
+  ActionKind kind = ActionKind::Forward;           ///< what to compute
+  std::int32_t stage = 0;                          ///< global stage index
+  std::int32_t micro = 0;                          ///< micro-batch index
   bool operator==(const Action&) const = default;  ///< field by field
   CORPC_FIELDS(kind, stage, micro)
 };
@@ -155,8 +155,8 @@ inline std::vector<std::vector<Action>> make_schedule(Schedule schedule, int wor
   const int K = workers, v = stages_per_worker, M = micro_batches;
   if (K < 1 || M < 1 || v < 1) throw UsageError("a schedule needs at least one worker, stage and micro-batch");
   if ((schedule == Schedule::Interleaved1F1B) != (v > 1))
-    throw UsageError(std::string(to_string(schedule)) + (v > 1 ? " runs one stage per worker" :
-                                                         " needs at least two stages per worker"));
+    throw UsageError(std::string(to_string(schedule)) +
+                     (v > 1 ? " runs one stage per worker" : " needs at least two stages per worker"));
   std::vector<std::vector<Action>> plan(K);
   for (int r = 0; r < K; ++r) {
     auto& out = plan[r];
@@ -175,8 +175,7 @@ inline std::vector<std::vector<Action>> make_schedule(Schedule schedule, int wor
         }
         break;
       }
-      case Schedule::ZeroBubbleH1:
-        break;  // built for all workers at once below
+      case Schedule::ZeroBubbleH1: break;  // built for all workers at once below
       case Schedule::Interleaved1F1B: {
         // Megatron-LM's order: micro-batches in rounds of K (the last round may be shorter); within a round, every
         // chunk in turn (forward: first chunk first; backward: last chunk first).

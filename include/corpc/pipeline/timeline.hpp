@@ -21,23 +21,23 @@ namespace corpc::pipeline {
 
 /// When one action ran, on which worker.
 struct ActionRecord {
-  Action action;                 ///< what ran
-  std::int32_t rank = -1;        ///< the worker that ran it
-  std::int64_t start_ns = 0;     ///< steady_clock, from the action's inputs being there to its outputs being sent
-  std::int64_t end_ns = 0;       ///< steady_clock, when its outputs were sent
+  Action action;              ///< what ran
+  std::int32_t rank = -1;     ///< the worker that ran it
+  std::int64_t start_ns = 0;  ///< steady_clock, from the action's inputs being there to its outputs being sent
+  std::int64_t end_ns = 0;    ///< steady_clock, when its outputs were sent
   CORPC_FIELDS(action, rank, start_ns, end_ns)
 };
 
 /// One worker's account of one step.
 struct WorkerReport {
-  std::int32_t rank = -1;               ///< the worker
-  std::vector<std::int32_t> stages;     ///< the stages it hosts
-  std::vector<ActionRecord> records;    ///< in the order they ran
+  std::int32_t rank = -1;             ///< the worker
+  std::vector<std::int32_t> stages;   ///< the stages it hosts
+  std::vector<ActionRecord> records;  ///< in the order they ran
   /// Peak over the step of the bytes the CPU allocator had handed out beyond what was live when the step began
   /// (parameters, gradients, optimizer state): the activations a schedule keeps, plus the step's transient buffers.
   std::int64_t peak_activation_bytes = 0;
   std::int32_t peak_micro_batches_held = 0;  ///< most micro-batches whose activations it held at once (all its stages)
-  std::vector<double> losses;               ///< last stage only: each micro-batch's loss, scaled by its batch share
+  std::vector<double> losses;                ///< last stage only: each micro-batch's loss, scaled by its batch share
   CORPC_FIELDS(rank, stages, records, peak_activation_bytes, peak_micro_batches_held, losses)
 };
 
@@ -74,12 +74,14 @@ inline std::vector<double> stage_busy_seconds(const std::vector<WorkerReport>& w
 class ChromeTrace {
  public:
   /// Adds the records of `workers` (one step, e.g. StepResult::workers) as a process named `name`.
-  void add_step(int process, const std::string& name, const std::vector<WorkerReport>& workers, std::int64_t origin_ns) {
+  void add_step(int process, const std::string& name, const std::vector<WorkerReport>& workers,
+                std::int64_t origin_ns) {
     events_.push_back(trace::process_name_event(process, name, process));
     for (auto& w : workers) {
       std::string stages;
       for (auto s : w.stages) stages += (stages.empty() ? "" : ",") + std::to_string(s);
-      events_.push_back(trace::thread_name_event(process, w.rank, "worker" + std::to_string(w.rank) + " (stage " + stages + ")"));
+      events_.push_back(
+          trace::thread_name_event(process, w.rank, "worker" + std::to_string(w.rank) + " (stage " + stages + ")"));
       for (auto& r : w.records) {
         const char letter = action_letter(r.action.kind);
         events_.push_back(trace::ChromeEvent('X', process, w.rank)

@@ -56,14 +56,16 @@ void encode_args(Message& msg, int dst, A&&... a) {
           }
         }(),
         ...);
-  }(std::index_sequence_for<A...>{});
+  }
+  (std::index_sequence_for<A...>{});
 }
 
 template <class ArgsTuple>
 ArgsTuple decode_args(Reader& r) {
   ArgsTuple args = [&]<std::size_t... I>(std::index_sequence<I...>) {
     return ArgsTuple{r.get<std::tuple_element_t<I, ArgsTuple>>()...};  // braced: left-to-right
-  }(std::make_index_sequence<std::tuple_size_v<ArgsTuple>>{});
+  }
+  (std::make_index_sequence<std::tuple_size_v<ArgsTuple>>{});
   if (r.remaining() != 0) throw ProtocolError("trailing bytes after the arguments");
   return args;
 }
@@ -137,9 +139,10 @@ HandlerEntry typed_entry(std::function<Future<Message>(Inbound&)> handler) {
 template <auto F>
 decltype(auto) invoke_decoded(typename FnTraits<decltype(F)>::Args& args) {
   using Tr = FnTraits<decltype(F)>;
-  return [&]<std::size_t... I>(std::index_sequence<I...>) -> decltype(auto) {
+  return [&]<std::size_t... I>(std::index_sequence<I...>)->decltype(auto) {
     return F(forward_param<std::tuple_element_t<I, typename Tr::Params>>(std::get<I>(args))...);
-  }(std::make_index_sequence<std::tuple_size_v<typename Tr::Args>>{});
+  }
+  (std::make_index_sequence<std::tuple_size_v<typename Tr::Args>>{});
 }
 
 // The synchronous handler of a plain function F: no future, no allocation beyond the reply's own body.
@@ -164,9 +167,9 @@ HandlerEntry make_entry(std::string name, Execution execution = execution_of<F>)
     return typed_entry<typename Tr::Args>(
         std::move(name),
         [](Inbound& in) -> Future<Message> {
-          return run_and_encode([args = decode_args<typename Tr::Args>(in.args)]() mutable -> decltype(auto) {
-            return invoke_decoded<F>(args);
-          }, in.src);
+          return run_and_encode([args = decode_args<typename Tr::Args>(
+                                     in.args)]() mutable -> decltype(auto) { return invoke_decoded<F>(args); },
+                                in.src);
         },
         execution);
   } else {
@@ -268,8 +271,9 @@ Future<R> call_remote(const WorkerRef& to, std::string_view function, std::uint6
 // The type a by-name call sends for an argument of type A: its decayed type, except that character strings
 // (literals, char pointers) travel as std::string.
 template <class A>
-using by_name_arg_t = std::conditional_t<std::is_same_v<std::decay_t<A>, const char*> || std::is_same_v<std::decay_t<A>, char*>,
-                                         std::string, std::decay_t<A>>;
+using by_name_arg_t =
+    std::conditional_t<std::is_same_v<std::decay_t<A>, const char*> || std::is_same_v<std::decay_t<A>, char*>,
+                       std::string, std::decay_t<A>>;
 
 template <class... A>
 inline constexpr bool first_is_options = false;

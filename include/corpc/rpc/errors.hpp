@@ -18,12 +18,14 @@ class RemoteError : public RpcError {
   /// message".
   RemoteError(std::string worker, std::string function, std::string type, std::string message)
       : RpcError("remote error on worker '" + worker + "' in '" + function + "': " + type + ": " + message),
-        worker_(std::move(worker)), function_(std::move(function)), type_(std::move(type)),
+        worker_(std::move(worker)),
+        function_(std::move(function)),
+        type_(std::move(type)),
         message_(std::move(message)) {}
   const std::string& worker() const noexcept { return worker_; }      ///< name of the worker where it was thrown
   const std::string& function() const noexcept { return function_; }  ///< name of the function that threw
 
-  const std::string& type() const noexcept { return type_; }      ///< demangled type of the remote exception
+  const std::string& type() const noexcept { return type_; }        ///< demangled type of the remote exception
   const std::string& message() const noexcept { return message_; }  ///< its what()
 
  private:

@@ -26,14 +26,14 @@ using CompleteFn = void (*)(void* target, int src, Message* reply, std::exceptio
 
 struct OutboundCall {
   int dst = -1;
-  std::string_view function;    // its name, for errors
+  std::string_view function;        // its name, for errors
   bool function_is_static = false;  // `function` points to static storage (function_name<F>): no copy is kept
   std::uint64_t function_id = 0;
   std::uint64_t signature = 0;
   std::string_view sent_types;  // the argument types as encoded (static storage), added to an argument-type refusal
   std::optional<std::chrono::milliseconds> timeout;  // unset: RpcOptions::rpc_timeout
-  bool control = false;  // corpc's own shutdown protocol: not counted as work in flight
-  Message message;       // body and tensors; the runtime fills in the header
+  bool control = false;                              // corpc's own shutdown protocol: not counted as work in flight
+  Message message;                                   // body and tensors; the runtime fills in the header
   CompleteFn complete = nullptr;
   void* target = nullptr;
   CancelSlot* cancel = nullptr;  // the caller's future: armed so that cancelling it cancels the call on its callee

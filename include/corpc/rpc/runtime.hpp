@@ -29,13 +29,14 @@ class Tensor;
 
 namespace corpc {
 
-/// Counters for tests, benchmarks and graceful shutdown.
+/// This worker's RPC counters: diagnostics for users (as PyTorch's `rpc.api._get_debug_info()`), tests and benchmarks.
 struct RuntimeStats {
-  std::uint64_t requests_sent = 0;      ///< user requests issued by this worker
-  std::uint64_t requests_handled = 0;   ///< user requests this worker finished handling
-  std::uint64_t calls_in_flight = 0;    ///< our requests still waiting for a reply
-  std::uint64_t handlers_running = 0;   ///< requests we are handling now
-  std::uint64_t pool_threads_started = 0;  ///< worker-pool threads ever started (replacements for blocked ones included)
+  std::uint64_t requests_sent = 0;     ///< user requests issued by this worker
+  std::uint64_t requests_handled = 0;  ///< user requests this worker finished handling
+  std::uint64_t calls_in_flight = 0;   ///< our requests still waiting for a reply
+  std::uint64_t handlers_running = 0;  ///< requests we are handling now
+  std::uint64_t pool_threads_started =
+      0;  ///< worker-pool threads ever started (replacements for blocked ones included)
 };
 
 namespace detail {
@@ -152,8 +153,8 @@ void shutdown_after_error(std::string_view what);
 /// on every worker (distributed autograd's hooks), registered from a static initialiser.
 void add_runtime_initializer(std::function<void(Runtime&)> init);
 
-WorkerInfo get_worker_info();                        ///< this worker
+WorkerInfo get_worker_info();                         ///< this worker
 WorkerInfo get_worker_info(const WorkerRef& worker);  ///< the worker `worker` names; UnknownWorkerError if none
-std::vector<WorkerInfo> get_worker_infos();  ///< every worker, by rank
+std::vector<WorkerInfo> get_worker_infos();           ///< every worker, by rank
 
 }  // namespace corpc

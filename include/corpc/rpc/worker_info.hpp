@@ -13,10 +13,10 @@ namespace corpc {
 
 /// One worker of the job, as every worker learns it at init_rpc (get_worker_info, get_worker_infos). Encodable.
 struct WorkerInfo {
-  std::string name;        ///< the name given to init_rpc, unique in the job
-  int rank = -1;           ///< 0 .. world_size-1
-  std::string host;        ///< address its listener is reachable at
-  std::uint16_t port = 0;  ///< its listener's port
+  std::string name;                                    ///< the name given to init_rpc, unique in the job
+  int rank = -1;                                       ///< 0 .. world_size-1
+  std::string host;                                    ///< address its listener is reachable at
+  std::uint16_t port = 0;                              ///< its listener's port
   bool operator==(const WorkerInfo&) const = default;  ///< field by field
   CORPC_FIELDS(name, rank, host, port)
 };
@@ -27,13 +27,13 @@ struct WorkerInfo {
 class WorkerRef {
  public:
   /// By rank.
-  WorkerRef(int rank) : rank_(rank) {}                                    // NOLINT: implicit by design
+  WorkerRef(int rank) : rank_(rank) {}  // NOLINT: implicit by design
   /// By name (the one given to init_rpc).
-  WorkerRef(std::string_view name) : name_(name) {}                       // NOLINT
+  WorkerRef(std::string_view name) : name_(name) {}  // NOLINT
   /// By name.
-  WorkerRef(const char* name) : name_(name) {}                            // NOLINT
+  WorkerRef(const char* name) : name_(name) {}  // NOLINT
   /// By name.
-  WorkerRef(const std::string& name) : name_(name) {}                     // NOLINT
+  WorkerRef(const std::string& name) : name_(name) {}  // NOLINT
   /// The worker `info` describes (its name and rank).
   WorkerRef(const WorkerInfo& info) : rank_(info.rank), name_(info.name) {}  // NOLINT
   /// The rank given, or -1 if named by name only.

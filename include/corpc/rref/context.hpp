@@ -29,7 +29,7 @@
 
 namespace corpc {
 
-/// Counts for tests and users.
+/// This worker's RRef counts: diagnostics for users (as PyTorch's `_rref_context_get_debug_info()`) and tests.
 struct RRefStats {
   std::uint64_t owned_values = 0;     ///< values this worker owns (created or placeholder)
   std::uint64_t user_references = 0;  ///< live user references held here
@@ -41,8 +41,8 @@ namespace detail {
 
 // An id unique across the job: the rank that made it and a counter of that worker's.
 struct GloballyUniqueId {
-  std::int32_t rank = -1;      // the worker that made it
-  std::int64_t local_id = -1;  // unique among the ids that worker made
+  std::int32_t rank = -1;                                     // the worker that made it
+  std::int64_t local_id = -1;                                 // unique among the ids that worker made
   auto operator<=>(const GloballyUniqueId&) const = default;  // by rank, then local_id
   CORPC_FIELDS(rank, local_id)
 };
@@ -71,7 +71,7 @@ class RRefContext;
 // What an RRef<T> handle points at; shared by the copies of one reference in one process.
 struct RRefState {
   RRefId id;
-  ForkId fork;               // users: this reference's fork; owners: unused
+  ForkId fork;  // users: this reference's fork; owners: unused
   int owner = -1;
   bool is_owner = false;
   std::uint64_t type_hash = 0;

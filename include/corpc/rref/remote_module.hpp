@@ -88,19 +88,18 @@ class RemoteModule {
 
   /// Wraps a module already created on its owner (for example by remote<&make_my_module>(worker, seed)); `device` is
   /// only reported by device().
-  explicit RemoteModule(RRef<M> module, std::string device = {}) : module_(std::move(module)), device_(std::move(device)) {}
+  explicit RemoteModule(RRef<M> module, std::string device = {})
+      : module_(std::move(module)), device_(std::move(device)) {}
 
   /// forward([options,] args...) on the owner; options as for rpc_async (with_timeout(ms)).
   template <class... A>
     requires(!detail::first_is_options<A...>)
-  auto forward_async(A&&... args) const {
-    return forward_async(CallOptions{}, std::forward<A>(args)...);
-  }
+  auto forward_async(A&&... args) const { return forward_async(CallOptions{}, std::forward<A>(args)...); }
   /// As forward_async(args...), with per-call options. Returns a Future of what M's forward returns.
   template <class... A>
   auto forward_async(const CallOptions& options, A&&... args) const {
     return rpc_async<&detail::module_forward<M, std::decay_t<A>...>>(module_.state()->owner, options, module_,
-                                                                      std::forward<A>(args)...);
+                                                                     std::forward<A>(args)...);
   }
   /// `forward_async(args...).wait()`: blocks until the output arrives (on the CPU) and returns it.
   template <class... A>

@@ -81,7 +81,9 @@ class EnableRRefFromThis {
 /// True for a type that declares `static constexpr bool corpc_serialized_calls = true;`: proxy calls on an object of
 /// it run one at a time on its owner, in dispatch order (see corpc/rref/rref.hpp).
 template <class T>
-inline constexpr bool serialized_calls_v = requires { requires T::corpc_serialized_calls; };
+inline constexpr bool serialized_calls_v = requires {
+  requires T::corpc_serialized_calls;
+};
 
 }  // namespace corpc
 
@@ -133,9 +135,8 @@ class RRef {
   /// serialized_calls_v<T>). Errors as for corpc::rpc_async, on the future.
   template <auto M, class... A>
     requires(!detail::first_is_options<A...>)
-  Future<detail::ResultOf<M>> rpc_async(A&&... args) const {
-    return rpc_async<M>(CallOptions{}, std::forward<A>(args)...);
-  }
+  Future<detail::ResultOf<M>> rpc_async(A&&... args)
+  const { return rpc_async<M>(CallOptions{}, std::forward<A>(args)...); }
   /// As rpc_async(args...), with per-call options (with_timeout, with_stop_token).
   template <auto M, class... A>
   Future<detail::ResultOf<M>> rpc_async(const CallOptions& options, A&&... args) const;
@@ -154,9 +155,8 @@ class RRef {
   /// error of this reference's failed creation; other failures surface at the new reference's first use.
   template <auto M, class... A>
     requires(!detail::first_is_options<A...>)
-  RRef<detail::ResultOf<M>> remote(A&&... args) const {
-    return remote<M>(CallOptions{}, std::forward<A>(args)...);
-  }
+  RRef<detail::ResultOf<M>> remote(A&&... args)
+  const { return remote<M>(CallOptions{}, std::forward<A>(args)...); }
   /// As remote(args...), with options for the creation (its timeout bounds the owner's acknowledgement).
   template <auto M, class... A>
   RRef<detail::ResultOf<M>> remote(const CallOptions& options, A&&... args) const;
@@ -189,7 +189,8 @@ RRef<detail::ResultOf<F>> remote(const WorkerRef& to, const CallOptions& options
 template <class T, class... A>
   requires(!detail::first_is_options<A...>)
 RRef<T> remote(const WorkerRef& to, A&&... args) {
-  return detail::create_remote<T, detail::CreateObject<T, std::decay_t<A>...>>(to, CallOptions{}, std::forward<A>(args)...);
+  return detail::create_remote<T, detail::CreateObject<T, std::decay_t<A>...>>(to, CallOptions{},
+                                                                               std::forward<A>(args)...);
 }
 /// As remote<T>(to, args...), with options for the creation.
 template <class T, class... A>

@@ -62,7 +62,9 @@ struct Codec;
 namespace detail {
 // Whether Codec<T> is defined (checked at the use, where a missing one gets one clear error instead of dozens).
 template <class T>
-inline constexpr bool has_codec = requires { sizeof(Codec<T>); };
+inline constexpr bool has_codec = requires {
+  sizeof(Codec<T>);
+};
 }  // namespace detail
 /// @endcond
 
@@ -104,8 +106,9 @@ class Reader {
   std::size_t remaining() const noexcept { return static_cast<std::size_t>(end_ - p_); }
   /// Throws ProtocolError unless at least `n` bytes remain.
   void need(std::size_t n) const {
-    if (n > remaining()) throw ProtocolError("truncated payload: need " + std::to_string(n) + " bytes, have " +
-                                             std::to_string(remaining()));
+    if (n > remaining())
+      throw ProtocolError("truncated payload: need " + std::to_string(n) + " bytes, have " +
+                          std::to_string(remaining()));
   }
   /// Copies the next `n` bytes to `dst`; ProtocolError if fewer remain.
   void raw(void* dst, std::size_t n) {
@@ -123,16 +126,18 @@ class Reader {
   /// Reads a `T` with its Codec.
   template <class T>
   T get() {
-    static_assert(detail::has_codec<T>,
-                  "corpc cannot receive this type (T, in the instantiation above): give it a codec with CORPC_FIELDS(...) "
-                  "in its definition, or specialise corpc::Codec<T> (corpc/wire/codec.hpp)");
+    static_assert(
+        detail::has_codec<T>,
+        "corpc cannot receive this type (T, in the instantiation above): give it a codec with CORPC_FIELDS(...) "
+        "in its definition, or specialise corpc::Codec<T> (corpc/wire/codec.hpp)");
     if constexpr (detail::has_codec<T>) return Codec<T>::read(*this);
     else return T{};
   }
   /// A count of elements that each take at least `min_bytes`: rejected if the rest of the payload cannot hold them.
   std::uint32_t count(std::size_t min_bytes = 1) {
     auto n = get<std::uint32_t>();
-    if (min_bytes && n > remaining() / min_bytes) throw ProtocolError("element count " + std::to_string(n) + " exceeds payload");
+    if (min_bytes && n > remaining() / min_bytes)
+      throw ProtocolError("element count " + std::to_string(n) + " exceeds payload");
     return n;
   }
 
@@ -255,7 +260,8 @@ struct Codec<std::array<T, N>> {
   static std::array<T, N> read(Reader& r) {
     return [&]<std::size_t... I>(std::index_sequence<I...>) {
       return std::array<T, N>{(static_cast<void>(I), r.get<T>())...};  // braced: left to right; T needs no default
-    }(std::make_index_sequence<N>{});
+    }
+    (std::make_index_sequence<N>{});
   }
 };
 
@@ -303,9 +309,8 @@ struct VariantCodec {
     const std::size_t index = v.index();
     if (index >= N) throw UsageError("cannot send a variant that is valueless by exception");
     w.put(static_cast<std::uint32_t>(index));
-    [&]<std::size_t... I>(std::index_sequence<I...>) {
-      ((index == I ? (w.put(Ops::template get<I>(v)), 0) : 0), ...);
-    }(std::make_index_sequence<N>{});
+    [&]<std::size_t... I>(std::index_sequence<I...>) { ((index == I ? (w.put(Ops::template get<I>(v)), 0) : 0), ...); }
+    (std::make_index_sequence<N>{});
   }
   static V read(Reader& r) {
     const auto index = r.get<std::uint32_t>();
@@ -313,16 +318,21 @@ struct VariantCodec {
     return [&]<std::size_t... I>(std::index_sequence<I...>) {
       static constexpr V (*alternatives[])(Reader&) = {&Ops::template make<I>...};
       return alternatives[index](r);
-    }(std::make_index_sequence<N>{});
+    }
+    (std::make_index_sequence<N>{});
   }
 };
 
 template <class V>
 struct StdVariantOps {
   template <std::size_t I>
-  static const auto& get(const V& v) { return std::get<I>(v); }
+  static const auto& get(const V& v) {
+    return std::get<I>(v);
+  }
   template <std::size_t I>
-  static V make(Reader& r) { return V(std::in_place_index<I>, r.get<std::variant_alternative_t<I, V>>()); }
+  static V make(Reader& r) {
+    return V(std::in_place_index<I>, r.get<std::variant_alternative_t<I, V>>());
+  }
 };
 
 template <class M>
@@ -373,7 +383,9 @@ struct Codec<std::set<K, C, A>> {
 
 // ---- user aggregates via CORPC_FIELDS ------------------------------------------------------------------------------
 template <class T>
-concept HasCorpcFields = requires(T& t) { t.corpc_fields(); };
+concept HasCorpcFields = requires(T& t) {
+  t.corpc_fields();
+};
 
 // Each field in order, with its own codec.
 template <class T>

@@ -23,7 +23,8 @@ struct Codec<at::Tensor> {
   static at::Tensor read(Reader& r) {
     auto i = r.get<std::uint32_t>();
     if (i == kUndefined) return at::Tensor();
-    if (!r.tensors || i >= r.tensors->size()) throw ProtocolError("tensor index " + std::to_string(i) + " out of range");
+    if (!r.tensors || i >= r.tensors->size())
+      throw ProtocolError("tensor index " + std::to_string(i) + " out of range");
     return (*r.tensors)[i];
   }
 };

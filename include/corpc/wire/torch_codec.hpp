@@ -112,9 +112,13 @@ namespace detail {
 template <class V>
 struct C10VariantOps {
   template <std::size_t I>
-  static const auto& get(const V& v) { return c10::get<I>(v); }
+  static const auto& get(const V& v) {
+    return c10::get<I>(v);
+  }
   template <std::size_t I>
-  static V make(Reader& r) { return V(c10::in_place_index_t<I>(), r.get<c10::variant_alternative_t<I, V>>()); }
+  static V make(Reader& r) {
+    return V(c10::in_place_index_t<I>(), r.get<c10::variant_alternative_t<I, V>>());
+  }
 };
 #endif
 

@@ -16,7 +16,9 @@ namespace corpc::detail {
 // A thread blocked in wait(): the waiter lives on its stack.
 struct BlockingWaiter : Waiter {
   Event event;
-  BlockingWaiter() { notify = [](Waiter* w) noexcept { static_cast<BlockingWaiter*>(w)->event.set(); }; }
+  BlockingWaiter() {
+    notify = [](Waiter* w) noexcept { static_cast<BlockingWaiter*>(w)->event.set(); };
+  }
 };
 
 // A thread blocked in wait(timeout), or in stoppable work: may give up before completion, so the node is shared with

@@ -21,19 +21,19 @@ namespace corpc::detail {
 
 // What a handler sees of an incoming call.
 struct Inbound {
-  int src = -1;               // caller's rank
-  std::string_view function;  // the name it is registered under
-  Reader args;                // positioned at the arguments; reads tensors from `message`
+  int src = -1;                // caller's rank
+  std::string_view function;   // the name it is registered under
+  Reader args;                 // positioned at the arguments; reads tensors from `message`
   Message* message = nullptr;  // the whole request (header, body, tensors)
 };
 
 // A registered function as the runtime dispatches it. Built by register_function and the call templates; layers
 // that need another encoding (the RRef protocol) build their own and add it to global_registry().
 struct HandlerEntry {
-  std::string name;      // the name callers use; its hash is `id`
-  std::uint64_t id = 0;  // function_id(name), set by Registry::add
-  std::uint64_t signature = 0;  // hash of the decayed parameter types; 0 accepts anything
-  std::string signature_text;   // for error messages
+  std::string name;                              // the name callers use; its hash is `id`
+  std::uint64_t id = 0;                          // function_id(name), set by Registry::add
+  std::uint64_t signature = 0;                   // hash of the decayed parameter types; 0 accepts anything
+  std::string signature_text;                    // for error messages
   Execution execution = Execution::worker_pool;  // where the runtime runs it
   // Plain functions: decodes the arguments, runs the function and encodes its result into `reply`. Throws on failure.
   void (*run_sync)(Inbound& in, Message& reply) = nullptr;

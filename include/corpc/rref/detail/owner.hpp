@@ -87,9 +87,10 @@ auto invoke_member(std::shared_ptr<OwnerSlot> slot, Args args) -> Task<ResultOf<
   co_await slot->ready;
   std::shared_ptr<C> obj = slot_value<C>(*slot);
   auto call = [obj, args = std::move(args)]() mutable -> decltype(auto) {
-    return [&]<std::size_t... I>(std::index_sequence<I...>) -> decltype(auto) {
+    return [&]<std::size_t... I>(std::index_sequence<I...>)->decltype(auto) {
       return ((*obj).*M)(forward_param<std::tuple_element_t<I, typename Tr::Params>>(std::get<I>(args))...);
-    }(std::make_index_sequence<std::tuple_size_v<Args>>{});
+    }
+    (std::make_index_sequence<std::tuple_size_v<Args>>{});
   };
   if constexpr (serialized_calls_v<C>) {
     // Named locals, not temporaries inside the co_await: GCC 12 mishandles lambda temporaries in await operands.

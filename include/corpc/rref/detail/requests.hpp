@@ -65,7 +65,8 @@ template <std::size_t N, class Tuple>
 auto tail(Tuple&& t) {
   return [&]<std::size_t... I>(std::index_sequence<I...>) {
     return std::make_tuple(std::get<N + I>(std::forward<Tuple>(t))...);
-  }(std::make_index_sequence<std::tuple_size_v<std::decay_t<Tuple>> - N>{});
+  }
+  (std::make_index_sequence<std::tuple_size_v<std::decay_t<Tuple>> - N>{});
 }
 
 // Claims the slot for a creation from `creator` and computes `fn` into it on the worker pool; replies at once.
@@ -77,7 +78,8 @@ Future<Message> create_in_slot(int creator, const RRefId& id, const ForkId& fork
   ctx->claim(slot);
   // In the runtime's background scope: graceful shutdown waits for the value (its computation may call peers), and a
   // shutdown that gives up stops it. Its context is the request's (deadline, autograd context), with the scope's stop.
-  if (!Runtime::get().spawn_background(fill_slot<R>(ctx, slot, std::move(fn)), Runtime::Background::on_behalf_of_caller))
+  if (!Runtime::get().spawn_background(fill_slot<R>(ctx, slot, std::move(fn)),
+                                       Runtime::Background::on_behalf_of_caller))
     ctx->fail(slot, std::make_exception_ptr(ShutdownError("the owner is shutting down: the value was never computed")));
   return make_ready_future(Message{});
 }
@@ -93,10 +95,11 @@ struct CreateCall {
       auto id = std::get<0>(all);
       auto fork = std::get<1>(all);
       return create_in_slot<ResultOf<F>>(src, id, fork, [args = tail<2>(std::move(all))]() mutable -> decltype(auto) {
-        return [&]<std::size_t... I>(std::index_sequence<I...>) -> decltype(auto) {
+        return [&]<std::size_t... I>(std::index_sequence<I...>)->decltype(auto) {
           using P = typename FnTraits<decltype(F)>::Params;
           return F(forward_param<std::tuple_element_t<I, P>>(std::get<I>(args))...);
-        }(std::make_index_sequence<std::tuple_size_v<Args>>{});
+        }
+        (std::make_index_sequence<std::tuple_size_v<Args>>{});
       });
     });
   }
@@ -106,7 +109,9 @@ struct CreateCall {
 template <class T, class... A>
 struct CreateObject {
   using Wire = std::tuple<RRefId, ForkId, A...>;
-  static std::string name() { return "corpc::remote<" + std::string(type_name<T>()) + std::string(type_name<std::tuple<A...>>()) + ">"; }
+  static std::string name() {
+    return "corpc::remote<" + std::string(type_name<T>()) + std::string(type_name<std::tuple<A...>>()) + ">";
+  }
   static HandlerEntry entry() {
     return creation_entry<Wire>([](int src, Wire all) {
       auto ctx = RRefContext::get();
@@ -115,7 +120,8 @@ struct CreateObject {
       ctx->add_fork(id, std::get<1>(all), src);
       ctx->claim(slot);
       try {
-        auto obj = std::apply([](auto&&, auto&&, auto&&... a) { return std::make_shared<T>(std::move(a)...); }, std::move(all));
+        auto obj = std::apply([](auto&&, auto&&, auto&&... a) { return std::make_shared<T>(std::move(a)...); },
+                              std::move(all));
         SelfBinder::bind(*obj, slot);
         ctx->fulfil(slot, std::move(obj), type_hash_of<T>());
       } catch (...) {
@@ -135,8 +141,8 @@ struct InvokeMember {
   static HandlerEntry entry() {
     return entry_for<Wire>([](int src, Wire all) {
       auto slot = RRefContext::get()->slot(std::get<0>(all));
-      return run_and_encode([slot, args = tail<1>(std::move(all))]() mutable { return invoke_member<M>(slot, std::move(args)); },
-                            src);
+      return run_and_encode(
+          [slot, args = tail<1>(std::move(all))]() mutable { return invoke_member<M>(slot, std::move(args)); }, src);
     });
   }
 };
@@ -150,10 +156,9 @@ struct CreateFromMember {
   static HandlerEntry entry() {
     return creation_entry<Wire>([](int src, Wire all) {
       auto target = RRefContext::get()->slot(std::get<2>(all));
-      return create_in_slot<ResultOf<M>>(src, std::get<0>(all), std::get<1>(all),
-                                         [target, args = tail<3>(std::move(all))]() mutable {
-                                           return invoke_member<M>(target, std::move(args));
-                                         });
+      return create_in_slot<ResultOf<M>>(
+          src, std::get<0>(all), std::get<1>(all),
+          [target, args = tail<3>(std::move(all))]() mutable { return invoke_member<M>(target, std::move(args)); });
     });
   }
 };

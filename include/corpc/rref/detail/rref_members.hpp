@@ -40,11 +40,12 @@ Future<T> RRef<T>::to_here(CallOptions options) const {
   if constexpr (Encodable<T>) {
     (void)detail::AutoRegistered<&detail::rref_fetch<T>>::value;
     return detail::call_remote<T, std::tuple<detail::RRefId>>(state_->owner, function_name<&detail::rref_fetch<T>>(),
-                                                              detail::signature_of<std::tuple<detail::RRefId>>(), options,
-                                                              state_->id);
+                                                              detail::signature_of<std::tuple<detail::RRefId>>(),
+                                                              options, state_->id);
   } else {
-    return make_exceptional_future<T>(std::make_exception_ptr(UsageError(
-        "to_here(): " + std::string(type_name<T>()) + " cannot be sent (no corpc::Codec); call its methods through the RRef")));
+    return make_exceptional_future<T>(
+        std::make_exception_ptr(UsageError("to_here(): " + std::string(type_name<T>()) +
+                                           " cannot be sent (no corpc::Codec); call its methods through the RRef")));
   }
 }
 

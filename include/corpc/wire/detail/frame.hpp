@@ -21,7 +21,8 @@
 namespace corpc::detail {
 
 inline constexpr std::uint32_t kFrameMagic = 0x43505243;  // "CRPC"
-inline constexpr std::uint8_t kProtocolVersion = 5;  // 5: CUDA IPC (the Hello says whether its sender can, IPC entries in the tensor table, IpcDone); 4: the same-host channel (host identity in the Hello, kFlagShm), device maps (Hello, World, tensors bound for a device); 3: cancel frames, heartbeats, the receive budget in the Hello
+inline constexpr std::uint8_t kProtocolVersion =
+    5;  // 5: CUDA IPC (the Hello says whether its sender can, IPC entries in the tensor table, IpcDone); 4: the same-host channel (host identity in the Hello, kFlagShm), device maps (Hello, World, tensors bound for a device); 3: cancel frames, heartbeats, the receive budget in the Hello
 
 // What a frame is (FrameHeader::kind).
 enum class FrameKind : std::uint8_t {
@@ -49,9 +50,9 @@ struct FrameHeader {
   std::uint8_t version = kProtocolVersion;  // must equal kProtocolVersion
   FrameKind kind = FrameKind::Request;      // what the frame is
   std::uint16_t flags = 0;                  // kFlagControl, kFlagCancel
-  std::uint32_t meta_len = 0;      // tensor metadata bytes
-  std::uint32_t body_len = 0;      // codec bytes
-  std::uint32_t num_tensors = 0;   // entries in the tensor metadata
+  std::uint32_t meta_len = 0;               // tensor metadata bytes
+  std::uint32_t body_len = 0;               // codec bytes
+  std::uint32_t num_tensors = 0;            // entries in the tensor metadata
   std::uint32_t deadline_ms = 0;   // Request: the caller's remaining budget in ms, relative (clocks need not agree)
   std::uint64_t id = 0;            // request id, chosen by the caller, echoed by Response/Error
   std::uint64_t function = 0;      // Request: function id (fnv1a of its registered name)
@@ -72,13 +73,17 @@ inline std::uint64_t frame_bytes(const FrameHeader& h) noexcept {
 inline void validate_header(const FrameHeader& h, const WireLimits& lim) {
   if (h.magic != kFrameMagic) throw ProtocolError("bad frame magic (not a corpc peer?)");
   if (h.version != kProtocolVersion)
-    throw ProtocolError("protocol version " + std::to_string(h.version) + " != ours " + std::to_string(kProtocolVersion));
+    throw ProtocolError("protocol version " + std::to_string(h.version) + " != ours " +
+                        std::to_string(kProtocolVersion));
   if (h.kind < FrameKind::Hello || h.kind > FrameKind::IpcDone)
     throw ProtocolError("unknown frame kind " + std::to_string(static_cast<int>(h.kind)));
-  if (h.body_len > lim.max_body_bytes) throw ProtocolError("frame body of " + std::to_string(h.body_len) + " bytes over the limit");
-  if (h.meta_len > lim.max_meta_bytes) throw ProtocolError("tensor metadata of " + std::to_string(h.meta_len) + " bytes over the limit");
+  if (h.body_len > lim.max_body_bytes)
+    throw ProtocolError("frame body of " + std::to_string(h.body_len) + " bytes over the limit");
+  if (h.meta_len > lim.max_meta_bytes)
+    throw ProtocolError("tensor metadata of " + std::to_string(h.meta_len) + " bytes over the limit");
   if (h.num_tensors > lim.max_tensors) throw ProtocolError(std::to_string(h.num_tensors) + " tensors over the limit");
-  if (h.tensor_bytes > lim.max_tensor_bytes) throw ProtocolError("tensor data of " + std::to_string(h.tensor_bytes) + " bytes over the limit");
+  if (h.tensor_bytes > lim.max_tensor_bytes)
+    throw ProtocolError("tensor data of " + std::to_string(h.tensor_bytes) + " bytes over the limit");
 }
 
 }  // namespace corpc::detail
