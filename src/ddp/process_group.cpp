@@ -35,7 +35,8 @@ std::string env_or(const char* name, const char* fallback) {
 int launcher_or(int from_environment, int fallback, const char* what) {
   if (from_environment >= 0) return from_environment;
   if (fallback >= 0) return fallback;
-  throw UsageError(std::string("init_process_group: ") + what + " is not set (" + what + ")");
+  throw UsageError(std::string("init_process_group: ") + what +
+                   " is not set (nor Slurm's, Open MPI's or PMI's equivalent), and RPC is not running to give it");
 }
 
 c10::intrusive_ptr<c10d::Store> make_store(const std::string& addr, int port, int rank, int world,

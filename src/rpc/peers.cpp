@@ -1,5 +1,6 @@
 // Connections and peers: dialing, accepting, closing, and what a peer's death does.
 #include <algorithm>
+#include <thread>
 
 #include "core/log.hpp"
 #include "memory/host_allocator.hpp"
@@ -90,8 +91,8 @@ void Runtime::Impl::on_close(const std::shared_ptr<detail::Connection>& conn, co
                            : std::make_exception_ptr(ConnectionError("worker '" + name_of(rank) + "' (rank " +
                                                                      std::to_string(rank) + ") is gone: " + reason));
   fail_calls(*conn, error);
-  detail::calls_on(*conn)
-      .inbound.cancel_all();  // the peer's requests running here: nobody waits for their replies any more
+  // The peer's requests running here: nobody waits for their replies any more.
+  detail::calls_on(*conn).inbound.cancel_all();
   if (!world.known()) {
     if (self.rank == 0) {
       registrations.forget(conn);  // a worker that left before the world was complete may come back

@@ -1,7 +1,5 @@
 // Rendezvous: every rank registers with rank 0, which answers with the full table once all are there.
 // Ranks may start in any order: the others retry reaching rank 0 until RpcOptions::init_timeout.
-#include <algorithm>
-
 #include "corpc/rpc/call.hpp"
 #include "memory/cuda_transfer.hpp"
 #include "wire/device_map.hpp"

@@ -1,5 +1,6 @@
 // The runtime's public surface, its threads, init_rpc, and the global pointer to the one runtime.
 #include <regex>
+#include <thread>
 
 #include "corpc/rpc/call.hpp"
 #include "wire/device_map.hpp"

@@ -21,13 +21,10 @@
 #include <asio.hpp>
 
 #include <atomic>
-#include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <thread>
-#include <tuple>
 #include <unordered_map>
 
 #include "corpc/rpc/detail/registry.hpp"

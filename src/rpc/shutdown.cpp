@@ -7,6 +7,7 @@
 // Each round's answer also carries rank 0's account of the ranks the job lost (died, or left after an error): every
 // rank learns that the job failed, including one that never talked to the lost rank itself.
 #include <cstdio>
+#include <tuple>
 
 #include "corpc/rpc/call.hpp"
 #include "rpc/runtime_impl.hpp"
