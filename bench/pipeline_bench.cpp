@@ -289,7 +289,8 @@ int main(int argc, char** argv) {
   bench::Flags flags(argc, argv);
   if (flags.has("help")) {
     std::puts(
-        "pipeline_bench [--schedules gpipe,1f1b,interleaved,zbh1] [--splits 1,2,4,8] [--balance "
+        "pipeline_bench [--schedules gpipe,1f1b,interleaved,zbh1,loopedbfs,interleavedzb,zbv,dualpipev] [--splits "
+        "1,2,4,8] [--balance "
         "measured|time|tutorial|N,N..]\n"
         "               [--workers 2] [--batch-size 32] [--image-size 64] [--num-batches 3] [--threads 1] [--warmup "
         "1]\n"
@@ -305,7 +306,7 @@ int main(int argc, char** argv) {
   Config c;
   c.splits = flags.get_list("splits", "1,2,4,8");
   {
-    std::stringstream ss(flags.get("schedules", "gpipe,1f1b,interleaved,zbh1"));
+    std::stringstream ss(flags.get("schedules", "gpipe,1f1b,interleaved,zbh1,loopedbfs,interleavedzb,zbv,dualpipev"));
     for (std::string s; std::getline(ss, s, ',');) c.schedules.push_back(schedule_from_string(s));
   }
   c.balance = flags.get("balance", "measured");
@@ -391,7 +392,7 @@ int main(int argc, char** argv) {
                 continue;
               }
               for (auto schedule : c.schedules) {
-                const int v = schedule == Schedule::Interleaved1F1B ? 2 : 1;
+                const int v = min_stages_per_worker(schedule);
                 const int stages = static_cast<int>(c.workers) * v;
                 if (!balances.count(stages)) balances[stages] = make_balance(c, stages, data);
                 auto r = run_pipeline(c, schedule, s, balances[stages], data);
@@ -477,7 +478,7 @@ int main(int argc, char** argv) {
   double best = INFINITY, best_torch = INFINITY;
   for (auto& r : rows) {
     const auto schedule = static_cast<Schedule>(r.schedule);
-    const int v = schedule == Schedule::Interleaved1F1B ? 2 : 1;
+    const int v = min_stages_per_worker(schedule);
     std::string mem, held;
     for (auto& [b, h] : r.workers) {
       char buf[32];

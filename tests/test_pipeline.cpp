@@ -12,6 +12,7 @@
 #include <torch/optim/sgd.h>
 
 #include "corpc/pipeline/pipeline.hpp"
+#include "corpc/pipeline/schedule_csv.hpp"
 #include "resnet_shards.hpp"
 #include "stop_process.hpp"
 #include "support.hpp"
@@ -62,7 +63,7 @@ PipelineOptions layout(Schedule schedule, int stages, int micro_batches) {
   PipelineOptions o;
   o.schedule = schedule;
   o.micro_batches = micro_batches;
-  const int workers = schedule == Schedule::Interleaved1F1B ? stages / 2 : stages;
+  const int workers = stages / min_stages_per_worker(schedule);
   for (int w = 1; w <= workers; ++w) o.workers.push_back("worker" + std::to_string(w) + "/cpu");
   o.balance = stages == 2 ? std::vector<int>{5, 6} : std::vector<int>{3, 3, 3, 2};
   return o;
@@ -70,18 +71,77 @@ PipelineOptions layout(Schedule schedule, int stages, int micro_batches) {
 
 }  // namespace
 
-TEST_CASE("every schedule's order is complete and deadlock-free, with the bubble of its formula") {
-  for (auto s : {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved1F1B, Schedule::ZeroBubbleH1})
+TEST_CASE("every schedule's order is complete and deadlock-free, with the bubble and peak memory of its formulas") {
+  for (auto s : kAllSchedules)
     for (int K = 1; K <= 4; ++K)
       for (int M = 1; M <= 8; ++M) {
-        const int v = s == Schedule::Interleaved1F1B ? 2 : 1;
+        const int v = min_stages_per_worker(s);
         auto plan = make_schedule(s, K, v, M);
-        const double span = simulate_schedule(plan, K * v, M);  // throws on a deadlock or a missing backward
-        const double bubble = 1.0 - 3.0 * v * M / span;         // each worker works 3 units per stage and micro-batch
         INFO(to_string(s) << " K=" << K << " M=" << M);
-        if (s != Schedule::Interleaved1F1B || M % K == 0)
+        const auto workers = check_schedule(plan, K * v);  // throws on a deadlock, a missing or a doubled action
+        REQUIRE(workers == stage_workers(placement_of(s), K, K * v));
+        const double span = simulate_schedule(plan, K * v, M);
+        const double bubble = 1.0 - 3.0 * v * M / span;  // each worker works 3 units per stage and micro-batch
+        const bool whole_rounds = M % K == 0;
+        if ((s != Schedule::Interleaved1F1B && s != Schedule::LoopedBFS) || whole_rounds)
           REQUIRE(bubble == doctest::Approx(bubble_formula(s, K, v, M)));
+        const auto peaks = count_peak_held(plan);
+        for (int r = 0; r < K; ++r)
+          if (s != Schedule::Interleaved1F1B || whole_rounds)
+            REQUIRE(peaks[r] / double(v) == doctest::Approx(peak_held_formula(s, K, v, M, r)));
       }
+}
+
+TEST_CASE(
+    "zero bubble and V placement shrink the bubble: at 2 workers and 8 micro-batches, ZBV's is a fifth of 1F1B's") {
+  CHECK(bubble_formula(Schedule::ZBVZeroBubble, 2, 2, 8) < 0.2 * bubble_formula(Schedule::OneFOneB, 2, 1, 8));
+  CHECK(bubble_formula(Schedule::InterleavedZeroBubble, 4, 2, 8) < bubble_formula(Schedule::Interleaved1F1B, 4, 2, 8));
+  CHECK(bubble_formula(Schedule::DualPipeV, 4, 2, 8) < bubble_formula(Schedule::OneFOneB, 4, 1, 8));
+  // Memory: ZBV holds what 1F1B holds on its first worker; LoopedBFS, like GPipe, all M.
+  CHECK(peak_held_formula(Schedule::ZBVZeroBubble, 2, 2, 8, 0) == peak_held_formula(Schedule::OneFOneB, 2, 1, 8, 0));
+  CHECK(peak_held_formula(Schedule::LoopedBFS, 2, 2, 8, 0) == 8);
+}
+
+TEST_CASE("schedules as PyTorch's CSV action lists: every schedule round-trips, comms and idle cells are skipped") {
+  for (auto s : kAllSchedules)
+    for (int M : {1, 3, 8}) {
+      auto plan = make_schedule(s, 2, min_stages_per_worker(s), M);
+      INFO(to_string(s) << " M=" << M << "\n" << schedule_to_csv(plan));
+      REQUIRE(parse_schedule_csv(schedule_to_csv(plan)) == plan);
+    }
+  // As PyTorch writes them: a "with comms" grid with idle cells, CRLF line ends, an overlapped pair.
+  auto plan = parse_schedule_csv(
+      "0F0,0SEND_F0,,0RECV_B0,0B0\r\n"
+      "1RECV_F0, 1F0 ,1B0,1SEND_B0\r\n");
+  REQUIRE(plan.size() == 2);
+  CHECK(plan[0] == std::vector<Action>{{ActionKind::Forward, 0, 0}, {ActionKind::Backward, 0, 0}});
+  CHECK(plan[1] == std::vector<Action>{{ActionKind::Forward, 1, 0}, {ActionKind::Backward, 1, 0}});
+  auto pair = parse_schedule_csv("0F0,(0F1;0B0)OVERLAP_F_B,0B1\n");
+  REQUIRE(pair.size() == 1);
+  CHECK(pair[0].at(1) == Action{ActionKind::Forward, 0, 1, true});
+  CHECK(pair[0].at(2) == Action{ActionKind::Backward, 0, 0});
+  CHECK_THROWS_WITH_AS(parse_schedule_csv("0F0,0X0\n"), doctest::Contains("'0X0'"), UsageError);
+  CHECK_THROWS_WITH_AS(parse_schedule_csv("0F0,0UNSHARD\n"), doctest::Contains("UNSHARD"), UsageError);
+  CHECK_THROWS_WITH_AS(parse_schedule_csv("0F\n"), doctest::Contains("row 0"), UsageError);
+}
+
+TEST_CASE("a schedule given as data is checked before it runs: deadlock, missing or doubled actions, memory") {
+  auto csv = [](const char* text) { return parse_schedule_csv(text); };
+  // Worker 1 waits for a gradient before running the forward that worker 0's backward needs: deadlock.
+  CHECK_THROWS_WITH_AS(check_schedule(csv("0F0,0B0\n1B0,1F0\n"), 2), doctest::Contains("backward before forward"),
+                       UsageError);
+  CHECK_THROWS_WITH_AS(check_schedule(csv("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n"), 2), doctest::Contains("deadlock"),
+                       UsageError);
+  CHECK_THROWS_WITH_AS(check_schedule(csv("0F0\n1F0,1B0\n"), 2), doctest::Contains("one backward"), UsageError);
+  CHECK_THROWS_WITH_AS(check_schedule(csv("0F0,0I0\n1F0,1B0\n"), 2), doctest::Contains("without its W"), UsageError);
+  CHECK_THROWS_WITH_AS(check_schedule(csv("0F0,0W0,0I0\n1F0,1B0\n"), 2), doctest::Contains("before its I"), UsageError);
+  CHECK_THROWS_WITH_AS(check_schedule(csv("0F0,0F0,0B0\n1F0,1B0\n"), 2), doctest::Contains("twice"), UsageError);
+  CHECK_THROWS_WITH_AS(check_schedule(csv("0F0,0B0\n0F0\n"), 2), doctest::Contains("two workers"), UsageError);
+  CHECK_THROWS_WITH_AS(check_schedule(csv("0F0,0B0\n"), 2), doctest::Contains("no action for stage 1"), UsageError);
+  // GPipe's order holds all 8 micro-batches; a bound of 4 rejects it, 1F1B's order passes.
+  CHECK_THROWS_WITH_AS(check_schedule(make_schedule(Schedule::GPipe, 2, 1, 8), 2, 4), doctest::Contains("holds 8"),
+                       UsageError);
+  CHECK_NOTHROW(check_schedule(make_schedule(Schedule::OneFOneB, 2, 1, 8), 2, 4));
 }
 
 TEST_CASE("every schedule, with 2 and 4 stages and 1, 2, 4, 8 micro-batches, equals the unsplit model in one process") {
@@ -92,7 +152,7 @@ TEST_CASE("every schedule, with 2 and 4 stages and 1, 2, 4, 8 micro-batches, equ
         auto x = random_images(kBatch, kImage, 7);
         auto y = one_hot_labels(kBatch, kClasses, 8);
         auto [ref_loss, ref_params] = reference_step(x, y);
-        for (auto schedule : {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved1F1B, Schedule::ZeroBubbleH1})
+        for (auto schedule : kAllSchedules)
           for (int stages : {2, 4})
             for (int micro : {1, 2, 4, 8}) {
               auto pipe =
@@ -110,7 +170,78 @@ TEST_CASE("every schedule, with 2 and 4 stages and 1, 2, 4, 8 micro-batches, equ
                 EXPECT_EQ(result.workers[w].records.size(), plan[w].size());
             }
       },
-      quick_options(), std::chrono::seconds(300));
+      quick_options(), std::chrono::seconds(400));
+}
+
+TEST_CASE("a schedule read from CSV runs like the one it was written from, and fixes M") {
+  run_world(
+      3,
+      [](int rank) {
+        if (rank != 0) return;
+        auto x = random_images(kBatch, kImage, 7);
+        auto y = one_hot_labels(kBatch, kClasses, 8);
+        auto [ref_loss, ref_params] = reference_step(x, y);
+        char path[] = "/tmp/corpc_schedule_XXXXXX";
+        ::close(::mkstemp(path));
+        write_schedule_csv(path, make_schedule(Schedule::ZBVZeroBubble, 2, 2, 4));
+        PipelineOptions o = layout(Schedule::OneFOneB, 4, 1);  // four stages on two workers; schedule, M ignored
+        o.workers.resize(2);
+        o.custom_actions = read_schedule_csv(path);
+        ::unlink(path);
+        auto pipe = Pipeline::create<&tiny_resnet, &mse, &make_sgd>(o, std::uint64_t{1});
+        CHECK(pipe.micro_batches() == 4);
+        pipe.train(false);
+        auto result = sync_wait(pipe.train_step(x, y));
+        EXPECT(close(result.loss, ref_loss));
+        auto params = pipe.parameters();
+        EXPECT_EQ(params.size(), ref_params.size());
+        for (std::size_t i = 0; i < params.size(); ++i) EXPECT(close(params[i], ref_params[i]));
+        // The V placement came from the file: worker 0 ran stages 0 and 3.
+        std::vector<std::int32_t> first_stages = result.workers[0].stages;
+        CHECK(first_stages == std::vector<std::int32_t>{0, 3});
+        // A batch that cuts into another number of micro-batches than the file's: UsageError before anything runs.
+        CHECK_THROWS_AS(sync_wait(pipe.train_step(x.narrow(0, 0, 2), y.narrow(0, 0, 2))), UsageError);
+        o.max_held_per_worker = 1;
+        CHECK_THROWS_WITH_AS((Pipeline::create<&tiny_resnet, &mse, &make_sgd>(o, std::uint64_t{1})),
+                             doctest::Contains("bound is 1"), UsageError);
+      },
+      quick_options(), std::chrono::seconds(120));
+}
+
+TEST_CASE("micro-batches of different shapes: a last smaller one, and another image size in the next step") {
+  run_world(
+      3,
+      [](int rank) {
+        if (rank != 0) return;
+        // Step 1: 7 images cut into 4 micro-batches (2, 2, 2, 1); step 2: 6 images twice the size, same pipeline.
+        std::vector<std::pair<at::Tensor, at::Tensor>> steps{
+            {random_images(7, kImage, 7), one_hot_labels(7, kClasses, 8)},
+            {random_images(6, 2 * kImage, 9), one_hot_labels(6, kClasses, 10)}};
+        auto net = tiny_resnet(1);
+        net->eval();
+        torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(kLr));
+        std::vector<at::Tensor> ref_losses;
+        for (auto& [x, y] : steps) {
+          opt.zero_grad();
+          auto loss = mse(net->forward(x), y);
+          loss.backward();
+          opt.step();
+          ref_losses.push_back(loss.detach());
+        }
+        for (auto schedule : {Schedule::OneFOneB, Schedule::ZBVZeroBubble, Schedule::DualPipeV}) {
+          auto pipe = Pipeline::create<&tiny_resnet, &mse, &make_sgd>(
+              layout(schedule, 2 * min_stages_per_worker(schedule), 4), std::uint64_t{1});
+          pipe.train(false);
+          INFO(to_string(schedule));
+          for (std::size_t i = 0; i < steps.size(); ++i)
+            EXPECT(close(sync_wait(pipe.train_step(steps[i].first, steps[i].second)).loss, ref_losses[i]));
+          auto params = pipe.parameters();
+          auto ref_params = net->parameters();
+          EXPECT_EQ(params.size(), ref_params.size());
+          for (std::size_t i = 0; i < params.size(); ++i) EXPECT(close(params[i], ref_params[i]));
+        }
+      },
+      quick_options(), std::chrono::seconds(120));
 }
 
 TEST_CASE("a sum-reduced loss, declared as such, gives the one-process loss and gradients (not divided by M)") {

@@ -13,13 +13,23 @@ using corpc::detail::exception_text;
 Pipeline::Pipeline(const PipelineOptions& options) : options_(options), state_(std::make_shared<State>()) {
   const int stages = static_cast<int>(options.balance.size()), workers = static_cast<int>(options.workers.size());
   if (workers < 1) throw UsageError("a pipeline needs at least one worker");
-  if (stages < workers || stages % workers != 0)
-    throw UsageError("a pipeline needs a whole number of stages per worker: " + std::to_string(stages) + " stages on " +
-                     std::to_string(workers) + " workers");
-  if (options.micro_batches < 1) throw UsageError("a pipeline needs at least one micro-batch");
   for (int b : options.balance)
     if (b < 1) throw UsageError("every pipeline stage needs at least one layer");
-  make_schedule(options.schedule, workers, stages / workers, 1);  // rejects a schedule that does not fit the layout
+  std::vector<int> stage_worker;
+  if (!options.custom_actions.empty()) {
+    if (static_cast<int>(options.custom_actions.size()) != workers)
+      throw UsageError("a custom schedule has " + std::to_string(options.custom_actions.size()) + " action lists for " +
+                       std::to_string(workers) + " workers");
+    stage_worker = check_schedule(options.custom_actions, stages, options.max_held_per_worker);
+    options_.micro_batches = schedule_micro_batches(options.custom_actions);
+  } else {
+    if (stages < workers || stages % workers != 0)
+      throw UsageError("a pipeline needs a whole number of stages per worker: " + std::to_string(stages) +
+                       " stages on " + std::to_string(workers) + " workers");
+    if (options.micro_batches < 1) throw UsageError("a pipeline needs at least one micro-batch");
+    make_schedule(options.schedule, workers, stages / workers, 1);  // rejects a schedule that does not fit the layout
+    stage_worker = stage_workers(placement_of(options.schedule), workers, stages);
+  }
   auto& p = state_->placement;
   p.pipeline_id = detail::next_pipeline_id();
   for (auto& w : options.workers) {
@@ -30,10 +40,19 @@ Pipeline::Pipeline(const PipelineOptions& options) : options_(options), state_(s
     state_->worker_ranks.push_back(rank);
   }
   for (int s = 0; s < stages; ++s) {
-    p.stage_ranks.push_back(state_->worker_ranks[s % workers]);
+    p.stage_ranks.push_back(state_->worker_ranks[stage_worker[s]]);
     p.balance.push_back(options.balance[s]);
-    p.stage_devices.push_back(corpc::detail::split_remote_device(options.workers[s % workers]).second);
+    p.stage_devices.push_back(corpc::detail::split_remote_device(options.workers[stage_worker[s]]).second);
   }
+}
+
+std::vector<std::vector<Action>> Pipeline::plan(int micro_batches) const {
+  if (options_.custom_actions.empty())
+    return make_schedule(options_.schedule, num_workers(), stages_per_worker(), micro_batches);
+  if (micro_batches != options_.micro_batches)
+    throw UsageError("this pipeline's custom schedule runs " + std::to_string(options_.micro_batches) +
+                     " micro-batches; the batch gives " + std::to_string(micro_batches));
+  return options_.custom_actions;
 }
 
 Pipeline::State::~State() {
@@ -82,7 +101,7 @@ Task<StepResult> Pipeline::train_step(at::Tensor inputs, at::Tensor targets) {
   auto xs = inputs.chunk(options_.micro_batches);
   auto ys = targets.chunk(options_.micro_batches);
   const int micro = static_cast<int>(xs.size());  // chunk() gives fewer pieces for a batch smaller than M
-  auto lists = plan(micro);
+  auto lists = plan(micro);                       // a custom schedule's M differs: UsageError before anything is sent
   const int last_rank = state->placement.stage_ranks.back();
 
   std::vector<Future<WorkerReport>> parts;

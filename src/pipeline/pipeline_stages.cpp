@@ -8,6 +8,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <utility>
 
 #include "corpc/pipeline/pipeline.hpp"
 #include "memory/host_allocator.hpp"
@@ -68,6 +69,11 @@ struct Host {
     if (it->second.filled) slots.erase(it);
     else it->second.taken = true;
     return f;
+  }
+  bool arrived(const Key& key) {
+    std::lock_guard lock(mutex);
+    auto it = slots.find(key);
+    return it != slots.end() && it->second.filled;
   }
   void fill(const Key& key, at::Tensor value) {
     std::lock_guard lock(mutex);
@@ -215,7 +221,19 @@ Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Act
       std::any_of(actions.begin(), actions.end(), [](const Action& a) { return a.kind == ActionKind::BackwardInput; });
   std::map<std::pair<int, int>, Held> held;
   std::vector<Future<void>> sends;
-  for (const Action& a : actions) {
+  for (std::size_t i = 0; i < actions.size(); ++i) {
+    // An overlapped pair starts with whichever of its two inputs is here: the backward when the forward's activation
+    // has not come yet but the backward's gradient has.
+    if (actions[i].overlap && i + 1 < actions.size()) {
+      const Action &f = actions[i], &b = actions[i + 1];
+      const bool f_ready = f.stage == 0 || host->arrived({step, f.stage, f.micro, false});
+      const bool b_ready = b.stage == last || host->arrived({step, b.stage, b.micro, true});
+      if (!f_ready && b_ready) {
+        std::swap(actions[i], actions[i + 1]);
+        actions[i + 1].overlap = false;  // the pair is decided; the forward does not pair with what follows
+      }
+    }
+    const Action a = actions[i];
     auto found = host->stages.find(a.stage);
     if (found == host->stages.end())
       throw UsageError("action for stage " + std::to_string(a.stage) + " not hosted here");

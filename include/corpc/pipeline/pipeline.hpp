@@ -69,12 +69,22 @@ enum class LossReduction { mean, sum };
 
 /// Where the stages go and how a step is scheduled; checked by Pipeline::create.
 struct PipelineOptions {
-  /// "worker1" or "worker1/cpu" (the stage's device); stage s runs on workers[s % workers.size()]. With more stages
-  /// than workers, each worker hosts several (Interleaved1F1B needs that; the other schedules need one per worker).
+  /// "worker1" or "worker1/cpu" (the stage's device). The schedule's placement decides which stages each hosts
+  /// (corpc/pipeline/schedule.hpp): in a loop, stage s runs on workers[s % workers.size()]; in a V (ZBV, DualPipeV)
+  /// workers[r] holds stages r and 2K-1-r. With more stages than workers, each worker hosts several.
   std::vector<std::string> workers;
   std::vector<int> balance;                ///< consecutive layers per stage; its size is the number of stages
   Schedule schedule = Schedule::OneFOneB;  ///< the order of each worker's actions (corpc/pipeline/schedule.hpp)
   int micro_batches = 4;  ///< M: the batch is cut into this many micro-batches (fewer if the batch is smaller)
+  /// A schedule given as data instead of `schedule`: custom_actions[i] is the action list of workers[i], e.g. from
+  /// read_schedule_csv (a schedule made for torch.distributed.pipelining, or by a solver). Its stages go where its
+  /// actions are; it fixes M (the highest micro-batch index + 1: micro_batches is ignored, and a batch must give that
+  /// many). create() checks it before anything is built: every stage on one worker, every micro-batch's forward and
+  /// backward (B, or I then W) once each, no deadlock (simulate_schedule), and the memory bound below.
+  std::vector<std::vector<Action>> custom_actions;
+  /// For custom_actions: the most micro-batches a worker may hold, counted in stages' activations (count_peak_held);
+  /// 0 for no bound.
+  int max_held_per_worker = 0;
   LossReduction loss_reduction = LossReduction::mean;  ///< how Loss reduces over the batch (see the top of this header)
 };
 
@@ -152,15 +162,15 @@ class Pipeline {
   /// Copies of every parameter, in the unsplit model's order. Blocks (one RPC per worker).
   std::vector<at::Tensor> parameters() const;
 
-  Schedule schedule() const noexcept { return options_.schedule; }       ///< PipelineOptions::schedule
-  int micro_batches() const noexcept { return options_.micro_batches; }  ///< PipelineOptions::micro_batches
+  Schedule schedule() const noexcept { return options_.schedule; }  ///< PipelineOptions::schedule
+  /// PipelineOptions::micro_batches, or the custom schedule's M
+  int micro_batches() const noexcept { return options_.micro_batches; }
   int num_stages() const noexcept { return static_cast<int>(options_.balance.size()); }       ///< stages in all
   int num_workers() const noexcept { return static_cast<int>(state_->worker_ranks.size()); }  ///< workers hosting them
   int stages_per_worker() const noexcept { return num_stages() / num_workers(); }  ///< v: stages on each worker
-  /// This pipeline's action lists for M micro-batches (plan[i] for the i-th worker of `options.workers`).
-  std::vector<std::vector<Action>> plan(int micro_batches) const {
-    return make_schedule(options_.schedule, num_workers(), stages_per_worker(), micro_batches);
-  }
+  /// This pipeline's action lists for M micro-batches (plan[i] for the i-th worker of `options.workers`). UsageError
+  /// for a custom schedule and another M than its own.
+  std::vector<std::vector<Action>> plan(int micro_batches) const;
 
  private:
   struct State {
