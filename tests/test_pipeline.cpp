@@ -59,6 +59,13 @@ std::pair<at::Tensor, std::vector<at::Tensor>> reference_step(const at::Tensor& 
   return {loss.detach(), net->parameters()};
 }
 
+// The pipeline's parameters after a step against the one-process reference's, one by one.
+void expect_same_parameters(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& ref_params) {
+  EXPECT_EQ(params.size(), ref_params.size());
+  for (std::size_t i = 0; i < params.size(); ++i)
+    if (!close(params[i], ref_params[i])) throw std::runtime_error("parameter " + std::to_string(i) + " differs");
+}
+
 PipelineOptions layout(Schedule schedule, int stages, int micro_batches) {
   PipelineOptions o;
   o.schedule = schedule;
@@ -163,8 +170,7 @@ TEST_CASE("every schedule, with 2 and 4 stages and 1, 2, 4, 8 micro-batches, equ
               auto params = pipe.parameters();
               INFO(to_string(schedule) << ", " << stages << " stages, " << micro << " micro-batches");
               EXPECT(close(result.loss, ref_loss));
-              EXPECT_EQ(params.size(), ref_params.size());
-              for (std::size_t i = 0; i < params.size(); ++i) EXPECT(close(params[i], ref_params[i]));
+              expect_same_parameters(params, ref_params);
               auto plan = pipe.plan(micro);
               for (std::size_t w = 0; w < result.workers.size(); ++w)
                 EXPECT_EQ(result.workers[w].records.size(), plan[w].size());
@@ -194,13 +200,23 @@ TEST_CASE("a schedule read from CSV runs like the one it was written from, and f
         auto result = sync_wait(pipe.train_step(x, y));
         EXPECT(close(result.loss, ref_loss));
         auto params = pipe.parameters();
-        EXPECT_EQ(params.size(), ref_params.size());
-        for (std::size_t i = 0; i < params.size(); ++i) EXPECT(close(params[i], ref_params[i]));
+        expect_same_parameters(params, ref_params);
         // The V placement came from the file: worker 0 ran stages 0 and 3.
         std::vector<std::int32_t> first_stages = result.workers[0].stages;
         CHECK(first_stages == std::vector<std::int32_t>{0, 3});
         // A batch that cuts into another number of micro-batches than the file's: UsageError before anything runs.
         CHECK_THROWS_AS(sync_wait(pipe.train_step(x.narrow(0, 0, 2), y.narrow(0, 0, 2))), UsageError);
+        // An overlapped pair whose forward cannot come first: worker 2 reaches (1F1;1B0) before 0F1 is computed,
+        // which waits for 0B0, which needs 1B0. Only starting the pair with its backward completes the step.
+        o.custom_actions = parse_schedule_csv("0F0,0B0,0F1,0B1\n1F0,(1F1;1B0)OVERLAP_F_B,1B1\n");
+        o.balance = {5, 6};
+        auto paired = Pipeline::create<&tiny_resnet, &mse, &make_sgd>(o, std::uint64_t{1});
+        paired.train(false);
+        auto paired_result = sync_wait(paired.train_step(x, y));
+        EXPECT(close(paired_result.loss, ref_loss));
+        expect_same_parameters(paired.parameters(), ref_params);
+        const auto& order = paired_result.workers[1].records;
+        EXPECT_EQ(order.at(1).action, (Action{ActionKind::Backward, 1, 0}));
         o.max_held_per_worker = 1;
         CHECK_THROWS_WITH_AS((Pipeline::create<&tiny_resnet, &mse, &make_sgd>(o, std::uint64_t{1})),
                              doctest::Contains("bound is 1"), UsageError);
@@ -237,8 +253,7 @@ TEST_CASE("micro-batches of different shapes: a last smaller one, and another im
             EXPECT(close(sync_wait(pipe.train_step(steps[i].first, steps[i].second)).loss, ref_losses[i]));
           auto params = pipe.parameters();
           auto ref_params = net->parameters();
-          EXPECT_EQ(params.size(), ref_params.size());
-          for (std::size_t i = 0; i < params.size(); ++i) EXPECT(close(params[i], ref_params[i]));
+          expect_same_parameters(params, ref_params);
         }
       },
       quick_options(), std::chrono::seconds(120));
@@ -262,8 +277,7 @@ TEST_CASE("a sum-reduced loss, declared as such, gives the one-process loss and 
           INFO(to_string(schedule) << ": loss " << result.loss.item<double>() << ", one process "
                                    << ref_loss.item<double>());
           EXPECT(close(result.loss, ref_loss));
-          EXPECT_EQ(params.size(), ref_params.size());
-          for (std::size_t i = 0; i < params.size(); ++i) EXPECT(close(params[i], ref_params[i]));
+          expect_same_parameters(params, ref_params);
         }
       },
       quick_options(), std::chrono::seconds(120));

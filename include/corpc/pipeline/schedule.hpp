@@ -246,11 +246,11 @@ inline std::vector<std::vector<Action>> make_schedule(Schedule schedule, int wor
 }
 
 /// Executes `plan` with unit-time actions (F = I = W = 1, B = 2) and every worker waiting for its inputs as the real
-/// runtime does (an overlapped pair runs forward first: the runtime is never slower). Returns the makespan. Throws
-/// UsageError if the plan deadlocks, names a stage or micro-batch out of range, runs a backward before its forward
-/// on a worker, or misses a backward. Checks a schedule before it runs (a deadlocked order would otherwise hang the
-/// step), and gives the bubble it should show.
-inline double simulate_schedule(const std::vector<std::vector<Action>>& plan, int num_stages, int micro_batches) {
+/// runtime does: an overlapped pair starts with its backward when only the backward's input is there. Returns the
+/// makespan. Throws UsageError if the plan deadlocks, names a stage or micro-batch out of range, runs a backward
+/// before its forward on a worker, or misses a backward. Checks a schedule before it runs (a deadlocked order would
+/// otherwise hang the step), and gives the bubble it should show.
+inline double simulate_schedule(std::vector<std::vector<Action>> plan, int num_stages, int micro_batches) {
   const int K = static_cast<int>(plan.size()), S = num_stages, M = micro_batches;
   // done_*[stage][micro]: time the result is available; -1 while not done.
   std::vector<std::vector<double>> fwd(S, std::vector<double>(M, -1)), grad(S, std::vector<double>(M, -1));
@@ -258,19 +258,29 @@ inline double simulate_schedule(const std::vector<std::vector<Action>>& plan, in
   std::vector<double> clock(K, 0);
   std::size_t remaining = 0;
   for (auto& p : plan) remaining += p.size();
+  for (auto& p : plan)
+    for (auto& a : p)
+      if (a.stage < 0 || a.stage >= S || a.micro < 0 || a.micro >= M) throw UsageError("action out of range");
+  // When the input of `a` is available; -1 while it is not.
+  auto input_at = [&](const Action& a) -> double {
+    if (a.kind == ActionKind::Forward) return a.stage > 0 ? fwd[a.stage - 1][a.micro] : 0;
+    if (a.kind == ActionKind::BackwardWeight) return 0;
+    if (fwd[a.stage][a.micro] < 0) throw UsageError("backward before forward on one worker");
+    return a.stage + 1 < S ? grad[a.stage + 1][a.micro] : 0;
+  };
   while (remaining) {
     bool progressed = false;
     for (int r = 0; r < K; ++r) {
       while (next[r] < plan[r].size()) {
-        const Action& a = plan[r][next[r]];
-        if (a.stage < 0 || a.stage >= S || a.micro < 0 || a.micro >= M) throw UsageError("action out of range");
-        double ready = 0;
-        if (a.kind == ActionKind::Forward) {
-          if (a.stage > 0 && (ready = fwd[a.stage - 1][a.micro]) < 0) break;
-        } else if (a.kind != ActionKind::BackwardWeight) {
-          if (fwd[a.stage][a.micro] < 0) throw UsageError("backward before forward on one worker");
-          if (a.stage + 1 < S && (ready = grad[a.stage + 1][a.micro]) < 0) break;
+        auto& list = plan[r];
+        const std::size_t i = next[r];
+        if (list[i].overlap && i + 1 < list.size() && input_at(list[i]) < 0 && input_at(list[i + 1]) >= 0) {
+          std::swap(list[i], list[i + 1]);
+          list[i + 1].overlap = false;
         }
+        const Action& a = list[i];
+        const double ready = input_at(a);
+        if (ready < 0) break;
         const double cost = a.kind == ActionKind::Backward ? 2 : 1;
         clock[r] = std::max(clock[r], ready) + cost;
         if (a.kind == ActionKind::Forward) fwd[a.stage][a.micro] = clock[r];
