@@ -1,16 +1,25 @@
 // The main job's benchmark: ResNet50 as a torch::nn::Sequential cut into pipeline stages on worker processes, trained
 // (SGD, lr 0.05, MSE on one-hot labels) under each corpc::pipeline schedule and number of micro-batches, beside
-// PyTorch's "Distributed Pipeline Parallelism Using RPC" tutorial on the same network and data, run interleaved.
+// PyTorch's "Distributed Pipeline Parallelism Using RPC" tutorial on the same network and data, run interleaved, and
+// beside torch.distributed.pipelining (PyTorch 2.6) on the same job and balance.
 //
 //   pipeline_bench                          # batch 32 of 64x64 images, 3 timed batches, splits 1 2 4 8, 1 thread each
 //   pipeline_bench --tutorial               # the tutorial's setting: batch 120 of 128x128 images
-//   pipeline_bench --compare-pytorch        # after each split, the same split through torch.distributed.rpc
+//   pipeline_bench --compare-pytorch        # after each split, the same split through torch.distributed.rpc (the
+//                                           # tutorial, /usr/bin/python3) and through every schedule of
+//                                           # torch.distributed.pipelining (bench/pytorch_pipelining.py, PyTorch 2.6
+//                                           # in the root of `scripts/debian13.sh make --pytorch`, when it is made)
+//   pipeline_bench --compare-pytorch --pipelining-python 'CMD'   # CMD runs that script instead (an interpreter or
+//                                           # a command prefix with torch >= 2.6); 'off' leaves it out
 //   pipeline_bench --schedules gpipe,1f1b,interleaved,zbh1 --balance measured|time|tutorial|11,12 --workers 2
 //   pipeline_bench --trace pipeline_trace.json --gantt pipeline_gantt.png   # the last timed step of every run
 //   pipeline_bench --device cuda:0          # every stage on that device (workers "workerN/cuda:0"), the reference too
 //
 // Prints, per schedule and split: the time of the timed batches, the bubble measured from the workers' timelines
-// beside the schedule's formula, each worker's peak activation memory and micro-batches held, and PyTorch's time.
+// beside the schedule's formula, each worker's peak activation memory and micro-batches held, and PyTorch's time;
+// with --compare-pytorch also each torch.distributed.pipelining schedule's time per split (or how it failed: a hang,
+// an exception, a loss that is NaN or differs from the one-process loss) and, per split, corpc's best against
+// pipelining's best, the tutorial's time, and one process.
 //
 // With --device cuda:N the workers share that GPU: activations and gradients go from stage to stage through device
 // maps (cuda:N -> cuda:N between every two workers; the master sends only CPU inputs and targets), the balance is
@@ -18,15 +27,20 @@
 // bubble column) record host time, which on a GPU is when kernels were queued, not when they ran; the peak column
 // counts the CPU allocator only. PyTorch's side gets --device too (bench/pytorch_pipeline.py: the tutorial's shards
 // on the device, tensors crossing RPC on the CPU).
+#include <sys/wait.h>
+
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/sgd.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <sstream>
 
@@ -50,6 +64,10 @@ struct Config {
   long batch, image, batches, threads, width, classes, warmup, workers;
   std::string device = "cpu";  // of every stage: "cpu" or "cuda:N"
   std::string python = "/usr/bin/python3";
+  // torch.distributed.pipelining (bench/pytorch_pipelining.py): the command prefix that runs the script, or empty and
+  // why it does not run.
+  std::string pipelining, pipelining_script = "bench/pytorch_pipelining.py", pipelining_missing;
+  long pipelining_timeout = 180;  // seconds for each (schedule, splits) run
 };
 
 // "workerN/<device>": worker w's name and its stages' device, as PipelineOptions::workers takes them.
@@ -259,6 +277,98 @@ double run_pytorch(const Config& c, long split, const std::string& script) {
   return out;
 }
 
+// Runs `command` (through the shell), returning its output's lines (stdout and stderr) and its exit status (-1: it
+// did not start or end normally); each line is also passed to `each` as it comes.
+std::pair<std::vector<std::string>, int> run_command(const std::string& command,
+                                                     const std::function<void(const std::string&)>& each = {}) {
+  std::vector<std::string> lines;
+  FILE* p = ::popen((command + " 2>&1").c_str(), "r");
+  if (!p) return {lines, -1};
+  char line[4096];
+  while (std::fgets(line, sizeof line, p)) {
+    std::string l(line);
+    if (!l.empty() && l.back() == '\n') l.pop_back();
+    if (each) each(l);
+    lines.push_back(l);
+  }
+  const int status = ::pclose(p);
+  return {lines, WIFEXITED(status) ? WEXITSTATUS(status) : -1};
+}
+
+// Decides how bench/pytorch_pipelining.py runs: --pipelining-python CMD, else the PyTorch 2.6 root when it is made;
+// then asks the script whether torch.distributed.pipelining imports (through sudo, where the root needs it: a
+// password prompt comes here, before the run). Sets c.pipelining, or clears it and says why in c.pipelining_missing.
+void resolve_pipelining(Config& c, const bench::Flags& flags) {
+  const char* roots_env = std::getenv("CORPC_ROOTS");
+  const std::string roots = roots_env && *roots_env ? roots_env : "/var/tmp/corpc-roots";
+  c.pipelining = flags.get("pipelining-python", "");
+  if (c.pipelining == "off") {
+    c.pipelining.clear();
+    c.pipelining_missing = "--pipelining-python off";
+  } else if (c.pipelining.empty()) {
+    if (std::ifstream(roots + "/trixie-pytorch/.corpc-stamp"))
+      c.pipelining = "scripts/debian13.sh run --pytorch python3";
+    else
+      c.pipelining_missing = "no PyTorch 2.6 root at " + roots + "/trixie-pytorch (scripts/debian13.sh make --pytorch)";
+  }
+  if (!c.pipelining.empty() && c.workers != 2)
+    c.pipelining_missing = "it runs on 2 ranks, not --workers " + std::to_string(c.workers);
+  if (!c.pipelining.empty() && c.device != "cpu") c.pipelining_missing = "it runs on the CPU only";
+  if (!c.pipelining_missing.empty()) {
+    c.pipelining.clear();
+    return;
+  }
+  auto [lines, status] = run_command(c.pipelining + " " + c.pipelining_script + " --probe");
+  for (auto& l : lines)
+    if (status == 0 && l.rfind("torch ", 0) == 0) {
+      std::printf("# torch.distributed.pipelining: %s (run as: %s %s)\n", l.c_str(), c.pipelining.c_str(),
+                  c.pipelining_script.c_str());
+      return;
+    }
+  c.pipelining_missing = "'" + c.pipelining + " " + c.pipelining_script +
+                         " --probe' failed: " + (lines.empty() ? "no output" : lines.back());
+  c.pipelining.clear();
+}
+
+// bench/pytorch_pipelining.py for one split, every schedule that one of `cuts` (corpc's balances for 2 and 4 stages)
+// fits: GPipe and 1F1B on 2 stages, the others on 4. Its result lines go to `out` as they are ("pipelining SCHEDULE
+// SPLITS SECONDS|FAILED:WHY LOSS CHECK # detail"), its one-process time as "pipelining-reference SECONDS" (asked for
+// with the first split run only), its patch note as "pipelining-note TEXT", and a run that printed no result as
+// "pipelining-error SPLITS TEXT".
+void run_pipelining(const Config& c, long split, const std::map<int, std::vector<int>>& cuts, bool reference,
+                    std::ostream& out) {
+  if (cuts.empty()) {
+    out << "pipelining-error " << split << " --balance " << c.balance << " cuts neither 2 nor 4 stages\n";
+    return;
+  }
+  std::ostringstream cmd;
+  cmd << c.pipelining << " " << c.pipelining_script << " --batch-size " << c.batch << " --image-size " << c.image
+      << " --num-batches " << c.batches << " --threads " << c.threads << " --base-width " << c.width
+      << " --num-classes " << c.classes << " --warmup " << c.warmup << " --timeout " << c.pipelining_timeout
+      << " --splits " << split << " --balance";
+  for (auto& [n, b] : cuts) cmd << ' ' << n << ':' << to_string(b);
+  cmd << " --schedules " << (cuts.count(2) ? "GPipe,1F1B" : "") << (cuts.size() == 2 ? "," : "")
+      << (cuts.count(4) ? "Interleaved1F1B,LoopedBFS,InterleavedZeroBubble,ZBVZeroBubble" : "");
+  if (reference) cmd << " --reference-time";
+  std::fprintf(stderr, "# running torch.distributed.pipelining: %s\n", cmd.str().c_str());
+  bool any = false;
+  auto [lines, status] = run_command(cmd.str(), [&](const std::string& l) {
+    if (l.rfind("JSON: ", 0) == 0) return;
+    std::fprintf(stderr, "  [pipelining] %s\n", l.c_str());
+    if (l.rfind("pipelining ", 0) == 0) {
+      out << l << '\n';
+      any = true;
+    } else if (l.rfind("reference ", 0) == 0) {
+      out << "pipelining-reference " << l.substr(10) << '\n';
+    } else if (l.rfind("# PATCHED", 0) == 0 || l.rfind("# NOT patched", 0) == 0) {
+      out << "pipelining-note " << l.substr(2) << '\n';
+    }
+  });
+  if (!any)
+    out << "pipelining-error " << split << " exit status " << status << ": "
+        << (lines.empty() ? "no output" : lines.back()) << '\n';
+}
+
 // One Gantt chart: a row per (schedule run, worker), boxes from each action's start to end, coloured by kind.
 void write_gantt(const std::string& png, const std::vector<std::pair<std::string, std::vector<WorkerReport>>>& runs) {
   gantt::Chart chart;
@@ -299,7 +409,11 @@ int main(int argc, char** argv) {
         "               [--host-cache on|off]   (off: libtorch's own CPU allocator in every process, reference "
         "included)\n"
         "               [--device cpu|cuda:N]   (every stage there, and the one-process reference; PyTorch's too)\n"
-        "               [--python /usr/bin/python3]   (the interpreter that runs --pytorch-script)");
+        "               [--python /usr/bin/python3]   (the interpreter that runs --pytorch-script)\n"
+        "               [--pipelining-python CMD|off] [--pipelining-script bench/pytorch_pipelining.py]\n"
+        "               [--pipelining-timeout 180]   (torch.distributed.pipelining with --compare-pytorch: CMD runs "
+        "the script;\n"
+        "                                           default: the root of scripts/debian13.sh make --pytorch, if made)");
     return 0;
   }
   const bool tutorial = flags.has("tutorial");
@@ -331,6 +445,8 @@ int main(int argc, char** argv) {
   const bool compare = flags.has("compare-pytorch");
   const std::string script = flags.get("pytorch-script", "bench/pytorch_pipeline.py");
   const std::string trace_path = flags.get("trace", ""), gantt_path = flags.get("gantt", "");
+  c.pipelining_script = flags.get("pipelining-script", c.pipelining_script);
+  c.pipelining_timeout = flags.get_int("pipelining-timeout", c.pipelining_timeout);
 
   bench::print_machine();
   const std::string host_cache = flags.get("host-cache", "on");
@@ -345,6 +461,11 @@ int main(int argc, char** argv) {
         "# corpc: activations and gradients between the workers through device maps %s -> %s; PyTorch: "
         "torch.distributed.rpc (TensorPipe), the tutorial's shards on %s, tensors crossing RPC on the CPU\n",
         c.device.c_str(), c.device.c_str(), c.device.c_str());
+  if (compare) {
+    resolve_pipelining(c, flags);
+    if (!c.pipelining_missing.empty())
+      std::printf("# torch.distributed.pipelining: not run: %s\n", c.pipelining_missing.c_str());
+  }
   std::fflush(stdout);
 
   // Results cross from rank 0 to this process through a file (ranks are separate processes).
@@ -384,6 +505,7 @@ int main(int argc, char** argv) {
             ChromeTrace trace;
             std::vector<std::pair<std::string, std::vector<WorkerReport>>> gantt;
             int process = 0;
+            bool pipelining_reference = false;  // its one-process time: asked for once, with the first split run
             for (long s : c.splits) {
               if (micro_batch_too_small(c, s)) {
                 std::fprintf(
@@ -408,6 +530,18 @@ int main(int argc, char** argv) {
               }
               if (compare)
                 out << "pytorch " << s << ' ' << run_pytorch(c, s, script) << '\n';  // interleaved with corpc
+              if (compare && !c.pipelining.empty()) {
+                std::map<int, std::vector<int>> cuts;  // its schedules cut as corpc's 2- and 4-stage runs were
+                for (int n : {2, 4}) {
+                  if (!balances.count(n)) {
+                    auto b = make_balance(c, n, data);  // a --balance list is for one number of stages only
+                    if (static_cast<int>(b.size()) == n) balances[n] = std::move(b);
+                  }
+                  if (balances.count(n) && static_cast<int>(balances[n].size()) == n) cuts[n] = balances[n];
+                }
+                run_pipelining(c, s, cuts, !pipelining_reference, out);
+                pipelining_reference = true;
+              }
               out.flush();
             }
             out << "single " << run_single_process(c, data) << '\n';
@@ -438,6 +572,15 @@ int main(int argc, char** argv) {
   };
   std::vector<Row> rows;
   std::map<long, double> torch_times;
+  struct PipeliningRun {                  // one line of bench/pytorch_pipelining.py
+    std::string schedule, result, check;  // result: seconds or FAILED:why; check: ok, NAN, WRONG-LOSS or -
+    long splits = 0;
+    double seconds = NAN;  // a finished run's time (valid or not)
+    std::string detail;
+  };
+  std::vector<PipeliningRun> pipelining_runs;
+  std::vector<std::string> pipelining_notes, pipelining_errors;
+  double pipelining_single = NAN;
   double single = NAN;
   std::string balance_line;
   {
@@ -458,6 +601,21 @@ int main(int argc, char** argv) {
         double t;
         ls >> s >> t;
         torch_times[s] = t;
+      } else if (key == "pipelining") {
+        PipeliningRun r;
+        std::string loss;
+        ls >> r.schedule >> r.splits >> r.result >> loss >> r.check;
+        if (r.result.rfind("FAILED", 0) != 0) r.seconds = std::stod(r.result);
+        std::getline(ls, r.detail);
+        if (auto hash = r.detail.find("# "); hash != std::string::npos) r.detail = r.detail.substr(hash + 2);
+        pipelining_runs.push_back(r);
+      } else if (key == "pipelining-reference") {
+        ls >> pipelining_single;
+      } else if (key == "pipelining-note" || key == "pipelining-error") {
+        std::string text;
+        std::getline(ls, text);
+        auto& list = key == "pipelining-note" ? pipelining_notes : pipelining_errors;
+        if (std::find(list.begin(), list.end(), text.substr(1)) == list.end()) list.push_back(text.substr(1));
       } else if (key == "single") {
         ls >> single;
       } else if (key == "balance") {
@@ -508,5 +666,99 @@ int main(int argc, char** argv) {
         "On %s: the bubble is measured in host time (kernels are queued asynchronously) and the peak counts\n"
         "the CPU allocator only (device memory is not counted).\n",
         c.device.c_str());
+  if (compare) {
+    // torch.distributed.pipelining (PyTorch 2.6): each schedule's time per split, then corpc's best per split
+    // against pipelining's best valid run (finished, and its every step's loss that of one process), the tutorial's
+    // time and one process.
+    std::printf(
+        "\ntorch.distributed.pipelining (bench/pytorch_pipelining.py), 2 ranks over Gloo, cut as corpc's runs; "
+        "time (s) per split:\n");
+    if (!c.pipelining_missing.empty()) std::printf("not run: %s\n", c.pipelining_missing.c_str());
+    for (auto& n : pipelining_notes) std::printf("%s\n", n.c_str());
+    std::vector<std::string> schedules;
+    for (auto& r : pipelining_runs)
+      if (std::find(schedules.begin(), schedules.end(), r.schedule) == schedules.end()) schedules.push_back(r.schedule);
+    auto cell = [](const PipeliningRun& r) {
+      char buf[64];
+      if (r.check == "ok") std::snprintf(buf, sizeof buf, "%.2f", r.seconds);
+      else if (r.result == "FAILED:timeout") std::snprintf(buf, sizeof buf, "hang (timeout)");
+      else if (r.result.rfind("FAILED:", 0) == 0) std::snprintf(buf, sizeof buf, "%s", r.result.substr(7).c_str());
+      else std::snprintf(buf, sizeof buf, "%.2f, %s", r.seconds, r.check == "NAN" ? "NaN loss" : "wrong loss");
+      return std::string(buf);
+    };
+    if (!schedules.empty()) {
+      std::printf("\n| schedule |");
+      for (long s : c.splits) std::printf(" %ld |", s);
+      std::printf("\n|---|");
+      for (std::size_t i = 0; i < c.splits.size(); ++i) std::printf("---:|");
+      std::printf("\n");
+      for (auto& name : schedules) {
+        std::printf("| %s |", name.c_str());
+        for (long s : c.splits) {
+          auto r = std::find_if(pipelining_runs.begin(), pipelining_runs.end(),
+                                [&](const PipeliningRun& x) { return x.schedule == name && x.splits == s; });
+          std::printf(" %s |", r == pipelining_runs.end() ? "-" : cell(*r).c_str());
+        }
+        std::printf("\n");
+      }
+      // Why each run that is not valid is not: one line per schedule and reason, the splits it happened at.
+      std::vector<std::pair<std::string, std::vector<long>>> why;
+      for (auto& r : pipelining_runs) {
+        if (r.check == "ok") continue;
+        const std::string text = r.schedule + ": " + (r.check == "-" ? "" : r.check + ": ") + r.detail;
+        auto w = std::find_if(why.begin(), why.end(), [&](auto& x) { return x.first == text; });
+        if (w == why.end()) why.emplace_back(text, std::vector<long>{r.splits});
+        else w->second.push_back(r.splits);
+      }
+      if (!why.empty()) std::printf("\n");
+      for (auto& [text, splits] : why) {
+        std::string list;
+        for (long s : splits) list += (list.empty() ? "" : ",") + std::to_string(s);
+        std::printf("- splits %s: %s\n", list.c_str(), text.c_str());
+      }
+    }
+    for (auto& e : pipelining_errors) std::printf("- no result: %s\n", e.c_str());
+
+    std::printf(
+        "\n| splits | corpc best (s) | corpc schedule | pipelining best (s) | pipelining schedule | PyTorch RPC "
+        "tutorial (s) | corpc / pipelining | corpc / one process | pipelining / its one process |\n");
+    std::printf("|---:|---:|---|---:|---|---:|---:|---:|---:|\n");
+    const PipeliningRun* best_pipelining = nullptr;
+    for (long s : c.splits) {
+      const Row* corpc_best = nullptr;
+      for (auto& r : rows)
+        if (r.splits == s && (!corpc_best || r.seconds < corpc_best->seconds)) corpc_best = &r;
+      if (!corpc_best) continue;
+      const PipeliningRun* p = nullptr;
+      bool any = false;
+      for (auto& r : pipelining_runs)
+        if (r.splits == s) {
+          any = true;
+          if (r.check == "ok" && (!p || r.seconds < p->seconds)) p = &r;
+        }
+      if (p && (!best_pipelining || p->seconds < best_pipelining->seconds)) best_pipelining = p;
+      const double torch_s = torch_times.count(s) ? torch_times[s] : NAN;
+      char pt[32] = "-";
+      if (p) std::snprintf(pt, sizeof pt, "%.2f", p->seconds);
+      const std::string which = p ? p->schedule : any ? "none valid" : "not run (see above)";
+      std::printf("| %ld | %.2f | %s | %s | %s | %.2f | %.2f | %.2f | %.2f |\n", s, corpc_best->seconds,
+                  to_string(static_cast<Schedule>(corpc_best->schedule)), pt, which.c_str(), torch_s,
+                  p ? corpc_best->seconds / p->seconds : NAN, corpc_best->seconds / single,
+                  p ? p->seconds / pipelining_single : NAN);
+    }
+    std::printf("\nOne process, whole batches (%ld thread): libtorch %s (corpc's) %.2f s", c.threads, TORCH_VERSION,
+                single);
+    if (!std::isnan(pipelining_single))
+      std::printf("; PyTorch 2.6 (the pipelining script's reference) %.2f s", pipelining_single);
+    std::printf("\n");
+    if (best_pipelining)
+      std::printf("Best pipelining run: %.2f s (%s, %ld splits) = %.2fx its one process; best corpc run = %.2fx it\n",
+                  best_pipelining->seconds, best_pipelining->schedule.c_str(), best_pipelining->splits,
+                  best_pipelining->seconds / pipelining_single, best / best_pipelining->seconds);
+    std::printf(
+        "Pipelining's valid runs (the only ones its best is taken from): finished, and every step's loss equal\n"
+        "(1e-4 relative) to the same model's trained in one process on the same micro-batches; the others show their\n"
+        "time beside why they are not valid.\n");
+  }
   return rows.empty() ? 1 : 0;
 }

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # A Debian 13 (trixie) root with libtorch 2.6 and g++ 14, made with mmdebstrap from the Debian mirror this machine's
 # apt is configured with, and a way to run commands in it with this repository mounted at /corpc.
-#   scripts/debian13.sh make [--cuda]       make the root if it is missing or its package list changed (idempotent)
-#   scripts/debian13.sh run [--cuda] CMD…   run CMD in the root, in /corpc (the repository), as root
+#   scripts/debian13.sh make [--cuda|--pytorch]       make the root if it is missing or its package list changed
+#                                                     (idempotent)
+#   scripts/debian13.sh run [--cuda|--pytorch] CMD…   run CMD in the root, in /corpc (the repository), as root
 # The plain root has Debian's CPU libtorch-dev; --cuda makes a second root with libtorch-cuda-dev (contrib, built on
 # CUDA 12.4 from non-free: about 2.3 GB installed), for compiling and linking corpc's CUDA path without a GPU. The two
-# cannot share a root: libtorch-cuda-dev conflicts with libtorch-dev.
+# cannot share a root: libtorch-cuda-dev conflicts with libtorch-dev. --pytorch makes a third, with Debian's
+# python3-torch 2.6 (CPU) and no compiler, for bench/pytorch_pipelining.py (torch.distributed.pipelining, which
+# PyTorch 1.13 lacks); it is kept apart so that the CI's CPU root does not grow.
 # Roots live under $CORPC_ROOTS (default /var/tmp/corpc-roots), outside any clone, so that later runs on the same
 # machine reuse them. Needs root (mmdebstrap's chroot mode, mounts in a private mount namespace).
 # CORPC_MMDEBSTRAP_QUIET= (set, empty) shows mmdebstrap's own output: why a package set cannot be installed.
@@ -17,13 +20,21 @@ roots=${CORPC_ROOTS:-/var/tmp/corpc-roots}
 
 verb=${1:-}; shift || true
 flavour=cpu
-if [[ "${1:-}" == "--cuda" ]]; then flavour=cuda; shift; fi
+case ${1:-} in
+  --cuda) flavour=cuda; shift ;;
+  --pytorch) flavour=pytorch; shift ;;
+esac
 root=$roots/trixie-$flavour
 
 common=(build-essential meson ninja-build pkg-config cmake git python3 ca-certificates
         libasio-dev libfmt-dev doctest-dev libssl-dev libopenblas0-pthread)
 if [[ $flavour == cpu ]]; then
   packages=("${common[@]}" libtorch-dev libgloo-dev iproute2)  # iproute2: test_multihost's network namespaces
+  components="main"
+elif [[ $flavour == pytorch ]]; then
+  # Python only: the interpreter, torch, numpy; OpenBLAS as in the CPU root (python3-torch pulls in the reference BLAS,
+  # several times slower for the Linear layer and what oneDNN leaves to BLAS); procps for ps/kill when a run hangs.
+  packages=(python3 python3-torch python3-numpy libopenblas0-pthread ca-certificates procps)
   components="main"
 else
   # libtorch-cuda-2.6 depends on nvidia-cudnn, an installer that downloads cuDNN from NVIDIA's servers at install
@@ -82,7 +93,9 @@ make_root() {
 }
 
 run_in_root() {
-  [[ -f $root/.corpc-stamp ]] || { echo "debian13: no root at $root (scripts/debian13.sh make${flavour/cpu/})"; exit 2; }
+  local option=""
+  [[ $flavour == cpu ]] || option=" --$flavour"
+  [[ -f $root/.corpc-stamp ]] || { echo "debian13: no root at $root (scripts/debian13.sh make$option)"; exit 2; }
   mkdir -p "$root/corpc"
   # A private mount namespace: the mounts vanish with the command, whatever way it ends. The network namespace is
   # the host's, so 127.0.0.1 is the same loopback.
@@ -104,5 +117,5 @@ run_in_root() {
 case $verb in
   make) make_root ;;
   run) run_in_root "$@" ;;
-  *) echo "usage: scripts/debian13.sh make|run [--cuda] [command…]"; exit 2 ;;
+  *) echo "usage: scripts/debian13.sh make|run [--cuda|--pytorch] [command…]"; exit 2 ;;
 esac
