@@ -443,3 +443,67 @@ TEST_CASE(
         options);
   });
 }
+
+namespace {
+std::atomic<int> g_backward_runs{0};
+// An identity whose backward counts its runs. It sits between a layer's two weights, so a W that walked the layer's
+// graph again from the layer's output (to reach the first weight) would run it a second time.
+struct CountedIdentity : torch::autograd::Function<CountedIdentity> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, at::Tensor x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list grads) {
+    ++g_backward_runs;
+    return grads;
+  }
+};
+struct SandwichImpl : torch::nn::Module {
+  SandwichImpl() : a(register_module("a", torch::nn::Linear(8, 8))), b(register_module("b", torch::nn::Linear(8, 8))) {}
+  at::Tensor forward(at::Tensor x) { return b(torch::relu(CountedIdentity::apply(a(x)))); }
+  torch::nn::Linear a, b;
+};
+TORCH_MODULE(Sandwich);
+torch::nn::Sequential sandwiches(std::uint64_t seed) {
+  torch::manual_seed(seed);
+  return torch::nn::Sequential(Sandwich(), Sandwich(), Sandwich());
+}
+int take_backward_runs() { return g_backward_runs.exchange(0); }
+}  // namespace
+
+TEST_CASE("zero bubble's W computes no activation gradient again: a node between two weights runs once a micro-batch") {
+  run_world(
+      4,
+      [](int rank) {
+        if (rank != 0) return;
+        torch::manual_seed(3);
+        const auto x = torch::randn({kBatch, 8}), y = torch::randn({kBatch, 8});
+        auto net = sandwiches(1);
+        torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(kLr));
+        auto ref_loss = mse(net->forward(x), y);
+        ref_loss.backward();
+        opt.step();
+        const int micro = 4;
+        for (auto schedule : {Schedule::OneFOneB, Schedule::ZeroBubbleH1}) {
+          PipelineOptions o;
+          o.schedule = schedule;
+          o.micro_batches = micro;
+          o.workers = {"worker1/cpu", "worker2/cpu", "worker3/cpu"};
+          // Stage 0 has no input gradient to send: its W runs the whole backward. Stages 1 and 2 split it; stage 1's
+          // output comes from an intermediate (b's addmm), stage 2's is the loss.
+          o.balance = {1, 1, 1};
+          auto pipe = Pipeline::create<&sandwiches, &mse, &make_sgd>(o, std::uint64_t{1});
+          auto result = sync_wait(pipe.train_step(x, y));
+          for (int worker : {1, 2, 3}) {
+            const int runs = rpc_sync<&take_backward_runs>(worker);
+            if (runs != micro)
+              throw std::runtime_error(std::string(to_string(schedule)) + ": the counted node of stage " +
+                                       std::to_string(worker - 1) + " ran its backward " + std::to_string(runs) +
+                                       " times for " + std::to_string(micro) + " micro-batches");
+          }
+          EXPECT(close(result.loss, ref_loss.detach()));
+          auto params = pipe.parameters();
+          EXPECT_EQ(params.size(), net->parameters().size());
+          for (std::size_t i = 0; i < params.size(); ++i) EXPECT(close(params[i], net->parameters()[i]));
+        }
+      },
+      quick_options(), std::chrono::seconds(120));
+}

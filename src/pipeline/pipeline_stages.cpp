@@ -7,12 +7,14 @@
 #include <chrono>
 #include <map>
 #include <mutex>
+#include <set>
 #include <tuple>
 #include <utility>
 
 #include "corpc/pipeline/pipeline.hpp"
 #include "memory/host_allocator.hpp"
 #include "core/trace_recorder.hpp"
+#include "pipeline/split_backward.hpp"
 
 namespace corpc::pipeline::detail {
 using corpc::detail::host_live_bytes;
@@ -27,15 +29,16 @@ struct HostedStage {
   torch::nn::Sequential layers;
   c10::Device device{c10::kCPU};
   std::unique_ptr<torch::optim::Optimizer> optimizer;
-  std::vector<std::vector<at::Tensor>> layer_parameters;  // per layer, for zero bubble's W
+  std::vector<at::Tensor> trainable;  // the parameters that require grad: zero bubble's W computes their gradients
 };
 
 // One micro-batch on one stage, from its forward to the end of its backward.
 struct Held {
-  at::Tensor input;                       // a leaf that requires grad, except on the first stage
-  at::Tensor output;                      // the stage's output; on the last stage, the scaled loss
-  std::vector<at::Tensor> layer_outputs;  // zero bubble only: each layer's output ...
-  std::vector<at::Tensor> layer_grads;    // ... and its gradient, computed by I, consumed by W
+  at::Tensor input;   // a leaf that requires grad, except on the first stage
+  at::Tensor output;  // the stage's output; on the last stage, the scaled loss
+  // Zero bubble, from I to W: the intermediates and their gradients, or (all_in_weights) the output's gradient.
+  std::unique_ptr<WeightPass> weights;
+  ag::variable_list output_grad;
 };
 
 struct Host {
@@ -156,12 +159,8 @@ void host_stages(const StagePlacement& placement, torch::nn::Sequential model, L
       st.device = c10::Device(placement.stage_devices[s]);
       st.layers = slice_layers(model, begin, end);
       st.layers->to(st.device);
-      for (auto& layer : *st.layers) {
-        std::vector<at::Tensor> ps;
-        for (auto& p : layer.ptr()->parameters())
-          if (p.requires_grad()) ps.push_back(p);
-        st.layer_parameters.push_back(std::move(ps));
-      }
+      for (auto& p : st.layers->parameters())
+        if (p.requires_grad()) st.trainable.push_back(p);
       if (optimizer) st.optimizer = optimizer(st.layers->parameters());
       host->stages.emplace(static_cast<int>(s), std::move(st));
     }
@@ -217,22 +216,36 @@ Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Act
   reset_host_peak_bytes();
   const std::int64_t baseline = host_live_bytes();
 
-  const bool split_backward =
-      std::any_of(actions.begin(), actions.end(), [](const Action& a) { return a.kind == ActionKind::BackwardInput; });
   std::map<std::pair<int, int>, Held> held;
   std::vector<Future<void>> sends;
+  std::set<std::pair<int, int>> inputs_done;  // (stage, micro) whose I has run and whose W has not
+  // Whether what `a` consumes is here (or needs no message: the first stage's forward, the last's backward, a W).
+  auto input_here = [&](const Action& a) {
+    if (a.kind == ActionKind::Forward) return a.stage == 0 || host->arrived({step, a.stage, a.micro, false});
+    if (a.kind == ActionKind::BackwardWeight) return true;
+    return a.stage == last || host->arrived({step, a.stage, a.micro, true});
+  };
   for (std::size_t i = 0; i < actions.size(); ++i) {
     // An overlapped pair starts with whichever of its two inputs is here: the backward when the forward's activation
     // has not come yet but the backward's gradient has.
     if (actions[i].overlap && i + 1 < actions.size()) {
       const Action &f = actions[i], &b = actions[i + 1];
-      const bool f_ready = f.stage == 0 || host->arrived({step, f.stage, f.micro, false});
-      const bool b_ready = b.stage == last || host->arrived({step, b.stage, b.micro, true});
-      if (!f_ready && b_ready) {
+      if (!input_here(f) && input_here(b)) {
         std::swap(actions[i], actions[i + 1]);
         actions[i + 1].overlap = false;  // the pair is decided; the forward does not pair with what follows
       }
     }
+    // Rather than wait for an input, run a W the list has later whose I is done: a W sends nothing, so running it
+    // earlier changes no other worker's wait, and it frees its micro-batch sooner. This keeps zero bubble's Ws in
+    // the waits when real stage times differ from the unit times the order was made with.
+    if (actions[i].kind != ActionKind::BackwardWeight && !input_here(actions[i]))
+      for (std::size_t j = i + 1; j < actions.size(); ++j)
+        if (actions[j].kind == ActionKind::BackwardWeight && inputs_done.count({actions[j].stage, actions[j].micro})) {
+          std::rotate(actions.begin() + static_cast<std::ptrdiff_t>(i),
+                      actions.begin() + static_cast<std::ptrdiff_t>(j),
+                      actions.begin() + static_cast<std::ptrdiff_t>(j) + 1);
+          break;
+        }
     const Action a = actions[i];
     auto found = host->stages.find(a.stage);
     if (found == host->stages.end())
@@ -254,10 +267,7 @@ Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Act
       if (!first_stage && x.is_floating_point()) x.requires_grad_(true);
       h.input = x;
       at::Tensor y = x;
-      for (auto& layer : *st.layers) {
-        y = layer.forward(y);
-        if (split_backward) h.layer_outputs.push_back(y);
-      }
+      for (auto& layer : *st.layers) y = layer.forward(y);
       if (last_stage) {
         const at::Tensor& target = targets.at(a.micro);
         // A mean over the batch is the sum of the micro-batches' means weighted by their shares; a sum needs none.
@@ -285,42 +295,41 @@ Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Act
         if (h.output.requires_grad()) torch::autograd::backward({h.output}, grad_out);
         if (!first_stage) input_grad = grad_or_zeros(h.input);
         held.erase(it);
+      } else if (!h.output.requires_grad()) {
+        if (!first_stage) input_grad = at::zeros_like(h.input);
+        h.output = at::Tensor();  // nothing for W either
       } else {
-        // I: gradients of the input and of every layer's output (the graph stays for W).
-        std::vector<at::Tensor> wrt;
-        std::vector<int> which;  // index into layer_outputs, -1 for the input
-        if (!first_stage) wrt.push_back(h.input), which.push_back(-1);
-        const int layers = static_cast<int>(h.layer_outputs.size());
-        h.layer_grads.assign(layers, at::Tensor());
-        for (int i = 0; i < layers; ++i) {
-          if (!last_stage && i == layers - 1) {  // the stage's output: its gradient is the one received
-            h.layer_grads[i] = grad_out.empty() ? at::Tensor() : grad_out[0];
-            continue;
+        auto pass = std::make_unique<WeightPass>();
+        switch (plan_split(h.output, h.input, st.trainable, *pass)) {
+          case Split::input_and_weights: {
+            auto grads = torch::autograd::grad({h.output}, {h.input}, grad_out, /*retain_graph=*/true,
+                                               /*create_graph=*/false, /*allow_unused=*/true);
+            input_grad = grads[0].defined() ? grads[0] : at::zeros_like(h.input);
+            h.weights = std::move(pass);
+            h.output = h.input = at::Tensor();  // W starts at the intermediates: what lies above them can go
+            break;
           }
-          if (h.layer_outputs[i].requires_grad()) wrt.push_back(h.layer_outputs[i]), which.push_back(i);
+          case Split::all_in_weights:
+            if (!first_stage) input_grad = at::zeros_like(h.input);  // (an input the output does not depend on)
+            h.output_grad = std::move(grad_out);
+            break;
+          case Split::all_in_input:
+            torch::autograd::backward({h.output}, grad_out);
+            input_grad = grad_or_zeros(h.input);
+            h.output = at::Tensor();
+            break;
         }
-        if (h.output.requires_grad() && !wrt.empty()) {
-          auto grads = torch::autograd::grad({h.output}, wrt, grad_out, /*retain_graph=*/true, /*create_graph=*/false,
-                                             /*allow_unused=*/true);
-          for (std::size_t j = 0; j < grads.size(); ++j) {
-            if (which[j] < 0) input_grad = grads[j].defined() ? grads[j] : at::zeros_like(h.input);
-            else h.layer_grads[which[j]] = grads[j];
-          }
-        }
-        if (!first_stage && !input_grad.defined()) input_grad = at::zeros_like(h.input);
       }
+      if (a.kind == ActionKind::BackwardInput) inputs_done.insert(key);
       if (!first_stage) sends.push_back(send(*host, step, a.stage - 1, a.micro, true, input_grad.detach()));
-    } else {  // W: each layer's weight gradients from its output's gradient; the layers' graphs are disjoint
+    } else {  // W: what I left (see plan_split)
+      inputs_done.erase(key);
       record.start_ns = now_ns();
       auto it = held.find(key);
       if (it == held.end()) throw UsageError("W before I for stage " + std::to_string(a.stage));
       Held& h = it->second;
-      for (std::size_t i = 0; i < h.layer_outputs.size(); ++i) {
-        const auto& params = st.layer_parameters[i];
-        if (params.empty() || !h.layer_grads[i].defined() || !h.layer_outputs[i].requires_grad()) continue;
-        torch::autograd::backward({h.layer_outputs[i]}, {h.layer_grads[i]}, /*retain_graph=*/false,
-                                  /*create_graph=*/false, params);
-      }
+      if (h.weights) run_weight_pass(*h.weights);
+      else if (h.output.defined()) torch::autograd::backward({h.output}, h.output_grad);
       held.erase(it);
     }
     record.end_ns = now_ns();

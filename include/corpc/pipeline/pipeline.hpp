@@ -25,9 +25,14 @@
 /// scaled by the micro-batch's share of the batch so that the gradients equal the whole batch's. A backward receives
 /// the output's gradient, runs libtorch's autograd engine on the stage's own graph (torch::autograd::backward), sends
 /// the input's gradient back, and drops the micro-batch: its activations are freed when its backward ends, which is
-/// what lets 1F1B hold K-r micro-batches where GPipe holds M. Zero bubble splits the backward into I (gradients of the
-/// input and of each layer's output, graph kept) and W (each layer's weight gradients from its output's gradient).
-/// When every action is done, each stage's optimizer steps on its worker. No distributed autograd is involved.
+/// what lets 1F1B hold K-r micro-batches where GPipe holds M. When every action is done, each stage's optimizer steps
+/// on its worker. No distributed autograd is involved.
+///
+/// Zero bubble splits a backward into I and W at the autograd nodes where an activation's gradient meets a weight (a
+/// convolution, a batch norm, an addmm), as torch.distributed.pipelining does: I computes the input's gradient alone
+/// and keeps the gradients that reach those nodes, W runs the engine from them to the parameters. No gradient is
+/// computed twice, whatever a layer is made of. The first stage has no input gradient to send: its W runs its whole
+/// backward. A micro-batch's graph is held from its F to its W, with those gradients from its I.
 ///
 /// The loss: say how Loss reduces over the batch (PipelineOptions::loss_reduction). A mean (libtorch's default
 /// reduction: MSE, cross-entropy) is the default, and each micro-batch's loss is scaled by its share of the batch; a
