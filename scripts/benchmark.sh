@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up, builds and runs the main job: ResNet50 in pipeline stages on two local worker processes (CPU), under every
-# schedule (GPipe, 1F1B, Interleaved 1F1B, ZB-H1) and 1/2/4/8 micro-batches, each split followed by PyTorch's RPC
+# schedule (GPipe, 1F1B, Interleaved 1F1B, ZB-H1, LoopedBFS, interleaved zero bubble, ZBV, DualPipeV) and 1/2/4/8
+# micro-batches, each split followed by PyTorch's RPC
 # tutorial on the same split and by every schedule of torch.distributed.pipelining (PyTorch 2.6, in the Debian 13
 # root of `scripts/debian13.sh make --pytorch`, made here when this user is root or has password-less sudo; without
 # it the tables say that the pipelining comparison did not run, and why). Writes the timelines of the last timed step
