@@ -118,12 +118,12 @@ std::string to_string(const std::vector<int>& balance) {
 }
 
 // "measured": balance-by-time, then up to three rounds of refine_balance, each from the timeline of one step (after
-// one warm-up step) of the schedule that will use this many stages, at 4 micro-batches. Keeps the balance whose
-// slowest stage measured fastest: with several stages per worker, one round's correction can overshoot.
-std::vector<int> refine_by_steps(const Config& c, int stages, std::vector<double> costs, std::vector<int> balance,
-                                 const std::vector<std::pair<at::Tensor, at::Tensor>>& data) {
+// one warm-up step) of `schedule` (one that places the stages as the runs will), at 4 micro-batches. Keeps the
+// balance whose slowest stage measured fastest: with several stages per worker, one round's correction can overshoot.
+std::vector<int> refine_by_steps(const Config& c, Schedule schedule, int stages, std::vector<double> costs,
+                                 std::vector<int> balance, const std::vector<std::pair<at::Tensor, at::Tensor>>& data) {
   PipelineOptions o;
-  o.schedule = stages > c.workers ? Schedule::Interleaved1F1B : Schedule::OneFOneB;
+  o.schedule = schedule;
   o.micro_batches = 4;
   for (long w = 1; w <= c.workers; ++w) o.workers.push_back(worker_spec(c, w));
   std::vector<int> best = balance;
@@ -139,8 +139,8 @@ std::vector<int> refine_by_steps(const Config& c, int stages, std::vector<double
     auto next = refine_balance(costs, balance, busy);
     std::string times;
     for (double b : busy) times += (times.empty() ? "" : " / ") + std::to_string(b).substr(0, 5);
-    std::fprintf(stderr, "  [balance, %d stages] round %d: %s took %s s per stage -> %s\n", stages, round,
-                 to_string(balance).c_str(), times.c_str(), to_string(next).c_str());
+    std::fprintf(stderr, "  [balance, %d stages, %s] round %d: %s took %s s per stage -> %s\n", stages,
+                 to_string(schedule), round, to_string(balance).c_str(), times.c_str(), to_string(next).c_str());
     if (next == balance) break;
     balance = std::move(next);
   }
@@ -175,15 +175,30 @@ std::vector<double> profile_on_device(const Config& c, torch::nn::Sequential net
   return times;
 }
 
+// The schedule whose steps refine the balance for `stages` stages placed as `placement`: the stage times depend on
+// what runs beside them on a worker.
+Schedule refining_schedule(const Config& c, int stages, Placement placement) {
+  if (placement == Placement::v) return Schedule::ZBVZeroBubble;
+  return stages > c.workers ? Schedule::Interleaved1F1B : Schedule::OneFOneB;
+}
+
+// The key of a balance: its number of stages, "V" after it for the V placement ("4", "4V").
+std::string balance_key(int stages, Placement placement) {
+  return std::to_string(stages) + (placement == Placement::v ? "V" : "");
+}
+
 // Layers per stage: "tutorial" (after layer2, 2 stages), "time" (balance-by-time on a micro-batch-sized sample),
-// "measured" (balance-by-time refined by the stage times of real steps), or a list.
-std::vector<int> make_balance(const Config& c, int stages, const std::vector<std::pair<at::Tensor, at::Tensor>>& data) {
+// "measured" (balance-by-time refined by the stage times of real steps with the runs' placement), or a list.
+std::vector<int> make_balance(const Config& c, int stages, Placement placement,
+                              const std::vector<std::pair<at::Tensor, at::Tensor>>& data) {
   if (c.balance == "tutorial" && stages == 2) return tutorial_balance(kBlocks);
   if (c.balance == "time" || c.balance == "measured" || c.balance == "tutorial") {
     auto net = resnet50(c.width, c.classes);
     auto costs = profile_on_device(c, net, random_images(std::max<long>(2, c.batch / 4), c.image, 5), 2);
     auto balance = partition_by_cost(costs, stages);
-    if (c.balance == "measured") balance = refine_by_steps(c, stages, std::move(costs), std::move(balance), data);
+    if (c.balance == "measured")
+      balance = refine_by_steps(c, refining_schedule(c, stages, placement), stages, std::move(costs),
+                                std::move(balance), data);
     return balance;
   }
   std::vector<int> out;
@@ -501,7 +516,7 @@ int main(int argc, char** argv) {
           if (rank == 0) {
             auto data = make_data(c);
             std::ofstream out(path);
-            std::map<int, std::vector<int>> balances;  // by number of stages
+            std::map<std::string, std::vector<int>> balances;  // by balance_key
             ChromeTrace trace;
             std::vector<std::pair<std::string, std::vector<WorkerReport>>> gantt;
             int process = 0;
@@ -516,8 +531,9 @@ int main(int argc, char** argv) {
               for (auto schedule : c.schedules) {
                 const int v = min_stages_per_worker(schedule);
                 const int stages = static_cast<int>(c.workers) * v;
-                if (!balances.count(stages)) balances[stages] = make_balance(c, stages, data);
-                auto r = run_pipeline(c, schedule, s, balances[stages], data);
+                const std::string key = balance_key(stages, placement_of(schedule));
+                if (!balances.count(key)) balances[key] = make_balance(c, stages, placement_of(schedule), data);
+                auto r = run_pipeline(c, schedule, s, balances[key], data);
                 out << "run " << static_cast<int>(schedule) << ' ' << s << ' ' << r.seconds << ' ' << r.bubble;
                 for (std::size_t w = 0; w < r.peak_bytes.size(); ++w) out << ' ' << r.peak_bytes[w] << ' ' << r.held[w];
                 out << '\n';
@@ -533,11 +549,12 @@ int main(int argc, char** argv) {
               if (compare && !c.pipelining.empty()) {
                 std::map<int, std::vector<int>> cuts;  // its schedules cut as corpc's 2- and 4-stage runs were
                 for (int n : {2, 4}) {
-                  if (!balances.count(n)) {
-                    auto b = make_balance(c, n, data);  // a --balance list is for one number of stages only
-                    if (static_cast<int>(b.size()) == n) balances[n] = std::move(b);
+                  const std::string key = balance_key(n, Placement::loop);
+                  if (!balances.count(key)) {
+                    auto b = make_balance(c, n, Placement::loop, data);  // a --balance list is for one stage count only
+                    if (static_cast<int>(b.size()) == n) balances[key] = std::move(b);
                   }
-                  if (balances.count(n) && static_cast<int>(balances[n].size()) == n) cuts[n] = balances[n];
+                  if (balances.count(key) && static_cast<int>(balances[key].size()) == n) cuts[n] = balances[key];
                 }
                 run_pipelining(c, s, cuts, !pipelining_reference, out);
                 pipelining_reference = true;
@@ -625,7 +642,7 @@ int main(int argc, char** argv) {
   }
   ::unlink(path);
 
-  std::printf("# balance (stages:layers per stage):%s\n", balance_line.c_str());
+  std::printf("# balance (stages:layers per stage; V: cut for the V placement):%s\n", balance_line.c_str());
   double gpipe1 = NAN;
   for (auto& r : rows)
     if (r.schedule == static_cast<int>(Schedule::GPipe) && r.splits == 1) gpipe1 = r.seconds;
