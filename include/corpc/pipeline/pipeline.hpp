@@ -10,7 +10,7 @@
 ///
 /// ```cpp
 ///   corpc::pipeline::PipelineOptions o;
-///   o.workers = {"worker1", "worker2"};                       // stage s runs on workers[s % workers.size()]
+///   o.workers = {"worker1", "worker2"};                       // 1F1B: stage s on workers[s]
 ///   o.balance = corpc::pipeline::balance_by_time(make_model(64, 0), sample, 2);  // layers per stage
 ///   o.schedule = corpc::pipeline::Schedule::OneFOneB;
 ///   o.micro_batches = 8;
@@ -32,7 +32,9 @@
 /// convolution, a batch norm, an addmm), as torch.distributed.pipelining does: I computes the input's gradient alone
 /// and keeps the gradients that reach those nodes, W runs the engine from them to the parameters. No gradient is
 /// computed twice, whatever a layer is made of. The first stage has no input gradient to send: its W runs its whole
-/// backward. A micro-batch's graph is held from its F to its W, with those gradients from its I.
+/// backward. A micro-batch's graph is held from its F to its W, with those gradients from its I. A worker whose next
+/// action's input has not arrived runs a later W whose I is done instead of waiting (a W sends nothing, so no other
+/// worker's order changes); an overlapped pair (DualPipeV) starts with whichever of its inputs is there.
 ///
 /// The loss: say how Loss reduces over the batch (PipelineOptions::loss_reduction). A mean (libtorch's default
 /// reduction: MSE, cross-entropy) is the default, and each micro-batch's loss is scaled by its share of the batch; a
