@@ -195,17 +195,16 @@ TEST_CASE("a schedule read from CSV runs like the one it was written from, and f
         o.custom_actions = read_schedule_csv(path);
         ::unlink(path);
         auto pipe = Pipeline::create<&tiny_resnet, &mse, &make_sgd>(o, std::uint64_t{1});
-        CHECK(pipe.micro_batches() == 4);
+        EXPECT_EQ(pipe.micro_batches(), 4);
         pipe.train(false);
         auto result = sync_wait(pipe.train_step(x, y));
         EXPECT(close(result.loss, ref_loss));
         auto params = pipe.parameters();
         expect_same_parameters(params, ref_params);
         // The V placement came from the file: worker 0 ran stages 0 and 3.
-        std::vector<std::int32_t> first_stages = result.workers[0].stages;
-        CHECK(first_stages == std::vector<std::int32_t>{0, 3});
+        EXPECT(result.workers.at(0).stages == (std::vector<std::int32_t>{0, 3}));
         // A batch that cuts into another number of micro-batches than the file's: UsageError before anything runs.
-        CHECK_THROWS_AS(sync_wait(pipe.train_step(x.narrow(0, 0, 2), y.narrow(0, 0, 2))), UsageError);
+        EXPECT_THROWS_AS(sync_wait(pipe.train_step(x.narrow(0, 0, 2), y.narrow(0, 0, 2))), UsageError);
         // An overlapped pair whose forward cannot come first: worker 2 reaches (1F1;1B0) before 0F1 is computed,
         // which waits for 0B0, which needs 1B0. Only starting the pair with its backward completes the step.
         o.custom_actions = parse_schedule_csv("0F0,0B0,0F1,0B1\n1F0,(1F1;1B0)OVERLAP_F_B,1B1\n");
@@ -217,9 +216,16 @@ TEST_CASE("a schedule read from CSV runs like the one it was written from, and f
         expect_same_parameters(paired.parameters(), ref_params);
         const auto& order = paired_result.workers[1].records;
         EXPECT_EQ(order.at(1).action, (Action{ActionKind::Backward, 1, 0}));
+        // A V places exactly two stages per worker: six stages on two workers are refused before anything is built.
+        PipelineOptions six = layout(Schedule::ZBVZeroBubble, 4, 4);
+        six.balance = {2, 2, 2, 2, 2, 1};
+        EXPECT_CONTAINS(
+            EXPECT_THROWS_AS((Pipeline::create<&tiny_resnet, &mse, &make_sgd>(six, std::uint64_t{1})), UsageError),
+            "exactly two stages per worker");
         o.max_held_per_worker = 1;
-        CHECK_THROWS_WITH_AS((Pipeline::create<&tiny_resnet, &mse, &make_sgd>(o, std::uint64_t{1})),
-                             doctest::Contains("bound is 1"), UsageError);
+        EXPECT_CONTAINS(
+            EXPECT_THROWS_AS((Pipeline::create<&tiny_resnet, &mse, &make_sgd>(o, std::uint64_t{1})), UsageError),
+            "bound is 1");
       },
       quick_options(), std::chrono::seconds(120));
 }

@@ -23,12 +23,10 @@ Pipeline::Pipeline(const PipelineOptions& options) : options_(options), state_(s
     stage_worker = check_schedule(options.custom_actions, stages, options.max_held_per_worker);
     options_.micro_batches = schedule_micro_batches(options.custom_actions);
   } else {
-    if (stages < workers || stages % workers != 0)
-      throw UsageError("a pipeline needs a whole number of stages per worker: " + std::to_string(stages) +
-                       " stages on " + std::to_string(workers) + " workers");
-    if (options.micro_batches < 1) throw UsageError("a pipeline needs at least one micro-batch");
-    make_schedule(options.schedule, workers, stages / workers, 1);  // rejects a schedule that does not fit the layout
+    // Rejects a number of stages that is not a whole number per worker (or not two per worker, for a V) ...
     stage_worker = stage_workers(placement_of(options.schedule), workers, stages);
+    if (options.micro_batches < 1) throw UsageError("a pipeline needs at least one micro-batch");
+    make_schedule(options.schedule, workers, stages / workers, 1);  // ... and a schedule that does not fit the layout
   }
   auto& p = state_->placement;
   p.pipeline_id = detail::next_pipeline_id();

@@ -7,7 +7,6 @@
 #include <chrono>
 #include <map>
 #include <mutex>
-#include <set>
 #include <tuple>
 #include <utility>
 
@@ -39,6 +38,7 @@ struct Held {
   // Zero bubble, from I to W: the intermediates and their gradients, or (all_in_weights) the output's gradient.
   std::unique_ptr<WeightPass> weights;
   ag::variable_list output_grad;
+  bool input_done = false;  // its I has run: its W may run whenever the worker would otherwise wait
 };
 
 struct Host {
@@ -218,7 +218,6 @@ Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Act
 
   std::map<std::pair<int, int>, Held> held;
   std::vector<Future<void>> sends;
-  std::set<std::pair<int, int>> inputs_done;  // (stage, micro) whose I has run and whose W has not
   // Whether what `a` consumes is here (or needs no message: the first stage's forward, the last's backward, a W).
   auto input_here = [&](const Action& a) {
     if (a.kind == ActionKind::Forward) return a.stage == 0 || host->arrived({step, a.stage, a.micro, false});
@@ -238,14 +237,17 @@ Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Act
     // Rather than wait for an input, run a W the list has later whose I is done: a W sends nothing, so running it
     // earlier changes no other worker's wait, and it frees its micro-batch sooner. This keeps zero bubble's Ws in
     // the waits when real stage times differ from the unit times the order was made with.
-    if (actions[i].kind != ActionKind::BackwardWeight && !input_here(actions[i]))
-      for (std::size_t j = i + 1; j < actions.size(); ++j)
-        if (actions[j].kind == ActionKind::BackwardWeight && inputs_done.count({actions[j].stage, actions[j].micro})) {
+    if (actions[i].kind != ActionKind::BackwardWeight && !input_here(actions[i])) {
+      for (std::size_t j = i + 1; j < actions.size(); ++j) {
+        if (actions[j].kind != ActionKind::BackwardWeight) continue;
+        if (auto h = held.find({actions[j].stage, actions[j].micro}); h != held.end() && h->second.input_done) {
           std::rotate(actions.begin() + static_cast<std::ptrdiff_t>(i),
                       actions.begin() + static_cast<std::ptrdiff_t>(j),
                       actions.begin() + static_cast<std::ptrdiff_t>(j) + 1);
           break;
         }
+      }
+    }
     const Action a = actions[i];
     auto found = host->stages.find(a.stage);
     if (found == host->stages.end())
@@ -291,6 +293,7 @@ Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Act
       torch::autograd::variable_list grad_out;
       if (g.defined()) grad_out.push_back(g.to(st.device));
       at::Tensor input_grad;
+      if (a.kind == ActionKind::BackwardInput) h.input_done = true;  // from the next action on, its W may run early
       if (a.kind == ActionKind::Backward) {
         if (h.output.requires_grad()) torch::autograd::backward({h.output}, grad_out);
         if (!first_stage) input_grad = grad_or_zeros(h.input);
@@ -320,10 +323,8 @@ Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Act
             break;
         }
       }
-      if (a.kind == ActionKind::BackwardInput) inputs_done.insert(key);
       if (!first_stage) sends.push_back(send(*host, step, a.stage - 1, a.micro, true, input_grad.detach()));
     } else {  // W: what I left (see plan_split)
-      inputs_done.erase(key);
       record.start_ns = now_ns();
       auto it = held.find(key);
       if (it == held.end()) throw UsageError("W before I for stage " + std::to_string(a.stage));

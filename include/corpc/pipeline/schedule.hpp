@@ -173,7 +173,7 @@ inline std::vector<std::vector<Action>> make_schedule(Schedule schedule, int wor
                                                       int micro_batches) {
   const int K = workers, v = stages_per_worker, M = micro_batches;
   if (K < 1 || M < 1 || v < 1) throw UsageError("a schedule needs at least one worker, stage and micro-batch");
-  const bool one = schedule == Schedule::GPipe || schedule == Schedule::OneFOneB || schedule == Schedule::ZeroBubbleH1;
+  const bool one = min_stages_per_worker(schedule) == 1;
   const bool two = placement_of(schedule) == Placement::v;
   if (one && v != 1) throw UsageError(std::string(to_string(schedule)) + " runs one stage per worker");
   if (two && v != 2) throw UsageError(std::string(to_string(schedule)) + " runs two stages per worker (a V)");
