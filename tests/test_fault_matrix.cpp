@@ -7,7 +7,12 @@
 #include <doctest/doctest.h>
 
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <atomic>
+#include <fstream>
+#include <thread>
 
 #include <ATen/ATen.h>
 
@@ -130,4 +135,78 @@ TEST_CASE("an owner killed during a DistributedOptimizer step: the step fails na
     expect_no_contexts_on({0, 1});
     expect_no_references_on({0, 1});
   });
+}
+
+namespace {
+
+std::atomic<int> g_rejoin_marks{0};
+int mark_rejoin_phase() { return ++g_rejoin_marks; }
+int rejoin_marks() { return g_rejoin_marks.load(); }
+bool sees_alive(int rank) { return Runtime::get().is_alive(rank); }
+
+// Polls `f` until it returns true (bounded by the launch's timeout).
+template <class F>
+void until(F&& f) {
+  while (!f()) std::this_thread::sleep_for(10ms);
+}
+
+// A flag between the ranks of one launch (children of the test process) and rank 1's process outside RPC.
+std::string rejoin_flag(int rank) {
+  return "/tmp/corpc-rejoin-" + std::to_string(::getppid()) + "-" + std::to_string(rank);
+}
+
+}  // namespace
+
+TEST_CASE("a rank killed and started again with RpcOptions::rejoin takes its place: calls both ways, quiet shutdown") {
+  // Rank 1's process forks its first incarnation, which takes part and is then killed; once rank 0 and rank 2 have
+  // seen it die, the process joins again as rank 1's second incarnation (what a launcher's in-place restart does).
+  launch_processes(
+      3,
+      [](int rank) {
+        RpcOptions o = quick_options();
+        if (rank == 1) {
+          const pid_t child = ::fork();
+          if (child == 0) {
+            init_rpc(worker_name(1), 1, 3, o);
+            EXPECT_EQ(rpc_sync<&add>(0, 1, 1), 2);
+            EXPECT_EQ(rpc_sync<&add>(2, 1, 2), 3);  // rank 2 now has a connection from this incarnation
+            rpc_sync<&mark_rejoin_phase>(0);
+            ::raise(SIGKILL);
+          }
+          int status = 0;
+          ::waitpid(child, &status, 0);
+          EXPECT(WIFSIGNALED(status));
+          // A claim is taken only once the predecessor's connection has closed where it is made.
+          until([] {
+            return ::access(rejoin_flag(0).c_str(), F_OK) == 0 && ::access(rejoin_flag(2).c_str(), F_OK) == 0;
+          });
+          ::unlink(rejoin_flag(0).c_str());
+          ::unlink(rejoin_flag(2).c_str());
+          o.rejoin = true;
+          init_rpc(worker_name(1), 1, 3, o);
+          EXPECT_EQ(get_worker_info(1).name, "worker1");
+          EXPECT_EQ(rpc_sync<&add>(0, 2, 2), 4);
+          EXPECT_EQ(rpc_sync<&add>(2, 2, 3), 5);  // rank 2 takes the new incarnation on this first connection
+          rpc_sync<&mark_rejoin_phase>(0);
+          until([] { return rpc_sync<&rejoin_marks>(0) >= 4; });
+          shutdown(true);
+          return;
+        }
+        init_rpc(worker_name(rank), rank, 3, o);
+        until([] { return !sees_alive(1); });
+        { std::ofstream(rejoin_flag(rank)) << "dead\n"; }
+        if (rank == 2) {
+          until([] { return rpc_sync<&rejoin_marks>(0) >= 2; });
+          EXPECT(sees_alive(1));
+          EXPECT_EQ(rpc_sync<&add>(1, 4, 4), 8);  // dialed at the new incarnation's address
+          rpc_sync<&mark_rejoin_phase>(0);
+        } else {
+          until([] { return rejoin_marks() >= 3; });
+          EXPECT(sees_alive(1));
+          EXPECT_EQ(rpc_sync<&add>(1, 5, 5), 10);
+          mark_rejoin_phase();
+        }
+        shutdown(true);  // quiet: the job lost nothing, the replaced rank's old requests are forgotten
+      },
+      launch_options(60s));
 }

@@ -43,6 +43,14 @@ class Activity {
     if (src >= 0 && src < world_size_) handled_from_[src].fetch_add(1, std::memory_order_relaxed);
   }
 
+  // `rank` has a new incarnation (it rejoined): what was sent to and handled from its predecessor no longer counts.
+  // Called before the new incarnation's first request is read and before our first request to it is sent.
+  void forget_peer(int rank) noexcept {
+    if (rank < 0 || rank >= world_size_) return;
+    sent_to_[rank].store(0);
+    handled_from_[rank].store(0);
+  }
+
   std::vector<std::uint64_t> sent_counts() const { return snapshot(sent_to_); }
   std::vector<std::uint64_t> handled_counts() const { return snapshot(handled_from_); }
   std::uint64_t requests_sent() const noexcept { return requests_sent_.load(); }

@@ -50,6 +50,7 @@ RpcOptions with_environment(RpcOptions options) {
   if (options.same_host_channel == defaults.same_host_channel && switched_off("CORPC_SAME_HOST_CHANNEL"))
     options.same_host_channel = false;
   if (options.cuda_ipc == defaults.cuda_ipc && switched_off("CORPC_CUDA_IPC")) options.cuda_ipc = false;
+  if (!options.rejoin && env_or_empty("CORPC_REJOIN") == "1") options.rejoin = true;
   return options;
 }
 

@@ -5,6 +5,7 @@
 //   trace_path         CORPC_TRACE
 //   same_host_channel  CORPC_SAME_HOST_CHANNEL=0 (off)
 //   cuda_ipc           CORPC_CUDA_IPC=0 (off)
+//   rejoin             CORPC_REJOIN=1 (on: a launcher restarted this rank in place)
 // and what init_rpc is not given: the rank and world size (RANK/WORLD_SIZE, or Slurm's, Open MPI's, PMI's), rank 0's
 // address for env:// (MASTER_ADDR, MASTER_PORT) and a socket a launcher bound for rank 0 (CORPC_LISTEN_FD).
 // Outside this file, readers remain only for protocols of their own: CORPC_LOG (core/log.cpp: logging exists before

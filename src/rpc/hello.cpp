@@ -20,6 +20,7 @@ std::string encode_hello(const Hello& hello) {
   w.put(hello.shm_socket);
   w.put(hello.shm_cookie);
   w.put(hello.cuda_ipc);
+  w.put(hello.rejoining);
   return body;
 }
 
@@ -43,6 +44,7 @@ Hello decode_hello(const char* body, std::size_t size) {
   h.shm_socket = r.get<std::string>();
   h.shm_cookie = r.get<std::string>();
   h.cuda_ipc = r.get<bool>();
+  h.rejoining = r.get<bool>();
   return h;
 }
 

@@ -24,6 +24,9 @@ struct Hello {
   std::string shm_cookie;
   // CUDA IPC (src/memory/cuda_ipc.hpp): the sender can lend and borrow CUDA tensors, should the same-host channel be set up.
   bool cuda_ipc = false;
+  // The sender replaces a rank that died in a running world (RpcOptions::rejoin): its registration is taken although
+  // the world is complete, and a peer that saw the rank die takes its Hello as the rank's new incarnation.
+  bool rejoining = false;
 };
 
 std::string encode_hello(const Hello& hello);

@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <cstdint>
 #include <optional>
 #include <set>
 #include <string>
@@ -27,8 +28,15 @@ class PeerTable {
 
   explicit PeerTable(int world_size) : outgoing_(world_size), dead_(world_size), farewells_(world_size) {}
 
-  // Our connection to `rank`, made by `dial()` (under the lock, so there is one) if there is none yet. Throws
-  // ShutdownError once closing, ConnectionError (naming it `name`) if the rank is gone.
+  // Where a rank listens, when it is not where the world table said: a rank that rejoined (RpcOptions::rejoin).
+  struct Address {
+    std::string host;
+    std::uint16_t port = 0;
+  };
+
+  // Our connection to `rank`, made by `dial(moved)` (under the lock, so there is one) if there is none yet; `moved`
+  // is the rank's address if it rejoined since the world table, else null. Throws ShutdownError once closing,
+  // ConnectionError (naming it `name`) if the rank is gone.
   template <class Dial>
   ConnectionPtr outgoing_to(int rank, const std::string& name, Dial&& dial) {
     std::lock_guard lock(mutex_);
@@ -36,8 +44,44 @@ class PeerTable {
     if (!dead_[rank].empty())
       throw ConnectionError("worker '" + name + "' (rank " + std::to_string(rank) + ") is gone: " + dead_[rank]);
     auto& c = outgoing_[rank];
-    if (!c) c = dial();
+    if (!c) {
+      auto moved = moved_.find(rank);
+      c = dial(moved == moved_.end() ? nullptr : &moved->second);
+    }
     return c;
+  }
+  // Every rank's address as the table says it now: `table`'s, with the moves of ranks that rejoined.
+  template <class Worker>
+  std::vector<Worker> current_addresses(std::vector<Worker> table) const {
+    std::lock_guard lock(mutex_);
+    for (const auto& [rank, a] : moved_) {
+      table[rank].host = a.host;
+      table[rank].port = a.port;
+    }
+    return table;
+  }
+
+  // A new incarnation of `rank` (it rejoined, RpcOptions::rejoin) claims it on `conn` and now listens at `at`. Admitted
+  // if no live connection speaks for the rank: the rank is alive again, our old connection to it (if any, to be
+  // closed) is forgotten, and `admitted` runs under the lock as with claim(). Returns (why not, or nullopt; our old
+  // connection to close, or null).
+  template <class Admitted>
+  std::pair<std::optional<std::string>, ConnectionPtr> revive(int rank, const ConnectionPtr& conn, Address at,
+                                                              Admitted&& admitted) {
+    std::lock_guard lock(mutex_);
+    if (closing_) return {"shutting down", nullptr};
+    if (auto held = holders_.find(rank); held != holders_.end())
+      return {"rank " + std::to_string(rank) + " is still connected here (from " + held->second->remote_address +
+                  "); a replacement is taken once its predecessor's connection has closed",
+              nullptr};
+    holders_[rank] = conn;
+    conn->peer_rank = rank;
+    dead_[rank].clear();
+    farewells_[rank].clear();
+    moved_[rank] = std::move(at);
+    ConnectionPtr old = std::exchange(outgoing_[rank], nullptr);
+    admitted();
+    return {std::nullopt, std::move(old)};
   }
   // Installs our connection to `rank` (the rendezvous's dial to rank 0).
   void set_outgoing(int rank, ConnectionPtr conn) {
@@ -160,6 +204,7 @@ class PeerTable {
   std::map<int, ConnectionPtr> holders_;  // by rank: the accepted connection that speaks for it
   std::vector<std::string> dead_;         // by rank
   std::vector<std::string> farewells_;    // by rank
+  std::map<int, Address> moved_;          // ranks that rejoined since the world table: where they listen now
   bool closing_ = false;
 };
 

@@ -36,7 +36,7 @@ detail::ConnectionSettings Runtime::Impl::connection_settings() const {
 }
 
 std::shared_ptr<detail::Connection> Runtime::Impl::connection_to(int rank) {
-  return peers->outgoing_to(rank, workers[rank].name, [&] {
+  return peers->outgoing_to(rank, workers[rank].name, [&](const detail::PeerTable::Address* moved) {
     std::shared_ptr<detail::Connection> c;
     if (rank == self.rank) {
       c = detail::make_loopback_connection(pick_io(), options.limits, frame_handler(), detail::ConnectionCalls::make);
@@ -45,8 +45,10 @@ std::shared_ptr<detail::Connection> Runtime::Impl::connection_to(int rank) {
     } else {
       // peer_rank and outgoing are set by the dialer before the dial starts: from then on the connection's I/O thread
       // reads them (the peer's Hello answer), so writing them here again would race with it (TSan, under load).
-      c = detail::dial_tcp_connection(pick_io(), rank, workers[rank].host, workers[rank].port, connection_settings(),
-                                      frame_handler(), close_handler(), auth);
+      const std::string& host = moved ? moved->host : workers[rank].host;
+      const std::uint16_t port = moved ? moved->port : workers[rank].port;
+      c = detail::dial_tcp_connection(pick_io(), rank, host, port, connection_settings(), frame_handler(),
+                                      close_handler(), auth);
       // Every dialed connection starts with who we are and what we accept.
       c->send(detail::prepare(hello_message(our_hello(false))));
     }

@@ -49,6 +49,7 @@ detail::Hello Runtime::Impl::our_hello(bool registering) const {
   if (registering) h.devices = own_device_config();  // rank 0 checks every worker's maps against the others'
   h.host = same_host_id;
   h.cuda_ipc = cuda_ipc_offered;
+  h.rejoining = options.rejoin;
   return h;
 }
 
@@ -214,6 +215,7 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, de
     if (world.known() && workers[info.rank].name != info.name)
       return refuse(
           conn, "rank " + std::to_string(info.rank) + " is '" + workers[info.rank].name + "', not '" + info.name + "'");
+    if (hello.rejoining && world.known()) return admit_rejoined(conn, hello, answer, /*registration=*/false);
     if (auto refusal = peers->claim(info.rank, conn)) return refuse_claim(conn, info, *refusal);
     conn->peer_limits = theirs;
     offer_same_host(conn, hello, answer);
@@ -221,6 +223,12 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, de
     return;
   }
   if (self.rank != 0) return refuse(conn, "registration sent to rank " + std::to_string(self.rank));
+  if (world.known() && hello.rejoining) {
+    if (workers[info.rank].name != info.name)
+      return refuse(
+          conn, "rank " + std::to_string(info.rank) + " is '" + workers[info.rank].name + "', not '" + info.name + "'");
+    return admit_rejoined(conn, hello, answer, /*registration=*/true);
+  }
   if (world.known()) return refuse(conn, "the world is already complete");
   if (info.host.empty()) info.host = conn->remote_address;
   // Admitted as the rank's speaker and answered in the same step as the registration is recorded.
@@ -245,6 +253,35 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, de
   publish_world_if_complete();
 }
 
+// A new incarnation of a rank that died (RpcOptions::rejoin) claims it: on rank 0 as its registration (answered with
+// the current table), elsewhere on its first connection to us. Either way the rank is alive again here, listens where
+// its Hello says, and its predecessor's requests are forgotten.
+void Runtime::Impl::admit_rejoined(const std::shared_ptr<detail::Connection>& conn, detail::Hello& hello,
+                                   detail::Hello& answer, bool registration) {
+  const int rank = hello.self.rank;
+  detail::PeerTable::Address at{hello.self.host.empty() ? conn->remote_address : hello.self.host, hello.self.port};
+  hello.self.host = at.host;
+  auto [refusal, old] = peers->revive(rank, conn, at, [&] {
+    activity->forget_peer(rank);
+    conn->peer_limits = hello.limits;
+    offer_same_host(conn, hello, answer);
+    conn->send(detail::prepare(hello_message(answer)));
+  });
+  if (refusal) return refuse_claim(conn, hello.self, *refusal);
+  if (old) old->close("worker '" + hello.self.name + "' was replaced by a new incarnation");
+  detail::log(detail::LogLevel::info, self.name, "rendezvous", "worker '{}' (rank {}) rejoined from {}:{}",
+              hello.self.name, rank, at.host, at.port);
+  if (!registration) return;
+  detail::Message table;
+  table.head.kind = detail::FrameKind::World;
+  Writer w(table.body);
+  w.put(peers->current_addresses(workers));
+  auto configs = world_device_configs;
+  configs[rank] = hello.devices;
+  w.put(configs);
+  conn->send(detail::prepare(std::move(table)));
+}
+
 // Rank 0, the I/O thread of the last registration: once every rank has registered, sends each the table and takes
 // it itself. Two registrations completing at once on two I/O threads both get here; only one publishes.
 void Runtime::Impl::publish_world_if_complete() {
@@ -255,6 +292,7 @@ void Runtime::Impl::publish_world_if_complete() {
   Writer w(table.body);
   w.put(complete->workers);
   w.put(complete->device_configs);  // every worker checks the job's device maps itself, and reaches the same verdict
+  world_device_configs = complete->device_configs;  // a rank that rejoins gets them too
   for (auto& c : complete->registrants) {
     detail::Message copy = table;
     c->send(detail::prepare(std::move(copy)));

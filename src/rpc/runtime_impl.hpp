@@ -104,6 +104,9 @@ struct Runtime::Impl {
   std::vector<DeviceMap> device_maps;
   std::vector<c10::Device> rpc_devices;
   std::string own_device_config() const;  // what we announce when registering
+  // Rank 0: every rank's announced device configuration, as published in the world table (for ranks that rejoin);
+  // written before the world is known.
+  std::vector<std::string> world_device_configs;
   Promise<void> world_ready;
 
   // Graceful shutdown's rounds, on rank 0 (shutdown_rounds.hpp).
@@ -208,6 +211,10 @@ struct Runtime::Impl {
   void refuse_claim(const std::shared_ptr<detail::Connection>& conn, const WorkerInfo& claimed, const std::string& why);
   void on_world(detail::Message&& msg);
   void publish_world_if_complete();
+  // Takes `hello`'s sender as the new incarnation of its rank (RpcOptions::rejoin); `registration`: on rank 0, which
+  // also sends it the current world table.
+  void admit_rejoined(const std::shared_ptr<detail::Connection>& conn, detail::Hello& hello, detail::Hello& answer,
+                      bool registration);
   detail::Hello our_hello(bool registering) const;
 
   // ---- same_host.cpp ----

@@ -47,8 +47,14 @@ RoundResult ask_round(Runtime::Impl& impl, std::int64_t round, bool idle, std::c
   call.signature = detail::signature_of<Args>();
   call.timeout = timeout;
   call.control = true;
-  detail::encode_args<Args>(call.message, 0, round, impl.self.rank, impl.activity->sent_counts(),
-                            impl.activity->handled_counts(), idle);
+  // A peer we saw die counts zero both ways: rank 0 may know it alive again (a new incarnation rejoined, whose own
+  // counts start at zero), and what we exchanged with its predecessor is not owed by it.
+  auto sent = impl.activity->sent_counts();
+  auto handled = impl.activity->handled_counts();
+  const auto deaths = impl.peers->deaths();
+  for (size_t k = 0; k < deaths.size(); ++k)
+    if (!deaths[k].empty()) sent[k] = handled[k] = 0;
+  detail::encode_args<Args>(call.message, 0, round, impl.self.rank, std::move(sent), std::move(handled), idle);
   call.complete = &detail::complete_call<RoundResult>;
   call.target = state;
   detail::start_call(std::move(call));

@@ -38,6 +38,16 @@ struct RpcOptions {
   std::chrono::milliseconds rpc_timeout{60'000};
   /// How long init_rpc waits for all ranks to find each other before it throws.
   std::chrono::milliseconds init_timeout{60'000};
+  /// This process replaces a rank that died in a running job (a launcher restarted it in place: corpcrun
+  /// --max-rank-restarts, LaunchOptions::max_rank_restarts). Instead of the initial rendezvous it registers with rank 0
+  /// as the rank's new incarnation, under the same name; rank 0 admits it once it has seen the predecessor's
+  /// connection close (a claim for a rank that is still connected is refused, as always), and answers with the
+  /// current table. A peer that saw the rank die takes it back when the new incarnation first connects to it; until
+  /// then that peer's calls to the rank fail as they did after the death. Requests counted for the predecessor are
+  /// forgotten (graceful shutdown balances the new incarnation's own). What lived in the predecessor (its RRefs,
+  /// distributed autograd contexts, registered state) is not recovered: the program restores its own state (see
+  /// corpc/ddp/fault_tolerant.hpp). Unset: true when the environment has CORPC_REJOIN=1.
+  bool rejoin = false;
   /// How long a graceful shutdown waits for the other workers to finish; 0: as long as they are alive. Dead and
   /// silent peers (liveness_timeout) are detected and never waited for; the finite default bounds the rest (a peer
   /// that answers heartbeats but never finishes). A worker whose peers still train for longer must raise it.
