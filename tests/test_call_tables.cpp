@@ -1133,7 +1133,8 @@ TEST_CASE("PeerTable: our connection is dialed once; a dead rank refuses calls w
   asio::io_context io;
   PeerTable table(2);
   int dials = 0;
-  auto dial = [&] {
+  auto dial = [&](const PeerTable::Address* moved) {
+    CHECK(moved == nullptr);  // nobody rejoined
     ++dials;
     auto c = table_connection(io, "10.0.0.1", true);
     c->peer_rank = 1;
@@ -1183,16 +1184,63 @@ TEST_CASE("PeerTable: our connection is dialed once; a dead rank refuses calls w
   CHECK_FALSE(table.any_open(0));
 }
 
+TEST_CASE("PeerTable: a new incarnation revives a dead rank once its predecessor's connection is gone, and moves it") {
+  asio::io_context io;
+  PeerTable table(2);
+  auto dial_at = [&](std::string* where) {
+    return [&, where](const PeerTable::Address* moved) {
+      *where = moved ? moved->host + ":" + std::to_string(moved->port) : "table";
+      auto c = table_connection(io, "10.0.0.1", true);
+      c->peer_rank = 1;
+      return c;
+    };
+  };
+  std::string where;
+  auto old_ours = table.outgoing_to(1, "w1", dial_at(&where));
+  CHECK(where == "table");
+  auto old_theirs = table_connection(io, "10.0.0.1");
+  table.add_incoming(old_theirs);
+  REQUIRE_FALSE(table.claim(1, old_theirs).has_value());
+
+  auto newcomer = table_connection(io, "10.0.0.2");
+  table.add_incoming(newcomer);
+  bool admitted = false;
+  auto [refusal, old] = table.revive(1, newcomer, {"10.0.0.2", 4242}, [&] { admitted = true; });
+  REQUIRE(refusal.has_value());  // the predecessor still speaks for the rank here
+  CHECK(refusal->find("still connected") != std::string::npos);
+  CHECK_FALSE(admitted);
+  CHECK(old == nullptr);
+
+  table.mark_dead(1, "killed");
+  CHECK(table.remove(old_theirs).speaks_for_rank);
+  auto [refusal2, old2] = table.revive(1, newcomer, {"10.0.0.2", 4242}, [&] { admitted = true; });
+  CHECK_FALSE(refusal2.has_value());
+  CHECK(admitted);
+  CHECK(old2 == old_ours);  // our connection to the predecessor, for the caller to close
+  CHECK(table.is_alive(1));
+  CHECK(newcomer->peer_rank == 1);
+  auto ours = table.outgoing_to(1, "w1", dial_at(&where));
+  CHECK(where == "10.0.0.2:4242");
+  CHECK(ours != old_ours);
+  std::vector<WorkerInfo> workers(2);
+  workers[1].host = "10.0.0.1";
+  workers[1].port = 1;
+  auto now = table.current_addresses(workers);
+  CHECK(now[1].host == "10.0.0.2");
+  CHECK(now[1].port == 4242);
+  table.close();
+}
+
 TEST_CASE("PeerTable: a loopback to ourselves does not keep the table open; a connection to a peer does") {
   asio::io_context io;
   PeerTable table(2);
-  table.outgoing_to(0, "w0", [&] {
+  table.outgoing_to(0, "w0", [&](const PeerTable::Address*) {
     auto c = table_connection(io, "", true);
     c->peer_rank = 0;
     return c;
   });
   CHECK_FALSE(table.any_open(0));
-  table.outgoing_to(1, "w1", [&] {
+  table.outgoing_to(1, "w1", [&](const PeerTable::Address*) {
     auto c = table_connection(io, "10.0.0.1", true);
     c->peer_rank = 1;
     return c;
