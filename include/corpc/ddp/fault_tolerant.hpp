@@ -166,7 +166,9 @@ class FaultTolerantGroup {
 
 /// DistributedDataParallel that survives lost ranks (see corpc/ddp/fault_tolerant.hpp). `ModuleT` is a module holder
 /// or a std::shared_ptr to a module; `optimizer` must optimize its parameters and outlive this. Every trainer
-/// constructs one after init_rpc; a QuorumCoordinator must run on `options.coordinator_rank`.
+/// constructs one after init_rpc; a QuorumCoordinator must run on `options.coordinator_rank`. Constructing it sets
+/// SIGPIPE to ignored unless the program installed a handler: Gloo writes to a dead member's socket without
+/// MSG_NOSIGNAL, and the survivors must not die of it (Python ignores SIGPIPE from the start; C++ does not).
 template <typename ModuleT>
 class FaultTolerantDdp {
  public:
