@@ -12,8 +12,10 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <optional>
+#include <thread>
 
 #include "support.hpp"
 
@@ -60,7 +62,74 @@ std::string reason_of(const LaunchError& e, int rank) {
 // Set by the first case when its failed launch threw: a spawned rank of a later case must have replayed that.
 bool g_first_launch_failed = false;
 
+// Where the ranks of a restart case record their processes: a fresh directory made by the caller, found by its spawned
+// ranks (which run the case again from its start) in the environment it passes on.
+std::string restart_record_dir() {
+  if (!launched_rank()) {
+    std::string pattern = (std::filesystem::temp_directory_path() / "corpc-restart.XXXXXX").string();
+    REQUIRE(::mkdtemp(pattern.data()) != nullptr);
+    ::setenv("CORPC_TEST_RESTART_DIR", pattern.c_str(), 1);
+  }
+  const char* dir = std::getenv("CORPC_TEST_RESTART_DIR");
+  return dir ? dir : "";
+}
+
+// One line per process that ran `rank`: its CORPC_RANK_RESTART and CORPC_REJOIN ("-" where unset).
+void record_process(const std::string& dir, int rank) {
+  auto value = [](const char* name) {
+    const char* v = std::getenv(name);
+    return std::string(v ? v : "-");
+  };
+  std::ofstream(dir + "/rank" + std::to_string(rank), std::ios::app)
+      << value("CORPC_RANK_RESTART") << " " << value("CORPC_REJOIN") << "\n";
+}
+
+// The lines record_process wrote for `rank`, one per process, in order.
+std::vector<std::string> processes_of(const std::string& dir, int rank) {
+  std::vector<std::string> lines;
+  std::ifstream in(dir + "/rank" + std::to_string(rank));
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+// Three ranks; rank 1 kills itself in its first process only. Rank 0 waits for rank 1's second process, so the job
+// succeeds only if rank 1 was restarted while the others kept running.
+void killed_rank_restarts_in_place(StartMethod start) {
+  const std::string dir = restart_record_dir();
+  LaunchOptions options = launch_options(120s, 10s);
+  options.start = start;
+  options.max_rank_restarts = 1;
+  launch_processes(
+      3,
+      [dir](int rank) {
+        record_process(dir, rank);
+        if (rank == 1 && rank_restart_count() == 0) {
+          if (rejoining()) throw std::runtime_error("a first process says it rejoins");
+          ::raise(SIGKILL);
+        }
+        if (rank == 1) {
+          if (rank_restart_count() != 1 || !rejoining())
+            throw std::runtime_error("the restarted rank does not know it is restart 1 and rejoins");
+        } else if (rank_restart_count() != 0 || rejoining()) {
+          throw std::runtime_error("rank " + std::to_string(rank) + " was not expected to be restarted");
+        }
+        if (rank == 0)
+          while (processes_of(dir, 1).size() < 2) std::this_thread::sleep_for(10ms);  // bounded by the timeout
+      },
+      options);
+  if (launched_rank()) return;  // a replay: the caller checks
+  CHECK(processes_of(dir, 0) == std::vector<std::string>{"- -"});
+  CHECK(processes_of(dir, 1) == std::vector<std::string>{"- -", "1 1"});
+  CHECK(processes_of(dir, 2) == std::vector<std::string>{"- -"});
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
+
+// First: StartMethod::fork needs a caller that has not started threads yet (the next cases start libtorch's).
+TEST_CASE("a forked rank killed by a signal is forked again in place, with CORPC_REJOIN, and the job succeeds") {
+  killed_rank_restarts_in_place(StartMethod::fork);
+}
 
 TEST_CASE("spawned ranks run this program again; a failed rank is named with its error") {
   try {
@@ -229,6 +298,64 @@ TEST_CASE("under a launcher (RANK and WORLD_SIZE set) launch_processes runs this
   CHECK_THROWS_WITH_AS(launch_processes(
                            2, [](int) {}, spawned()),
                        doctest::Contains("WORLD_SIZE=3"), UsageError);
+}
+
+TEST_CASE(
+    "a spawned rank killed by a signal runs the program again in place, with CORPC_REJOIN, and the job succeeds") {
+  killed_rank_restarts_in_place(StartMethod::spawn);
+}
+
+TEST_CASE("a rank that fails in every process is restarted max_rank_restarts times, then fails the job") {
+  const std::string dir = restart_record_dir();
+  LaunchOptions options = spawned();
+  options.max_rank_restarts = 2;
+  try {
+    launch_processes(
+        2,
+        [dir](int rank) {
+          record_process(dir, rank);
+          if (rank == 1) throw std::runtime_error("rank 1 fails every time");
+        },
+        options);
+    FAIL("rank 1 was expected to fail the job");
+  } catch (const LaunchError& e) {
+    if (!launched_rank()) {
+      INFO(e.what());
+      REQUIRE(e.failures().size() == 1);
+      CHECK(e.failures()[0].rank == 1);
+      CHECK(e.failures()[0].reason.find("rank 1 fails every time") != std::string::npos);
+      CHECK(e.failures()[0].reason.find("after 2 restart(s)") != std::string::npos);
+      CHECK(processes_of(dir, 1) == std::vector<std::string>{"- -", "1 1", "2 1"});
+      CHECK(processes_of(dir, 0) == std::vector<std::string>{"- -"});
+    }
+  }
+  if (!launched_rank()) std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("rank 0 is never restarted: its failure fails the job as without restarts") {
+  const std::string dir = restart_record_dir();
+  LaunchOptions options = spawned();
+  options.max_rank_restarts = 2;
+  try {
+    launch_processes(
+        2,
+        [dir](int rank) {
+          record_process(dir, rank);
+          if (rank == 0) throw std::runtime_error("rank 0 fails");
+        },
+        options);
+    FAIL("rank 0 was expected to fail the job");
+  } catch (const LaunchError& e) {
+    if (!launched_rank()) {
+      INFO(e.what());
+      REQUIRE(e.failures().size() == 1);
+      CHECK(e.failures()[0].rank == 0);
+      CHECK(e.failures()[0].reason == "rank 0 fails");
+      CHECK(processes_of(dir, 0) == std::vector<std::string>{"- -"});
+      CHECK(processes_of(dir, 1) == std::vector<std::string>{"- -"});
+    }
+  }
+  if (!launched_rank()) std::filesystem::remove_all(dir);
 }
 
 // Last: its ranks leave before reaching the launch, which the cases above would then never replay.

@@ -7,7 +7,9 @@
 // chose, held open for rank 0 as CORPC_LISTEN_FD so that concurrent runs never collide) and one CORPC_SECRET for the
 // run (the caller's if set). Output lines are prefixed with "[rank N] ". SIGINT, SIGTERM and SIGHUP are forwarded to
 // every rank. When a rank fails the others get a grace period, then are killed; the exit status is non-zero and the
-// last line names each failed rank and why. Torch-free on purpose: it links nothing of corpc.
+// last line names each failed rank and why. With --max-rank-restarts N, a rank other than 0 that fails is first started
+// again in place, up to N times, with CORPC_REJOIN=1 and CORPC_RANK_RESTART=<n> (as launch_processes does, see
+// corpc/rpc/launch.hpp), while the others keep running. Torch-free on purpose: it links nothing of corpc.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -41,10 +43,14 @@ void on_signal(int sig) { g_signal = sig; }
 
 [[noreturn]] void usage(int code) {
   std::fprintf(code ? stderr : stdout,
-               "usage: corpcrun [-n N] [--grace SECONDS] [--timeout SECONDS] [--] PROGRAM [ARGS...]\n"
-               "  -n, --nproc N     ranks to start on this host (default 2)\n"
-               "  --grace S         after a rank fails, seconds before the others are killed (default 10)\n"
-               "  --timeout S       kill every rank after S seconds (default: none)\n");
+               "usage: corpcrun [-n N] [--grace SECONDS] [--timeout SECONDS] [--max-rank-restarts N] [--] PROGRAM "
+               "[ARGS...]\n"
+               "  -n, --nproc N            ranks to start on this host (default 2)\n"
+               "  --grace S                after a rank fails, seconds before the others are killed (default 10)\n"
+               "  --timeout S              kill every rank after S seconds, restarts included (default: none)\n"
+               "  --max-rank-restarts N    start a failed rank other than 0 again in place, up to N times per rank,\n"
+               "                           with CORPC_REJOIN=1 and CORPC_RANK_RESTART=<n>; the others keep running\n"
+               "                           (default 0: a failed rank fails the run)\n");
   std::exit(code);
 }
 
@@ -105,12 +111,25 @@ struct Rank {
   Stream out, err;
   bool done = false;
   std::string failure;  // empty: exited 0
+  int restarts = 0;     // how many times this rank was started again after failing
 };
+
+// Passes on what is left in a stream whose process has ended (a grandchild that still holds the pipe open does not
+// keep us waiting), and closes it.
+void finish_stream(Stream& s, const std::string& prefix) {
+  if (s.fd < 0) return;
+  ::fcntl(s.fd, F_SETFL, O_NONBLOCK);
+  char buf[65536];
+  for (ssize_t n; (n = ::read(s.fd, buf, sizeof buf)) > 0;) s.partial.append(buf, static_cast<std::size_t>(n));
+  s.flush_lines(prefix, true);
+  ::close(s.fd);
+  s.fd = -1;
+}
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  int nproc = 2;
+  int nproc = 2, max_rank_restarts = 0;
   double grace_s = 10, timeout_s = 0;
   int i = 1;
   for (; i < argc; ++i) {
@@ -122,6 +141,7 @@ int main(int argc, char** argv) {
     if (a == "-n" || a == "--nproc" || a == "--nproc_per_node") nproc = std::atoi(value());
     else if (a == "--grace") grace_s = std::atof(value());
     else if (a == "--timeout") timeout_s = std::atof(value());
+    else if (a == "--max-rank-restarts") max_rank_restarts = std::atoi(value());
     else if (a == "-h" || a == "--help") usage(0);
     else if (a == "--") {
       ++i;
@@ -129,7 +149,7 @@ int main(int argc, char** argv) {
     } else if (a[0] == '-') usage(2);
     else break;
   }
-  if (i >= argc || nproc <= 0) usage(2);
+  if (i >= argc || nproc <= 0 || max_rank_restarts < 0) usage(2);
   char** command = argv + i;
 
   int port = 0;
@@ -143,9 +163,11 @@ int main(int argc, char** argv) {
   ::signal(SIGPIPE, SIG_IGN);
 
   std::vector<Rank> ranks(nproc);
-  std::fflush(stdout);
-  std::fflush(stderr);
-  for (int r = 0; r < nproc; ++r) {
+  int open_listen_fd = listen_fd;  // -1 once closed: only rank 0's first process gets it, and rank 0 never restarts
+  // Starts rank r's process; `restart` counts its restarts (0: its first process).
+  auto start_rank = [&](int r, int restart) {
+    std::fflush(stdout);
+    std::fflush(stderr);
     int out[2], err[2];
     if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0) die("pipe");
     pid_t pid = ::fork();
@@ -163,10 +185,17 @@ int main(int argc, char** argv) {
       set("MASTER_ADDR", "127.0.0.1");
       set("MASTER_PORT", std::to_string(port));
       set("CORPC_SECRET", secret);
-      if (r == 0) {
-        set("CORPC_LISTEN_FD", std::to_string(listen_fd));
+      if (restart > 0) {
+        set("CORPC_REJOIN", "1");  // join the running job instead of its initial rendezvous
+        set("CORPC_RANK_RESTART", std::to_string(restart));
       } else {
-        ::close(listen_fd);
+        ::unsetenv("CORPC_REJOIN");
+        ::unsetenv("CORPC_RANK_RESTART");
+      }
+      if (r == 0) {
+        set("CORPC_LISTEN_FD", std::to_string(open_listen_fd));
+      } else {
+        if (open_listen_fd >= 0) ::close(open_listen_fd);
         ::unsetenv("CORPC_LISTEN_FD");
       }
       ::execvp(command[0], command);
@@ -178,8 +207,11 @@ int main(int argc, char** argv) {
     ranks[r].pid = pid;
     ranks[r].out = Stream{out[0], stdout, {}};
     ranks[r].err = Stream{err[0], stderr, {}};
-  }
+    ranks[r].restarts = restart;
+  };
+  for (int r = 0; r < nproc; ++r) start_rank(r, 0);
   ::close(listen_fd);
+  open_listen_fd = -1;
 
   const auto start = Clock::now();
   std::optional<Clock::time_point> kill_at;
@@ -232,12 +264,31 @@ int main(int argc, char** argv) {
       auto& rk = ranks[r];
       int status = 0;
       if (rk.done || ::waitpid(rk.pid, &status, WNOHANG) != rk.pid) continue;
+      if (!rk.failure.empty()) {  // killed by us: the reason is already set
+        rk.done = true;
+        --running;
+        continue;
+      }
+      std::string failure;
+      if (WIFEXITED(status) && WEXITSTATUS(status) != 0)
+        failure = "exited with code " + std::to_string(WEXITSTATUS(status));
+      else if (WIFSIGNALED(status)) failure = std::string("killed by signal ") + ::strsignal(WTERMSIG(status));
+      // In place, while the run is not ending (no failure, no signal, no timeout yet): the others go on.
+      if (!failure.empty() && r != 0 && rk.restarts < max_rank_restarts && !kill_at &&
+          !(timeout_s > 0 && Clock::now() - start > seconds(timeout_s))) {
+        const std::string prefix = "[rank " + std::to_string(r) + "] ";
+        finish_stream(rk.out, prefix);
+        finish_stream(rk.err, prefix);
+        std::fprintf(stderr, "corpcrun: warning: rank %d %s; restarting it in place (restart %d of %d)\n", r,
+                     failure.c_str(), rk.restarts + 1, max_rank_restarts);
+        start_rank(r, rk.restarts + 1);
+        continue;
+      }
       rk.done = true;
       --running;
-      if (!rk.failure.empty()) continue;  // killed by us: the reason is already set
-      if (WIFEXITED(status) && WEXITSTATUS(status) != 0)
-        rk.failure = "exited with code " + std::to_string(WEXITSTATUS(status));
-      else if (WIFSIGNALED(status)) rk.failure = std::string("killed by signal ") + ::strsignal(WTERMSIG(status));
+      rk.failure = failure;
+      if (!rk.failure.empty() && rk.restarts > 0)
+        rk.failure += " (after " + std::to_string(rk.restarts) + " restart(s))";
       if (!rk.failure.empty() && !kill_at) {
         kill_at = Clock::now() + seconds(grace_s);
         kill_reason = "killed: still running " + std::to_string(static_cast<int>(grace_s)) + " s after rank " +
@@ -249,16 +300,9 @@ int main(int argc, char** argv) {
       kill_rest("killed: timed out after " + std::to_string(static_cast<int>(timeout_s)) + " s");
     else if (kill_at && now > *kill_at) kill_rest(kill_reason);
   }
-  // What the ranks wrote last (a grandchild that still holds a pipe open does not keep us waiting).
+  // What the ranks wrote last.
   for (int r = 0; r < nproc; ++r)
-    for (Stream* s : {&ranks[r].out, &ranks[r].err}) {
-      if (s->fd < 0) continue;
-      ::fcntl(s->fd, F_SETFL, O_NONBLOCK);
-      char buf[65536];
-      for (ssize_t n; (n = ::read(s->fd, buf, sizeof buf)) > 0;) s->partial.append(buf, static_cast<std::size_t>(n));
-      s->flush_lines("[rank " + std::to_string(r) + "] ", true);
-      ::close(s->fd);
-    }
+    for (Stream* s : {&ranks[r].out, &ranks[r].err}) finish_stream(*s, "[rank " + std::to_string(r) + "] ");
 
   std::string failed;
   for (int r = 0; r < nproc; ++r)

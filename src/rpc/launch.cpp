@@ -51,6 +51,10 @@ constexpr const char* kSpawnHistory = "CORPC_LAUNCH_HISTORY";
 constexpr const char* kSpawnEnvironment = "CORPC_LAUNCH_ENVIRONMENT";
 // Set in every rank launch_processes starts: its RANK is ours, not a launcher's (so a launch inside it starts a group).
 constexpr const char* kLaunched = "CORPC_LAUNCHED";
+// Set in a rank that launch_processes or corpcrun started again after it failed (see the header): whether it rejoins a
+// running job, and its restart's number. Never passed on from the caller: a launch inside a rank starts a new group.
+constexpr const char* kRejoin = "CORPC_REJOIN";
+constexpr const char* kRankRestart = "CORPC_RANK_RESTART";
 // The first byte a rank writes on its report pipe: it reached its launch_processes call. Its error text follows.
 constexpr char kStarted = 'S';
 
@@ -218,27 +222,36 @@ std::string run_rank(int rank, const std::function<void(int)>& fn) {
   ::_exit(error.empty() ? 0 : 1);
 }
 
-// The variables every rank gets, as torchrun sets them, plus corpc's own.
+// The variables every rank gets, as torchrun sets them, plus corpc's own; `restart` counts the rank's restarts.
 std::vector<std::pair<std::string, std::string>> rank_environment(int rank, int world_size, int port,
-                                                                  const std::string& secret) {
-  return {{"MASTER_ADDR", "127.0.0.1"},
-          {"MASTER_PORT", std::to_string(port)},
-          {"RANK", std::to_string(rank)},
-          {"LOCAL_RANK", std::to_string(rank)},
-          {"WORLD_SIZE", std::to_string(world_size)},
-          {"LOCAL_WORLD_SIZE", std::to_string(world_size)},
-          {"CORPC_SECRET", secret},  // connections between this run's ranks authenticate with it
-          {kLaunched, "1"}};
+                                                                  const std::string& secret, int restart) {
+  std::vector<std::pair<std::string, std::string>> vars{
+      {"MASTER_ADDR", "127.0.0.1"},
+      {"MASTER_PORT", std::to_string(port)},
+      {"RANK", std::to_string(rank)},
+      {"LOCAL_RANK", std::to_string(rank)},
+      {"WORLD_SIZE", std::to_string(world_size)},
+      {"LOCAL_WORLD_SIZE", std::to_string(world_size)},
+      {"CORPC_SECRET", secret},  // connections between this run's ranks authenticate with it
+      {kLaunched, "1"}};
+  if (restart > 0) {
+    vars.emplace_back(kRejoin, "1");
+    vars.emplace_back(kRankRestart, std::to_string(restart));
+  }
+  return vars;
 }
 
+// `listen_fd` is rank 0's socket, or -1 once the launcher has closed it (a restart, never of rank 0).
 [[noreturn]] void run_forked_child(int rank, int world_size, int port, int listen_fd, int report_fd,
-                                   const std::string& secret, const std::function<void(int)>& fn) {
+                                   const std::string& secret, int restart, const std::function<void(int)>& fn) {
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-  for (auto& [k, v] : rank_environment(rank, world_size, port, secret)) ::setenv(k.c_str(), v.c_str(), 1);
+  ::unsetenv(kRejoin);
+  ::unsetenv(kRankRestart);
+  for (auto& [k, v] : rank_environment(rank, world_size, port, secret, restart)) ::setenv(k.c_str(), v.c_str(), 1);
   if (rank == 0) {
     ::setenv("CORPC_LISTEN_FD", std::to_string(listen_fd).c_str(), 1);
   } else {
-    ::close(listen_fd);
+    if (listen_fd >= 0) ::close(listen_fd);
     ::unsetenv("CORPC_LISTEN_FD");
   }
   run_rank_and_exit(rank, report_fd, fn);
@@ -385,6 +398,16 @@ std::optional<int> launched_rank() {
   return g_spawn_target->rank;
 }
 
+int rank_restart_count() {
+  const char* v = std::getenv(kRankRestart);
+  return v ? std::max(0, std::atoi(v)) : 0;
+}
+
+bool rejoining() {
+  const char* v = std::getenv(kRejoin);
+  return v && std::string_view(v) == "1";
+}
+
 void launch_processes(int world_size, const std::function<void(int rank)>& fn, LaunchOptions options) {
   const int call = ++g_launch_calls;
   if (g_spawn_target && call <= g_spawn_target->call && !g_running_spawned_rank) {
@@ -423,6 +446,7 @@ namespace {
 
 void launch_group(int world_size, int call, const std::function<void(int rank)>& fn, const LaunchOptions& options) {
   if (world_size <= 0) throw UsageError("launch_processes: world_size must be positive");
+  if (options.max_rank_restarts < 0) throw UsageError("launch_processes: max_rank_restarts must not be negative");
   if (options.start == StartMethod::spawn && g_running_spawned_rank)
     throw UsageError(
         "launch_processes: a rank that StartMethod::spawn started cannot spawn ranks of its own (they "
@@ -442,6 +466,7 @@ void launch_group(int world_size, int call, const std::function<void(int rank)>&
     int report_fd = -1;
     std::string report;  // kStarted, then the error text
     bool done = false;
+    int restarts = 0;  // how many times this rank was started again after failing
   };
   std::vector<Child> children(world_size);
   // The caller's CORPC_SECRET if it set one (ranks launched elsewhere may join), else a fresh one for this run.
@@ -451,16 +476,19 @@ void launch_group(int world_size, int call, const std::function<void(int rank)>&
   }();
   const bool spawn = options.start == StartMethod::spawn;
   const Program program = spawn ? this_program() : Program{};
-  std::fflush(stdout);
-  std::fflush(stderr);
-  for (int rank = 0; rank < world_size; ++rank) {
+  // Starts `rank`'s process (its `restart`th restart; 0: its first start); the rank's listening socket is open only
+  // for rank 0's first start.
+  int open_listen_fd = listen_fd;
+  auto start_rank = [&](int rank, int restart) {
+    std::fflush(stdout);
+    std::fflush(stderr);
     int p[2];
     if (::pipe2(p, O_CLOEXEC) != 0) throw RpcError("launch_processes: pipe failed");
     pid_t pid;
     if (spawn) {
-      auto rank_vars = rank_environment(rank, world_size, port, secret);
-      if (rank == 0) rank_vars.emplace_back("CORPC_LISTEN_FD", std::to_string(listen_fd));
-      std::set<std::string> hidden{"CORPC_LISTEN_FD"};
+      auto rank_vars = rank_environment(rank, world_size, port, secret, restart);
+      if (rank == 0) rank_vars.emplace_back("CORPC_LISTEN_FD", std::to_string(open_listen_fd));
+      std::set<std::string> hidden{"CORPC_LISTEN_FD", kRejoin, kRankRestart};
       for (auto& [k, v] : rank_vars) hidden.insert(k);
       const std::vector<std::pair<std::string, std::string>> vars{{kSpawnRank, std::to_string(rank)},
                                                                   {kSpawnCall, std::to_string(call)},
@@ -468,20 +496,27 @@ void launch_group(int world_size, int call, const std::function<void(int rank)>&
                                                                   {kSpawnHistory, history_variable()},
                                                                   {kSpawnEnvironment, encode_environment(rank_vars)}};
       const ExecImage image = exec_image(program, vars, hidden);
-      pid = spawn_child(program.path, image, p[1], rank == 0 ? listen_fd : -1);
+      pid = spawn_child(program.path, image, p[1], rank == 0 ? open_listen_fd : -1);
     } else {
       pid = ::fork();
       if (pid == 0) {
         ::close(p[0]);
-        run_forked_child(rank, world_size, port, listen_fd, p[1], secret, fn);
+        run_forked_child(rank, world_size, port, open_listen_fd, p[1], secret, restart, fn);
       }
     }
-    if (pid < 0) throw RpcError(std::string("launch_processes: fork failed: ") + std::strerror(errno));
+    if (pid < 0) {
+      const int error = errno;
+      ::close(p[0]);
+      ::close(p[1]);
+      throw RpcError(std::string("launch_processes: fork failed: ") + std::strerror(error));
+    }
     ::close(p[1]);
     ::fcntl(p[0], F_SETFL, O_NONBLOCK);
-    children[rank] = Child{pid, p[0], {}, false};
-  }
+    children[rank] = Child{pid, p[0], {}, false, restart};
+  };
+  for (int rank = 0; rank < world_size; ++rank) start_rank(rank, 0);
   ::close(listen_fd);
+  open_listen_fd = -1;
 
   std::vector<RankFailure> failures;
   const auto start = std::chrono::steady_clock::now();
@@ -517,9 +552,26 @@ void launch_group(int world_size, int call, const std::function<void(int rank)>&
       pid_t r = ::waitpid(c.pid, &status, WNOHANG);
       if (r != c.pid) continue;
       drain(c);
+      std::string reason = reason_of(c, status);
+      // In place, while the job has not started failing: the others go on and the new process rejoins them.
+      if (!reason.empty() && rank != 0 && c.restarts < options.max_rank_restarts && !kill_at) {
+        const int restart = c.restarts + 1;
+        detail::log(detail::LogLevel::warn, "rank " + std::to_string(rank), "launch_processes",
+                    "failed: {}; restarting it in place (restart {} of {})", reason, restart,
+                    options.max_rank_restarts);
+        ::close(c.report_fd);
+        c.report_fd = -1;
+        try {
+          start_rank(rank, restart);
+          continue;
+        } catch (const std::exception& e) {
+          reason += std::string("; restarting it failed: ") + e.what();
+        }
+      }
       c.done = true;
       --running;
-      if (std::string reason = reason_of(c, status); !reason.empty()) {
+      if (!reason.empty()) {
+        if (c.restarts > 0) reason += " (after " + std::to_string(c.restarts) + " restart(s))";
         failures.push_back({rank, reason});
         if (!kill_at) kill_at = std::chrono::steady_clock::now() + options.grace;
       }
@@ -543,7 +595,8 @@ void launch_group(int world_size, int call, const std::function<void(int rank)>&
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
-  for (auto& c : children) ::close(c.report_fd);
+  for (auto& c : children)
+    if (c.report_fd >= 0) ::close(c.report_fd);
   if (!failures.empty()) throw LaunchError(std::move(failures));
 }
 

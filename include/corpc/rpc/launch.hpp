@@ -34,6 +34,15 @@
 /// are then killed, and launch_processes throws LaunchError naming each failed rank and why. A rank whose `fn`
 /// returns or throws with its RPC runtime still running is shut down for it (corpc/rpc/runtime.hpp: `shutdown`,
 /// `shutdown_after_error`). Children die with the parent.
+///
+/// **Restarting a rank in place.** With `LaunchOptions::max_rank_restarts` above 0, a rank other than 0 that fails
+/// (throws, exits non-zero, dies on a signal) is started again with the same rank, the same env:// variables and the
+/// same start method, while the others keep running: no grace period, nothing killed. The new process also finds
+/// `CORPC_REJOIN=1` and `CORPC_RANK_RESTART=n` (1 for that rank's first restart), set where RANK is (`rejoining()`,
+/// `rank_restart_count()`): it must join the running job rather than rendezvous as at the start, and may resume from
+/// where the job is. Rank 0 is never restarted, since it hosts the rendezvous and the job's coordinator; its failure,
+/// a rank's failure once its restarts are spent, or any failure after the job has started failing, fails the job as
+/// above. The timeout bounds the whole job, restarts included.
 #pragma once
 
 #include <chrono>
@@ -57,6 +66,8 @@ struct LaunchOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};  ///< For all ranks together.
   std::chrono::milliseconds grace{std::chrono::seconds(10)};   ///< After a first failure, before killing the rest.
   StartMethod start = StartMethod::spawn;                      ///< How each rank's process starts.
+  /// Times each rank other than 0 may be started again after it fails (see the top of this header); 0: never.
+  int max_rank_restarts = 0;
 };
 
 /// One rank that did not finish cleanly, and why (its exception's message, exit code or signal).
@@ -85,5 +96,13 @@ void launch_processes(int world_size, const std::function<void(int rank)>& fn, L
 /// In a process that launch_processes started (StartMethod::spawn) to run a rank, that rank: code before the
 /// launch_processes call may skip work only the caller needs. Empty in the caller and everywhere else.
 std::optional<int> launched_rank();
+
+/// How many times the launcher has restarted this rank in place (CORPC_RANK_RESTART; 0 in a rank's first process and
+/// outside a launcher). Under StartMethod::spawn it is set from the rank's launch_processes call on, as RANK is.
+int rank_restart_count();
+
+/// Whether this process replaces a failed rank of a job that is still running (CORPC_REJOIN=1), so it must join
+/// that job instead of taking part in its initial rendezvous. Set where rank_restart_count() is.
+bool rejoining();
 
 }  // namespace corpc
