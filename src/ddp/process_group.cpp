@@ -12,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "corpc/ddp/ddp.hpp"
+#include "ddp/process_group.hpp"
 #include "corpc/ddp/rpc_store.hpp"
 #include "corpc/detail/torch_compat.hpp"
 #include "corpc/rpc/runtime.hpp"
@@ -86,13 +87,21 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const ProcessGroupOpti
     base = make_store(addr, std::stoi(env_or("MASTER_PORT", "29500")), rank, world, options.timeout);
   }
   auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, base);
-  auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
-  const bool loopback = addr == "127.0.0.1" || addr == "localhost";
+  return detail::gloo_group(store, rank, world, options.timeout, addr == "127.0.0.1" || addr == "localhost");
+}
+
+namespace detail {
+
+c10::intrusive_ptr<c10d::ProcessGroup> gloo_group(c10::intrusive_ptr<c10d::Store> store, int rank, int world,
+                                                  std::chrono::milliseconds timeout, bool loopback) {
+  auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
   gloo_options->devices = {loopback ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
                                     : c10d::ProcessGroupGloo::createDefaultDevice()};
   gloo_options->threads = 2;
   auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, gloo_options);
   return corpc::detail::as_process_group<c10d::ProcessGroup>(std::move(gloo), store, rank, world);
 }
+
+}  // namespace detail
 
 }  // namespace corpc::ddp

@@ -257,7 +257,9 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, de
 // the current table), elsewhere on its first connection to us. Either way the rank is alive again here, listens where
 // its Hello says, and its predecessor's requests are forgotten.
 void Runtime::Impl::admit_rejoined(const std::shared_ptr<detail::Connection>& conn, detail::Hello& hello,
-                                   detail::Hello& answer, bool registration) {
+                                   detail::Hello& answer, bool registration,
+                                   std::optional<detail::Clock::time_point> deadline) {
+  const auto rejoin_deadline = deadline.value_or(detail::Clock::now() + options.handshake_timeout);
   const int rank = hello.self.rank;
   detail::PeerTable::Address at{hello.self.host.empty() ? conn->remote_address : hello.self.host, hello.self.port};
   hello.self.host = at.host;
@@ -267,7 +269,20 @@ void Runtime::Impl::admit_rejoined(const std::shared_ptr<detail::Connection>& co
     offer_same_host(conn, hello, answer);
     conn->send(detail::prepare(hello_message(answer)));
   });
-  if (refusal) return refuse_claim(conn, hello.self, *refusal);
+  if (refusal) {
+    // On rank 0 the registration waits a little for the predecessor's connection to be seen closing: the launcher
+    // restarts a rank once its process is gone, and that close may still be on its way here. The new incarnation
+    // sends nothing else before the table, so nothing is read from it meanwhile. A peer's claim is not held up: the
+    // new incarnation's calls follow its Hello at once.
+    if (registration && detail::Clock::now() < rejoin_deadline) {
+      auto pause = std::make_shared<asio::steady_timer>(conn->io(), std::chrono::milliseconds(20));
+      pause->async_wait([this, pause, conn, hello, answer, rejoin_deadline](const asio::error_code&) mutable {
+        admit_rejoined(conn, hello, answer, true, rejoin_deadline);
+      });
+      return;
+    }
+    return refuse_claim(conn, hello.self, *refusal);
+  }
   if (old) old->close("worker '" + hello.self.name + "' was replaced by a new incarnation");
   detail::log(detail::LogLevel::info, self.name, "rendezvous", "worker '{}' (rank {}) rejoined from {}:{}",
               hello.self.name, rank, at.host, at.port);

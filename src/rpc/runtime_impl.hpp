@@ -212,9 +212,10 @@ struct Runtime::Impl {
   void on_world(detail::Message&& msg);
   void publish_world_if_complete();
   // Takes `hello`'s sender as the new incarnation of its rank (RpcOptions::rejoin); `registration`: on rank 0, which
-  // also sends it the current world table.
+  // also sends it the current world table, and retries until `deadline` (default: a handshake timeout from now)
+  // while the predecessor's connection is not yet seen closed.
   void admit_rejoined(const std::shared_ptr<detail::Connection>& conn, detail::Hello& hello, detail::Hello& answer,
-                      bool registration);
+                      bool registration, std::optional<detail::Clock::time_point> deadline = std::nullopt);
   detail::Hello our_hello(bool registering) const;
 
   // ---- same_host.cpp ----

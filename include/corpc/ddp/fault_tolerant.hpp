@@ -1,0 +1,202 @@
+/// @file
+/// Data-parallel training that survives a lost rank without stopping: a quorum per step, a process group per quorum,
+/// and recovery of a replacement from a live peer instead of a checkpoint (in the spirit of torchft).
+///
+/// ```cpp
+///   corpc::launch_processes(4, [](int rank) {               // rank 0 coordinates, ranks 1..3 train
+///     corpc::init_rpc("rank" + std::to_string(rank));       // a restarted rank rejoins (CORPC_REJOIN=1)
+///     if (rank == 0) {
+///       corpc::ddp::QuorumCoordinator coordinator;          // answers the trainers' quorum and commit requests
+///       corpc::shutdown();                                  // waits until the trainers are done
+///       return;
+///     }
+///     Net net;
+///     torch::optim::SGD opt(net->parameters(), 0.1);
+///     corpc::ddp::FaultTolerantDdp<Net> ft(net, opt);
+///     while (ft.committed_steps() < 500) {
+///       ft.step([&](const corpc::ddp::Quorum& q) {         // forward and backward on this rank's share
+///         auto [x, y] = batch(q.step, rank);
+///         torch::mse_loss(ft.forward(x), y).backward();     // gradients averaged over q.members
+///       });                                                 // then committed on every member, or retried
+///     }
+///     corpc::shutdown();
+///   }, {.max_rank_restarts = 10});                          // a killed trainer is started again in place
+/// ```
+///
+/// **A step.** `FaultTolerantDdp::step` asks the coordinator for the step's quorum (members, epoch, and whether this
+/// rank must first load the state of a member); when the members changed since the last step, every member builds a
+/// fresh Gloo group of the members under the epoch's own store prefix. Then `fn` runs forward and backward through a
+/// DistributedDataParallel on that group: gradients are averaged over the members that take part. Every member then
+/// votes on the step; the coordinator commits it only if every member's allreduce succeeded, and only then do the
+/// members take the optimizer step. A step that failed anywhere (a member died or went silent during the allreduce)
+/// is taken by nobody: the survivors ask for a new quorum and run the same step again, up to `max_retries` times,
+/// without restarting. So no member ever applies a step another did not, and the survivors lose at most the step in
+/// progress.
+///
+/// **Recovery.** A member that joins without the current state (a replacement the launcher restarted, or a rank that
+/// was left out while it was stopped and so missed committed steps) is told so in its quorum: before the step it
+/// fetches the parameters, buffers, optimizer state and step counter from one up-to-date member (the donor) by RPC,
+/// bit for bit (large tensors over the same-host channel where there is one). No checkpoint is read. The donor
+/// serves a copy taken at the step boundary, so it goes on at once.
+///
+/// **Liveness.** A member that does not ask for the quorum, or does not vote, within `QuorumOptions::join_timeout` of
+/// the first member that did is left out of that quorum (a joining rank waits for the members' next step instead: it
+/// never forms a quorum of its own while they are mid-step, and one that finds no member holding the last committed
+/// state is refused with RpcError rather than starting over); the coordinator learns of a dead one at once (its RPC connection closed).
+/// The coordinator is a corpc function on a designated rank (QuorumCoordinator): a rank whose only job is to answer is
+/// the least likely to fail, and it is also RPC's rendezvous rank. If it dies, every trainer's next quorum or commit
+/// request fails with ConnectionError naming it (within RPC's liveness bound if it only went silent); there is no
+/// takeover.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "corpc/ddp/ddp.hpp"
+
+namespace corpc::ddp {
+
+/// How the coordinator forms each step's quorum (see corpc/ddp/fault_tolerant.hpp).
+struct QuorumOptions {
+  /// The trainers: the members of the first quorum, waited for up to `startup_timeout`. Empty: every RPC rank but
+  /// the coordinator's.
+  std::vector<int> replicas;
+  /// A quorum needs at least this many members; below it the trainers wait (their request's own timeout bounds it).
+  int min_replicas = 1;
+  /// How long a quorum, once one member asks, waits for the other members of the last quorum (and a commit vote for
+  /// the other members' votes) before it goes on without them.
+  std::chrono::milliseconds join_timeout{std::chrono::seconds(3)};
+  /// How long the first quorum waits for every replica (processes start at different speeds).
+  std::chrono::milliseconds startup_timeout{std::chrono::seconds(60)};
+};
+
+/// What the coordinator has decided so far (on the coordinator's rank).
+struct QuorumStats {
+  std::int64_t epoch = 0;          ///< the current epoch (one per change of members, or per failed step)
+  std::int64_t quorums = 0;        ///< quorums answered
+  std::int64_t commits = 0;        ///< steps committed
+  std::int64_t aborted_steps = 0;  ///< steps voted down (a member failed or was late)
+  std::int64_t recoveries = 0;     ///< members told to load a donor's state
+  std::vector<int> waiting;        ///< ranks whose quorum request waits in the open round
+};
+
+/// The quorum coordinator: on one rank (usually 0), after init_rpc. It answers the trainers' requests while it
+/// lives; destroy it after the trainers are done (shutdown() waits for them first, so constructing it and calling
+/// corpc::shutdown() is the usual body of that rank). One per process.
+class QuorumCoordinator {
+ public:
+  explicit QuorumCoordinator(QuorumOptions options = {});
+  ~QuorumCoordinator();
+  QuorumCoordinator(const QuorumCoordinator&) = delete;
+  QuorumCoordinator& operator=(const QuorumCoordinator&) = delete;
+
+  QuorumStats stats() const;
+
+  /// @cond INTERNAL
+  struct State;
+  /// @endcond
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+/// One step's quorum, as a member sees it.
+struct Quorum {
+  std::int64_t epoch = -1;   ///< the members' group: a new one whenever the members change or a step failed
+  std::int64_t step = 0;     ///< the step the members run now (steps committed before it)
+  std::vector<int> members;  ///< RPC ranks, ascending
+  int recover_from = -1;     ///< for this rank: the member whose state it loads before the step, or -1
+  /// This rank's place among the members (its rank in the epoch's group), and how many there are.
+  int member_index() const;
+  int member_count() const { return static_cast<int>(members.size()); }
+};
+
+/// How a trainer takes part (see corpc/ddp/fault_tolerant.hpp).
+struct FaultTolerantOptions {
+  int coordinator_rank = 0;
+  /// The epoch group's collective timeout: a member that hangs in an allreduce fails the step after this long.
+  std::chrono::milliseconds collective_timeout{std::chrono::seconds(10)};
+  /// How long a quorum request may wait (the coordinator's join and startup timeouts, and min_replicas, come first).
+  std::chrono::milliseconds quorum_timeout{std::chrono::minutes(2)};
+  /// How many times one step is run again after failing before step() gives up and throws.
+  int max_retries = 3;
+  DdpOptions ddp;  ///< the DistributedDataParallel of each epoch
+  /// Runs on this rank after it loaded a donor's state and before it joins the step's group: the step counter is the
+  /// donor's now (`quorum.step`), so a data loader can seek to it here.
+  std::function<void(const Quorum& quorum)> on_recovered;
+};
+
+/// What one call of FaultTolerantDdp::step did.
+struct StepReport {
+  Quorum quorum;           ///< the quorum of the attempt that was committed
+  int retries = 0;         ///< attempts that failed before it
+  bool recovered = false;  ///< this rank loaded a donor's state during this step
+  std::string last_error;  ///< why the last failed attempt failed ("" if none did)
+};
+
+/// The model-independent part of FaultTolerantDdp: quorum, epoch groups, recovery, commit. Use FaultTolerantDdp.
+class FaultTolerantGroup {
+ public:
+  FaultTolerantGroup(torch::nn::Module& module, torch::optim::Optimizer& optimizer, FaultTolerantOptions options);
+  ~FaultTolerantGroup();
+  FaultTolerantGroup(const FaultTolerantGroup&) = delete;
+  FaultTolerantGroup& operator=(const FaultTolerantGroup&) = delete;
+
+  /// See FaultTolerantDdp::step.
+  StepReport step(const std::function<void(const Quorum&)>& fn);
+  std::int64_t committed_steps() const;
+  /// The current epoch's gradient machinery (valid inside step's fn).
+  GradientSync& gradient_sync();
+
+  /// @cond INTERNAL
+  struct State;
+  /// @endcond
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+/// DistributedDataParallel that survives lost ranks (see corpc/ddp/fault_tolerant.hpp). `ModuleT` is a module holder
+/// or a std::shared_ptr to a module; `optimizer` must optimize its parameters and outlive this. Every trainer
+/// constructs one after init_rpc; a QuorumCoordinator must run on `options.coordinator_rank`.
+template <typename ModuleT>
+class FaultTolerantDdp {
+ public:
+  FaultTolerantDdp(ModuleT module, torch::optim::Optimizer& optimizer, FaultTolerantOptions options = {})
+      : module_(std::move(module)), group_(*module_, optimizer, std::move(options)) {}
+
+  /// Runs one step: the quorum (and recovery, if this rank needs it), `fn(quorum)` — forward through forward() and
+  /// backward on this rank's share of the step's batch; the gradients are zeroed before it — then the commit vote
+  /// and, if committed, the optimizer step. A failed attempt is run again with a new quorum (up to max_retries);
+  /// then the last error is thrown. Collective among the members: every trainer calls it in a loop.
+  StepReport step(const std::function<void(const Quorum&)>& fn) { return group_.step(fn); }
+
+  /// The module's forward through the current epoch's DistributedDataParallel (inside step's fn).
+  template <typename... Args>
+  auto forward(Args&&... args) {
+    auto& sync = group_.gradient_sync();
+    sync.before_forward();
+    auto output = module_->forward(std::forward<Args>(args)...);
+    if constexpr (std::is_convertible_v<decltype(output), at::Tensor>) sync.after_forward(output);
+    return output;
+  }
+
+  /// Steps committed so far (a recovered rank's count is its donor's).
+  std::int64_t committed_steps() const { return group_.committed_steps(); }
+  ModuleT& module() { return module_; }
+  decltype(auto) operator->() { return module_.operator->(); }
+
+ private:
+  ModuleT module_;
+  FaultTolerantGroup group_;
+};
+
+}  // namespace corpc::ddp

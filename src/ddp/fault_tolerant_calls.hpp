@@ -1,0 +1,32 @@
+// The three requests of the fault-tolerant trainer (corpc/ddp/fault_tolerant.hpp): two to the quorum coordinator
+// (quorum_coordinator.cpp) and one to a donor (fault_tolerant.cpp). Declared here so that caller and callee name the
+// same functions; each is registered to run on the I/O thread in the file that defines it.
+#pragma once
+
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "corpc/core/future.hpp"
+
+namespace corpc::ddp::ft_detail {
+
+// A quorum as the coordinator answers it: (epoch, step, members, the member this rank recovers from or -1, the
+// members this rank serves its state to).
+using QuorumAnswer = std::tuple<std::int64_t, std::int64_t, std::vector<int>, int, std::vector<int>>;
+
+// Asked by every trainer at the start of each attempt at a step: `committed` steps are in its state (`has_state`:
+// false for a replacement that holds nothing yet); `failed`: its last attempt was not committed.
+Future<QuorumAnswer> quorum_request(int rank, std::int64_t committed, bool has_state, bool failed);
+
+// Every member's vote after its forward and backward of `step` in `epoch`: true once all members voted true; false if
+// any voted false, died, or did not vote within the join timeout (the step is then taken by nobody).
+Future<bool> commit_request(int rank, std::int64_t epoch, std::int64_t step, bool ok);
+
+// Asked of a donor by a member that recovers: the donor's state at the boundary of `epoch`'s first step (parameters,
+// buffers, the optimizer's archive as bytes, the step counter), once the donor has taken it.
+Future<std::vector<at::Tensor>> state_request(std::int64_t epoch);
+
+}  // namespace corpc::ddp::ft_detail

@@ -1,0 +1,340 @@
+// The quorum coordinator (see corpc/ddp/fault_tolerant.hpp): each step's members and epoch, and the commit vote.
+//
+// One mutex guards the state; replies are completed outside it (a caller on this process may resume inline). A timer
+// thread closes rounds and votes at their deadlines, and the runtime's failure listener drops a member that died.
+#include <algorithm>
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <thread>
+
+#include "corpc/core/detail/continuation.hpp"
+#include "corpc/ddp/fault_tolerant.hpp"
+#include "corpc/rpc/call.hpp"
+#include "corpc/rpc/errors.hpp"
+#include "corpc/rpc/runtime.hpp"
+#include "ddp/fault_tolerant_calls.hpp"
+
+namespace corpc::ddp {
+
+using Clock = std::chrono::steady_clock;
+using ft_detail::QuorumAnswer;
+
+struct QuorumCoordinator::State {
+  QuorumOptions options;
+  std::mutex mutex;
+  std::condition_variable wake;
+  std::thread timer;
+  bool stopping = false;
+
+  bool started = false;           // the first quorum has been answered
+  std::int64_t epoch = 0;         // the current one (0: none yet)
+  std::vector<int> members;       // of the current epoch
+  std::set<int> expected;         // who a round waits for: the current members still alive (the replicas at first)
+  std::int64_t broken_epoch = 0;  // a member of this epoch died: none of its steps can be committed any more
+  QuorumStats stats;
+
+  struct Ask {
+    std::int64_t committed;
+    bool has_state;
+    bool failed;
+    Promise<QuorumAnswer> reply;
+  };
+  std::map<int, Ask> round;  // the open round's requests, by rank
+  // Set when the first expected rank asks (or the first rank at all, when none is expected): a rank that joins waits
+  // for the members to come to their next step, and never forms a quorum of its own while they are mid-step.
+  std::optional<Clock::time_point> round_deadline;
+  std::int64_t global_step = 0;  // steps committed so far
+
+  using StepKey = std::pair<std::int64_t, std::int64_t>;  // (epoch, step)
+  struct Vote {
+    std::set<int> yes;
+    std::vector<Promise<bool>> waiting;
+    Clock::time_point deadline;
+  };
+  std::map<StepKey, Vote> votes;    // open
+  std::map<StepKey, bool> decided;  // closed, for late voters (pruned to recent epochs)
+
+  // Replies to complete once the mutex is released.
+  struct Replies {
+    std::vector<std::pair<Promise<QuorumAnswer>, QuorumAnswer>> quorums;
+    std::vector<std::pair<Promise<bool>, bool>> votes;
+    std::vector<std::pair<Promise<QuorumAnswer>, std::exception_ptr>> refusals;
+    void send() {
+      for (auto& [p, a] : quorums) p.set_value(std::move(a));
+      for (auto& [p, v] : votes) p.set_value(v);
+      for (auto& [p, e] : refusals) p.set_exception(e);
+    }
+  };
+
+  // Closes the open round if it may: enough members, and every expected one has asked or the deadline passed.
+  void close_round_if_ready_locked(Clock::time_point now, Replies& out) {
+    if (round.empty() || static_cast<int>(round.size()) < options.min_replicas) return;
+    const bool all_there = std::all_of(expected.begin(), expected.end(), [&](int r) { return round.count(r) != 0; });
+    if (!all_there && (!round_deadline || now < *round_deadline)) return;
+
+    std::vector<int> now_members;
+    std::int64_t step = 0;
+    bool any_state = false, any_failed = false;
+    for (const auto& [r, a] : round) {
+      now_members.push_back(r);
+      any_failed = any_failed || a.failed;
+      if (a.has_state) {
+        step = any_state ? std::max(step, a.committed) : a.committed;
+        any_state = true;
+      }
+    }
+    if (global_step > 0 && (!any_state || step < global_step)) {
+      // Nobody here holds the last committed state (its holders left): refused, rather than restarting history.
+      for (auto& [r, a] : round)
+        out.refusals.emplace_back(
+            std::move(a.reply),
+            std::make_exception_ptr(RpcError("FaultTolerantDdp: no live member holds the state of step " +
+                                             std::to_string(global_step) + " to recover from")));
+      round.clear();
+      round_deadline.reset();
+      return;
+    }
+    int donor = -1;
+    std::vector<int> behind;
+    if (any_state) {
+      for (const auto& [r, a] : round)
+        if (a.has_state && a.committed == step && donor < 0) donor = r;
+      for (const auto& [r, a] : round)
+        if (!a.has_state || a.committed < step) behind.push_back(r);
+    } else {
+      for (const auto& [r, a] : round) step = std::max(step, a.committed);
+    }
+    if (!started || now_members != members || any_failed || !behind.empty()) ++epoch;
+    started = true;
+    members = now_members;
+    expected = std::set<int>(members.begin(), members.end());
+    stats.epoch = epoch;
+    ++stats.quorums;
+    stats.recoveries += static_cast<std::int64_t>(behind.size());
+    for (auto& [r, a] : round) {
+      const bool recovers = std::find(behind.begin(), behind.end(), r) != behind.end();
+      out.quorums.emplace_back(std::move(a.reply), QuorumAnswer{epoch, step, members, recovers ? donor : -1,
+                                                                r == donor ? behind : std::vector<int>{}});
+    }
+    round.clear();
+    round_deadline.reset();
+    // Votes of older epochs can no longer be decided by anyone: they are lost.
+    for (auto it = decided.begin(); it != decided.end();)
+      it = it->first.first + 4 < epoch ? decided.erase(it) : std::next(it);
+  }
+
+  void decide_locked(const StepKey& key, bool outcome, Replies& out) {
+    auto it = votes.find(key);
+    if (it != votes.end()) {
+      for (auto& p : it->second.waiting) out.votes.emplace_back(std::move(p), outcome);
+      votes.erase(it);
+    }
+    if (decided.emplace(key, outcome).second) ++(outcome ? stats.commits : stats.aborted_steps);
+    if (outcome) global_step = std::max(global_step, key.second + 1);
+  }
+
+  void expire_locked(Clock::time_point now, Replies& out) {
+    close_round_if_ready_locked(now, out);
+    std::vector<StepKey> late;
+    for (const auto& [key, v] : votes)
+      if (now >= v.deadline) late.push_back(key);
+    for (const auto& key : late) decide_locked(key, false, out);
+  }
+
+  Future<QuorumAnswer> ask(int rank, std::int64_t committed, bool has_state, bool failed) {
+    Replies out;
+    Future<QuorumAnswer> answer;
+    {
+      std::lock_guard lock(mutex);
+      const auto now = Clock::now();
+      if (!round_deadline && (expected.count(rank) != 0 || expected.empty()))
+        round_deadline = now + (started ? options.join_timeout : options.startup_timeout);
+      if (auto old = round.find(rank); old != round.end()) {  // asked again (its first request's caller gave up)
+        out.refusals.emplace_back(std::move(old->second.reply),
+                                  std::make_exception_ptr(UsageError("superseded by a newer quorum request")));
+        round.erase(old);
+      }
+      Ask a{committed, has_state, failed, Promise<QuorumAnswer>()};
+      answer = a.reply.get_future();
+      round.emplace(rank, std::move(a));
+      close_round_if_ready_locked(now, out);
+    }
+    wake.notify_all();
+    out.send();
+    return answer;
+  }
+
+  Future<bool> vote(int rank, std::int64_t at_epoch, std::int64_t step, bool ok) {
+    Replies out;
+    Future<bool> outcome;
+    {
+      std::lock_guard lock(mutex);
+      const StepKey key{at_epoch, step};
+      if (auto d = decided.find(key); d != decided.end()) return make_ready_future(bool(d->second));
+      const bool member = std::find(members.begin(), members.end(), rank) != members.end();
+      if (at_epoch != epoch || !member) return make_ready_future(false);  // a step of a quorum that has moved on
+      if (!ok || at_epoch == broken_epoch) {
+        decide_locked(key, false, out);
+        outcome = make_ready_future(false);
+      } else {
+        auto [it, fresh] = votes.try_emplace(key);
+        if (fresh) it->second.deadline = Clock::now() + options.join_timeout;
+        it->second.yes.insert(rank);
+        Promise<bool> p;
+        outcome = p.get_future();
+        it->second.waiting.push_back(std::move(p));
+        if (it->second.yes.size() == members.size()) decide_locked(key, true, out);
+      }
+    }
+    wake.notify_all();
+    out.send();
+    return outcome;
+  }
+
+  // A rank died: no round waits for it, a vote of its epoch fails, and a request it left is dropped.
+  void lost(int rank, const std::string& why) {
+    Replies out;
+    {
+      std::lock_guard lock(mutex);
+      expected.erase(rank);
+      if (!round.empty() && !round_deadline) round_deadline = Clock::now() + options.join_timeout;
+      if (auto a = round.find(rank); a != round.end()) {
+        out.refusals.emplace_back(std::move(a->second.reply), std::make_exception_ptr(ConnectionError(why)));
+        round.erase(a);
+      }
+      if (std::find(members.begin(), members.end(), rank) != members.end()) {
+        broken_epoch = epoch;
+        std::vector<StepKey> open;
+        for (const auto& [key, v] : votes)
+          if (key.first == epoch) open.push_back(key);
+        for (const auto& key : open) decide_locked(key, false, out);
+      }
+      close_round_if_ready_locked(Clock::now(), out);
+    }
+    out.send();
+  }
+
+  void run_timer() {
+    std::unique_lock lock(mutex);
+    while (!stopping) {
+      auto next = Clock::now() + std::chrono::milliseconds(200);
+      if (round_deadline) next = std::min(next, *round_deadline);
+      for (const auto& [key, v] : votes) next = std::min(next, v.deadline);
+      wake.wait_until(lock, next);
+      if (stopping) break;
+      Replies out;
+      expire_locked(Clock::now(), out);
+      lock.unlock();
+      out.send();
+      lock.lock();
+    }
+  }
+};
+
+namespace {
+
+// The coordinator of this process, and requests that came before it was constructed (trainers may ask as soon as
+// init_rpc returns on their side): they wait for it, bounded by their callers' timeouts.
+std::mutex g_coordinator_mutex;
+std::weak_ptr<QuorumCoordinator::State> g_coordinator;
+std::vector<std::function<void(QuorumCoordinator::State&)>> g_early;
+
+template <class T>
+Future<T> with_coordinator(std::function<Future<T>(QuorumCoordinator::State&)> request) {
+  std::shared_ptr<QuorumCoordinator::State> c;
+  {
+    std::lock_guard lock(g_coordinator_mutex);
+    c = g_coordinator.lock();
+    if (!c) {
+      Promise<T> p;
+      auto f = p.get_future();
+      g_early.push_back([request = std::move(request),
+                         p = std::make_shared<Promise<T>>(std::move(p))](QuorumCoordinator::State& s) mutable {
+        auto r = request(s);
+        corpc::detail::on_ready_inline(r, [p, r] {
+          try {
+            p->set_value(r.value());
+          } catch (...) {
+            p->set_exception(std::current_exception());
+          }
+        });
+      });
+      return f;
+    }
+  }
+  return request(*c);
+}
+
+}  // namespace
+
+QuorumCoordinator::QuorumCoordinator(QuorumOptions options) : state_(std::make_shared<State>()) {
+  auto& rt = Runtime::get();
+  if (options.replicas.empty())
+    for (int r = 0; r < rt.world_size(); ++r)
+      if (r != rt.rank()) options.replicas.push_back(r);
+  if (options.min_replicas < 1) throw UsageError("QuorumOptions::min_replicas must be at least 1");
+  state_->options = std::move(options);
+  state_->expected = std::set<int>(state_->options.replicas.begin(), state_->options.replicas.end());
+  std::vector<std::function<void(State&)>> early;
+  {
+    std::lock_guard lock(g_coordinator_mutex);
+    if (g_coordinator.lock()) throw UsageError("a QuorumCoordinator runs in this process already");
+    g_coordinator = state_;
+    early.swap(g_early);
+  }
+  std::weak_ptr<State> weak = state_;
+  rt.add_peer_failure_listener([weak](int rank, const std::string& why) {
+    if (auto s = weak.lock()) s->lost(rank, why);
+  });
+  state_->timer = std::thread([s = state_.get()] { s->run_timer(); });
+  for (auto& request : early) request(*state_);
+}
+
+QuorumCoordinator::~QuorumCoordinator() {
+  {
+    std::lock_guard lock(state_->mutex);
+    state_->stopping = true;
+  }
+  state_->wake.notify_all();
+  state_->timer.join();
+  State::Replies out;
+  {
+    std::lock_guard lock(state_->mutex);
+    for (auto& [r, a] : state_->round)
+      out.refusals.emplace_back(std::move(a.reply),
+                                std::make_exception_ptr(ShutdownError("the quorum coordinator has stopped")));
+    state_->round.clear();
+    for (auto& [key, v] : state_->votes)
+      for (auto& p : v.waiting) out.votes.emplace_back(std::move(p), false);
+    state_->votes.clear();
+  }
+  out.send();
+}
+
+QuorumStats QuorumCoordinator::stats() const {
+  std::lock_guard lock(state_->mutex);
+  QuorumStats s = state_->stats;
+  for (const auto& [r, a] : state_->round) s.waiting.push_back(r);
+  return s;
+}
+
+namespace ft_detail {
+
+Future<QuorumAnswer> quorum_request(int rank, std::int64_t committed, bool has_state, bool failed) {
+  return with_coordinator<QuorumAnswer>(
+      [=](QuorumCoordinator::State& s) { return s.ask(rank, committed, has_state, failed); });
+}
+
+Future<bool> commit_request(int rank, std::int64_t epoch, std::int64_t step, bool ok) {
+  return with_coordinator<bool>([=](QuorumCoordinator::State& s) { return s.vote(rank, epoch, step, ok); });
+}
+
+}  // namespace ft_detail
+}  // namespace corpc::ddp
+
+CORPC_IO_THREAD_FUNCTION(&corpc::ddp::ft_detail::quorum_request);
+CORPC_IO_THREAD_FUNCTION(&corpc::ddp::ft_detail::commit_request);
