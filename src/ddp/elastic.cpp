@@ -22,9 +22,11 @@ int launch_with_restarts(int world_size, const std::function<void(int rank, int 
         ::unsetenv("TORCHELASTIC_RESTART_COUNT");
         throw;
       }
-      corpc::detail::log(corpc::detail::LogLevel::warn, "launcher", "launch_with_restarts",
-                         "attempt {} failed, restarting the group ({} of {}):\n{}", restart, restart + 1, max_restarts,
-                         e.what());
+      // A spawned rank replays the earlier attempts' launches up to its own (launch.hpp): only the caller reports them.
+      if (!launched_rank())
+        corpc::detail::log(corpc::detail::LogLevel::warn, "launcher", "launch_with_restarts",
+                           "attempt {} failed, restarting the group ({} of {}):\n{}", restart, restart + 1,
+                           max_restarts, e.what());
     }
   }
 }

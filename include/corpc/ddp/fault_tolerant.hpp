@@ -13,8 +13,9 @@
 ///     Net net;
 ///     torch::optim::SGD opt(net->parameters(), 0.1);
 ///     corpc::ddp::FaultTolerantDdp<Net> ft(net, opt);
-///     while (ft.committed_steps() < 500) {
-///       ft.step([&](const corpc::ddp::Quorum& q) {         // forward and backward on this rank's share
+///     corpc::ddp::StepReport last;
+///     while (ft.committed_steps() < 500 || last.quorum.member_count() < 3) {   // see "Finishing" below
+///       last = ft.step([&](const corpc::ddp::Quorum& q) {  // forward and backward on this rank's share
 ///         auto [x, y] = batch(q.step, rank);
 ///         torch::mse_loss(ft.forward(x), y).backward();     // gradients averaged over q.members
 ///       });                                                 // then committed on every member, or retried
@@ -38,6 +39,11 @@
 /// fetches the parameters, buffers, optimizer state and step counter from one up-to-date member (the donor) by RPC,
 /// bit for bit (large tensors over the same-host channel where there is one). No checkpoint is read. The donor
 /// serves a copy taken at the step boundary, so it goes on at once.
+///
+/// **Finishing.** A replacement recovers from a live member: one that arrives after every member has left finds no
+/// donor (it is refused with RpcError), and rank 0's graceful shutdown reports the ranks still missing. So the loop
+/// above goes on past its last step until the quorum has every trainer again (examples/ddp_fault_tolerant.cpp
+/// slows those extra steps down); a trainer whose restarts ran out fails the launch anyway.
 ///
 /// **Liveness.** A member that does not ask for the quorum, or does not vote, within `QuorumOptions::join_timeout` of
 /// the first member that did is left out of that quorum (a joining rank waits for the members' next step instead: it
