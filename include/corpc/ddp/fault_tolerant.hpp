@@ -99,12 +99,15 @@ struct QuorumStats {
 /// corpc::shutdown() is the usual body of that rank). One per process.
 class QuorumCoordinator {
  public:
+  /// Starts answering on this rank (after init_rpc); requests that came first are answered now. UsageError if one
+  /// runs in this process already.
   explicit QuorumCoordinator(QuorumOptions options = {});
+  /// Stops answering: requests still waiting fail with ShutdownError, open votes with "not committed".
   ~QuorumCoordinator();
   QuorumCoordinator(const QuorumCoordinator&) = delete;
   QuorumCoordinator& operator=(const QuorumCoordinator&) = delete;
 
-  QuorumStats stats() const;
+  QuorumStats stats() const;  ///< what it has decided so far, and who waits to join
 
   /// @cond INTERNAL
   struct State;
@@ -120,14 +123,14 @@ struct Quorum {
   std::int64_t step = 0;     ///< the step the members run now (steps committed before it)
   std::vector<int> members;  ///< RPC ranks, ascending
   int recover_from = -1;     ///< for this rank: the member whose state it loads before the step, or -1
-  /// This rank's place among the members (its rank in the epoch's group), and how many there are.
+  /// This rank's place among the members (its rank in the epoch's group), or -1 if it is not one.
   int member_index() const;
-  int member_count() const { return static_cast<int>(members.size()); }
+  int member_count() const { return static_cast<int>(members.size()); }  ///< how many members there are
 };
 
 /// How a trainer takes part (see corpc/ddp/fault_tolerant.hpp).
 struct FaultTolerantOptions {
-  int coordinator_rank = 0;
+  int coordinator_rank = 0;  ///< where the QuorumCoordinator runs (its RpcStore holds the epoch groups' keys)
   /// The epoch group's collective timeout: a member that hangs in an allreduce fails the step after this long.
   std::chrono::milliseconds collective_timeout{std::chrono::seconds(10)};
   /// How long a quorum request may wait (the coordinator's join and startup timeouts, and min_replicas, come first).
@@ -151,6 +154,8 @@ struct StepReport {
 /// The model-independent part of FaultTolerantDdp: quorum, epoch groups, recovery, commit. Use FaultTolerantDdp.
 class FaultTolerantGroup {
  public:
+  /// Trains `module` with `optimizer` (both must outlive it); after init_rpc. UsageError if one trains in this
+  /// process already.
   FaultTolerantGroup(torch::nn::Module& module, torch::optim::Optimizer& optimizer, FaultTolerantOptions options);
   ~FaultTolerantGroup();
   FaultTolerantGroup(const FaultTolerantGroup&) = delete;
@@ -158,7 +163,7 @@ class FaultTolerantGroup {
 
   /// See FaultTolerantDdp::step.
   StepReport step(const std::function<void(const Quorum&)>& fn);
-  std::int64_t committed_steps() const;
+  std::int64_t committed_steps() const;  ///< see FaultTolerantDdp::committed_steps
   /// The current epoch's gradient machinery (valid inside step's fn).
   GradientSync& gradient_sync();
 
@@ -178,6 +183,7 @@ class FaultTolerantGroup {
 template <typename ModuleT>
 class FaultTolerantDdp {
  public:
+  /// Wraps `module`; no collective happens before the first step (whose group broadcasts the first member's model).
   FaultTolerantDdp(ModuleT module, torch::optim::Optimizer& optimizer, FaultTolerantOptions options = {})
       : module_(std::move(module)), group_(*module_, optimizer, std::move(options)) {}
 
@@ -199,8 +205,8 @@ class FaultTolerantDdp {
 
   /// Steps committed so far (a recovered rank's count is its donor's).
   std::int64_t committed_steps() const { return group_.committed_steps(); }
-  ModuleT& module() { return module_; }
-  decltype(auto) operator->() { return module_.operator->(); }
+  ModuleT& module() { return module_; }                         ///< the wrapped module
+  decltype(auto) operator->() { return module_.operator->(); }  ///< the module's members: `ft->parameters()`
 
  private:
   ModuleT module_;
