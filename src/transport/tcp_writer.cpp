@@ -27,13 +27,16 @@ thread_local constinit BatchState tls_batch;
 namespace {
 // The connections written to during the calling thread's open batch, flushed when it ends.
 thread_local std::vector<std::shared_ptr<TcpConnection>> batch_dirty;
-// The connections a thread outside the I/O threads staged frames on, written before it blocks or ends its job.
-thread_local std::vector<std::shared_ptr<TcpConnection>> sender_dirty;
+// The connections a thread outside the I/O threads staged frames on, written before it blocks or ends its job. Weak:
+// a thread that never blocks again (a program's main thread after shutdown) must not keep a connection past its
+// runtime, to be destroyed at thread exit after the I/O threads are gone; its frames leave by the posted flush.
+thread_local std::vector<std::weak_ptr<TcpConnection>> sender_dirty;
 
 void flush_sender_batches() noexcept {
   auto dirty = std::move(sender_dirty);
   sender_dirty.clear();
-  for (auto& c : dirty) c->flush_from_sender();
+  for (auto& weak : dirty)
+    if (auto c = weak.lock()) c->flush_from_sender();
 }
 
 const bool g_deferred_registered = (set_deferred_work(&flush_sender_batches), true);
