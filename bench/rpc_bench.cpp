@@ -3,14 +3,15 @@
 // Two ranks via corpc::launch_processes: rank 0 is the client, rank 1 the server. Cases:
 //   noop      rpc_sync of `void noop()`
 //   4KiB ..   rpc_sync of `at::Tensor echo(const at::Tensor&)` with a float32 tensor of that size (it travels both ways)
-//   async64   rpc_async of noop with 64 calls in flight (calls/s; latency = issue -> consumed by the client)
+//   async64   rpc_async of noop with 64 calls in flight (calls/s; latency = issue -> consumed by the client); async1
+//             and async1024 (on request) keep 1 and 1024 in flight
 //
 // The raw floor runs between the same two processes, in the same run: rank 1 hosts an Asio echo server (one thread
 // running an io_context with a C++20-coroutine echo loop, like corpc's network thread), rank 0 talks to it with
 // blocking asio::write / asio::read on its calling thread, TCP_NODELAY on both ends, over 127.0.0.1. A raw message is
 // an 8-byte length followed by the payload; the server reads the whole message, then writes it back. The raw client
 // reuses one receive buffer; corpc receives each reply into a fresh tensor, whose memory comes from its receive pool
-// from 1 MiB on (--host-cache-mib 0: from the default allocator, fresh pages each time). raw async64 keeps 64 header-only messages in flight on the one connection.
+// from 1 MiB on (--host-cache-mib 0: from the default allocator, fresh pages each time). raw asyncN keeps N header-only messages in flight on the one connection.
 //
 // A VM's vCPUs move between fast and slow placements, so each case alternates short blocks
 // of raw and corpc (ABBA order) and reports the ratio per block pair; the headline ratio is the median of those.
@@ -101,24 +102,31 @@ int relay_port() { return g_relay_port.load(); }
 enum class Kind { echo, async, remote, chain };
 struct CaseSpec {
   std::string name;
-  std::size_t bytes;  // payload each way; 0 for noop / async64 / remote / chain
+  std::size_t bytes;  // payload each way; 0 for noop / asyncN / remote / chain
   Kind kind = Kind::echo;
+  int in_flight = 1;  // asyncN: calls kept in flight
   bool async() const { return kind == Kind::async; }
 };
 
 // remote: `remote<&f>(1)` then `to_here()`, against two raw ping-pongs. chain: A calls B, whose coroutine calls C
 // and answers A (3 ranks), against a raw relay (A -> B -> C -> B -> A, B forwarding on one io_context thread).
 const std::vector<CaseSpec> kAllCases = {
-    {"noop", 0},          {"4KiB", 4u << 10},          {"1MiB", 1u << 20},          {"16MiB", 16u << 20},
-    {"64MiB", 64u << 20}, {"async64", 0, Kind::async}, {"remote", 0, Kind::remote}, {"chain", 0, Kind::chain},
+    {"noop", 0},
+    {"4KiB", 4u << 10},
+    {"1MiB", 1u << 20},
+    {"16MiB", 16u << 20},
+    {"64MiB", 64u << 20},
+    {"async64", 0, Kind::async, 64},
+    {"remote", 0, Kind::remote},
+    {"chain", 0, Kind::chain},
 };
-// Accepted by --cases, not run by default: the sizes around the same-host channel's threshold (64 KiB).
-const std::vector<CaseSpec> kExtraCases = {{"64KiB", 64u << 10}, {"256KiB", 256u << 10}};
+// Accepted by --cases, not run by default: the sizes around the same-host channel's threshold (64 KiB), and other
+// numbers of calls in flight.
+const std::vector<CaseSpec> kExtraCases = {
+    {"64KiB", 64u << 10}, {"256KiB", 256u << 10}, {"async1", 0, Kind::async, 1}, {"async1024", 0, Kind::async, 1024}};
 bool wants_chain(const std::vector<CaseSpec>& cases) {
   return std::any_of(cases.begin(), cases.end(), [](const CaseSpec& c) { return c.kind == Kind::chain; });
 }
-constexpr int kInFlight = 64;
-
 struct Options {
   double seconds_per_case = 2.0;
   double block_ms = 100.0;
@@ -140,7 +148,7 @@ struct Options {
   std::fprintf(
       code ? stderr : stdout,
       "usage: rpc_bench [--seconds-per-case S] [--cases noop,4KiB,1MiB,16MiB,64MiB,async64,remote,chain]\n"
-      "                 (also 64KiB,256KiB)\n"
+      "                 (also 64KiB,256KiB,async1,async1024)\n"
       "                 [--block-ms MS] [--min-iters N] [--worker-threads N] [--spin-us US] [--raw-alloc]\n"
       "                 [--json PATH] [--cancel-samples N] [--host-cache-mib N] [--flow-control on|off]\n"
       "                 [--channel shm|tcp] [--transfers] [--tls generate|CERT,KEY,CA]\n"
@@ -376,7 +384,7 @@ Block latency_block(const Options& o, F&& once) {
   return b;
 }
 
-Block raw_async_block(const Options& o, RawClient& raw) {
+Block raw_async_block(const Options& o, RawClient& raw, std::size_t in_flight) {
   Block b;
   std::deque<Clock::time_point> issued;
   auto start = Clock::now();
@@ -388,7 +396,7 @@ Block raw_async_block(const Options& o, RawClient& raw) {
     ++done;
   };
   while (us_since(start) < o.block_ms * 1e3) {
-    if (issued.size() == kInFlight) consume();
+    if (issued.size() == in_flight) consume();
     issued.push_back(Clock::now());
     raw.send(0);
   }
@@ -397,7 +405,7 @@ Block raw_async_block(const Options& o, RawClient& raw) {
   return b;
 }
 
-Block corpc_async_block(const Options& o) {
+Block corpc_async_block(const Options& o, std::size_t in_flight) {
   Block b;
   std::deque<std::pair<corpc::Future<void>, Clock::time_point>> window;
   auto start = Clock::now();
@@ -409,7 +417,7 @@ Block corpc_async_block(const Options& o) {
     ++done;
   };
   while (us_since(start) < o.block_ms * 1e3) {
-    if (window.size() == kInFlight) consume();
+    if (window.size() == in_flight) consume();
     auto t = Clock::now();
     window.emplace_back(corpc::rpc_async<&noop>(1), t);
   }
@@ -467,15 +475,19 @@ CaseResult run_case(const Options& o, const CaseSpec& c, RawClient& raw, RawClie
   if (c.async()) {
     Options w = o;
     w.block_ms = 20;
-    corpc_async_block(w);
-    raw_async_block(w, raw);
+    corpc_async_block(w, static_cast<std::size_t>(c.in_flight));
+    raw_async_block(w, raw, static_cast<std::size_t>(c.in_flight));
   }
 
   auto start = Clock::now();
   for (int pair = 0; pair < 3 || us_since(start) < o.seconds_per_case * 1e6; ++pair) {
     Block rb, cb;
-    auto do_raw = [&] { rb = c.async() ? raw_async_block(o, raw) : latency_block(o, raw_once); };
-    auto do_corpc = [&] { cb = c.async() ? corpc_async_block(o) : latency_block(o, corpc_once); };
+    auto do_raw = [&] {
+      rb = c.async() ? raw_async_block(o, raw, static_cast<std::size_t>(c.in_flight)) : latency_block(o, raw_once);
+    };
+    auto do_corpc = [&] {
+      cb = c.async() ? corpc_async_block(o, static_cast<std::size_t>(c.in_flight)) : latency_block(o, corpc_once);
+    };
     if (pair % 2 == 0) {
       do_raw();
       do_corpc();
@@ -633,7 +645,7 @@ void print_row(const CaseResult& r) {
     fmt::print(
         "{:>8}   throughput, {} in flight: corpc {:.0f} calls/s, raw {:.0f} msgs/s (medians of blocks); "
         "latency = issue -> consumed\n",
-        "", kInFlight, median(r.corpc_rate), median(r.raw_rate));
+        "", r.spec.in_flight, median(r.corpc_rate), median(r.raw_rate));
   }
   std::fflush(stdout);
 }
@@ -659,7 +671,7 @@ void write_json(const Options& o, const std::vector<CaseResult>& results) {
         median(r.ratios), json_array(r.ratios), r.corpc_us.size());
     if (r.spec.async()) {
       s += fmt::format(", \"calls_per_s\": {:.1f}, \"raw_calls_per_s\": {:.1f}, \"in_flight\": {}",
-                       median(r.corpc_rate), median(r.raw_rate), kInFlight);
+                       median(r.corpc_rate), median(r.raw_rate), r.spec.in_flight);
     }
     s += "}";
   }

@@ -86,6 +86,18 @@ void check_may_block(const char* what) {
     throw UsageError(std::string(what) +
                      " would block a corpc I/O thread, which must deliver the very value it waits for: co_await it "
                      "instead, or run this function on the worker pool (the default)");
+  if (detail::tls_work_deferred) detail::run_deferred_work();
+}
+
+namespace {
+std::atomic<detail::DeferredWork> g_deferred_work{nullptr};
+}
+
+void detail::set_deferred_work(DeferredWork fn) noexcept { g_deferred_work.store(fn, std::memory_order_release); }
+
+void detail::run_deferred_work() noexcept {
+  tls_work_deferred = false;
+  if (auto fn = g_deferred_work.load(std::memory_order_acquire)) fn();
 }
 
 void detail::set_spin_before_block(std::chrono::nanoseconds d) noexcept {
@@ -224,6 +236,7 @@ void ThreadPool::run() {
     if (!head_) tail_ = nullptr;
     lock.unlock();
     item->run(item);
+    if (detail::tls_work_deferred) detail::run_deferred_work();  // what the job sent leaves before the next job
     // A job must not leak its ambient context into the next one on this thread.
     current_call_context() = CallContext{};
     lock.lock();

@@ -71,6 +71,8 @@ class TcpConnection final : public Connection {
   void send(OutFrame&& f) override;
   // I/O thread: writes what is staged; waits for writability when the socket is full.
   void flush_now();
+  // The thread that staged frames (outside the I/O threads), before it blocks: writes what it can, never waits.
+  void flush_from_sender() noexcept;
 
   // Flow control (tcp_flow_control.cpp).
   void release_receive(std::uint64_t bytes) noexcept override;

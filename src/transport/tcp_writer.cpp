@@ -1,13 +1,20 @@
-// The writing side of a TCP connection. A sender writes straight to the socket from its own thread when nothing is
-// queued (no hand-off for a call from a user thread); otherwise, or when the socket is full, the frame is staged (small
-// parts copied, tensors and large bodies referred to) and whoever owns the flush writes it in one gathered write.
-// While an I/O thread delivers the frames of one read, its sends are staged and flushed together when the batch ends
-// ("corked"), so a burst of replies costs one system call. TLS writes always go through the staged path.
+// The writing side of a TCP connection. Frames are staged (small parts copied, tensors and large bodies referred to)
+// and whoever owns the flush writes them in one gathered write:
+// - an I/O thread delivering the frames of one read stages its sends and flushes them when the batch ends ("corked"),
+//   so a burst of replies costs one system call;
+// - any other thread (a caller, a worker-pool job) stages too and writes what it staged itself just before it blocks
+//   or when its job ends (core's deferred work), so calls issued back to back (a loop of rpc_async, a coroutine
+//   fanning out) leave together; a flush posted to the I/O thread is the fallback for a thread that does neither.
+//   Only what is already queued is coalesced: nothing waits for more;
+// - rpc_sync's request (the caller blocks right after it) and a frame sent with nothing queued from a thread that
+//   asks for it are written straight from the sending thread, with no hand-off.
+// TLS writes always go through the I/O thread.
 #include <sys/socket.h>
 
 #include <cerrno>
 #include <cstring>
 
+#include "corpc/core/executor.hpp"
 #include "core/trace_recorder.hpp"
 #include "memory/cuda_ipc.hpp"
 #include "transport/shm_transfer.hpp"
@@ -20,6 +27,22 @@ thread_local constinit BatchState tls_batch;
 namespace {
 // The connections written to during the calling thread's open batch, flushed when it ends.
 thread_local std::vector<std::shared_ptr<TcpConnection>> batch_dirty;
+// The connections a thread outside the I/O threads staged frames on, written before it blocks or ends its job. Weak:
+// a thread that never blocks again (a program's main thread after shutdown) must not keep a connection past its
+// runtime, to be destroyed at thread exit after the I/O threads are gone; its frames leave by the posted flush.
+thread_local std::vector<std::weak_ptr<TcpConnection>> sender_dirty;
+
+void flush_sender_batches() noexcept {
+  auto dirty = std::move(sender_dirty);
+  sender_dirty.clear();
+  for (auto& weak : dirty)
+    if (auto c = weak.lock()) c->flush_from_sender();
+}
+
+const bool g_deferred_registered = (set_deferred_work(&flush_sender_batches), true);
+
+// A sender writes what it has staged at once past this much (its staging must not grow without bound).
+constexpr std::size_t kSenderBatchBytes = 256 * 1024;
 }  // namespace
 
 void flush_batch() {
@@ -44,9 +67,21 @@ void TcpConnection::send(OutFrame&& f) {
   if (closed_) return;
   if (f.lent) f.lent->commit();  // in the wire's order now: out until the peer's IpcDone or this connection's loss
   if (shm_ && tensor_bytes >= kShmMinBytes) shm_send(*shm_, f);  // the data goes through the ring if it has room
-  if (!connected_ || flush_owned_ || corked_here() || f.tensors.size() + 3 > kMaxIov || transport_.encrypted()) {
+  // A thread outside the I/O threads coalesces, unless it blocks on this very frame next (rpc_sync).
+  const bool coalesce = tls_batch.io == nullptr && tls_send_now == 0 && !transport_.encrypted();
+  if (!connected_ || flush_owned_ || corked_here() || f.tensors.size() + 3 > kMaxIov || transport_.encrypted() ||
+      coalesce) {
     stage(f, 0);
+    if (coalesce && connected_ && !flush_owned_) {
+      // This thread writes it before it blocks; the flush posted to the I/O thread covers a thread that never does.
+      sender_dirty.push_back(self());
+      defer_work();
+    }
     schedule_flush();
+    if (coalesce && backlog_.load(std::memory_order_relaxed) >= kSenderBatchBytes) {
+      lock.unlock();
+      flush_from_sender();
+    }
     return;
   }
   // Nothing queued: write straight from the sending thread.
@@ -94,7 +129,13 @@ void TcpConnection::stage(OutFrame& f, std::size_t skip) {
     const char* c = static_cast<const char*>(p) + skip;
     len -= skip;
     skip = 0;
-    segs_.push_back({nullptr, stage_.size(), len});
+    // Copies that follow each other in the staging buffer are one segment: coalesced small frames fill one iovec.
+    if (!segs_.empty() && segs_.back().ext == nullptr && segs_.back().off + segs_.back().len == stage_.size() &&
+        seg_i_ < segs_.size()) {
+      segs_.back().len += len;
+    } else {
+      segs_.push_back({nullptr, stage_.size(), len});
+    }
     stage_.append(c, len);
     backlog_.fetch_add(len, std::memory_order_relaxed);
   };
@@ -162,6 +203,37 @@ void TcpConnection::flush_now() {
     backlog_.fetch_sub(static_cast<std::size_t>(w), std::memory_order_relaxed);
   }
   flushed(lock);
+}
+
+// A sender's thread, before it blocks or when its job ends: writes what is staged. If the socket is full or the write
+// fails, what is left is the I/O thread's, whose flush was posted when the first frame was staged (and which reports
+// a failure on its own thread). The socket is only written here, never waited on: waits belong to the I/O thread.
+void TcpConnection::flush_from_sender() noexcept {
+  std::unique_lock lock(wmutex_);
+  if (closed_ || !connected_ || !flush_owned_ || transport_.encrypted()) return;
+  while (seg_i_ < segs_.size()) {
+    iovec iov[kMaxIov];
+    int n = 0;
+    for (std::size_t i = seg_i_; i < segs_.size() && n < kMaxIov; ++i) {
+      const Seg& s = segs_[i];
+      const char* base = s.ext ? s.ext : stage_.data() + s.off;
+      const std::size_t skip = i == seg_i_ ? seg_done_ : 0;
+      iov[n++] = {const_cast<char*>(base + skip), s.len - skip};
+    }
+    const ssize_t w = write_iov(iov, n);
+    if (w < 0) return;
+    advance(static_cast<std::size_t>(w));
+    backlog_.fetch_sub(static_cast<std::size_t>(w), std::memory_order_relaxed);
+  }
+  // All written. The flush posted to the I/O thread finds nothing left and does the rest of a completed flush there
+  // (a reader paused for the backlog, a close that waited for it).
+  stage_.clear();
+  segs_.clear();
+  seg_i_ = seg_done_ = 0;
+  keep_tensors_.clear();
+  keep_bodies_.clear();
+  backlog_.store(0, std::memory_order_relaxed);
+  flush_owned_ = false;
 }
 
 void TcpConnection::advance(std::size_t w) {

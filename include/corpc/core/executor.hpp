@@ -83,6 +83,25 @@ namespace detail {
 // Process-wide; a program sets it through RpcOptions::spin_before_block (init_rpc calls the setter).
 void set_spin_before_block(std::chrono::nanoseconds d) noexcept;
 std::chrono::nanoseconds spin_before_block() noexcept;
+
+// Work a thread put off until it would block or finish its job: the sends it staged, so that calls issued back to
+// back leave in one system call (the transport registers the one function). Armed per thread by defer_work(); run
+// by check_may_block (before any blocking wait) and after each worker-pool job. Whoever defers must also have
+// arranged a fallback (the transport posts a flush to the connection's I/O thread), for a thread that does neither.
+using DeferredWork = void (*)() noexcept;
+void set_deferred_work(DeferredWork fn) noexcept;
+inline thread_local bool tls_work_deferred = false;
+// Set while the calling thread is about to block on what it sends (rpc_sync): nothing it sends is deferred.
+inline thread_local int tls_send_now = 0;
+void run_deferred_work() noexcept;
+inline void defer_work() noexcept { tls_work_deferred = true; }
+// rpc_sync's sends leave at once: the caller blocks right after, and deferring would only add a hand-off.
+struct SendNowScope {
+  SendNowScope() noexcept { ++tls_send_now; }
+  ~SendNowScope() { --tls_send_now; }
+  SendNowScope(const SendNowScope&) = delete;
+  SendNowScope& operator=(const SendNowScope&) = delete;
+};
 }  // namespace detail
 
 // ---- executors ----------------------------------------------------------------------------------------------------

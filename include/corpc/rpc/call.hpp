@@ -319,7 +319,11 @@ Future<detail::ResultOf<F>> rpc_async(const WorkerRef& to, const CallOptions& op
 /// in a coroutine, `co_await rpc_async<F>(...)` instead.
 template <auto F, class... A>
 detail::ResultOf<F> rpc_sync(const WorkerRef& to, A&&... args) {
-  return rpc_async<F>(to, std::forward<A>(args)...).wait();
+  auto result = [&] {
+    detail::SendNowScope now;
+    return rpc_async<F>(to, std::forward<A>(args)...);
+  }();
+  return std::move(result).wait();
 }
 
 namespace detail {
