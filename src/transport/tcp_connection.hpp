@@ -99,6 +99,8 @@ class TcpConnection final : public Connection {
   void stage(OutFrame& f, std::size_t skip);
   void schedule_flush();
   void advance(std::size_t w);
+  int gather_staged(iovec* iov) const;  // what is left to write, as at most kMaxIov segments
+  void drop_written();                  // after everything staged was written
   void flush_encrypted();
   void flushed(std::unique_lock<std::mutex>& lock);
 

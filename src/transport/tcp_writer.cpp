@@ -178,14 +178,7 @@ void TcpConnection::flush_now() {
   if (closed_ || !connected_) return;
   while (seg_i_ < segs_.size()) {
     iovec iov[kMaxIov];
-    int n = 0;
-    for (std::size_t i = seg_i_; i < segs_.size() && n < kMaxIov; ++i) {
-      const Seg& s = segs_[i];
-      const char* base = s.ext ? s.ext : stage_.data() + s.off;
-      const std::size_t skip = i == seg_i_ ? seg_done_ : 0;
-      iov[n++] = {const_cast<char*>(base + skip), s.len - skip};
-    }
-    ssize_t w = write_iov(iov, n);
+    ssize_t w = write_iov(iov, gather_staged(iov));
     if (w < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK) {
         socket_.async_wait(asio::ip::tcp::socket::wait_write, [self = self()](const asio::error_code& ec) {
@@ -213,27 +206,27 @@ void TcpConnection::flush_from_sender() noexcept {
   if (closed_ || !connected_ || !flush_owned_ || transport_.encrypted()) return;
   while (seg_i_ < segs_.size()) {
     iovec iov[kMaxIov];
-    int n = 0;
-    for (std::size_t i = seg_i_; i < segs_.size() && n < kMaxIov; ++i) {
-      const Seg& s = segs_[i];
-      const char* base = s.ext ? s.ext : stage_.data() + s.off;
-      const std::size_t skip = i == seg_i_ ? seg_done_ : 0;
-      iov[n++] = {const_cast<char*>(base + skip), s.len - skip};
-    }
-    const ssize_t w = write_iov(iov, n);
+    const ssize_t w = write_iov(iov, gather_staged(iov));
     if (w < 0) return;
     advance(static_cast<std::size_t>(w));
     backlog_.fetch_sub(static_cast<std::size_t>(w), std::memory_order_relaxed);
   }
   // All written. The flush posted to the I/O thread finds nothing left and does the rest of a completed flush there
   // (a reader paused for the backlog, a close that waited for it).
-  stage_.clear();
-  segs_.clear();
-  seg_i_ = seg_done_ = 0;
-  keep_tensors_.clear();
-  keep_bodies_.clear();
-  backlog_.store(0, std::memory_order_relaxed);
+  drop_written();
   flush_owned_ = false;
+}
+
+// The staged bytes not yet written, up to kMaxIov segments, as `iov`; returns how many. wmutex_ held.
+int TcpConnection::gather_staged(iovec* iov) const {
+  int n = 0;
+  for (std::size_t i = seg_i_; i < segs_.size() && n < kMaxIov; ++i) {
+    const Seg& s = segs_[i];
+    const char* base = s.ext ? s.ext : stage_.data() + s.off;
+    const std::size_t skip = i == seg_i_ ? seg_done_ : 0;
+    iov[n++] = {const_cast<char*>(base + skip), s.len - skip};
+  }
+  return n;
 }
 
 void TcpConnection::advance(std::size_t w) {
@@ -279,15 +272,20 @@ void TcpConnection::flush_encrypted() {
                     });
 }
 
-// Everything staged has been written. wmutex_ held by `lock`.
-void TcpConnection::flushed(std::unique_lock<std::mutex>& lock) {
+// Everything staged has been written: the staging buffers and what they kept alive go. wmutex_ held.
+void TcpConnection::drop_written() {
   backlog_.store(0, std::memory_order_relaxed);
-  if (paused_) room_timer_.cancel();  // a reader paused for the backlog may go on
   stage_.clear();
   segs_.clear();
   seg_i_ = seg_done_ = 0;
   keep_tensors_.clear();
   keep_bodies_.clear();
+}
+
+// Everything staged has been written. wmutex_ held by `lock`.
+void TcpConnection::flushed(std::unique_lock<std::mutex>& lock) {
+  drop_written();
+  if (paused_) room_timer_.cancel();  // a reader paused for the backlog may go on
   flush_owned_ = false;
   if (close_when_flushed_) {
     lock.unlock();
