@@ -304,13 +304,21 @@ asio::awaitable<void> ShmListener::session(asio::local::stream_protocol::socket 
   int fds[kMaxFds];
   int nfds = 0;
   try {
-    co_await socket->async_wait(asio::socket_base::wait_read, asio::use_awaitable);
     char cookie[kCookieChars];
     bool truncated = false;
-    const ssize_t n = receive_with_fds(socket->native_handle(), cookie, sizeof cookie, fds, nfds, truncated);
+    ssize_t n = -1;
+    int err = EAGAIN;
+    // Readiness is a hint: a wake-up can come before the message (seen with many set-ups at once). The timer above
+    // bounds the waiting.
+    while (n < 0 && (err == EAGAIN || err == EWOULDBLOCK)) {
+      co_await socket->async_wait(asio::socket_base::wait_read, asio::use_awaitable);
+      n = receive_with_fds(socket->native_handle(), cookie, sizeof cookie, fds, nfds, truncated);
+      err = errno;
+    }
     Offer offer;
     if (n != static_cast<ssize_t>(kCookieChars) || nfds != 1 || truncated) {
-      refused = "a malformed set-up message";
+      refused = fmt::format("a malformed set-up message ({} bytes{}, {} descriptors{})", n,
+                            n < 0 ? std::string(": ") + std::strerror(err) : "", nfds, truncated ? ", truncated" : "");
     } else {
       std::lock_guard lock(mutex_);
       auto it = offers_.find(std::string(cookie, kCookieChars));
