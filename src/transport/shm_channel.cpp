@@ -166,7 +166,9 @@ std::shared_ptr<ShmChannel> ShmChannel::create(std::uint64_t ring_bytes) {
     ::close(fd);
     throw e;
   }
-  auto* c = new (base) Control{};
+  // Default-initialised: the counters are zeroed, the slot arrays left as the fresh memfd has them (zero, and read
+  // only once written), so that only the pages holding the counters are touched.
+  auto* c = new (base) Control;
   c->magic = kSegmentMagic;
   c->ring_bytes = ring_bytes;
   return std::shared_ptr<ShmChannel>(new ShmChannel(fd, base, size, ring_bytes, Side::dialer));

@@ -148,9 +148,10 @@ class TcpConnection final : public Connection {
   asio::ip::tcp::socket& socket_;  // transport_'s
   const ConnectionSettings settings_;
   WireLimits limits_;
-  FrameHandler on_frame_;   // I/O thread
-  CloseHandler on_close_;   // I/O thread
-  std::vector<char> rbuf_;  // I/O thread
+  FrameHandler on_frame_;  // I/O thread
+  CloseHandler on_close_;  // I/O thread
+  // kReadBuffer bytes, not zeroed: a connection that only ever carries small frames touches one page of it (I/O thread)
+  std::unique_ptr<char[]> rbuf_;
   std::size_t rbeg_ = 0, rend_ = 0;
   asio::steady_timer room_timer_;  // a paused reader waits on it; cancelled when there may be room (I/O thread)
   bool paused_ = false;            // I/O thread

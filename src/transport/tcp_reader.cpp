@@ -33,12 +33,12 @@ asio::awaitable<void> TcpConnection::read_frames(std::shared_ptr<Connection> bas
   for (;;) {
     while (rend_ - rbeg_ < sizeof(FrameHeader)) {
       // A stranger (an HTTP probe, a port scanner) is turned away on its first bytes, not after a header's worth.
-      if (rend_ - rbeg_ >= sizeof(kFrameMagic) && std::memcmp(rbuf_.data() + rbeg_, &kFrameMagic, sizeof(kFrameMagic)))
+      if (rend_ - rbeg_ >= sizeof(kFrameMagic) && std::memcmp(rbuf_.get() + rbeg_, &kFrameMagic, sizeof(kFrameMagic)))
         throw ProtocolError("bad frame magic (not a corpc peer?)");
       co_await read_more();
     }
     Message msg;
-    std::memcpy(&msg.head, rbuf_.data() + rbeg_, sizeof(FrameHeader));
+    std::memcpy(&msg.head, rbuf_.get() + rbeg_, sizeof(FrameHeader));
     const FrameHeader& h = msg.head;
     validate_header(h, limits_);
     rbeg_ += sizeof(FrameHeader);
@@ -72,9 +72,9 @@ asio::awaitable<void> TcpConnection::read_frames(std::shared_ptr<Connection> bas
     // connection never overlap, while this I/O thread serves others in between).
     const std::int64_t trace_t0 =
         trace::enabled() && h.tensor_bytes >= trace::kLargeTransferBytes ? trace::now_ns() : 0;
-    if (head_len <= rbuf_.size()) {
+    if (head_len <= kReadBuffer) {
       while (rend_ - rbeg_ < head_len) co_await read_more();
-      const char* meta = rbuf_.data() + rbeg_;
+      const char* meta = rbuf_.get() + rbeg_;
       msg.body.assign(meta + h.meta_len, h.body_len);
       if (h.num_tensors || h.meta_len) msg.tensors = decode_tensors(h, meta, h.meta_len, msg);
       rbeg_ += head_len;
@@ -126,12 +126,12 @@ asio::awaitable<void> TcpConnection::read_more() {
   if (rbeg_ == rend_) {
     rbeg_ = rend_ = 0;
   } else if (rbeg_ > 0) {
-    std::memmove(rbuf_.data(), rbuf_.data() + rbeg_, rend_ - rbeg_);
+    std::memmove(rbuf_.get(), rbuf_.get() + rbeg_, rend_ - rbeg_);
     rend_ -= rbeg_;
     rbeg_ = 0;
   }
-  std::size_t n = co_await transport_.async_read_some(asio::buffer(rbuf_.data() + rend_, rbuf_.size() - rend_),
-                                                      asio::use_awaitable);
+  std::size_t n =
+      co_await transport_.async_read_some(asio::buffer(rbuf_.get() + rend_, kReadBuffer - rend_), asio::use_awaitable);
   rend_ += n;
   ++heard_;
 }
@@ -139,7 +139,7 @@ asio::awaitable<void> TcpConnection::read_more() {
 // Moves buffered bytes into `dst` (up to `len`); returns how many.
 std::size_t TcpConnection::take_buffered(char* dst, std::size_t len) {
   const std::size_t n = std::min(len, rend_ - rbeg_);
-  if (n) std::memcpy(dst, rbuf_.data() + rbeg_, n);  // dst may be null for an empty tensor
+  if (n) std::memcpy(dst, rbuf_.get() + rbeg_, n);  // dst may be null for an empty tensor
   rbeg_ += n;
   return n;
 }
