@@ -9,7 +9,8 @@
 // rank's end - the barrier's release):
 //   init        init_rpc, up to every rank's return (rendezvous at rank 0, world table);
 //   first a2a   every rank calls `noop` on every other rank, all calls in flight at once: N(N-1) calls, and the
-//               N(N-1)/2 connections they open (dial, HMAC handshake, Hello, the same-host channel's offer);
+//               N(N-1) connections they open, one per direction (dial, HMAC handshake, Hello, the same-host
+//               channel's set-up); "µs per new connection" is (first - steady) / N(N-1), wall time on the whole host;
 //   steady a2a  the same again, over the connections that are now open;
 //   ring        a token passed rank to rank around the ring, `--hops` hops (a chain of awaited calls: each hop is a
 //               request out and, at the end, a reply back): µs per hop = time / (2 x hops). One message is in flight
@@ -18,6 +19,8 @@
 //   shutdown    graceful shutdown, up to every rank's return.
 // Then, per rank: open file descriptors, resident memory and its shared part (the same-host channels' rings are
 // shared memory; what is resident of them is what has been touched), after the steady phase.
+// --handshake-timeout-s sets RpcOptions::handshake_timeout (5 s by default): the set-ups queued at one rank wait
+// behind each other, and past 128 ranks on two vCPUs they wait longer than that.
 // --phase-times prints when each phase began (CLOCK_MONOTONIC seconds) on stderr, to cut a profile by phase.
 // Ranks are forked, so libtorch's pages are shared between them; a spawned rank would load its own.
 #include <linux/futex.h>
@@ -36,6 +39,8 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include <fmt/core.h>
 
 #include "bench_util.hpp"
 #include "corpc/corpc.hpp"
@@ -115,11 +120,11 @@ void all_to_all(int rank, int world) {
   corpc::when_all(std::move(calls)).wait();
 }
 
-void run_rank(int rank, int world, int hops) {
+void run_rank(int rank, int world, int hops, const corpc::RpcOptions& options) {
   g_world = world;
   RankRecord& me = g_shared->ranks[rank];
   barrier(world, 0);
-  corpc::init_rpc("w" + std::to_string(rank), rank, world);
+  corpc::init_rpc(fmt::format("w{}", rank), rank, world, options);
   me.init_end = now_ns();
   barrier(world, 1);
   all_to_all(rank, world);
@@ -161,11 +166,14 @@ long median_of(int world, F field) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  corpc::bench::Flags flags(argc, argv, {"ranks", "hops", "repeats", "timeout-s"}, {"phase-times"});
+  corpc::bench::Flags flags(argc, argv, {"ranks", "hops", "repeats", "timeout-s", "handshake-timeout-s"},
+                            {"phase-times"});
   flags.check();
   const std::vector<long> sizes = flags.get_list("ranks", "8,32,64,128");
   const int hops = flags.get_int<int>("hops", 1000);
   const int repeats = flags.get_int<int>("repeats", 1);
+  corpc::RpcOptions options;
+  options.handshake_timeout = std::chrono::seconds(flags.get_int("handshake-timeout-s", 5));
   corpc::LaunchOptions launch;
   launch.start = corpc::StartMethod::fork;
   launch.timeout = std::chrono::seconds(flags.get_int("timeout-s", 300));
@@ -175,7 +183,7 @@ int main(int argc, char** argv) {
   g_shared = new (mem) Shared{};
 
   std::printf(
-      "| ranks | init s | first a2a s | steady a2a s | first/steady | µs per new connection | ring µs/hop "
+      "| ranks | init s | first a2a s | steady a2a s | first/steady | µs per new connection (host) | ring µs/hop "
       "| shutdown s | fds/rank | RSS MiB/rank | shared MiB/rank |\n");
   std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (int repeat = 0; repeat < repeats; ++repeat) {
@@ -185,13 +193,13 @@ int main(int argc, char** argv) {
         throw std::runtime_error("--ranks: each size in 2.." + std::to_string(kMaxRanks));
       std::memset(static_cast<void*>(g_shared->ranks), 0, sizeof(g_shared->ranks));
       corpc::launch_processes(
-          world, [&](int rank) { run_rank(rank, world, hops); }, launch);
+          world, [&](int rank) { run_rank(rank, world, hops, options); }, launch);
       const auto* rel = g_shared->released;
       const double init = seconds(last(world, [](auto& r) { return r.init_end; }) - rel[0]);
       const double first = seconds(last(world, [](auto& r) { return r.first_end; }) - rel[1]);
       const double steady = seconds(last(world, [](auto& r) { return r.steady_end; }) - rel[2]);
       const double shut = seconds(last(world, [](auto& r) { return r.shutdown_end; }) - rel[4]);
-      const double connections = world * (world - 1) / 2.0;
+      const double connections = world * (world - 1.0);  // each rank dials each other: a connection per direction
       std::printf("| %d | %.3f | %.3f | %.3f | %.1f | %.0f | %.1f | %.3f | %ld | %.0f | %.0f |\n", world, init, first,
                   steady, first / steady, (first - steady) / connections * 1e6,
                   static_cast<double>(g_shared->ranks[0].ring_ns) / 1e3 / (2.0 * hops), shut,

@@ -11,9 +11,17 @@ void TcpConnection::dial(std::string host, std::uint16_t port, AuthConfig auth) 
 asio::awaitable<void> TcpConnection::connect(std::shared_ptr<TcpConnection> self, std::string host, std::uint16_t port,
                                              AuthConfig auth) {
   try {
-    asio::ip::tcp::resolver resolver(self->socket_.get_executor());
-    auto endpoints = co_await resolver.async_resolve(host, std::to_string(port), asio::use_awaitable);
-    co_await asio::async_connect(self->socket_, endpoints, asio::use_awaitable);
+    // Peers publish numeric addresses: those skip the resolver, whose every lookup is a hop to its own thread and
+    // back (a rank dialing a hundred peers pays it a hundred times).
+    asio::error_code not_numeric;
+    const auto address = asio::ip::make_address(host, not_numeric);
+    if (!not_numeric) {
+      co_await self->socket_.async_connect({address, port}, asio::use_awaitable);
+    } else {
+      asio::ip::tcp::resolver resolver(self->socket_.get_executor());
+      auto endpoints = co_await resolver.async_resolve(host, std::to_string(port), asio::use_awaitable);
+      co_await asio::async_connect(self->socket_, endpoints, asio::use_awaitable);
+    }
     co_await authenticate(self->transport_, auth, AuthRole::dialer);  // queued frames wait for it
   } catch (const std::exception& e) {
     self->fail("cannot connect to " + host + ":" + std::to_string(port) + ": " + e.what());
