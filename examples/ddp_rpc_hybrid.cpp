@@ -8,6 +8,8 @@
 //   torchrun --no_python --standalone --nproc_per_node 4 --redirects 1 --tee 1 ./build/examples/ddp_rpc_hybrid
 //
 // Prints steps/s (synchronised steps of both trainers) and checks that both trainers end with the same dense layer.
+// --phases adds a table: each phase's mean µs per step and its share of the step, on each trainer (the phases:
+// systems::hybrid::kPhases).
 #include <cstdio>
 #include <string>
 
@@ -18,12 +20,43 @@
 
 using namespace systems::hybrid;
 
+namespace {
+
+// One row per phase, then the rest of the loop (what no phase covers) and the whole step: mean µs per step and share
+// of the trainer's loop, for each trainer.
+void print_phases(const std::vector<TrainerResult>& results, std::int64_t steps) {
+  std::printf("| phase |");
+  for (std::size_t t = 0; t < results.size(); ++t) std::printf(" trainer %zu µs/step | share |", t);
+  std::printf("\n|---|");
+  for (std::size_t t = 0; t < results.size(); ++t) std::printf("---:|---:|");
+  std::printf("\n");
+  auto row = [&](const char* name, auto seconds_of) {
+    std::printf("| %s |", name);
+    for (const auto& r : results) {
+      const double s = seconds_of(r);
+      std::printf(" %.1f | %.1f%% |", s * 1e6 / static_cast<double>(steps), 100.0 * s / r.seconds);
+    }
+    std::printf("\n");
+  };
+  for (std::size_t k = 0; k < kPhaseCount; ++k)
+    row(kPhases[k], [k](const TrainerResult& r) { return r.phase_seconds[k]; });
+  row("other", [](const TrainerResult& r) {
+    double rest = r.seconds;
+    for (double s : r.phase_seconds) rest -= s;
+    return rest;
+  });
+  row("step", [](const TrainerResult& r) { return r.seconds; });
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   corpc::bench::Flags flags(argc, argv);
   Config config;
   config.steps = flags.get_int("steps", 100);
   config.seed = static_cast<std::uint64_t>(flags.get_int("seed", 0));
   config.lockstep = flags.has("lockstep");
+  config.phases = flags.has("phases");
   const long warmup = flags.get_int("warmup", 5);
   return systems::run_program("ddp_rpc_hybrid", 4, [&](int rank) {
     const std::string name = rank < 2 ? "trainer" + std::to_string(rank) : rank == 2 ? "master" : "ps";
@@ -46,6 +79,7 @@ int main(int argc, char** argv) {
                   static_cast<long>(config.steps),
                   static_cast<double>(config.steps) / std::max(results[0].seconds, results[1].seconds),
                   same ? "identical" : "DIFFER");
+      if (config.phases) print_phases(results, config.steps);
       if (!same) throw std::runtime_error("the trainers' dense parameters differ");
     }
     corpc::shutdown();

@@ -86,18 +86,42 @@ TrainerResult run_trainer(corpc::RemoteModule<torch::nn::EmbeddingBag> embedding
   for (auto& p : dense->parameters()) params.emplace_back(p);
   corpc::DistributedOptimizer<torch::optim::SGD> optimizer(params, torch::optim::SGDOptions(config.lr));
 
+  // Phase timing (Config::phases): `mark(k)` adds the time since the previous mark to phase k.
+  std::vector<double> phase_seconds(config.phases ? kPhaseCount : 0, 0.0);
+  auto last = std::chrono::steady_clock::now();
+  auto mark = [&](std::size_t phase) {
+    if (!config.phases) return;
+    const auto now = std::chrono::steady_clock::now();
+    phase_seconds[phase] += std::chrono::duration<double>(now - last).count();
+    last = now;
+  };
+
   const auto t0 = std::chrono::steady_clock::now();
+  last = t0;
   for (std::int64_t step = 0; step < config.steps; ++step) {
     auto batch = make_batch(config.seed, trainer, step);
-    corpc::dist_autograd::Context ctx;
-    auto out = dense.forward(embedding.forward(batch.indices, batch.offsets));
-    auto loss = F::cross_entropy(out, batch.target);
-    ctx.backward({loss}).wait();  // DDP averages the dense gradients in the context as backward reaches them
-    optimizer.step(ctx).wait();
+    mark(0);
+    {
+      corpc::dist_autograd::Context ctx;
+      mark(1);
+      auto embedded = embedding.forward(batch.indices, batch.offsets);
+      mark(2);
+      auto out = dense.forward(embedded);
+      mark(3);
+      auto loss = F::cross_entropy(out, batch.target);
+      mark(4);
+      ctx.backward({loss}).wait();  // DDP averages the dense gradients in the context as backward reaches them
+      mark(5);
+      optimizer.step(ctx).wait();
+      mark(6);
+    }
+    mark(7);
     if (config.lockstep) group->barrier()->wait();
+    mark(8);
   }
   TrainerResult result;
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  result.phase_seconds = std::move(phase_seconds);
   for (auto& p : dense->parameters()) result.dense.push_back(p.detach().clone());
   return result;
 }

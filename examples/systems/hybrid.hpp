@@ -10,7 +10,9 @@
 
 #include <torch/nn/modules/embedding.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -30,7 +32,10 @@ struct Config {
   // sees both trainers' previous embedding updates: the run is then reproducible (tests). The tutorial does not.
   bool lockstep = false;
   std::string group_prefix = "corpc/hybrid/";  // the trainers' keys in the rendezvous store
-  CORPC_FIELDS(seed, steps, lr, lockstep, group_prefix)
+  // Time each phase of a step (kPhases) on the trainers: TrainerResult::phase_seconds. Off, the loop reads no clock
+  // inside a step.
+  bool phases = false;
+  CORPC_FIELDS(seed, steps, lr, lockstep, group_prefix, phases)
 };
 
 // EmbeddingBag(100, 16, mode sum) on the parameter server, its weight from `seed`.
@@ -44,10 +49,20 @@ struct Batch {
 };
 Batch make_batch(std::uint64_t seed, int trainer, std::int64_t step);
 
+// The phases of a trainer's step, in order, as Config::phases times them: the batch; opening the distributed autograd
+// context; the embedding lookup on the server (one RPC); the DDP Linear's forward; the loss; backward (the local
+// pass and DDP's allreduce, and the embedding's gradient sent to the server, whose pass there it waits for); the
+// DistributedOptimizer's step (the server's and this trainer's optimizers); the context's release at scope exit; the
+// lockstep barrier.
+inline constexpr const char* kPhases[] = {"batch",    "context", "lookup",  "dense",  "loss",
+                                          "backward", "step",    "release", "barrier"};
+inline constexpr std::size_t kPhaseCount = std::size(kPhases);
+
 struct TrainerResult {
-  std::vector<at::Tensor> dense;  // the trainer's Linear [weight, bias] after training
-  double seconds = 0;             // the training loop alone
-  CORPC_FIELDS(dense, seconds)
+  std::vector<at::Tensor> dense;      // the trainer's Linear [weight, bias] after training
+  double seconds = 0;                 // the training loop alone
+  std::vector<double> phase_seconds;  // Config::phases: the seconds spent in each of kPhases, summed over the steps
+  CORPC_FIELDS(dense, seconds, phase_seconds)
 };
 
 // A trainer's loop (started by the master over RPC, which hands it the remote module). Joins the trainers' DDP
