@@ -10,6 +10,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 
 #include "corpc/core/when_all.hpp"
@@ -63,7 +64,35 @@ class Container {
   // (at::get_num_threads): concurrent passes would oversubscribe those threads, and in order they form the reverse
   // pipeline (each finished pass ships its gradients on at once). Measured with bench/pipeline_bench on 2 cores:
   // faster than unbounded or 2-wide at 4 and 8 micro-batches, slower at 2 (where the other worker's core is idle).
-  Executor& passes() noexcept { return passes_; }
+  void post_pass(std::function<void()> pass) {
+    {
+      std::lock_guard lock(passes_mutex_);
+      ++passes_pending_;
+      if (pass_here_) {  // behind the pass running on a handler's thread: queued when it ends, in order
+        held_passes_.push_back(std::move(pass));
+        return;
+      }
+    }
+    post_counted(std::move(pass));
+  }
+  // Runs `pass` on the calling thread if no other pass is running or queued (returns false otherwise): a handler
+  // that would only hand the pass to another pool thread and return saves that thread's wake-up.
+  bool run_pass_here_if_idle(const std::function<void()>& pass) {
+    {
+      std::lock_guard lock(passes_mutex_);
+      if (passes_pending_ != 0 || pass_here_) return false;
+      pass_here_ = true;
+    }
+    pass();
+    std::vector<std::function<void()>> held;
+    {
+      std::lock_guard lock(passes_mutex_);
+      pass_here_ = false;
+      held.swap(held_passes_);
+    }
+    for (auto& p : held) post_counted(std::move(p));
+    return true;
+  }
 
   std::int64_t new_id() { return (static_cast<std::int64_t>(rank_) + 1) << 40 | next_.fetch_add(1); }
   std::int64_t new_message_id() { return (static_cast<std::int64_t>(rank_) + 1) << 40 | next_msg_.fetch_add(1); }
@@ -135,8 +164,20 @@ class Container {
   }
 
  private:
+  void post_counted(std::function<void()> pass) {
+    passes_.post([this, pass = std::move(pass)] {
+      pass();
+      std::lock_guard lock(passes_mutex_);
+      --passes_pending_;
+    });
+  }
+
   int rank_;
-  BoundedExecutor passes_;
+  std::mutex passes_mutex_;
+  std::size_t passes_pending_ = 0;  // posted to passes_ (or held), not finished
+  bool pass_here_ = false;          // a pass runs on a handler's thread (run_pass_here_if_idle)
+  std::vector<std::function<void()>> held_passes_;
+  BoundedExecutor passes_;  // after what its jobs touch: destroyed first, it waits for them
   std::atomic<std::int64_t> next_{1}, next_msg_{1};
   std::mutex mutex_;
   std::map<std::int64_t, std::shared_ptr<ContextState>> contexts_;
@@ -250,36 +291,47 @@ Future<void> local_pass(const std::shared_ptr<ContextState>& ctx, const ag::edge
     if (recvs[i]) ship(recvs[i], outputs[i].input_nr, captured[i]);
     else accumulate_leaf(*ctx, hook_pass, *leaves[i], captured[i]);
   }
-  for (auto& fn : hook_pass.at_end) fn();
+  // The senders' gradients leave before the end-of-pass callbacks run, so that their passes overlap what the
+  // callbacks wait for (DDP's allreduce). At once: a callback blocks where corpc's deferred sends are not flushed.
   std::vector<Future<void>> remote;
-  CallContextScope no_ctx(detail::with_context(-1));
-  for (auto& [recv, g] : shipped)
-    remote.push_back(rpc_async<&continue_from_send>(recv->src(), ctx->id, recv->msg_id(), g));
+  {
+    CallContextScope no_ctx(detail::with_context(-1));
+    std::optional<corpc::detail::SendNowScope> now;
+    if (!hook_pass.at_end.empty()) now.emplace();
+    for (auto& [recv, g] : shipped)
+      remote.push_back(rpc_async<&continue_from_send>(recv->src(), ctx->id, recv->msg_id(), g));
+  }
+  for (auto& fn : hook_pass.at_end) fn();
   return when_all(std::move(remote));
 }
 
-Future<void> run_pass(std::shared_ptr<ContextState> ctx, ag::edge_list roots, ag::variable_list grads) {
+// `here`: the caller (a request handler on the worker pool) would return right after; it runs the pass itself if
+// no other is running or queued.
+Future<void> run_pass(std::shared_ptr<ContextState> ctx, ag::edge_list roots, ag::variable_list grads,
+                      bool here = false) {
   auto done = std::make_shared<Promise<void>>();
   auto result = done->get_future();
-  container()->passes().post(
-      [ctx = std::move(ctx), roots = std::move(roots), grads = std::move(grads), done]() mutable {
-        Future<void> shipped;
-        try {
-          trace::detail::ScopedRecord slice([&] {
-            return trace::detail::Record{.kind = trace::detail::Kind::backward,
-                                         .request = static_cast<std::uint64_t>(ctx->id),
-                                         .bytes = 0,
-                                         .name = {}};
-          });
-          shipped = local_pass(ctx, roots, std::move(grads));
-        } catch (...) {
-          shipped = make_exceptional_future<void>(std::current_exception());
-        }
-        corpc::detail::on_ready_inline(shipped, [shipped, done] {
-          if (auto e = shipped.error()) done->set_exception(e);
-          else done->set_value();
-        });
+  std::function<void()> pass = [ctx = std::move(ctx), roots = std::move(roots), grads = std::move(grads),
+                                done]() mutable {
+    Future<void> shipped;
+    try {
+      trace::detail::ScopedRecord slice([&] {
+        return trace::detail::Record{.kind = trace::detail::Kind::backward,
+                                     .request = static_cast<std::uint64_t>(ctx->id),
+                                     .bytes = 0,
+                                     .name = {}};
       });
+      shipped = local_pass(ctx, roots, std::move(grads));
+    } catch (...) {
+      shipped = make_exceptional_future<void>(std::current_exception());
+    }
+    corpc::detail::on_ready_inline(shipped, [shipped, done] {
+      if (auto e = shipped.error()) done->set_exception(e);
+      else done->set_value();
+    });
+  };
+  auto c = container();
+  if (!(here && c->run_pass_here_if_idle(pass))) c->post_pass(std::move(pass));
   return result;
 }
 
@@ -297,11 +349,12 @@ Future<void> continue_from_send(std::int64_t ctx_id, std::int64_t msg_id, std::v
     roots = it->second;
   }
   if (roots.size() != grads.size()) throw ProtocolError("gradient count does not match the tensors sent");
-  return run_pass(ctx, roots, std::move(grads));
+  return run_pass(ctx, roots, std::move(grads), /*here=*/!blocking_forbidden());
 }
 
-// Releases a context here and, if it was alive, on every worker it exchanged tensors with (idempotent).
-void release_context(std::int64_t ctx_id) {
+// Releases a context here and, if it was alive, on every worker it exchanged tensors with except `from`, the worker
+// whose release this is (it released its own before telling us; -1 when the release starts here). Idempotent.
+void release_context(std::int64_t ctx_id, int from) {
   auto c = Runtime::try_get() ? container()->erase(ctx_id) : nullptr;
   if (!c) return;
   std::set<int> peers;
@@ -310,9 +363,10 @@ void release_context(std::int64_t ctx_id) {
     peers = c->peers;
   }
   CallContextScope no_ctx(detail::with_context(-1));
+  const int self = Runtime::get().rank();
   for (int p : peers)
-    if (p != Runtime::get().rank() && Runtime::get().is_alive(p))
-      corpc::detail::send_control<&release_context>(p, ctx_id);
+    if (p != self && p != from && Runtime::get().is_alive(p))
+      corpc::detail::send_control<&release_context>(p, ctx_id, self);
 }
 
 std::uint64_t live_contexts_here() { return container()->size(); }
@@ -325,7 +379,7 @@ Context::Context() : id_(container()->new_id()), scope_(detail::with_context(id_
 
 Context::~Context() {
   try {
-    release_context(id_);
+    release_context(id_, -1);
   } catch (...) {
     // Runtime gone: nothing left to release.
   }
