@@ -219,13 +219,19 @@ Future<void> RRefContext::run_serialized(const std::shared_ptr<OwnerSlot>& s, st
       if (auto ctx = weak.lock()) ctx->start_next(s);
     });
   };
-  bool start = false;
+  bool start = false, here = false;
   {
     std::lock_guard lock(s->serial_mutex);
-    s->serial_queue.push_back(std::move(wrapped));
-    if (!s->serial_busy) start = s->serial_busy = true;
+    if (!s->serial_busy) {
+      start = s->serial_busy = true;
+      // The first call of an idle object, asked for on the worker pool (a proxy call's handler, which would only
+      // wait for it), starts here: handing it to another pool thread would cost a wake-up and gain nothing.
+      here = runtime_.executor().running_here();
+    }
+    if (!here) s->serial_queue.push_back(std::move(wrapped));
   }
-  if (start) start_next(s);
+  if (here) wrapped();
+  else if (start) start_next(s);
   return result;
 }
 

@@ -49,9 +49,14 @@ T to_device(T v, const c10::Device& d) {
   else return v;
 }
 
+// Runs on the owner. The module is named by its id, not by a reference passed along: a passed reference is a fork
+// that the owner must confirm to the sender with a message of its own, one per call. The caller keeps its reference
+// until the reply instead (RemoteModule::forward_async), so the module outlives the call all the same.
 template <class M, class... A>
-auto module_forward(RRef<M> ref, A... args) -> Task<decltype(std::declval<M&>()->forward(std::declval<A>()...))> {
-  M module = co_await ref.to_here();
+auto module_forward(RRefId module_id, A... args) -> Task<decltype(std::declval<M&>()->forward(std::declval<A>()...))> {
+  auto slot = RRefContext::get()->slot(module_id);
+  co_await slot->ready;
+  M module = *slot_value<M>(*slot);
   const auto device = module_device(*module);
   co_return module->forward(to_device(std::move(args), device)...);
 }
@@ -98,8 +103,13 @@ class RemoteModule {
   /// As forward_async(args...), with per-call options. Returns a Future of what M's forward returns.
   template <class... A>
   auto forward_async(const CallOptions& options, A&&... args) const {
-    return rpc_async<&detail::module_forward<M, std::decay_t<A>...>>(module_.state()->owner, options, module_,
-                                                                     std::forward<A>(args)...);
+    constexpr auto forward_on_owner = &detail::module_forward<M, std::decay_t<A>...>;
+    if (module_.state()->confirmed.has_error())  // as a proxy call: the creation's error, without asking the owner
+      return make_exceptional_future<detail::ResultOf<forward_on_owner>>(module_.state()->confirmed.error());
+    auto out =
+        rpc_async<forward_on_owner>(module_.state()->owner, options, module_.state()->id, std::forward<A>(args)...);
+    detail::on_ready_inline(out, [keep = module_] {});  // the reference lives until the reply (module_forward)
+    return out;
   }
   /// `forward_async(args...).wait()`: blocks until the output arrives (on the CPU) and returns it.
   template <class... A>
