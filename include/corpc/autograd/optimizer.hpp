@@ -139,18 +139,32 @@ class DistributedOptimizer {
   /// Throws ShutdownError without a running runtime.
   template <class Options>
   DistributedOptimizer(const std::vector<RRef<at::Tensor>>& params, const Options& options) {
+    using Local = detail::LocalOptimizer<Opt, Options>;
     std::map<int, std::vector<RRef<at::Tensor>>> by_owner;
     for (auto& p : params) by_owner[p.owner().rank].push_back(p);
+    const int self = Runtime::get().rank();
+    std::function<Future<void>(std::int64_t)> self_step;
     for (auto& [owner, ps] : by_owner) {
-      auto local = remote<detail::LocalOptimizer<Opt, Options>>(owner, ps, options);
-      steps_.push_back([local](std::int64_t ctx) {
-        return local.template rpc_async<&detail::LocalOptimizer<Opt, Options>::step>(ctx);
-      });
+      auto local = remote<Local>(owner, ps, options);
+      if (owner != self) {
+        steps_.push_back([local](std::int64_t ctx) { return local.template rpc_async<&Local::step>(ctx); });
+        continue;
+      }
+      // This worker's own optimizer: called on its slot, without a message to itself. Last in steps_, so that the
+      // other owners' requests leave before it runs (on the calling thread, when that may block).
+      auto slot = detail::RRefContext::get()->slot(local.state()->id);
+      self_step = [local, slot](std::int64_t ctx) -> Future<void> {
+        if (blocking_forbidden()) return local.template rpc_async<&Local::step>(ctx);
+        return spawn(detail::invoke_member<&Local::step>(slot, std::tuple<std::int64_t>(ctx)));
+      };
     }
+    if (self_step) steps_.push_back(std::move(self_step));
   }
 
   /// Applies the gradients of `context_id` on every owner, concurrently; completes when all have stepped, or fails
-  /// with the first owner's error (errors as for rpc_async). Steps on one owner run one at a time.
+  /// with the first owner's error (errors as for rpc_async). Steps on one owner run one at a time. This worker's own
+  /// share (if it owns parameters) is no message: called on a worker-pool thread, it runs right there once the other
+  /// owners' requests have left; from another thread it is queued on the pool (an I/O thread sends it to itself).
   Future<void> step(std::int64_t context_id) const {
     std::vector<Future<void>> all;
     for (auto& s : steps_) all.push_back(s(context_id));
