@@ -119,32 +119,43 @@ bool poll_for(int spin_us, F&& ready) {
   }
 }
 
+// An epoll instance watching one descriptor for input, as Asio's reactor waits (only when the variant asks).
+class EpollOn {
+ public:
+  EpollOn(bool wanted, int fd) {
+    if (!wanted) return;
+    ep_ = ::epoll_create1(EPOLL_CLOEXEC);
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    if (ep_ < 0 || ::epoll_ctl(ep_, EPOLL_CTL_ADD, fd, &ev) != 0) die("epoll");
+  }
+  EpollOn(const EpollOn&) = delete;
+  EpollOn& operator=(const EpollOn&) = delete;
+  ~EpollOn() {
+    if (ep_ >= 0) ::close(ep_);
+  }
+  void wait() const {
+    epoll_event ev;
+    if (::epoll_wait(ep_, &ev, 1, -1) < 0 && errno != EINTR) die("epoll_wait");
+  }
+
+ private:
+  int ep_ = -1;
+};
+
 // ---------------------------------------------------------------------------------------------------------------------
 // TCP
 
 class TcpEnd {
  public:
-  TcpEnd(int fd, const Variant& v) : fd_(fd), v_(v), in_(std::size_t{8} << 20) {
-    if (v.wait == Wait::kEpoll) {
-      ep_ = ::epoll_create1(EPOLL_CLOEXEC);
-      epoll_event ev{};
-      ev.events = EPOLLIN;
-      if (ep_ < 0 || ::epoll_ctl(ep_, EPOLL_CTL_ADD, fd, &ev) != 0) die("epoll");
-    }
-  }
-  ~TcpEnd() {
-    if (ep_ >= 0) ::close(ep_);
-  }
+  TcpEnd(int fd, const Variant& v) : fd_(fd), v_(v), in_(std::size_t{8} << 20), epoll_(v.wait == Wait::kEpoll, fd) {}
 
   // Waits for bytes as the variant does and appends them; false at end of stream.
   bool receive() {
     ssize_t n = -1;
     if (poll_for(v_.spin_us, [&] { return (n = try_recv()) >= 0; })) return n > 0;
     if (v_.wait == Wait::kEpoll) {
-      while ((n = try_recv()) < 0) {  // a speculative read first, as Asio does
-        epoll_event ev;
-        if (::epoll_wait(ep_, &ev, 1, -1) < 0 && errno != EINTR) die("epoll_wait");
-      }
+      while ((n = try_recv()) < 0) epoll_.wait();  // a speculative read first, as Asio does
       return n > 0;
     }
     do n = ::recv(fd_, in_.data() + end_, in_.size() - end_, 0);
@@ -218,10 +229,11 @@ class TcpEnd {
     return n;
   }
 
-  int fd_, ep_ = -1;
+  int fd_;
   Variant v_;
   std::vector<char> in_;
   std::size_t end_ = 0;
+  EpollOn epoll_;
 };
 
 void tcp_server(int fd, const Variant& v) {
@@ -342,17 +354,8 @@ class RingWriter {
 
 class RingReader {
  public:
-  RingReader(Ring* r, int efd, const Variant& v) : r_(r), efd_(efd), v_(v), tail_(r->tail.load()), end_(tail_) {
-    if (v.wait == Wait::kEventfdEpoll) {
-      ep_ = ::epoll_create1(EPOLL_CLOEXEC);
-      epoll_event ev{};
-      ev.events = EPOLLIN;
-      if (ep_ < 0 || ::epoll_ctl(ep_, EPOLL_CTL_ADD, efd, &ev) != 0) die("epoll");
-    }
-  }
-  ~RingReader() {
-    if (ep_ >= 0) ::close(ep_);
-  }
+  RingReader(Ring* r, int efd, const Variant& v)
+      : r_(r), efd_(efd), v_(v), tail_(r->tail.load()), end_(tail_), epoll_(v.wait == Wait::kEventfdEpoll, efd) {}
 
   // Returns once there is something to read.
   void wait() {
@@ -405,8 +408,7 @@ class RingReader {
         if (::read(efd_, &v, sizeof v) < 0 && errno != EINTR) die("eventfd read");
         return;
       case Wait::kEventfdEpoll: {
-        epoll_event ev;
-        if (::epoll_wait(ep_, &ev, 1, -1) < 0 && errno != EINTR) die("epoll_wait");
+        epoll_.wait();
         if (::read(efd_, &v, sizeof v) < 0 && errno != EAGAIN && errno != EINTR) die("eventfd read");
         return;
       }
@@ -415,9 +417,10 @@ class RingReader {
   }
 
   Ring* r_;
-  int efd_, ep_ = -1;
+  int efd_;
   Variant v_;
   std::uint64_t tail_, end_;
+  EpollOn epoll_;
 };
 
 // Two rings and their eventfds, created before fork: [0] parent to child, [1] child to parent.
