@@ -54,6 +54,8 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.hpp"
+
 namespace {
 
 [[noreturn]] void die(const char* what) {
@@ -691,66 +693,37 @@ std::vector<Variant> all_variants() {
   return v;
 }
 
-std::vector<std::string> split(const char* s) {
-  std::vector<std::string> out;
-  std::string cur;
-  for (; *s; ++s) {
-    if (*s == ',') {
-      out.push_back(cur);
-      cur.clear();
-    } else {
-      cur += *s;
-    }
-  }
-  out.push_back(cur);
-  return out;
-}
-
 Options parse(int argc, char** argv) {
+  corpc::bench::Flags flags(
+      argc, argv, {"rounds", "messages", "pings", "paced-pings", "paced-us", "idle-ms", "sizes", "only", "reference"},
+      {});
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    const char* val = i + 1 < argc ? argv[i + 1] : nullptr;
-    if (!val) {
-      std::fprintf(stderr, "%s needs a value\n", a.c_str());
-      std::exit(2);
+  try {
+    flags.check();
+    o.rounds = flags.get_int<int>("rounds", o.rounds);
+    o.messages = flags.get_int("messages", o.messages);
+    o.pings = flags.get_int("pings", o.pings);
+    o.paced_pings = flags.get_int("paced-pings", o.paced_pings);
+    o.paced_us = flags.get_int<int>("paced-us", o.paced_us);
+    o.idle_ms = flags.get_int<int>("idle-ms", o.idle_ms);
+    o.sizes.clear();
+    for (long size : flags.get_list("sizes", "64,1024")) {
+      if (size < 1 || size > 32768) throw corpc::bench::FlagError("--sizes: each in 1..32768 bytes");
+      o.sizes.push_back(static_cast<std::size_t>(size));
     }
-    ++i;
-    if (a == "--rounds") {
-      o.rounds = std::atoi(val);
-    } else if (a == "--messages") {
-      o.messages = std::atol(val);
-    } else if (a == "--pings") {
-      o.pings = std::atol(val);
-    } else if (a == "--paced-pings") {
-      o.paced_pings = std::atol(val);
-    } else if (a == "--paced-us") {
-      o.paced_us = std::atoi(val);
-    } else if (a == "--idle-ms") {
-      o.idle_ms = std::atoi(val);
-    } else if (a == "--sizes") {
-      o.sizes.clear();
-      for (const std::string& s : split(val)) o.sizes.push_back(std::stoul(s));
-    } else if (a == "--only") {
-      o.only = split(val);
-    } else if (a == "--reference") {
-      o.reference = val;
-    } else {
-      std::fprintf(stderr,
-                   "usage: %s [--rounds N] [--messages N] [--pings N] [--paced-pings N] [--paced-us US] [--idle-ms MS] "
-                   "[--sizes 64,1024] "
-                   "[--only NAME,...] [--reference NAME]\n",
-                   argv[0]);
-      std::exit(2);
+    for (std::string rest = flags.get("only", ""); !rest.empty();) {
+      const auto comma = rest.find(',');
+      o.only.push_back(rest.substr(0, comma));
+      rest = comma == std::string::npos ? "" : rest.substr(comma + 1);
     }
-  }
-  for (std::size_t s : o.sizes)
-    if (s == 0 || s > 32768) {
-      std::fprintf(stderr, "sizes are 1..32768 bytes\n");
-      std::exit(2);
-    }
-  if (o.rounds < 1 || o.messages < 1 || o.pings < 1 || o.paced_pings < 1 || o.paced_us < 1 || o.idle_ms < 1) {
-    std::fprintf(stderr, "counts must be positive\n");
+    o.reference = flags.get("reference", o.reference);
+    if (o.rounds < 1 || o.messages < 1 || o.pings < 1 || o.paced_pings < 1 || o.paced_us < 1 || o.idle_ms < 1)
+      throw corpc::bench::FlagError("counts must be positive");
+  } catch (const corpc::bench::FlagError& e) {
+    std::fprintf(stderr,
+                 "%s\nusage: %s [--rounds N] [--messages N] [--pings N] [--paced-pings N] [--paced-us US] "
+                 "[--idle-ms MS] [--sizes 64,1024] [--only NAME,...] [--reference NAME]\n",
+                 e.what(), argv[0]);
     std::exit(2);
   }
   return o;
