@@ -163,7 +163,9 @@ int bind_master_socket(int& port) {
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   addr.sin_port = 0;
   socklen_t len = sizeof addr;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || ::listen(fd, 128) != 0 ||
+  // The longest backlog: every rank dials rank 0 at once, before rank 0 may even have started (a full queue drops
+  // a connection, which retries only after a second).
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || ::listen(fd, SOMAXCONN) != 0 ||
       ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
     ::close(fd);
     throw RpcError(std::string("launch_processes: cannot bind a port: ") + std::strerror(errno));
