@@ -70,9 +70,6 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
   if (self.rank == 0 && listen_fd >= 0) {
     // A launcher (corpc::launch_processes) bound the port for us, so no other process can take it in between.
     acceptor->assign(asio::ip::tcp::v4(), listen_fd);
-    // Listening again sets the system's largest backlog: the launcher's may be short, and at the start every rank
-    // dials rank 0 at once (a full queue drops connections, which retry only after a second).
-    acceptor->listen();
   } else {
     asio::ip::tcp::resolver resolver(main_io());
     auto endpoint = *resolver.resolve(listen_host, std::to_string(self.rank == 0 ? master_port : 0)).begin();
