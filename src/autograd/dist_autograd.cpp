@@ -10,7 +10,6 @@
 #include <deque>
 #include <map>
 #include <mutex>
-#include <optional>
 #include <set>
 
 #include "corpc/core/when_all.hpp"
@@ -291,16 +290,15 @@ Future<void> local_pass(const std::shared_ptr<ContextState>& ctx, const ag::edge
     if (recvs[i]) ship(recvs[i], outputs[i].input_nr, captured[i]);
     else accumulate_leaf(*ctx, hook_pass, *leaves[i], captured[i]);
   }
-  // The senders' gradients leave before the end-of-pass callbacks run, so that their passes overlap what the
-  // callbacks wait for (DDP's allreduce). At once: a callback blocks where corpc's deferred sends are not flushed.
   std::vector<Future<void>> remote;
   {
     CallContextScope no_ctx(detail::with_context(-1));
-    std::optional<corpc::detail::SendNowScope> now;
-    if (!hook_pass.at_end.empty()) now.emplace();
     for (auto& [recv, g] : shipped)
       remote.push_back(rpc_async<&continue_from_send>(recv->src(), ctx->id, recv->msg_id(), g));
   }
+  // The senders' gradients leave before the end-of-pass callbacks run, so that their passes overlap what the
+  // callbacks wait for (DDP's allreduce): a callback may block where this thread's staged sends are not flushed.
+  if (!hook_pass.at_end.empty()) corpc::detail::run_deferred_work();
   for (auto& fn : hook_pass.at_end) fn();
   return when_all(std::move(remote));
 }

@@ -155,6 +155,7 @@ class DistributedOptimizer {
       auto slot = detail::RRefContext::get()->slot(local.state()->id);
       self_step = [local, slot](std::int64_t ctx) -> Future<void> {
         if (blocking_forbidden()) return local.template rpc_async<&Local::step>(ctx);
+        detail::run_deferred_work();  // the other owners' requests, staged on this thread, leave before it computes
         return spawn(detail::invoke_member<&Local::step>(slot, std::tuple<std::int64_t>(ctx)));
       };
     }
