@@ -1,10 +1,14 @@
-// Small helpers shared by the benchmarks: machine facts printed at start, flag parsing.
+// Small helpers shared by the benchmarks: machine facts printed at start, flag parsing, a clock, a median, futex.
 #pragma once
 
 #include <dlfcn.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
@@ -16,6 +20,25 @@
 #include <vector>
 
 namespace corpc::bench {
+
+// CLOCK_MONOTONIC in nanoseconds: one clock for every process on the host.
+inline std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// The middle value (the mean of the middle two for an even count); 0 for none.
+inline double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+// futex(2) on a word that may be shared between processes (so never FUTEX_PRIVATE_FLAG).
+inline long futex(std::atomic<std::uint32_t>* word, int op, std::uint32_t value) {
+  return ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), op, value, nullptr, nullptr, 0);
+}
 
 // Which BLAS libtorch will load (Debian's reference BLAS is ~15x slower than OpenBLAS for convolutions).
 inline std::string blas_in_use() {

@@ -99,9 +99,7 @@ int victim(const Config& c, std::int64_t step) {
   return k < 0 ? -1 : k % c.trainers;
 }
 
-std::int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
-}
+using corpc::bench::now_ns;
 
 // One process's timestamps: "<event> <step> <t_ns>" lines appended to <dir>/<rank>.<pid>, one write each (a
 // SIGKILL loses nothing written before it).

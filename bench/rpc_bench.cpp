@@ -70,10 +70,7 @@ corpc::Task<void> relay_noop() { co_await corpc::rpc_async<&noop>(2); }
 // The cancel case: rank 1 parks a coroutine function until its call is cancelled, and notes when it saw the stop.
 std::atomic<bool> g_parked{false};
 std::atomic<std::int64_t> g_stop_seen_ns{0};
-std::int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+using corpc::bench::now_ns;
 corpc::Task<void> park_until_cancelled() {
   static corpc::Promise<void> never;
   g_parked = true;
@@ -242,12 +239,7 @@ Options parse(int argc, char** argv) {
 }
 
 // ---- statistics -------------------------------------------------------------------------------------------------
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
+using corpc::bench::median;
 double p99(std::vector<double> v) {  // as bench/pytorch_rpc_bench.py computes it
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());

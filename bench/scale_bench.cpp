@@ -25,7 +25,6 @@
 // Ranks are forked, so libtorch's pages are shared between them; a spawned rank would load its own.
 #include <linux/futex.h>
 #include <sys/mman.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -47,13 +46,10 @@
 
 namespace {
 
-using Clock = std::chrono::steady_clock;  // CLOCK_MONOTONIC: one clock for every process on the host
-
 constexpr int kMaxRanks = 1024;
 
-std::int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
-}
+using corpc::bench::futex;
+using corpc::bench::now_ns;
 
 struct RankRecord {
   std::int64_t init_end, first_end, steady_end, ring_ns, shutdown_end;
@@ -69,10 +65,6 @@ struct Shared {
 };
 
 Shared* g_shared = nullptr;
-
-long futex(std::atomic<std::uint32_t>* word, int op, std::uint32_t value) {
-  return syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), op, value, nullptr, nullptr, 0);
-}
 
 // All `world` ranks meet; the last to arrive notes the time (barrier number `index`) and wakes the others.
 void barrier(int world, int index) {

@@ -38,7 +38,6 @@
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
-#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -68,7 +67,7 @@ std::int64_t clock_ns(clockid_t id) {
   if (::clock_gettime(id, &ts) != 0) die("clock_gettime");
   return ts.tv_sec * 1'000'000'000LL + ts.tv_nsec;
 }
-std::int64_t now_ns() { return clock_ns(CLOCK_MONOTONIC); }
+using corpc::bench::now_ns;
 
 clockid_t cpu_clock_of(pid_t pid) {
   clockid_t c;
@@ -305,9 +304,7 @@ static_assert(std::atomic<std::uint32_t>::is_always_lock_free && sizeof(std::ato
 
 std::uint64_t record_bytes(std::uint32_t len) { return sizeof(Hdr) + (len == kQuit ? 0 : (len + 7) / 8 * 8); }
 
-long futex(std::atomic<std::uint32_t>* word, int op, std::uint32_t val) {
-  return ::syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), op, val, nullptr, nullptr, 0);
-}
+using corpc::bench::futex;
 
 class RingWriter {
  public:
@@ -526,11 +523,7 @@ struct Result {
   double cpu_us_per_msg[3] = {};              // both processes
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
+using corpc::bench::median;
 
 void connected_tcp_pair(int fds[2]) {
   int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
