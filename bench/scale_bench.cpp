@@ -157,7 +157,9 @@ long median_of(int world, F field) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+namespace {
+
+int run(int argc, char** argv) {
   corpc::bench::Flags flags(argc, argv, {"ranks", "hops", "repeats", "timeout-s", "handshake-timeout-s"},
                             {"phase-times"});
   flags.check();
@@ -204,5 +206,18 @@ int main(int argc, char** argv) {
                      seconds(last(world, [](auto& r) { return r.shutdown_end; })));
       std::fflush(stdout);
     }
+  }
+  return 0;
+}
+
+}  // namespace
+
+// A failed job (a rank's error, a bad flag) ends as an exit status of 1 with the reason, not as an abort.
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "scale_bench: %s\n", e.what());
+    return 1;
   }
 }
