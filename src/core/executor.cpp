@@ -258,10 +258,12 @@ void BoundedExecutor::enqueue(WorkItem* item) noexcept {
   Runner* runner;
   {
     std::lock_guard lock(mutex_);
-    if (tail_) tail_->next = item;
-    else head_ = item;
-    tail_ = item;
-    if (running_ == width_) return;
+    if (running_ == width_) {
+      if (tail_) tail_->next = item;
+      else head_ = item;
+      tail_ = item;
+      return;
+    }
     ++running_;
     if (free_runners_.empty()) {
       runner = new Runner;
@@ -271,6 +273,7 @@ void BoundedExecutor::enqueue(WorkItem* item) noexcept {
       runner = free_runners_.back();
       free_runners_.pop_back();
     }
+    runner->job = item;
   }
   underlying_.enqueue(runner);
 }
@@ -278,22 +281,20 @@ void BoundedExecutor::enqueue(WorkItem* item) noexcept {
 void BoundedExecutor::run_one(WorkItem* w) noexcept {
   auto* runner = static_cast<Runner*>(w);
   BoundedExecutor* self = runner->owner;
-  WorkItem* item;
-  {
-    std::lock_guard lock(self->mutex_);
-    item = self->head_;
-    self->head_ = item->next;
-    if (!self->head_) self->tail_ = nullptr;
-  }
   {
     ExecutorScope scope(self);  // continuations the job registers come back through this executor
-    item->run(item);
+    runner->job->run(runner->job);
   }
-  bool again;
   {
     std::lock_guard lock(self->mutex_);
-    again = self->head_ != nullptr;
-    if (!again) {
+    if (WorkItem* next = self->head_) {
+      // Take the next job now, under the lock: a runner that only looked at the queue here and popped it on its next
+      // turn could find it taken by another runner that finished at the same moment.
+      self->head_ = next->next;
+      if (!self->head_) self->tail_ = nullptr;
+      runner->job = next;
+    } else {
+      runner->job = nullptr;
       --self->running_;
       self->free_runners_.push_back(runner);
       // Notify under the lock: the owner may destroy this executor as soon as it sees running_ == 0.

@@ -152,17 +152,20 @@ class BoundedExecutor final : public Executor {
   void enqueue(WorkItem* item) noexcept override;
 
  private:
+  // A turn on the underlying executor. It is handed its job under mutex_ when it is scheduled, so no two runners
+  // can go for the same queued job.
   struct Runner : WorkItem {
     BoundedExecutor* owner;
+    WorkItem* job;
   };
   static void run_one(WorkItem* self) noexcept;
   Executor& underlying_;
   const std::size_t width_;
   std::mutex mutex_;
   std::condition_variable drained_;
-  WorkItem* head_ = nullptr;
+  WorkItem* head_ = nullptr;  // jobs waiting for a turn; only non-empty while `width_` runners are out
   WorkItem* tail_ = nullptr;
-  std::size_t running_ = 0;
+  std::size_t running_ = 0;  // runners scheduled or running
   std::vector<Runner*> free_runners_;
 };
 
