@@ -12,6 +12,9 @@
 
 #include <csignal>
 #include <cstring>
+#include <fstream>
+#include <set>
+#include <sstream>
 #include <thread>
 
 #include "../src/transport/shm_channel.hpp"
@@ -45,6 +48,20 @@ int open_memfds() {
   ::closedir(d);
   return n;
 }
+// Same-host segments this process has mapped (the channel keeps its mapping, not its descriptor).
+int mapped_segments() {
+  std::ifstream maps("/proc/self/maps");
+  std::set<std::string> inodes;  // one segment is one mapping, but count by file in case it is ever split
+  for (std::string line; std::getline(maps, line);)
+    if (line.find("memfd:corpc-same-host") != std::string::npos) {
+      std::istringstream fields(line);
+      std::string range, perms, offset, dev, inode;
+      fields >> range >> perms >> offset >> dev >> inode;
+      inodes.insert(inode);
+    }
+  return static_cast<int>(inodes.size());
+}
+at::Tensor make_large(std::int64_t bytes) { return at::full({bytes}, 7, at::kByte); }
 int die_on_receipt(at::Tensor) {
   ::raise(SIGKILL);
   return 0;
@@ -176,6 +193,34 @@ TEST_CASE("every dtype, layout and size class carries the same bytes over the sa
         },
         channel_options(on));
   }
+}
+
+TEST_CASE("a channel is set up only once a large message crosses the connection, and a large reply sets it up too") {
+  run_world(
+      2,
+      [&](int rank) {
+        if (rank != 0) return;
+        // Small calls only: no segment on either side, however long the connection lives.
+        const at::Tensor small = pattern(kKiB, 1, at::kByte);
+        for (int i = 0; i < 200; ++i) EXPECT(at::equal(rpc_sync<&echo_one>(1, small), small));
+        std::this_thread::sleep_for(300ms);  // what an eager set-up would have finished in
+        EXPECT_EQ(mapped_segments(), 0);
+        EXPECT_EQ(rpc_sync<&mapped_segments>(1), 0);
+        EXPECT(counters() == std::vector<std::uint64_t>(4, 0));
+        // Small requests, large replies: the peer (the acceptor) cannot set a channel up, so the first large reply,
+        // read here by TCP, is what sets it up; later replies come through it.
+        const auto deadline = std::chrono::steady_clock::now() + 20s;
+        int calls = 0;
+        while (counters()[1] == 0) {
+          EXPECT(std::chrono::steady_clock::now() < deadline);
+          EXPECT_EQ(rpc_sync<&make_large>(1, kMiB).numel(), kMiB);
+          ++calls;
+        }
+        EXPECT(calls >= 2);  // the first large reply went by TCP
+        EXPECT_EQ(mapped_segments(), 1);
+        EXPECT_EQ(rpc_sync<&mapped_segments>(1), 1);
+      },
+      channel_options(true));
 }
 
 TEST_CASE("received tensors held at once keep their bytes, and one kept for long does not block the ring") {

@@ -1,4 +1,4 @@
-// The same-host channel's set-up between two workers (src/transport/shm_channel.hpp has the mechanism): decided during the
+// The same-host channel's set-up between two workers (src/transport/shm_channel.hpp has the mechanism): offered during the
 // Hello exchange, never assumed, and never in the way: until it is set up, and whenever it cannot be, the connection
 // carries everything on TCP. CUDA IPC (src/memory/cuda_ipc.hpp) rides on it: agreed in the same exchange, attached with the
 // channel, its IpcDone frames handled here.
@@ -48,20 +48,31 @@ void Runtime::Impl::offer_same_host(const std::shared_ptr<detail::Connection>& c
                           [weak = std::weak_ptr(conn)] { return !weak.expired(); });
 }
 
-// Dialer: the peer's answer offered a channel and says it is on our host: set it up, without holding anything up.
+// Dialer: the peer's answer offered a channel and says it is on our host. The set-up (a segment, a Unix socket, a
+// message each way) is left until the first large message crosses the connection: most pairs of a large job never
+// exchange one, and setting theirs up made a new connection cost ~1.6x as much. With CUDA IPC agreed it starts at once:
+// CUDA tensors are lent only once the channel is up, and none should go through host memory while it is not.
+// Either way it holds nothing up: it runs on the connection's I/O thread, and until it is done the connection carries
+// everything on TCP.
 void Runtime::Impl::dial_same_host(const std::shared_ptr<detail::Connection>& conn, const detail::Hello& answer) {
   if (same_host_id.empty() || answer.host != same_host_id || answer.shm_cookie.empty()) return;
   const int rank = conn->peer_rank;
-  auto install = install_on(conn, cuda_ipc_link(rank, answer.cuda_ipc, answer.host));
-  asio::co_spawn(
-      conn->io(),
-      [this, rank, answer, install = std::move(install)]() -> asio::awaitable<void> {
-        const std::string failure = co_await detail::dial_shm_channel(
-            answer.shm_socket, answer.shm_cookie, options.same_host_ring_bytes, install, options.handshake_timeout);
-        if (!failure.empty()) same_host_failed(rank, failure);
-        else detail::log(detail::LogLevel::debug, self.name, "same-host channel", "set up to rank {}", rank);
-      },
-      asio::detached);
+  auto ipc = cuda_ipc_link(rank, answer.cuda_ipc, answer.host);
+  const bool at_once = ipc != nullptr;
+  auto set_up = [this, rank, io = &conn->io(), socket = answer.shm_socket, cookie = answer.shm_cookie,
+                 install = install_on(conn, std::move(ipc))] {
+    asio::co_spawn(
+        *io,
+        [this, rank, socket, cookie, install]() -> asio::awaitable<void> {
+          const std::string failure = co_await detail::dial_shm_channel(socket, cookie, options.same_host_ring_bytes,
+                                                                        install, options.handshake_timeout);
+          if (!failure.empty()) same_host_failed(rank, failure);
+          else detail::log(detail::LogLevel::debug, self.name, "same-host channel", "set up to rank {}", rank);
+        },
+        asio::detached);
+  };
+  if (at_once) set_up();
+  else conn->set_up_shm_when_needed(std::move(set_up));
 }
 
 void Runtime::Impl::same_host_failed(int rank, const std::string& why) {

@@ -126,6 +126,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // From now on, the tensor data of large messages may travel through this same-host channel (src/transport/shm_channel.hpp)
   // in both directions. Any thread; ignored by connections that have no use for one.
   virtual void attach_shm(std::shared_ptr<ShmChannel>) {}
+  // Runs `set_up` once, the first time a message with kShmMinBytes of tensor data or more is sent, or arrives by TCP,
+  // while no channel is attached: a channel is then set up only between peers that exchange large tensors. `set_up`
+  // runs on the thread that sends or reads, with no lock of the connection held; it must not block. Any thread;
+  // ignored by connections that have no use for a channel.
+  virtual void set_up_shm_when_needed(std::function<void()>) {}
   // CUDA IPC with the peer (src/memory/cuda_ipc.hpp), agreed in the handshake: attached just before the same-host channel
   // (whose set-up is what lets the peer send), and closed with the connection. Any thread; ignored by connections
   // that have no use for one.

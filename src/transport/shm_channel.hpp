@@ -8,12 +8,13 @@
 // the receiver may even use the ring's bytes in place (a received tensor is then a view of the ring, and its region
 // is given back when the tensor is freed), which leaves one copy per transfer.
 //
-// Setting up (decided during the handshake, never assumed): both Hellos carry the host's identity (boot id and network
-// namespace); the acceptor's answer also carries the name of its abstract Unix socket and a fresh cookie. If the
-// identities match, the dialer makes the segment (a sealed memfd: the peer can neither shrink nor grow it), connects
-// to that socket and passes the descriptor with the cookie (SCM_RIGHTS); the cookie travelled only over the
-// authenticated TCP connection, so the Unix socket is as authenticated as TCP. Each side maps the segment and closes
-// the descriptor. Anything failing leaves the connection on TCP (logged once).
+// Setting up (offered during the handshake, never assumed): both Hellos carry the host's identity (boot id and
+// network namespace); the acceptor's answer also carries the name of its abstract Unix socket and a fresh cookie. If
+// the identities match, the dialer, once the first large message crosses the connection either way (at once where
+// CUDA IPC is agreed: src/rpc/same_host.cpp), makes the segment (a sealed memfd: the peer can neither shrink nor grow
+// it), connects to that socket and passes the descriptor with the cookie (SCM_RIGHTS); the cookie travelled only over
+// the authenticated TCP connection, so the Unix socket is as authenticated as TCP. Each side maps the segment and
+// closes the descriptor. Anything failing leaves the connection on TCP (logged once).
 //
 // Segment: [control pages: two release queues][ring 0: dialer -> acceptor][ring 1: acceptor -> dialer]. The sender
 // of a ring allocates its regions (under its connection's write lock; first fit from the start, so that a steady

@@ -43,7 +43,19 @@ void TcpConnection::start_reading() {
 
 void TcpConnection::attach_shm(std::shared_ptr<ShmChannel> channel) {
   std::lock_guard lock(wmutex_);
-  if (!closed_) shm_ = std::move(channel);
+  if (closed_) return;
+  shm_ = std::move(channel);
+  shm_wanted_ = nullptr;
+}
+
+void TcpConnection::set_up_shm_when_needed(std::function<void()> set_up) {
+  std::lock_guard lock(wmutex_);
+  if (!closed_ && !shm_) shm_wanted_ = std::move(set_up);
+}
+
+std::function<void()> TcpConnection::take_shm_set_up() {
+  std::lock_guard lock(wmutex_);
+  return std::exchange(shm_wanted_, nullptr);
 }
 
 void TcpConnection::attach_cuda_ipc(std::shared_ptr<CudaIpcLink> link) {
@@ -98,6 +110,7 @@ void TcpConnection::fail(const std::string& why) {
     keep_bodies_.clear();
     segs_.clear();
     shm_.reset();  // its mapping goes once the tensors received through it are freed too
+    shm_wanted_ = nullptr;
     ipc = std::move(ipc_);
   }
   // What we lent is released (no IpcDone will come), what we mapped is closed once the copies using it are done.

@@ -63,7 +63,10 @@ class TcpConnection final : public Connection {
   void close(std::string why) override;
   void close_when_flushed() override;
   void attach_shm(std::shared_ptr<ShmChannel> channel) override;
+  void set_up_shm_when_needed(std::function<void()> set_up) override;
   void attach_cuda_ipc(std::shared_ptr<CudaIpcLink> link) override;
+  // The pending set-up of set_up_shm_when_needed, taken (empty if none, or if it was taken already).
+  std::function<void()> take_shm_set_up();
   std::shared_ptr<CudaIpcLink> cuda_ipc() override;
   std::shared_ptr<CudaIpcLink> cuda_ipc_for_lending() override;
 
@@ -169,6 +172,7 @@ class TcpConnection final : public Connection {
 
   std::mutex wmutex_;  // guards everything below, and the socket's descriptor against close while a sender writes
   std::shared_ptr<ShmChannel> shm_;   // the same-host channel, once set up
+  std::function<void()> shm_wanted_;  // sets shm_ up, until a large message calls for it (taken then)
   std::shared_ptr<CudaIpcLink> ipc_;  // CUDA IPC with the peer, once agreed and attached
   std::string stage_;
   std::vector<Seg> segs_;

@@ -86,6 +86,10 @@ asio::awaitable<void> TcpConnection::read_frames(std::shared_ptr<Connection> bas
       msg.tensors = decode_tensors(h, meta.data(), meta.size(), msg);
     }
     if (h.tensor_bytes && !(h.flags & kFlagShm)) {
+      // The peer cannot set a channel up (only the dialer can): a large message from it asks for one here.
+      if (h.tensor_bytes >= kShmMinBytes && !shm_rx_) {
+        if (auto set_up = take_shm_set_up()) set_up();
+      }
       std::vector<asio::mutable_buffer> rest;
       for (auto& t : msg.tensors) {
         auto* p = static_cast<char*>(t.data_ptr());

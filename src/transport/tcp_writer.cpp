@@ -63,10 +63,20 @@ void TcpConnection::send(OutFrame&& f) {
             .kind = trace::detail::Kind::tensor_send, .peer = peer_rank, .bytes = tensor_bytes, .name = {}};
       },
       tensor_bytes >= trace::kLargeTransferBytes);
+  // A channel's set-up that this message calls for starts once the write lock is released (declared before it).
+  struct SetUpAfter {
+    std::function<void()> fn;
+    ~SetUpAfter() {
+      if (fn) fn();
+    }
+  } shm_set_up;
   std::unique_lock lock(wmutex_);
   if (closed_) return;
   if (f.lent) f.lent->commit();  // in the wire's order now: out until the peer's IpcDone or this connection's loss
-  if (shm_ && tensor_bytes >= kShmMinBytes) shm_send(*shm_, f);  // the data goes through the ring if it has room
+  if (tensor_bytes >= kShmMinBytes) {
+    if (shm_) shm_send(*shm_, f);  // the data goes through the ring if it has room
+    else if (shm_wanted_) shm_set_up.fn = std::exchange(shm_wanted_, nullptr);
+  }
   // A thread outside the I/O threads coalesces, unless it blocks on this very frame next (rpc_sync).
   const bool coalesce = tls_batch.io == nullptr && tls_send_now == 0 && !transport_.encrypted();
   if (!connected_ || flush_owned_ || corked_here() || f.tensors.size() + 3 > kMaxIov || transport_.encrypted() ||

@@ -96,8 +96,9 @@ struct RpcOptions {
   // ---- Same-host channel (docs/transfers.md) ----
   /// Whether connections between two workers on one host move large tensors (64 KiB of tensor data per message and
   /// more) through shared memory instead of the socket. Same host is decided during the handshake (boot id and
-  /// network namespace, compared by both ends); a channel that cannot be set up leaves the connection on TCP, with one
-  /// warning. Left true: CORPC_SAME_HOST_CHANNEL=0 turns it off.
+  /// network namespace, compared by both ends); the channel is set up when the first such message crosses the
+  /// connection, either way (that message goes by TCP), or at once where CUDA IPC is agreed. A channel that cannot be
+  /// set up leaves the connection on TCP, with one warning. Left true: CORPC_SAME_HOST_CHANNEL=0 turns it off.
   bool same_host_channel = true;
   /// Whether CUDA tensors bound for a worker on this host travel as CUDA IPC handles (a CUDA build of libtorch, a
   /// device, and the same-host channel on both ends) instead of through host memory. Left true: CORPC_CUDA_IPC=0
