@@ -5,24 +5,28 @@
 # rounds in which both ran (a failed run is left out; PyTorch's stderr goes to $LOG, /dev/null by default).
 #   bench/compare_systems.sh [rounds] [ps steps per trainer] [hybrid steps]
 # (from the repository root, after ninja -C build examples/param_server examples/ddp_rpc_hybrid)
+# PYTHON is the command that runs PyTorch's side, words split on spaces: by default Debian 12's python3-torch (1.13);
+# for PyTorch 2.6, the root scripts/debian13.sh makes:
+#   PYTHON="scripts/debian13.sh run --pytorch env USE_LIBUV=0 python3" bench/compare_systems.sh 2 200 100
 set -euo pipefail
-python=${PYTHON:-/usr/bin/python3}  # Debian's python3-torch; a pyenv python3 first on PATH has no torch
+# A pyenv python3 first on PATH has no torch: Debian's by its path.
+read -ra python <<<"${PYTHON:-/usr/bin/python3}"
 rounds=${1:-3}
 steps=${2:-200}
 hybrid_steps=${3:-100}
 tmp=$(mktemp)
 trap 'rm -f "$tmp"' EXIT
-echo "# load before: $(uptime)"
+echo "# PyTorch: $("${python[@]}" bench/pytorch_systems.py --version 2>/dev/null || echo '?'); load before: $(uptime)"
 for ((r = 0; r < rounds; r++)); do
   for c in "async 1" "async 2" "batch 2"; do
     set -- $c
     ./build/examples/param_server --mode "$1" --trainers "$2" --steps "$steps" |
       sed -n "s/.* \([0-9.]*\) steps\/s.*/corpc ps-$1 $2 \1 $r/p" >>"$tmp"
-    "$python" bench/pytorch_systems.py "ps-$1" "$2" "$steps" 2>>"${LOG:-/dev/null}" | sed "s/\$/ $r/" >>"$tmp"
+    "${python[@]}" bench/pytorch_systems.py "ps-$1" "$2" "$steps" 2>>"${LOG:-/dev/null}" | sed "s/\$/ $r/" >>"$tmp"
   done
   ./build/examples/ddp_rpc_hybrid --steps "$hybrid_steps" |
     sed -n "s/.* \([0-9.]*\) steps\/s.*/corpc hybrid 2 \1 $r/p" >>"$tmp"
-  "$python" bench/pytorch_systems.py hybrid 2 "$hybrid_steps" 2>>"${LOG:-/dev/null}" | sed "s/\$/ $r/" >>"$tmp"
+  "${python[@]}" bench/pytorch_systems.py hybrid 2 "$hybrid_steps" 2>>"${LOG:-/dev/null}" | sed "s/\$/ $r/" >>"$tmp"
 done
 echo "# load after: $(uptime)"
 python3 - "$tmp" <<'PY'

@@ -203,6 +203,9 @@ def free_port():
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--version"]:
+        print(torch.__version__)
+        sys.exit(0)
     case, trainers, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     if case == "hybrid":
         mp.start_processes(run_hybrid, args=(4, case, steps, free_port(), free_port()), nprocs=4, start_method="fork")
