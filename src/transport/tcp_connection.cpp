@@ -46,15 +46,20 @@ void TcpConnection::attach_shm(std::shared_ptr<ShmChannel> channel) {
   if (closed_) return;
   shm_ = std::move(channel);
   shm_wanted_ = nullptr;
+  shm_wanted_set_.store(false, std::memory_order_relaxed);
 }
 
 void TcpConnection::set_up_shm_when_needed(std::function<void()> set_up) {
   std::lock_guard lock(wmutex_);
-  if (!closed_ && !shm_) shm_wanted_ = std::move(set_up);
+  if (closed_ || shm_) return;
+  shm_wanted_ = std::move(set_up);
+  shm_wanted_set_.store(true, std::memory_order_release);
 }
 
 std::function<void()> TcpConnection::take_shm_set_up() {
+  if (!shm_wanted_set_.load(std::memory_order_acquire)) return nullptr;
   std::lock_guard lock(wmutex_);
+  shm_wanted_set_.store(false, std::memory_order_relaxed);
   return std::exchange(shm_wanted_, nullptr);
 }
 
@@ -111,6 +116,7 @@ void TcpConnection::fail(const std::string& why) {
     segs_.clear();
     shm_.reset();  // its mapping goes once the tensors received through it are freed too
     shm_wanted_ = nullptr;
+    shm_wanted_set_.store(false, std::memory_order_relaxed);
     ipc = std::move(ipc_);
   }
   // What we lent is released (no IpcDone will come), what we mapped is closed once the copies using it are done.

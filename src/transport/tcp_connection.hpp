@@ -166,9 +166,10 @@ class TcpConnection final : public Connection {
   std::uint64_t written_ = 0, written_checked_ = 0;  // staged writes that made progress
   int silent_checks_ = 0;
 
-  std::shared_ptr<ShmChannel> shm_rx_;     // I/O thread: shm_, once a frame needed it
-  std::shared_ptr<CudaIpcLink> ipc_rx_;    // I/O thread: ipc_, once attached
-  std::atomic<bool> ipc_attached_{false};  // ipc_ was set (spares senders and readers the lock until then)
+  std::shared_ptr<ShmChannel> shm_rx_;       // I/O thread: shm_, once a frame needed it
+  std::shared_ptr<CudaIpcLink> ipc_rx_;      // I/O thread: ipc_, once attached
+  std::atomic<bool> ipc_attached_{false};    // ipc_ was set (spares senders and readers the lock until then)
+  std::atomic<bool> shm_wanted_set_{false};  // shm_wanted_ is not empty (spares the reader the lock otherwise)
 
   std::mutex wmutex_;  // guards everything below, and the socket's descriptor against close while a sender writes
   std::shared_ptr<ShmChannel> shm_;   // the same-host channel, once set up

@@ -75,7 +75,10 @@ void TcpConnection::send(OutFrame&& f) {
   if (f.lent) f.lent->commit();  // in the wire's order now: out until the peer's IpcDone or this connection's loss
   if (tensor_bytes >= kShmMinBytes) {
     if (shm_) shm_send(*shm_, f);  // the data goes through the ring if it has room
-    else if (shm_wanted_) shm_set_up.fn = std::exchange(shm_wanted_, nullptr);
+    else if (shm_wanted_) {
+      shm_set_up.fn = std::exchange(shm_wanted_, nullptr);
+      shm_wanted_set_.store(false, std::memory_order_relaxed);
+    }
   }
   // A thread outside the I/O threads coalesces, unless it blocks on this very frame next (rpc_sync).
   const bool coalesce = tls_batch.io == nullptr && tls_send_now == 0 && !transport_.encrypted();
