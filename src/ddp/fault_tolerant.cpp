@@ -1,7 +1,6 @@
 // The fault-tolerant trainer (see corpc/ddp/fault_tolerant.hpp): each attempt at a step asks for a quorum, rebuilds
 // the group when the epoch changed (after recovering from a donor if told to), runs the caller's forward and
 // backward, votes, and takes the optimizer step only once the coordinator committed it.
-#include <signal.h>
 
 #include <algorithm>
 #include <mutex>
@@ -151,11 +150,7 @@ FaultTolerantGroup::FaultTolerantGroup(torch::nn::Module& module, torch::optim::
                                        FaultTolerantOptions options)
     : state_(std::make_shared<State>(module, optimizer)) {
   auto& rt = Runtime::get();
-  // Gloo writes to its peers' sockets without MSG_NOSIGNAL: a member that dies mid-allreduce would take the
-  // survivors down with SIGPIPE (Python ignores it from the start; a C++ program does not). A handler the program
-  // installed is left alone.
-  struct sigaction current {};
-  if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
+  detail::ignore_sigpipe_unless_handled();  // before any group: see its comment
   state_->options = std::move(options);
   state_->rank = rt.rank();
   state_->has_state = !rt.options().rejoin;

@@ -1,4 +1,5 @@
 // The env:// rendezvous for DDP: a store (see init_process_group's comment for which) and a Gloo group on it.
+#include <signal.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -92,8 +93,14 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const ProcessGroupOpti
 
 namespace detail {
 
+void ignore_sigpipe_unless_handled() {
+  struct sigaction current {};
+  if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
+}
+
 c10::intrusive_ptr<c10d::ProcessGroup> gloo_group(c10::intrusive_ptr<c10d::Store> store, int rank, int world,
                                                   std::chrono::milliseconds timeout, bool loopback) {
+  ignore_sigpipe_unless_handled();
   auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
   gloo_options->devices = {loopback ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
                                     : c10d::ProcessGroupGloo::createDefaultDevice()};

@@ -8,8 +8,14 @@
 
 namespace corpc::ddp::detail {
 
+// Gloo writes to its peers' sockets without MSG_NOSIGNAL: a member that dies mid-collective would take the survivors
+// down with SIGPIPE instead of the collective's error (Python ignores SIGPIPE from the start; a C++ program does not).
+// So SIGPIPE is set to ignored, unless the program installed a handler of its own, which is left alone.
+void ignore_sigpipe_unless_handled();
+
 // `rank` of a group of `world` that meets through `store` (whose keys must be this group's alone). `loopback`: the
-// job runs on 127.0.0.1, so Gloo's connections stay there (its default device is the host name's interface).
+// job runs on 127.0.0.1, so Gloo's connections stay there (its default device is the host name's interface). Calls
+// ignore_sigpipe_unless_handled() first.
 c10::intrusive_ptr<c10d::ProcessGroup> gloo_group(c10::intrusive_ptr<c10d::Store> store, int rank, int world,
                                                   std::chrono::milliseconds timeout, bool loopback);
 

@@ -65,7 +65,9 @@ struct ProcessGroupOptions {
 ///
 /// Collective: every rank of the group calls it, and it returns once all have joined. Throws std::runtime_error if
 /// the rendezvous variables it needs are not set, std::invalid_argument if the rank is not below the group size, and
-/// c10d's or corpc's (TimeoutError) error if the rendezvous fails.
+/// c10d's or corpc's (TimeoutError) error if the rendezvous fails. Sets SIGPIPE to ignored unless the program
+/// installed a handler: Gloo writes to a dead member's socket without MSG_NOSIGNAL, and the survivors must fail with
+/// the collective's error, not die of the signal (Python ignores SIGPIPE from the start; C++ does not).
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const ProcessGroupOptions& options = {});
 
 /// What a communication hook gets: one bucket of this rank's gradients, flattened.
