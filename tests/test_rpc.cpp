@@ -404,6 +404,39 @@ TEST_CASE("connections must prove the run's secret before anything is read; stra
       options);
 }
 
+TEST_CASE("a dialer tells nothing to an acceptor that cannot prove the secret: no Hello, only a refusal") {
+  // A stranger listening where rank 0 should be (a port taken over after a crash, say): it answers the challenge with
+  // a proof it cannot have made. The dialing rank must refuse it before saying who it is.
+  launch_processes(
+      1,
+      [](int) {
+        asio::io_context io;
+        asio::ip::tcp::acceptor stranger(io, {asio::ip::make_address("127.0.0.1"), 0});
+        const std::uint16_t port = stranger.local_endpoint().port();
+        std::string heard;  // everything the dialer sent after our answer
+        std::thread fake([&] {
+          asio::ip::tcp::socket s(io);
+          stranger.accept(s);
+          std::array<char, 20> challenge;
+          asio::read(s, asio::buffer(challenge));
+          std::array<char, 52> answer{};
+          std::memcpy(answer.data(), challenge.data(), 4);  // the tag, a nonce and a proof of nothing
+          asio::write(s, asio::buffer(answer));
+          asio::error_code ec;
+          char buf[256];
+          for (std::size_t n; (n = s.read_some(asio::buffer(buf), ec)) > 0 || !ec;) heard.append(buf, n);
+        });
+        auto options = quick_options();
+        options.init_method = "tcp://127.0.0.1:" + std::to_string(port);
+        options.init_timeout = 5s * time_scale();
+        const std::string why = EXPECT_THROWS_AS(init_rpc(worker_name(1), 1, 2, options), ConnectionError);
+        EXPECT_CONTAINS(why, "does not know our secret");
+        fake.join();
+        EXPECT_EQ(heard, std::string(32, '\0'));  // a proof that cannot match, and nothing else
+      },
+      launch_options(60s));
+}
+
 // A port on `host` that nothing listens on, or 0 if this machine cannot listen there (no IPv6, say).
 std::uint16_t free_port_on(const std::string& host) {
   try {

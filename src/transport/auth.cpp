@@ -48,11 +48,11 @@ bool same(const Mac& a, const Mac& b) { return CRYPTO_memcmp(a.data(), b.data(),
 
 }  // namespace
 
-asio::awaitable<void> authenticate(Transport& socket, const AuthConfig& config, AuthRole role) {
+asio::awaitable<void> authenticate(Transport& socket, const AuthConfig& config, AuthRole role,
+                                   std::string* last_message) {
   if (config.secret.empty() && !config.tls) co_return;
   // A peer that stops talking is dropped: the timer closes the socket, which aborts the pending read.
   asio::steady_timer timer(socket.get_executor(), config.timeout);
-  const auto started = std::chrono::steady_clock::now();
   bool timed_out = false;
   // The timer's handler may already be queued when the handshake ends (the peer gave up at the same moment): it must
   // then touch nothing of this frame or of `socket`, which may be gone by the time it runs.
@@ -71,61 +71,74 @@ asio::awaitable<void> authenticate(Transport& socket, const AuthConfig& config, 
     if (config.secret.empty()) {
       // TLS alone: the certificates authenticate the peers.
     } else if (role == AuthRole::acceptor) {
-      const Nonce mine = fresh_nonce();
-      std::array<char, 4 + 16> hello;
-      std::memcpy(hello.data(), kTag, 4);
-      std::memcpy(hello.data() + 4, mine.data(), 16);
-      co_await asio::async_write(socket, asio::buffer(hello), asio::use_awaitable);
-      std::array<unsigned char, 4 + 16 + 32> proof;
-      co_await asio::async_read(socket, asio::buffer(proof), asio::use_awaitable);
-      if (std::memcmp(proof.data(), kTag, 4) != 0) {
+      std::array<unsigned char, 4 + 16> challenge;
+      co_await asio::async_read(socket, asio::buffer(challenge), asio::use_awaitable);
+      if (std::memcmp(challenge.data(), kTag, 4) != 0) {
         // 0x16 0x03: a TLS ClientHello.
-        throw ConnectionError(proof[0] == 0x16 && proof[1] == 0x03
+        throw ConnectionError(challenge[0] == 0x16 && challenge[1] == 0x03
                                   ? "the peer speaks TLS and this worker does not (is RpcOptions::tls / CORPC_TLS_CERT "
                                     "set on every rank?)"
                                   : "not a corpc peer (no authentication)");
       }
       Nonce theirs;
-      Mac got;
-      std::memcpy(theirs.data(), proof.data() + 4, 16);
-      std::memcpy(got.data(), proof.data() + 20, 32);
-      if (!same(got, mac(config.secret, "dialer", mine, theirs, binding))) throw ConnectionError("wrong secret");
-      const Mac answer = mac(config.secret, "acceptor", theirs, mine, binding);
-      co_await asio::async_write(socket, asio::buffer(answer), asio::use_awaitable);
-    } else {
-      std::array<unsigned char, 4 + 16> hello;
-      co_await asio::async_read(socket, asio::buffer(hello), asio::use_awaitable);
-      if (std::memcmp(hello.data(), kTag, 4) != 0)
-        throw ConnectionError("the peer does not authenticate (is CORPC_SECRET set on every rank?)");
-      Nonce theirs;
-      std::memcpy(theirs.data(), hello.data() + 4, 16);
+      std::memcpy(theirs.data(), challenge.data() + 4, 16);
       const Nonce mine = fresh_nonce();
-      const Mac proof = mac(config.secret, "dialer", theirs, mine, binding);
+      const Mac proof = mac(config.secret, "acceptor", theirs, mine, binding);
       std::array<unsigned char, 4 + 16 + 32> out;
       std::memcpy(out.data(), kTag, 4);
       std::memcpy(out.data() + 4, mine.data(), 16);
       std::memcpy(out.data() + 20, proof.data(), 32);
       co_await asio::async_write(socket, asio::buffer(out), asio::use_awaitable);
-      Mac answer;
-      co_await asio::async_read(socket, asio::buffer(answer), asio::use_awaitable);
-      if (!same(answer, mac(config.secret, "acceptor", mine, theirs, binding)))
-        throw ConnectionError("the peer does not know the secret");
+      Mac got;
+      co_await asio::async_read(socket, asio::buffer(got), asio::use_awaitable);
+      if (!same(got, mac(config.secret, "dialer", mine, theirs, binding))) throw ConnectionError("wrong secret");
+    } else {
+      const Nonce mine = fresh_nonce();
+      std::array<unsigned char, 4 + 16> challenge;
+      std::memcpy(challenge.data(), kTag, 4);
+      std::memcpy(challenge.data() + 4, mine.data(), 16);
+      co_await asio::async_write(socket, asio::buffer(challenge), asio::use_awaitable);
+      std::array<unsigned char, 4 + 16 + 32> answer;
+      // Read with the error in hand: what arrived before a close says who the peer is (a TLS alert, a stranger).
+      asio::error_code ec;
+      const std::size_t n =
+          co_await asio::async_read(socket, asio::buffer(answer), asio::redirect_error(asio::use_awaitable, ec));
+      if (n >= 4 && std::memcmp(answer.data(), kTag, 4) != 0) {
+        // 0x15 0x03: a TLS alert, the TLS acceptor's answer to a plain challenge.
+        throw ConnectionError(answer[0] == 0x15 && answer[1] == 0x03
+                                  ? "the peer answered with a TLS alert (does the peer expect TLS? is RpcOptions::tls "
+                                    "/ CORPC_TLS_CERT set on every rank?)"
+                                  : "the peer does not authenticate (is CORPC_SECRET set on every rank?)");
+      }
+      if (ec) throw asio::system_error(ec);
+      Nonce theirs;
+      Mac got;
+      std::memcpy(theirs.data(), answer.data() + 4, 16);
+      std::memcpy(got.data(), answer.data() + 20, 32);
+      if (!same(got, mac(config.secret, "acceptor", mine, theirs, binding))) {
+        // A proof that cannot match, so that the acceptor too learns (and logs) that the secrets differ.
+        const Mac refusal{};
+        asio::error_code ignored;
+        co_await asio::async_write(socket, asio::buffer(refusal), asio::redirect_error(asio::use_awaitable, ignored));
+        throw ConnectionError("the peer does not know our secret (is the same CORPC_SECRET set on every rank?)");
+      }
+      const Mac proof = mac(config.secret, "dialer", theirs, mine, binding);
+      if (last_message) {
+        last_message->assign(reinterpret_cast<const char*>(proof.data()), proof.size());
+      } else {
+        co_await asio::async_write(socket, asio::buffer(proof), asio::use_awaitable);
+      }
     }
   } catch (const std::exception& e) {
     *running = false;
     timer.cancel();
     if (dynamic_cast<const ConnectionError*>(&e) && !timed_out) throw;
-    // A plain dialer and a TLS acceptor both wait (the one for the challenge, the other for a ClientHello) until
-    // one side's timeout; a TLS dialer meeting a plain acceptor fails its handshake. A connection the peer closed
-    // at once is neither: a peer that left (or crashed) must not read as a TLS mismatch. The acceptor's timeout is
-    // its own setting, so "waited" is anything past a quarter second.
+    // A TLS dialer meeting a plain acceptor fails its TLS handshake; a plain dialer meeting a TLS acceptor reads its
+    // alert (above). A connection the peer closed without a word is neither: a peer that left (or crashed) must not
+    // read as a TLS mismatch.
     const bool closed = !timed_out && dynamic_cast<const asio::system_error*>(&e) &&
                         static_cast<const asio::system_error&>(e).code() == asio::error::eof;
-    const bool waited = std::chrono::steady_clock::now() - started >= std::chrono::milliseconds(250);
-    const char* hint = config.tls && !tls_up ? " (does the peer use TLS?)"
-                       : !config.tls && role == AuthRole::dialer && (timed_out || (closed && waited))
-                           ? " (does the peer expect TLS?)"
-                           : "";
+    const char* hint = config.tls && !tls_up ? " (does the peer use TLS?)" : "";
     throw ConnectionError((timed_out ? std::string("authentication timed out")
                            : closed  ? std::string("the peer closed the connection during authentication")
                                      : std::string("authentication: ") + e.what()) +

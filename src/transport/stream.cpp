@@ -4,6 +4,8 @@
 #include <openssl/ssl.h>
 #include <openssl/x509.h>
 
+#include <sys/socket.h>
+
 #include <cstdlib>
 
 #include "corpc/transport/errors.hpp"
@@ -75,6 +77,12 @@ asio::awaitable<void> Transport::start_tls(asio::ssl::context& context, AuthRole
     } else if (e.code().category() == asio::error::get_ssl_category() &&
                ERR_GET_REASON(static_cast<unsigned long>(e.code().value())) == SSL_R_WRONG_VERSION_NUMBER) {
       failure += " (the peer does not speak TLS: is RpcOptions::tls / CORPC_TLS_CERT set on every rank?)";
+      // A plain corpc dialer speaks first and reads what comes back: a fatal protocol_version alert, the one OpenSSL
+      // queued and Asio does not send after a failed handshake, tells it that this worker expects TLS.
+      if (role == AuthRole::acceptor) {
+        static constexpr unsigned char kAlert[] = {0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 0x46};
+        (void)::send(s_->socket.native_handle(), kAlert, sizeof kAlert, MSG_NOSIGNAL | MSG_DONTWAIT);
+      }
     } else if (e.code() == asio::error::eof || e.code() == asio::ssl::error::stream_truncated) {
       failure += " (the peer hung up during the TLS handshake: it may not use TLS, or may not trust our certificate)";
     }

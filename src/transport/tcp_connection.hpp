@@ -100,6 +100,7 @@ class TcpConnection final : public Connection {
   }
   ssize_t write_iov(iovec* iov, int n);
   void stage(OutFrame& f, std::size_t skip);
+  void stage_first(const std::string& bytes);  // ahead of everything staged, before anything was written
   void schedule_flush();
   void advance(std::size_t w);
   int gather_staged(iovec* iov) const;  // what is left to write, as at most kMaxIov segments

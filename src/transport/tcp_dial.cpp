@@ -1,5 +1,6 @@
 // Opening a TCP connection to a peer: resolve, connect, authenticate (TLS and the secret), then read. Frames sent
-// meanwhile are staged, and go out behind the handshake once start_reading() flushes them.
+// meanwhile are staged, and go out behind the handshake's last message, in one write with it, once start_reading()
+// flushes them.
 #include "transport/tcp_connection.hpp"
 
 namespace corpc::detail {
@@ -22,7 +23,10 @@ asio::awaitable<void> TcpConnection::connect(std::shared_ptr<TcpConnection> self
       auto endpoints = co_await resolver.async_resolve(host, std::to_string(port), asio::use_awaitable);
       co_await asio::async_connect(self->socket_, endpoints, asio::use_awaitable);
     }
-    co_await authenticate(self->transport_, auth, AuthRole::dialer);  // queued frames wait for it
+    // Queued frames wait for it; its last message leaves with them.
+    std::string proof;
+    co_await authenticate(self->transport_, auth, AuthRole::dialer, &proof);
+    self->stage_first(proof);
   } catch (const std::exception& e) {
     self->fail("cannot connect to " + host + ":" + std::to_string(port) + ": " + e.what());
     co_return;

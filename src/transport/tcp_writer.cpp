@@ -173,6 +173,17 @@ void TcpConnection::stage(OutFrame& f, std::size_t skip) {
   }
 }
 
+// Puts `bytes` ahead of every staged frame (the handshake's last message, while dialing: nothing is written yet).
+void TcpConnection::stage_first(const std::string& bytes) {
+  if (bytes.empty()) return;
+  std::lock_guard lock(wmutex_);
+  for (Seg& s : segs_)
+    if (!s.ext) s.off += bytes.size();
+  stage_.insert(0, bytes);
+  segs_.insert(segs_.begin(), Seg{nullptr, 0, bytes.size()});
+  backlog_.fetch_add(bytes.size(), std::memory_order_relaxed);
+}
+
 // Someone must write what was just staged. wmutex_ held.
 void TcpConnection::schedule_flush() {
   if (flush_owned_ || !connected_) return;

@@ -22,7 +22,7 @@ namespace corpc::detail {
 
 inline constexpr std::uint32_t kFrameMagic = 0x43505243;  // "CRPC"
 inline constexpr std::uint8_t kProtocolVersion =
-    6;  // 6: a Hello says whether its sender replaces a rank that died (rejoining); 5: CUDA IPC (the Hello says whether its sender can, IPC entries in the tensor table, IpcDone); 4: the same-host channel (host identity in the Hello, kFlagShm), device maps (Hello, World, tensors bound for a device); 3: cancel frames, heartbeats, the receive budget in the Hello
+    7;  // 7: the dialer speaks first in the authentication (its proof leaves with its Hello); 6: a Hello says whether its sender replaces a rank that died (rejoining); 5: CUDA IPC (the Hello says whether its sender can, IPC entries in the tensor table, IpcDone); 4: the same-host channel (host identity in the Hello, kFlagShm), device maps (Hello, World, tensors bound for a device); 3: cancel frames, heartbeats, the receive budget in the Hello
 
 // What a frame is (FrameHeader::kind).
 enum class FrameKind : std::uint8_t {
