@@ -17,7 +17,7 @@ TcpConnection::TcpConnection(Transport t, const ConnectionSettings& settings, Fr
       limits_(settings.limits),
       on_frame_(std::move(on_frame)),
       on_close_(std::move(on_close)),
-      rbuf_(std::make_unique_for_overwrite<char[]>(kReadBuffer)),
+      rbuf_(std::make_unique_for_overwrite<char[]>(kFirstReadBuffer)),
       room_timer_(io()),
       liveness_timer_(io()) {
   peer_limits = limits_;

@@ -51,6 +51,9 @@ class TcpConnection final : public Connection {
  public:
   static constexpr std::size_t kReadBuffer =
       64 * 1024;  // frames whose header, metadata and body fit are parsed in place
+  // What the read buffer starts with: it grows to kReadBuffer once a read fills it, so that the many connections of a
+  // large job that only ever carry a few small frames each hold a page, not 64 KiB of the allocator's heap.
+  static constexpr std::size_t kFirstReadBuffer = 4 * 1024;
   static constexpr std::size_t kCopyBodyBelow = 4 * 1024;  // smaller bodies are copied into the staging buffer
   static constexpr std::size_t kCommitStep = 1 << 20;  // how far a large body's memory is committed ahead of its bytes
   static constexpr int kMaxIov = 64;
@@ -112,6 +115,7 @@ class TcpConnection final : public Connection {
   static asio::awaitable<void> read_loop(std::shared_ptr<TcpConnection> self);
   asio::awaitable<void> read_frames(std::shared_ptr<Connection> base);
   asio::awaitable<void> read_more();
+  void grow_read_buffer();
   std::size_t take_buffered(char* dst, std::size_t len);
   asio::awaitable<void> read_growing(std::string& dst, std::size_t len);
   std::vector<at::Tensor> decode_tensors(const FrameHeader& h, const char* meta, std::size_t len, Message& msg);
@@ -154,8 +158,9 @@ class TcpConnection final : public Connection {
   WireLimits limits_;
   FrameHandler on_frame_;  // I/O thread
   CloseHandler on_close_;  // I/O thread
-  // kReadBuffer bytes, not zeroed: a connection that only ever carries small frames touches one page of it (I/O thread)
+  // rbuf_size_ bytes (kFirstReadBuffer, then kReadBuffer), not zeroed (I/O thread)
   std::unique_ptr<char[]> rbuf_;
+  std::size_t rbuf_size_ = kFirstReadBuffer;
   std::size_t rbeg_ = 0, rend_ = 0;
   asio::steady_timer room_timer_;  // a paused reader waits on it; cancelled when there may be room (I/O thread)
   bool paused_ = false;            // I/O thread

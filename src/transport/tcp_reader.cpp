@@ -134,10 +134,22 @@ asio::awaitable<void> TcpConnection::read_more() {
     rend_ -= rbeg_;
     rbeg_ = 0;
   }
+  if (rend_ == rbuf_size_) grow_read_buffer();  // a frame's head larger than the first buffer
   std::size_t n =
-      co_await transport_.async_read_some(asio::buffer(rbuf_.get() + rend_, kReadBuffer - rend_), asio::use_awaitable);
+      co_await transport_.async_read_some(asio::buffer(rbuf_.get() + rend_, rbuf_size_ - rend_), asio::use_awaitable);
   rend_ += n;
   ++heard_;
+  if (rend_ == rbuf_size_) grow_read_buffer();  // a full read: more is coming, a burst of frames or a larger one
+}
+
+void TcpConnection::grow_read_buffer() {
+  if (rbuf_size_ == kReadBuffer) return;
+  auto bigger = std::make_unique_for_overwrite<char[]>(kReadBuffer);
+  std::memcpy(bigger.get(), rbuf_.get() + rbeg_, rend_ - rbeg_);
+  rend_ -= rbeg_;
+  rbeg_ = 0;
+  rbuf_ = std::move(bigger);
+  rbuf_size_ = kReadBuffer;
 }
 
 // Moves buffered bytes into `dst` (up to `len`); returns how many.
