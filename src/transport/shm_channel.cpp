@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -282,8 +283,11 @@ void ShmListener::close() {
 std::string ShmListener::offer(OnAttach on_attach, std::function<bool()> still_wanted) {
   std::string cookie = random_secret();
   std::lock_guard lock(mutex_);
-  for (auto it = offers_.begin(); it != offers_.end();)  // offers whose connection has gone
-    it = it->second.still_wanted() ? std::next(it) : offers_.erase(it);
+  if (offers_.size() >= sweep_at_) {
+    for (auto it = offers_.begin(); it != offers_.end();)  // offers whose connection has gone
+      it = it->second.still_wanted() ? std::next(it) : offers_.erase(it);
+    sweep_at_ = std::max<std::size_t>(64, 2 * offers_.size());
+  }
   offers_[cookie] = {std::move(on_attach), std::move(still_wanted)};
   return cookie;
 }

@@ -146,6 +146,9 @@ class ShmListener {
     std::function<bool()> still_wanted;
   };
   std::map<std::string, Offer> offers_;
+  // Offers of connections that have gone are dropped when the map reaches this size, then set to twice what is left:
+  // each offer costs O(1) amortized, not a scan of every offer (a rank of a large job makes one per peer).
+  std::size_t sweep_at_ = 64;
 };
 
 // The dialer's end: makes the segment, hands `install` the channel (so that the connection can receive through it
