@@ -190,6 +190,28 @@ TEST_CASE("nested coroutine calls A -> B -> C -> A complete, and awaiting holds 
       options);
 }
 
+TEST_CASE("messages of every size around the read buffer's growth arrive intact, first ones included") {
+  // A connection's read buffer starts at 4 KiB and grows to 64 KiB once a read fills it or a frame's head does not fit:
+  // each size below is the first message on a fresh connection (a fresh job per size would cost too much: each rank
+  // sends to the other, and rank 0's first message is the largest), then again after the growth.
+  const std::vector<std::size_t> sizes{1, 4000, 4096, 4097, 10000, 65000, 65536, 70000, std::size_t{1} << 20};
+  run_world(3, [&](int rank) {
+    const int peer = (rank + 1) % 3;
+    auto text = [](std::size_t n, int seed) {
+      std::string s(n, ' ');
+      for (std::size_t i = 0; i < n; ++i) s[i] = static_cast<char>('a' + (i * 7 + seed) % 26);
+      return s;
+    };
+    // Rank 0 opens with the largest, rank 1 with one just past the first buffer, rank 2 with a tiny one.
+    const std::size_t first = rank == 0 ? sizes.back() : rank == 1 ? 4097 : 1;
+    EXPECT(rpc_sync<&echo<std::string>>(peer, text(first, rank)) == text(first, rank));
+    for (std::size_t n : sizes) EXPECT(rpc_sync<&echo<std::string>>(peer, text(n, rank)) == text(n, rank));
+    std::vector<Future<std::string>> burst;  // many small frames per read
+    for (int i = 0; i < 500; ++i) burst.push_back(rpc_async<&echo<std::string>>(peer, text(10 + i % 200, i)));
+    for (int i = 0; i < 500; ++i) EXPECT(burst[i].wait(60s) == text(10 + i % 200, i));
+  });
+}
+
 TEST_CASE("thousands of calls in flight at once all complete with the right values") {
   run_world(3, [](int rank) {
     std::vector<Future<int>> fs;
