@@ -21,6 +21,8 @@
 // shared memory; what is resident of them is what has been touched), after the steady phase.
 // --handshake-timeout-s sets RpcOptions::handshake_timeout (5 s by default): the set-ups queued at one rank wait
 // behind each other, and past 128 ranks on two vCPUs they wait longer than that.
+// --noop-on io runs the all-to-alls' `noop` on the I/O thread its request arrives on (CORPC_IO_THREAD_FUNCTION) instead
+// of the worker pool (pool, the default for any function): what the hand-off to a pool thread costs at this scale.
 // --phase-times prints when each phase began (CLOCK_MONOTONIC seconds) on stderr, to cut a profile by phase.
 // Ranks are forked, so libtorch's pages are shared between them; a spawned rank would load its own.
 #include <linux/futex.h>
@@ -98,6 +100,8 @@ long status_kb(const char* key) {
 
 // ---- the remote functions ---------------------------------------------------------------------------------------
 void noop() {}
+void noop_on_io_thread() {}  // the same, run where its request arrives (--noop-on io)
+bool g_noop_on_io = false;
 
 int g_world = 0;
 corpc::Task<void> hop(int left) {
@@ -108,7 +112,8 @@ void all_to_all(int rank, int world) {
   std::vector<corpc::Future<void>> calls;
   calls.reserve(static_cast<std::size_t>(world));
   for (int peer = 0; peer < world; ++peer)
-    if (peer != rank) calls.push_back(corpc::rpc_async<&noop>(peer));
+    if (peer != rank)
+      calls.push_back(g_noop_on_io ? corpc::rpc_async<&noop_on_io_thread>(peer) : corpc::rpc_async<&noop>(peer));
   corpc::when_all(std::move(calls)).wait();
 }
 
@@ -157,12 +162,18 @@ long median_of(int world, F field) {
 
 }  // namespace
 
+CORPC_IO_THREAD_FUNCTION(&noop_on_io_thread);
+
 namespace {
 
 int run(int argc, char** argv) {
-  corpc::bench::Flags flags(argc, argv, {"ranks", "hops", "repeats", "timeout-s", "handshake-timeout-s"},
+  corpc::bench::Flags flags(argc, argv,
+                            {"ranks", "hops", "repeats", "timeout-s", "handshake-timeout-s", "noop-on"},
                             {"phase-times"});
   flags.check();
+  const std::string noop_on = flags.get("noop-on", "pool");
+  if (noop_on != "pool" && noop_on != "io") throw std::runtime_error("--noop-on: pool or io");
+  g_noop_on_io = noop_on == "io";
   const std::vector<long> sizes = flags.get_list("ranks", "8,32,64,128");
   const int hops = flags.get_int<int>("hops", 1000);
   const int repeats = flags.get_int<int>("repeats", 1);
