@@ -191,9 +191,9 @@ TEST_CASE("nested coroutine calls A -> B -> C -> A complete, and awaiting holds 
 }
 
 TEST_CASE("messages of every size around the read buffer's growth arrive intact, first ones included") {
-  // A connection's read buffer starts at 4 KiB and grows to 64 KiB once a read fills it or a frame's head does not fit:
-  // each size below is the first message on a fresh connection (a fresh job per size would cost too much: each rank
-  // sends to the other, and rank 0's first message is the largest), then again after the growth.
+  // A connection's read buffer starts at 4 KiB and grows to 64 KiB once a read fills it or a frame's head does not fit.
+  // Each rank's first message on its connection is of a different kind (the largest, one just past the first buffer, a
+  // tiny one), so that growth is met at the first frame and later; then every size in turn, on each side of it.
   const std::vector<std::size_t> sizes{1, 4000, 4096, 4097, 10000, 65000, 65536, 70000, std::size_t{1} << 20};
   run_world(3, [&](int rank) {
     const int peer = (rank + 1) % 3;
@@ -202,7 +202,6 @@ TEST_CASE("messages of every size around the read buffer's growth arrive intact,
       for (std::size_t i = 0; i < n; ++i) s[i] = static_cast<char>('a' + (i * 7 + seed) % 26);
       return s;
     };
-    // Rank 0 opens with the largest, rank 1 with one just past the first buffer, rank 2 with a tiny one.
     const std::size_t first = rank == 0 ? sizes.back() : rank == 1 ? 4097 : 1;
     EXPECT(rpc_sync<&echo<std::string>>(peer, text(first, rank)) == text(first, rank));
     for (std::size_t n : sizes) EXPECT(rpc_sync<&echo<std::string>>(peer, text(n, rank)) == text(n, rank));
