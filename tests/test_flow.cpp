@@ -90,6 +90,25 @@ Task<int> issue_and_await(int n) {
   co_return sum;
 }
 
+// A handler: one call to rank `to` takes the only room (it sleeps 1 s); the next, with a 200 ms timeout, waits for
+// room, holding no thread, and times out unsent. Returns that error's text.
+int sleep_ms(int ms) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  return ms;
+}
+Task<std::string> second_call_times_out_waiting(int to) {
+  auto first = rpc_async<&sleep_ms>(to, 1000);
+  auto second = rpc_async<&sleep_ms>(to, with_timeout(200ms), 0);
+  std::string what;
+  try {
+    co_await second;
+  } catch (const TimeoutError& e) {
+    what = e.what();
+  }
+  co_await first;
+  co_return what;
+}
+
 }  // namespace
 
 TEST_CASE("a producer flooding a slow consumer: the consumer's memory stays within its budget, no call is lost") {
@@ -175,6 +194,25 @@ TEST_CASE("calls to one peer beyond the limit wait for room: a blocking caller b
         EXPECT_EQ(sync_wait(issue_and_await(kCalls)), kCalls * (kCalls - 1) / 2);
         EXPECT(rpc_sync<&most_running>(1) <= 4);
         EXPECT_EQ(Runtime::get().stats().calls_in_flight, 0u);
+      },
+      options);
+}
+
+TEST_CASE("a call that times out waiting for room says so, and names the limit") {
+  auto options = quick_options();
+  options.max_calls_in_flight_per_peer = 1;
+  run_world(
+      3,
+      [](int rank) {
+        if (rank != 0) return;
+        // Rank 1 calls rank 0 on the connection it registered through; rank 2 calls rank 1 on one it dialed.
+        for (const auto [caller, to] : {std::pair{1, 0}, std::pair{2, 1}}) {
+          const std::string what = rpc_sync<&second_call_times_out_waiting>(caller, to);
+          MESSAGE(what);
+          EXPECT(what.find("waiting for room") != std::string::npos);
+          EXPECT(what.find("max_calls_in_flight_per_peer") != std::string::npos);
+          EXPECT_EQ(rpc_sync<&sleep_ms>(caller, 0), 0);  // the caller's worker goes on
+        }
       },
       options);
 }

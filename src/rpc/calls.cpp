@@ -241,7 +241,7 @@ void Runtime::Impl::arm_deadline_timer(const std::shared_ptr<detail::Connection>
     calls.pending.take_expired(detail::Clock::now(), expired, ready);
     for (auto& f : ready) send_request(c, std::move(f), true);
     for (auto& p : expired) {
-      send_cancel(*c, p.id);  // expiry stops the work on the callee too
+      if (!p.never_sent) send_cancel(*c, p.id);  // expiry stops the work on the callee too
       finish_without_reply(p, timed_out(p));
     }
     arm_deadline_timer(c);
@@ -251,7 +251,10 @@ void Runtime::Impl::arm_deadline_timer(const std::shared_ptr<detail::Connection>
 std::exception_ptr Runtime::Impl::timed_out(const detail::PendingCall& p) const {
   return std::make_exception_ptr(
       TimeoutError("call to '" + std::string(p.function.empty() ? p.owned_name : p.function) + "' on worker '" +
-                   name_of(p.dst) + "' timed out after " + std::to_string(p.timeout.count()) + " ms"));
+                   name_of(p.dst) + "' timed out after " + std::to_string(p.timeout.count()) + " ms" +
+                   (p.never_sent ? " unsent, waiting for room under RpcOptions::max_calls_in_flight_per_peer (" +
+                                       std::to_string(options.max_calls_in_flight_per_peer) + " unanswered calls to it)"
+                                 : std::string())));
 }
 
 void Runtime::Impl::deliver_reply(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {

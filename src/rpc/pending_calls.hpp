@@ -35,7 +35,8 @@ struct PendingCall {
   std::chrono::milliseconds timeout{0};
   int dst = -1;
   bool counted = true;
-  std::uint64_t id = 0;  // its request id, set by add (a timeout sends a cancel frame for it)
+  std::uint64_t id = 0;     // its request id, set by add (a timeout sends a cancel frame for it)
+  bool never_sent = false;  // set by take_expired: it timed out still waiting for room under the limit
   void finish(Message* reply, std::exception_ptr error) noexcept { complete(target, dst, reply, std::move(error)); }
 };
 
@@ -112,6 +113,7 @@ class PendingCalls {
     std::lock_guard lock(mutex_);
     while (!heap_.empty() && slots_[heap_[0]].call.deadline <= now) {
       const auto idx = heap_[0];
+      slots_[idx].call.never_sent = !slots_[idx].in_flight;
       out.push_back(std::move(slots_[idx].call));
       release(idx);
     }
