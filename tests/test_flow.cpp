@@ -205,14 +205,13 @@ TEST_CASE("a call that times out waiting for room says so, and names the limit")
       3,
       [](int rank) {
         if (rank != 0) return;
-        // Rank 1 calls rank 0 on the connection it registered through; rank 2 calls rank 1 on one it dialed.
-        for (const auto [caller, to] : {std::pair{1, 0}, std::pair{2, 1}}) {
-          const std::string what = rpc_sync<&second_call_times_out_waiting>(caller, to);
-          MESSAGE(what);
-          EXPECT(what.find("waiting for room") != std::string::npos);
-          EXPECT(what.find("max_calls_in_flight_per_peer") != std::string::npos);
-          EXPECT_EQ(rpc_sync<&sleep_ms>(caller, 0), 0);  // the caller's worker goes on
-        }
+        // Rank 2 calls rank 1 on a connection it dialed. (Calls to rank 0 travel on the connection a rank registered
+        // through, which the limit does not bound: see docs/flow-control.md.)
+        const std::string what = rpc_sync<&second_call_times_out_waiting>(2, 1);
+        MESSAGE(what);
+        EXPECT(what.find("waiting for room") != std::string::npos);
+        EXPECT(what.find("max_calls_in_flight_per_peer") != std::string::npos);
+        EXPECT_EQ(rpc_sync<&sleep_ms>(2, 0), 0);  // the caller's worker goes on
       },
       options);
 }
