@@ -98,9 +98,7 @@ void Runtime::Impl::start_call(detail::OutboundCall&& call) {
     throw ConnectionError("worker '" + name_of(dst) + "' (rank " + std::to_string(dst) + ") is gone");
   }
   if (id == detail::PendingCalls::kNoRoom) {
-    throw TimeoutError("call to '" + std::string(call.function) + "' on worker '" + name_of(dst) +
-                       "' timed out after " + std::to_string(timeout.count()) + " ms waiting for room (" +
-                       std::to_string(options.max_calls_in_flight_per_peer) + " calls in flight to it)");
+    throw TimeoutError(timed_out_text(call.function, dst, timeout, true));
   }
   if (!call.control) activity->call_started();
   if (trace_t0) [[unlikely]] {  // before it leaves: its reply must not find this worker idle without the record
@@ -241,20 +239,26 @@ void Runtime::Impl::arm_deadline_timer(const std::shared_ptr<detail::Connection>
     calls.pending.take_expired(detail::Clock::now(), expired, ready);
     for (auto& f : ready) send_request(c, std::move(f), true);
     for (auto& p : expired) {
-      if (!p.never_sent) send_cancel(*c, p.id);  // expiry stops the work on the callee too
+      if (!p.unsent) send_cancel(*c, p.id);  // expiry stops the work on the callee too
       finish_without_reply(p, timed_out(p));
     }
     arm_deadline_timer(c);
   });
 }
 
+std::string Runtime::Impl::timed_out_text(std::string_view function, int dst, std::chrono::milliseconds timeout,
+                                          bool unsent) const {
+  std::string text = "call to '" + std::string(function) + "' on worker '" + name_of(dst) + "' timed out after " +
+                     std::to_string(timeout.count()) + " ms";
+  if (unsent)
+    text += " unsent, waiting for room under RpcOptions::max_calls_in_flight_per_peer (" +
+            std::to_string(options.max_calls_in_flight_per_peer) + " unanswered calls to it)";
+  return text;
+}
+
 std::exception_ptr Runtime::Impl::timed_out(const detail::PendingCall& p) const {
   return std::make_exception_ptr(
-      TimeoutError("call to '" + std::string(p.function.empty() ? p.owned_name : p.function) + "' on worker '" +
-                   name_of(p.dst) + "' timed out after " + std::to_string(p.timeout.count()) + " ms" +
-                   (p.never_sent ? " unsent, waiting for room under RpcOptions::max_calls_in_flight_per_peer (" +
-                                       std::to_string(options.max_calls_in_flight_per_peer) + " unanswered calls to it)"
-                                 : std::string())));
+      TimeoutError(timed_out_text(p.function.empty() ? p.owned_name : p.function, p.dst, p.timeout, p.unsent)));
 }
 
 void Runtime::Impl::deliver_reply(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {

@@ -35,8 +35,8 @@ struct PendingCall {
   std::chrono::milliseconds timeout{0};
   int dst = -1;
   bool counted = true;
-  std::uint64_t id = 0;     // its request id, set by add (a timeout sends a cancel frame for it)
-  bool never_sent = false;  // set by take_expired: it timed out still waiting for room under the limit
+  std::uint64_t id = 0;  // its request id, set by add (a timeout sends a cancel frame for it)
+  bool unsent = false;   // waiting for room under the limit: set by add, cleared when it is handed out to be sent
   void finish(Message* reply, std::exception_ptr error) noexcept { complete(target, dst, reply, std::move(error)); }
 };
 
@@ -86,6 +86,7 @@ class PendingCalls {
     frame.head.id = id;
     *send_now = !limited || has_room();
     if (!*send_now) {
+      s.call.unsent = true;
       waiting_.push_back({id, std::move(frame)});
     } else if (limited) {
       s.in_flight = true;
@@ -113,7 +114,6 @@ class PendingCalls {
     std::lock_guard lock(mutex_);
     while (!heap_.empty() && slots_[heap_[0]].call.deadline <= now) {
       const auto idx = heap_[0];
-      slots_[idx].call.never_sent = !slots_[idx].in_flight;
       out.push_back(std::move(slots_[idx].call));
       release(idx);
     }
@@ -169,6 +169,7 @@ class PendingCalls {
       const auto idx = static_cast<std::uint32_t>(w.id & 0xffffffffu);
       Slot& s = slots_[idx];
       if (!s.busy || s.generation != static_cast<std::uint32_t>(w.id >> 32)) continue;
+      s.call.unsent = false;
       s.in_flight = true;
       ++in_flight_;
       ready.push_back(std::move(w.frame));

@@ -135,6 +135,8 @@ struct Runtime::Impl {
   void fail_calls(detail::Connection& conn, std::exception_ptr error);
   void finish_without_reply(detail::PendingCall& p, std::exception_ptr error) noexcept;
   std::exception_ptr timed_out(const detail::PendingCall& p) const;  // the TimeoutError of a call past its deadline
+  // Its text; `unsent`: the call was still waiting for room under max_calls_in_flight_per_peer.
+  std::string timed_out_text(std::string_view function, int dst, std::chrono::milliseconds timeout, bool unsent) const;
   void fail_pending(const std::shared_ptr<detail::Connection>& conn, std::uint64_t id, std::exception_ptr error);
   // ---- calls.cpp: cancellation and deadlines ----
   std::chrono::milliseconds effective_timeout(std::optional<std::chrono::milliseconds> asked) const;
