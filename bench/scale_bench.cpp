@@ -15,8 +15,7 @@
 //   ring        a token passed rank to rank around the ring, `--hops` hops (a chain of awaited calls: each hop is a
 //               request out and, at the end, a reply back): µs per hop = time / (2 x hops). One message is in flight
 //               at a time, so what it measures is the cost of a message at that world size (lookups, idle peers
-//               waking), not CPU contention. The chain leaves hops/N calls unanswered from each rank to the next:
-//               past RpcOptions::max_calls_in_flight_per_peer (1024) it could not go on, and --hops is refused;
+//               waking), not CPU contention;
 //   shutdown    graceful shutdown, up to every rank's return.
 // Then, per rank: open file descriptors, resident memory and its shared part (the same-host channels' rings are
 // shared memory; what is resident of them is what has been touched), after the steady phase.
@@ -196,14 +195,6 @@ int run(int argc, char** argv) {
       const int world = static_cast<int>(size);
       if (world < 2 || world > kMaxRanks)
         throw std::runtime_error("--ranks: each size in 2.." + std::to_string(kMaxRanks));
-      // The ring is one chain of nested calls: each rank ends up with hops/world of them unanswered to the next.
-      const long chained = (hops + world - 1) / world;
-      if (chained > static_cast<long>(options.max_calls_in_flight_per_peer))
-        throw std::runtime_error(fmt::format(
-            "--hops {} at {} ranks: the ring's chain would hold {} calls in flight from each rank to the next, above "
-            "RpcOptions::max_calls_in_flight_per_peer ({}); the next call would wait for room that only the chain's "
-            "own replies can free",
-            hops, world, chained, options.max_calls_in_flight_per_peer));
       std::memset(static_cast<void*>(g_shared->ranks), 0, sizeof(g_shared->ranks));
       corpc::launch_processes(
           world, [&](int rank) { run_rank(rank, world, hops, options); }, launch);

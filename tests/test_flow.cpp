@@ -82,16 +82,16 @@ int held(int i) {
 }
 int most_running() { return g_most_running.exchange(0); }
 
-Task<int> issue_and_await(int n) {
+Task<int> issue_and_await(int to, int n) {
   std::vector<Future<int>> calls;
-  for (int i = 0; i < n; ++i) calls.push_back(rpc_async<&held>(1, i));  // past the limit: waits, holds no thread
+  for (int i = 0; i < n; ++i) calls.push_back(rpc_async<&held>(to, i));  // past the limit: waits, holds no thread
   int sum = 0;
   for (auto& f : calls) sum += co_await f;
   co_return sum;
 }
 
-// A handler: one call to rank `to` takes the only room (it sleeps 1 s); the next, with a 200 ms timeout, waits for
-// room, holding no thread, and times out unsent. Returns that error's text.
+// One call to rank `to` takes the only room (it sleeps 1 s); the next, with a 200 ms timeout, waits for room,
+// holding no thread, and times out unsent. Returns that error's text.
 int sleep_ms(int ms) {
   std::this_thread::sleep_for(std::chrono::milliseconds(ms));
   return ms;
@@ -107,6 +107,27 @@ Task<std::string> second_call_times_out_waiting(int to) {
   }
   co_await first;
   co_return what;
+}
+
+// ---- nested calls: made by handlers, on behalf of the requests they serve ----
+// A chain bouncing between ranks `here` and `there`, `depth` calls deep: every handler awaits the next call.
+Task<int> bounce(int here, int there, int depth) {
+  if (depth == 0) co_return 0;
+  co_return 1 + co_await rpc_async<&bounce>(there, there, here, depth - 1);
+}
+
+// A handler that calls on to rank `next` and awaits it. The pause first holds the handler until every rank of the
+// cycle has issued its own calls, so that those take all the room on every link before any nested call is made.
+Task<int> relay(int next, int i) {
+  std::this_thread::sleep_for(300ms);
+  co_return co_await rpc_async<&sleep_ms>(next, i % 3);
+}
+Task<int> relay_round(int next, int after, int n) {
+  std::vector<Future<int>> calls;
+  for (int i = 0; i < n; ++i) calls.push_back(rpc_async<&relay>(next, after, i));
+  int sum = 0;
+  for (auto& f : calls) sum += co_await f;
+  co_return sum;
 }
 
 }  // namespace
@@ -185,14 +206,16 @@ TEST_CASE("calls to one peer beyond the limit wait for room: a blocking caller b
   run_world(
       2,
       [](int rank) {
-        if (rank != 0) return;
+        // Both ways: rank 0 calls rank 1 on a connection it dialed, rank 1 calls rank 0 on the one it registered
+        // through.
+        const int to = 1 - rank;
         constexpr int kCalls = 40;
         std::vector<Future<int>> calls;
-        for (int i = 0; i < kCalls; ++i) calls.push_back(rpc_async<&held>(1, i));  // main blocks at the limit
+        for (int i = 0; i < kCalls; ++i) calls.push_back(rpc_async<&held>(to, i));  // main blocks at the limit
         for (int i = 0; i < kCalls; ++i) EXPECT_EQ(calls[i].wait(), i);
-        EXPECT(rpc_sync<&most_running>(1) <= 4);
-        EXPECT_EQ(sync_wait(issue_and_await(kCalls)), kCalls * (kCalls - 1) / 2);
-        EXPECT(rpc_sync<&most_running>(1) <= 4);
+        EXPECT(rpc_sync<&most_running>(to) <= 4);
+        EXPECT_EQ(sync_wait(issue_and_await(to, kCalls)), kCalls * (kCalls - 1) / 2);
+        EXPECT(rpc_sync<&most_running>(to) <= 4);
         EXPECT_EQ(Runtime::get().stats().calls_in_flight, 0u);
       },
       options);
@@ -202,16 +225,54 @@ TEST_CASE("a call that times out waiting for room says so, and names the limit")
   auto options = quick_options();
   options.max_calls_in_flight_per_peer = 1;
   run_world(
-      3,
+      2,
       [](int rank) {
         if (rank != 0) return;
-        // Rank 2 calls rank 1 on a connection it dialed. (Calls to rank 0 travel on the connection a rank registered
-        // through, which the limit does not bound: see docs/flow-control.md.)
-        const std::string what = rpc_sync<&second_call_times_out_waiting>(2, 1);
+        const std::string what = sync_wait(second_call_times_out_waiting(1));  // a coroutine: it suspends for room
         MESSAGE(what);
         EXPECT(what.find("waiting for room") != std::string::npos);
         EXPECT(what.find("max_calls_in_flight_per_peer") != std::string::npos);
-        EXPECT_EQ(rpc_sync<&sleep_ms>(2, 0), 0);  // the caller's worker goes on
+        EXPECT_EQ(rpc_sync<&sleep_ms>(1, 0), 0);  // the connection goes on
+      },
+      options);
+}
+
+TEST_CASE("calls made by handlers are not held back by the limit: nested chains deeper than it finish") {
+  auto options = quick_options();
+  options.max_calls_in_flight_per_peer = 2;
+  run_world(
+      3,
+      [](int rank) {
+        if (rank != 0) return;
+        // Nine calls deep: each link holds four or five of them unanswered, above the limit. Between ranks 1 and 2
+        // (connections they dialed), and between ranks 1 and 0 (rank 1 reaches rank 0 on its registration
+        // connection).
+        EXPECT_EQ(rpc_sync<&bounce>(1, 1, 2, 9), 9);
+        EXPECT_EQ(rpc_sync<&bounce>(1, 1, 0, 9), 9);
+        // The program's own calls are still bounded.
+        std::vector<Future<int>> calls;
+        for (int i = 0; i < 12; ++i) calls.push_back(rpc_async<&held>(1, i));
+        for (int i = 0; i < 12; ++i) EXPECT_EQ(calls[i].wait(), i);
+        EXPECT(rpc_sync<&most_running>(1) <= 2);
+      },
+      options);
+}
+
+TEST_CASE("a cycle of handlers through three ranks, every link at the limit with the ranks' own calls, finishes") {
+  // Ranks 1, 2, 3 each send 16 calls to the next; each handler calls on to the rank after and awaits it. The ranks'
+  // own calls fill every link's room (2); a nested call that waited for room behind them would wait on replies that
+  // wait on it, around the cycle, until the timeout.
+  auto options = quick_options();
+  options.max_calls_in_flight_per_peer = 2;
+  run_world(
+      4,
+      [](int rank) {
+        if (rank == 0) return;
+        const auto next = [](int r) { return r % 3 + 1; };  // 1 -> 2 -> 3 -> 1
+        constexpr int kCalls = 16;
+        int expected = 0;
+        for (int i = 0; i < kCalls; ++i) expected += i % 3;
+        EXPECT_EQ(sync_wait(relay_round(next(rank), next(next(rank)), kCalls)), expected);
       },
       options);
 }

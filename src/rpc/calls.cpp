@@ -89,11 +89,14 @@ void Runtime::Impl::start_call(detail::OutboundCall&& call) {
   p.dst = dst;
   p.counted = !call.control;
   bool earliest = false, send_now = true;
-  // At the per-peer limit, a caller on a thread of its own (no executor: main, a user's thread) blocks for room;
-  // anywhere else (a coroutine, a handler, an I/O thread) the call waits in the connection and the caller goes on.
-  const bool block = !call.control && current_executor() == nullptr && !blocking_forbidden();
+  // The per-peer limit bounds the program's own calls, not corpc's control calls nor those made on behalf of a
+  // request being handled (see serving_request_slot). At it, a caller on a thread of its own (no executor: main, a
+  // user's thread) blocks for room; anywhere else (a coroutine, an I/O thread) the call waits in the connection and
+  // the caller goes on.
+  const bool limited = !call.control && !detail::serving_request();
+  const bool block = limited && current_executor() == nullptr && !blocking_forbidden();
   auto& calls = detail::calls_on(*conn);
-  const std::uint64_t id = calls.pending.add(std::move(p), frame, !call.control, block, &earliest, &send_now);
+  const std::uint64_t id = calls.pending.add(std::move(p), frame, limited, block, &earliest, &send_now);
   if (id == detail::PendingCalls::kClosed) {
     throw ConnectionError("worker '" + name_of(dst) + "' (rank " + std::to_string(dst) + ") is gone");
   }

@@ -146,6 +146,7 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
                                                     close_handler());
             conn->peer_rank = 0;
             conn->outgoing = true;
+            detail::calls_on(*conn).pending.set_limit(options.max_calls_in_flight_per_peer);  // as on every dialed one
             peers->set_outgoing(0, conn);
             conn->send(detail::prepare(hello_message(our_hello(true))));
             co_return;

@@ -43,6 +43,17 @@
 
 namespace corpc {
 
+namespace detail {
+// The CallContext slot that marks work done on behalf of a request this process is handling (1), so that the calls
+// it makes are told from a program's own: max_calls_in_flight_per_peer bounds only the latter, because a nested call
+// that waited for room could wait on the very requests whose handlers are waiting on it (docs/flow-control.md).
+inline int serving_request_slot() {
+  static const int slot = CallContext::new_slot();
+  return slot;
+}
+inline bool serving_request() noexcept { return current_call_context().get(serving_request_slot()) == 1; }
+}  // namespace detail
+
 struct Runtime::Impl {
   RpcOptions options;
   detail::AuthConfig auth;  // from options.secret / CORPC_SECRET
@@ -116,11 +127,12 @@ struct Runtime::Impl {
   void start_threads();
   void stop_threads();
   std::string name_of(int rank) const;
-  // The CallContext a request's handler runs with: the caller's context id in the hooks' slot.
   // Why a peer that said goodbye is gone (as opposed to one that died): compared against by shutdown().
   static constexpr const char* kShutDownReason = "it shut down";
+  // The CallContext a request's reply is stamped in: the caller's context id in the hooks' slot.
   CallContext handler_context(std::int64_t context_id) const noexcept;
-  // The same, for a request's handler: with its stop token and its deadline.
+  // The one a request's handler runs with: the same, with its stop token and deadline, and marked as serving a
+  // request (serving_request_slot), so that the calls it makes are not held back by max_calls_in_flight_per_peer.
   CallContext handler_context(std::int64_t context_id, std::stop_token stop,
                               detail::Clock::time_point deadline) const noexcept;
   std::int64_t outbound_context() const noexcept {
