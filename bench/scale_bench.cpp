@@ -20,7 +20,8 @@
 // Then, per rank: open file descriptors, resident memory and its shared part (the same-host channels' rings are
 // shared memory; what is resident of them is what has been touched), after the steady phase.
 // --handshake-timeout-s sets RpcOptions::handshake_timeout (5 s by default): the set-ups queued at one rank wait
-// behind each other, and past 128 ranks on two vCPUs they wait longer than that.
+// behind each other, and past 128 ranks on two vCPUs they wait longer than that (a dialer tries twice more before
+// its calls fail).
 // --noop-on io runs the all-to-alls' `noop` on the I/O thread its request arrives on (CORPC_IO_THREAD_FUNCTION) instead
 // of the worker pool (pool, the default for any function): what the hand-off to a pool thread costs at this scale.
 // --phase-times prints when each phase began (CLOCK_MONOTONIC seconds) on stderr, to cut a profile by phase.

@@ -130,6 +130,9 @@ Task<int> relay_round(int next, int after, int n) {
   co_return sum;
 }
 
+// ---- a dial to a peer too busy to answer its handshake in time ----
+Task<int> first_call_to(int to) { co_return co_await rpc_async<&pid_of_rank>(to); }
+
 }  // namespace
 
 TEST_CASE("a producer flooding a slow consumer: the consumer's memory stays within its budget, no call is lost") {
@@ -283,4 +286,26 @@ TEST_CASE("a stopped worker (SIGSTOP) is declared unreachable; its peers' calls 
   options.rpc_timeout = 60s;       // longer than the test allows: only the liveness check can end these calls
   options.shutdown_timeout = 0ms;  // as long as the others are alive: only the death of worker2 lets it end
   expect_stopped_worker2_declared_unreachable(options);
+}
+
+TEST_CASE("a dial whose handshake stalls on a peer that is only busy is tried again, and its call gets through") {
+  // Rank 2 is stopped (SIGSTOP: its kernel still accepts connections, nobody answers) while rank 1 dials it for the
+  // first time; it goes on before rank 1's second attempt times out. A peer that is only slow to get a CPU (hundreds
+  // of ranks on a few cores) looks the same to the dialer.
+  auto options = quick_options();
+  options.handshake_timeout = 1s * time_scale();
+  run_world(
+      3,
+      [&](int rank) {
+        if (rank != 0) return;
+        const int victim = rpc_sync<&pid_of_rank>(2);
+        REQUIRE(::kill(victim, SIGSTOP) == 0);
+        wait_until_stopped(victim);
+        auto call = rpc_async<&first_call_to>(1, 2);  // rank 1 has not called rank 2 before: it dials now
+        std::this_thread::sleep_for(options.handshake_timeout * 3 / 2);
+        ::kill(victim, SIGCONT);
+        EXPECT_EQ(call.wait(), victim);
+        EXPECT(Runtime::get().is_alive(2));
+      },
+      options);
 }

@@ -136,13 +136,16 @@ asio::awaitable<void> authenticate(Transport& socket, const AuthConfig& config, 
     // A TLS dialer meeting a plain acceptor fails its TLS handshake; a plain dialer meeting a TLS acceptor reads its
     // alert (above). A connection the peer closed without a word is neither: a peer that left (or crashed) must not
     // read as a TLS mismatch.
-    const bool closed = !timed_out && dynamic_cast<const asio::system_error*>(&e) &&
-                        static_cast<const asio::system_error&>(e).code() == asio::error::eof;
+    const auto* system = dynamic_cast<const asio::system_error*>(&e);
+    const bool closed = !timed_out && system && system->code() == asio::error::eof;
+    const bool reset = !timed_out && system && system->code() == asio::error::connection_reset;
     const char* hint = config.tls && !tls_up ? " (does the peer use TLS?)" : "";
-    throw ConnectionError((timed_out ? std::string("authentication timed out")
-                           : closed  ? std::string("the peer closed the connection during authentication")
-                                     : std::string("authentication: ") + e.what()) +
-                          hint);
+    std::string what = (timed_out ? std::string("authentication timed out")
+                        : closed  ? std::string("the peer closed the connection during authentication")
+                                  : std::string("authentication: ") + e.what()) +
+                       hint;
+    if (timed_out || closed || reset) throw HandshakeInterrupted(std::move(what));
+    throw ConnectionError(std::move(what));
   }
   *running = false;
   timer.cancel();

@@ -20,6 +20,7 @@
 #include <memory>
 #include <string>
 
+#include "corpc/transport/errors.hpp"
 #include "transport/stream.hpp"
 
 namespace corpc::detail {
@@ -28,6 +29,14 @@ struct AuthConfig {
   std::string secret;                       // empty: no authentication
   std::chrono::milliseconds timeout{5000};  // the whole handshake; a silent peer is dropped after it
   std::shared_ptr<asio::ssl::context> tls;  // null: plain TCP
+};
+
+// What authenticate throws when the handshake stalled or broke off rather than being refused: the peer did not answer
+// within the timeout, or closed or reset the connection before the end. An overloaded peer (hundreds of handshakes
+// queued behind its turn on a CPU) looks like this, so a dialer may try again on a fresh connection.
+class HandshakeInterrupted : public ConnectionError {
+ public:
+  using ConnectionError::ConnectionError;
 };
 
 // Secures `transport` as `role`: the TLS handshake (if configured), then the challenge-response (if there is a

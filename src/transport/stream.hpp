@@ -43,6 +43,14 @@ class Transport {
   // with the reason (the certificate check's verdict, or a hint when the peer does not speak TLS).
   asio::awaitable<void> start_tls(asio::ssl::context& context, AuthRole role);
 
+  // Closes the socket and forgets any TLS session, so that the same socket object can connect again (a redial after
+  // an interrupted handshake). Only before the connection is handed to readers and writers.
+  void reset() noexcept {
+    s_->tls.reset();
+    asio::error_code ignored;
+    s_->socket.close(ignored);
+  }
+
   // 32 bytes that only the two ends of this TLS session know (RFC 5705 keying material exporter), so that a
   // challenge-response mixed with them cannot be relayed into another session; empty without TLS.
   std::string channel_binding();

@@ -63,6 +63,9 @@ struct RpcOptions {
   /// otherwise plain TCP.
   std::optional<TlsOptions> tls;
   /// How long a new connection may take to authenticate (TLS handshake included); a peer silent for longer is dropped.
+  /// A dialer whose handshake stalls (or that the peer drops, for the same reason) tries twice more on a fresh
+  /// connection before its calls fail with ConnectionError: a peer that is only busy (hundreds of ranks on a few
+  /// cores) is not taken for a dead one.
   std::chrono::milliseconds handshake_timeout{5000};
   /// What this worker accepts from peers (announced to them; senders refuse larger messages with
   /// MessageTooLargeError before sending). Larger frames are a ProtocolError and close the connection.
