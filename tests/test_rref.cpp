@@ -63,6 +63,20 @@ struct UnlockedCounter {
   int get() const { return value; }
 };
 
+// ---- RRef bookkeeping beside a link at RpcOptions::max_calls_in_flight_per_peer ----
+Promise<void> g_release;
+Task<int> hold_until_released() {
+  co_await g_release.get_future();
+  co_return 1;
+}
+int take_own(RRef<int> r) { return r.is_owner() ? 1 : 0; }  // on the owner: tells the sender it has it back
+Task<int> give_back(RRef<int> r) {
+  const int owned = co_await rpc_async<&take_own>(0, r);
+  g_release.set_value();
+  co_return owned;
+}
+Task<int> relay_to_1(RRef<int> r) { co_return co_await rpc_async<&give_back>(1, r); }
+
 }  // namespace
 
 TEST_CASE("remote() returns at once; to_here, owner and local_value behave") {
@@ -247,4 +261,24 @@ TEST_CASE("RemoteModule's forward equals the local module's forward") {
     }
     expect_no_references(2);
   });
+}
+
+TEST_CASE("RRef bookkeeping on a link at the per-peer limit neither waits for room nor blocks the handler that sent it") {
+  // Rank 0 takes the only room on its link to rank 1 with a call that ends when rank 1's give_back ends; give_back
+  // hands rank 0 its own reference back, and rank 0, decoding it in take_own, tells rank 1 it has it (a control
+  // message to rank 1). Had that message waited for room, it would have blocked take_own's thread until the first
+  // call timed out: a cycle through one full link.
+  auto options = quick_options();
+  options.max_calls_in_flight_per_peer = 1;
+  run_world(
+      3,
+      [](int rank) {
+        if (rank != 0) return;
+        RRef<int> mine(7);
+        auto held = rpc_async<&hold_until_released>(1);  // the only room on 0 -> 1
+        EXPECT_EQ(rpc_sync<&relay_to_1>(2, mine), 1);     // 0 -> 2 -> 1 -> 0: nested calls, exempt
+        EXPECT_EQ(held.wait(), 1);
+        EXPECT_EQ(mine.to_here().wait(10s), 7);
+      },
+      options);
 }

@@ -89,11 +89,11 @@ void Runtime::Impl::start_call(detail::OutboundCall&& call) {
   p.dst = dst;
   p.counted = !call.control;
   bool earliest = false, send_now = true;
-  // The per-peer limit bounds the program's own calls, not corpc's control calls nor those made on behalf of a
-  // request being handled (see serving_request_slot). At it, a caller on a thread of its own (no executor: main, a
+  // The per-peer limit bounds the program's own calls: not corpc's control calls, nor those of a handler or of the
+  // runtime's bookkeeping (call_bound_exempt_slot). At it, a caller on a thread of its own (no executor: main, a
   // user's thread) blocks for room; anywhere else (a coroutine, an I/O thread) the call waits in the connection and
   // the caller goes on.
-  const bool limited = !call.control && !detail::serving_request();
+  const bool limited = !call.control && !detail::call_bound_exempt();
   const bool block = limited && current_executor() == nullptr && !blocking_forbidden();
   auto& calls = detail::calls_on(*conn);
   const std::uint64_t id = calls.pending.add(std::move(p), frame, limited, block, &earliest, &send_now);

@@ -202,7 +202,7 @@ CallContext Runtime::Impl::handler_context(std::int64_t context_id) const noexce
 CallContext Runtime::Impl::handler_context(std::int64_t context_id, std::stop_token stop,
                                            detail::Clock::time_point deadline) const noexcept {
   CallContext c = handler_context(context_id);
-  c.set(detail::serving_request_slot(), 1);
+  c.set(detail::call_bound_exempt_slot(), 1);
   c.stop = std::move(stop);
   c.deadline = deadline;
   return c;

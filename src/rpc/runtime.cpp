@@ -96,7 +96,11 @@ bool Runtime::spawn_background(Task<void> task, Background how) noexcept {
       return true;
     }
     // Outside whatever the caller was doing: no deadline, no distributed-autograd context, the scope's stop token.
-    CallContextScope fresh{CallContext{}};
+    // Bookkeeping, not the program's own calls: exempt from max_calls_in_flight_per_peer, so that it never blocks the
+    // thread it starts on (a handler's, below: no executor) waiting for room behind them.
+    CallContext bookkeeping;
+    bookkeeping.set(detail::call_bound_exempt_slot(), 1);
+    CallContextScope fresh{bookkeeping};
     // Nor on the caller's executor: the task would resume there after its first await, and a short-lived one (the
     // loop of a sync_wait that has returned) would never run it again. Without one it resumes on the worker pool.
     ExecutorScope none(nullptr);

@@ -44,14 +44,16 @@
 namespace corpc {
 
 namespace detail {
-// The CallContext slot that marks work done on behalf of a request this process is handling (1), so that the calls
-// it makes are told from a program's own: max_calls_in_flight_per_peer bounds only the latter, because a nested call
-// that waited for room could wait on the very requests whose handlers are waiting on it (docs/flow-control.md).
-inline int serving_request_slot() {
+// The CallContext slot that marks work whose calls max_calls_in_flight_per_peer does not hold back (1): a handler
+// serving a request (its calls are nested in that request) and the runtime's own bookkeeping (RRef control messages,
+// context releases, started by spawn_background). The bound is for the program's own calls: a nested call that
+// waited for room could wait on the very requests whose handlers wait on it, and bookkeeping started on a handler's
+// thread would block that thread for room (docs/flow-control.md).
+inline int call_bound_exempt_slot() {
   static const int slot = CallContext::new_slot();
   return slot;
 }
-inline bool serving_request() noexcept { return current_call_context().get(serving_request_slot()) == 1; }
+inline bool call_bound_exempt() noexcept { return current_call_context().get(call_bound_exempt_slot()) == 1; }
 }  // namespace detail
 
 struct Runtime::Impl {
@@ -131,8 +133,8 @@ struct Runtime::Impl {
   static constexpr const char* kShutDownReason = "it shut down";
   // The CallContext a request's reply is stamped in: the caller's context id in the hooks' slot.
   CallContext handler_context(std::int64_t context_id) const noexcept;
-  // The one a request's handler runs with: the same, with its stop token and deadline, and marked as serving a
-  // request (serving_request_slot), so that the calls it makes are not held back by max_calls_in_flight_per_peer.
+  // The one a request's handler runs with: the same, with its stop token and deadline, and marked so that the calls
+  // it makes are not held back by max_calls_in_flight_per_peer (call_bound_exempt_slot).
   CallContext handler_context(std::int64_t context_id, std::stop_token stop,
                               detail::Clock::time_point deadline) const noexcept;
   std::int64_t outbound_context() const noexcept {

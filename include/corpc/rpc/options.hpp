@@ -89,8 +89,8 @@ struct RpcOptions {
   /// thread: rpc_async returns at once and the call leaves later, in order (its timeout runs meanwhile); only a
   /// caller on a thread of its own (main, a user thread; no corpc executor) blocks inside rpc_async until there is
   /// room, so that a loop issuing calls cannot pile up encoded messages without bound. Calls a handler makes while
-  /// serving a request are not held back (nested calls that waited for room could wait on themselves); the callee's
-  /// max_requests_held and receive budget bound those.
+  /// serving a request are not held back (nested calls that waited for room could wait on themselves), nor corpc's
+  /// own bookkeeping (RRef messages); the callee's max_requests_held and receive budget bound those.
   std::uint32_t max_calls_in_flight_per_peer = 1024;
   /// A connection on which nothing arrives for this long, although heartbeats were sent (only while it is quiet), is
   /// closed and its peer treated as dead: its calls fail with ConnectionError, its RRefs and contexts are released,
