@@ -263,7 +263,7 @@ TEST_CASE("RemoteModule's forward equals the local module's forward") {
   });
 }
 
-TEST_CASE("RRef bookkeeping on a link at the per-peer limit neither waits for room nor blocks the handler that sent it") {
+TEST_CASE("RRef bookkeeping on a link at the per-peer limit does not block the handler that sent it") {
   // Rank 0 takes the only room on its link to rank 1 with a call that ends when rank 1's give_back ends; give_back
   // hands rank 0 its own reference back, and rank 0, decoding it in take_own, tells rank 1 it has it (a control
   // message to rank 1). Had that message waited for room, it would have blocked take_own's thread until the first
