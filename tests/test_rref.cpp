@@ -276,7 +276,7 @@ TEST_CASE("RRef bookkeeping on a link at the per-peer limit does not block the h
         if (rank != 0) return;
         RRef<int> mine(7);
         auto held = rpc_async<&hold_until_released>(1);  // the only room on 0 -> 1
-        EXPECT_EQ(rpc_sync<&relay_to_1>(2, mine), 1);     // 0 -> 2 -> 1 -> 0: nested calls, exempt
+        EXPECT_EQ(rpc_sync<&relay_to_1>(2, mine), 1);    // 0 -> 2 -> 1 -> 0: nested calls, exempt
         EXPECT_EQ(held.wait(), 1);
         EXPECT_EQ(mine.to_here().wait(10s), 7);
       },
