@@ -106,7 +106,9 @@ void Runtime::Impl::on_close(const std::shared_ptr<detail::Connection>& conn, co
 }
 
 void Runtime::Impl::accept_loop() {
-  acceptor->async_accept(pick_io(), [this](const asio::error_code& ec, asio::ip::tcp::socket socket) {
+  // accept() fills in the peer's address: no getpeername later, for the log or the connection.
+  auto from = std::make_shared<asio::ip::tcp::endpoint>();
+  acceptor->async_accept(pick_io(), *from, [this, from](const asio::error_code& ec, asio::ip::tcp::socket socket) {
     if (ec == asio::error::operation_aborted || !acceptor->is_open()) return;  // closed: shutting down
     if (ec) {
       // A transient failure (a client that reset before we accepted it, a descriptor limit) must not stop us
@@ -123,11 +125,8 @@ void Runtime::Impl::accept_loop() {
     auto& io = static_cast<asio::io_context&>(socket.get_executor().context());
     asio::co_spawn(
         io,
-        [this, socket = std::move(socket)]() mutable -> asio::awaitable<void> {
-          std::string peer = "?";
-          asio::error_code ec;
-          if (auto ep = socket.remote_endpoint(ec); !ec)
-            peer = ep.address().to_string() + ":" + std::to_string(ep.port());
+        [this, from, socket = std::move(socket)]() mutable -> asio::awaitable<void> {
+          std::string address = from->address().to_string();
           std::string refused;
           detail::Transport transport(std::move(socket));
           try {
@@ -137,12 +136,13 @@ void Runtime::Impl::accept_loop() {
           }
           if (!refused.empty()) {
             refused_connections++;
-            refused_handshakes.refused(main_io(), self.name,
-                                       fmt::format("refused a connection from {}: {}", peer, refused));
+            refused_handshakes.refused(
+                main_io(), self.name,
+                fmt::format("refused a connection from {}:{}: {}", address, from->port(), refused));
             co_return;
           }
           auto conn = detail::make_tcp_connection(std::move(transport), connection_settings(), frame_handler(),
-                                                  close_handler());
+                                                  close_handler(), std::move(address));
           if (!peers->add_incoming(conn)) conn->close("shutting down");
         },
         asio::detached);

@@ -173,9 +173,11 @@ class DispatchBatch {
 };
 
 // A TCP connection over an authenticated transport (plain or TLS); it starts reading at once. Frames and the close
-// reach the handlers on the network thread.
+// reach the handlers on the network thread. `remote_address`: the peer's IP when the caller knows it already (an
+// acceptor learns it from accept); empty, it is asked of the socket.
 std::shared_ptr<Connection> make_tcp_connection(Transport transport, const ConnectionSettings& settings,
-                                                FrameHandler on_frame, CloseHandler on_close);
+                                                FrameHandler on_frame, CloseHandler on_close,
+                                                std::string remote_address = {});
 
 // Dials host:port and authenticates (TLS and the secret, as `auth` says); queued frames wait for both. A failure to
 // connect or authenticate closes it with the reason.

@@ -26,8 +26,10 @@ TcpConnection::TcpConnection(Transport t, const ConnectionSettings& settings, Fr
 void TcpConnection::start_reading() {
   asio::error_code ec;
   socket_.set_option(asio::ip::tcp::no_delay(true), ec);
-  auto ep = socket_.remote_endpoint(ec);
-  if (!ec) remote_address = ep.address().to_string();
+  if (remote_address.empty()) {  // one system call per connection: whoever made it usually knows the address
+    auto ep = socket_.remote_endpoint(ec);
+    if (!ec) remote_address = ep.address().to_string();
+  }
   asio::co_spawn(socket_.get_executor(), read_loop(self()), asio::detached);
   {
     std::lock_guard lock(wmutex_);
@@ -127,8 +129,10 @@ void TcpConnection::fail(const std::string& why) {
 }
 
 std::shared_ptr<Connection> make_tcp_connection(Transport transport, const ConnectionSettings& settings,
-                                                FrameHandler on_frame, CloseHandler on_close) {
+                                                FrameHandler on_frame, CloseHandler on_close,
+                                                std::string remote_address) {
   auto c = std::make_shared<TcpConnection>(std::move(transport), settings, std::move(on_frame), std::move(on_close));
+  c->remote_address = std::move(remote_address);
   c->start_reading();
   return c;
 }

@@ -27,10 +27,12 @@ asio::awaitable<void> TcpConnection::connect(std::shared_ptr<TcpConnection> self
       const auto address = asio::ip::make_address(host, not_numeric);
       if (!not_numeric) {
         co_await self->socket_.async_connect({address, port}, asio::use_awaitable);
+        self->remote_address = address.to_string();
       } else {
         asio::ip::tcp::resolver resolver(self->socket_.get_executor());
         auto endpoints = co_await resolver.async_resolve(host, std::to_string(port), asio::use_awaitable);
-        co_await asio::async_connect(self->socket_, endpoints, asio::use_awaitable);
+        const auto connected = co_await asio::async_connect(self->socket_, endpoints, asio::use_awaitable);
+        self->remote_address = connected.address().to_string();
       }
       // Queued frames wait for it; its last message leaves with them.
       std::string proof;
