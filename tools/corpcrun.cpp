@@ -30,6 +30,8 @@
 #include <string>
 #include <vector>
 
+#include "core/loopback_listener.hpp"
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -60,20 +62,8 @@ void on_signal(int sig) { g_signal = sig; }
 }
 
 int bind_master_socket(int& port) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);  // inherited by rank 0 across exec: no SOCK_CLOEXEC
-  if (fd < 0) die("socket");
-  int one = 1;
-  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  // The longest backlog: every rank dials rank 0 at once, before rank 0 may even have started (a full queue drops
-  // a connection, which retries only after a second).
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || ::listen(fd, SOMAXCONN) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0)
-    die("cannot bind a port on 127.0.0.1");
-  port = ntohs(addr.sin_port);
+  const int fd = corpc::detail::listen_on_loopback(port, /*keep_across_exec=*/true);  // rank 0 is a new program
+  if (fd < 0) die("cannot bind a port on 127.0.0.1");
   return fd;
 }
 

@@ -5,6 +5,7 @@
 #include "core/exception_text.hpp"
 #include "rpc/environment.hpp"
 #include "core/log.hpp"
+#include "core/loopback_listener.hpp"
 #include "rpc/runtime_exit.hpp"
 
 #include <arpa/inet.h>
@@ -152,25 +153,10 @@ std::string describe(const std::vector<RankFailure>& failures) {
   return s;
 }
 
-// A listening socket on 127.0.0.1 with a port the OS chose; inherited by rank 0.
+// A listening socket on 127.0.0.1 with a port the OS chose; inherited by rank 0 (forked: close-on-exec).
 int bind_master_socket(int& port) {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw RpcError(std::string("launch_processes: socket: ") + std::strerror(errno));
-  int one = 1;
-  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof addr;
-  // The longest backlog: every rank dials rank 0 at once, before rank 0 may even have started (a full queue drops
-  // a connection, which retries only after a second).
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || ::listen(fd, SOMAXCONN) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    ::close(fd);
-    throw RpcError(std::string("launch_processes: cannot bind a port: ") + std::strerror(errno));
-  }
-  port = ntohs(addr.sin_port);
+  const int fd = detail::listen_on_loopback(port, /*keep_across_exec=*/false);
+  if (fd < 0) throw RpcError(std::string("launch_processes: cannot bind a port: ") + std::strerror(errno));
   return fd;
 }
 
