@@ -110,11 +110,14 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
           for (;;) {
             detail::Transport transport{asio::ip::tcp::socket(main_io())};
             std::string failure;
+            std::string address;  // rank 0's, as connected: the connection need not ask the socket
             try {
               asio::ip::tcp::resolver resolver(main_io());
               auto endpoints =
                   co_await resolver.async_resolve(master_host, std::to_string(master_port), asio::use_awaitable);
-              co_await asio::async_connect(transport.socket(), endpoints, asio::use_awaitable);
+              address = (co_await asio::async_connect(transport.socket(), endpoints, asio::use_awaitable))
+                            .address()
+                            .to_string();
             } catch (const std::exception& e) {
               failure = e.what();
             }
@@ -143,7 +146,7 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
               continue;
             }
             auto conn = detail::make_tcp_connection(std::move(transport), connection_settings(), frame_handler(),
-                                                    close_handler());
+                                                    close_handler(), std::move(address));
             conn->peer_rank = 0;
             conn->outgoing = true;
             detail::calls_on(*conn).pending.set_limit(options.max_calls_in_flight_per_peer);  // as on every dialed one
