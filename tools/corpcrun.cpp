@@ -10,14 +10,11 @@
 // last line names each failed rank and why. With --max-rank-restarts N, a rank other than 0 that fails is first started
 // again in place, up to N times, with CORPC_REJOIN=1 and CORPC_RANK_RESTART=<n> (as launch_processes does, see
 // corpc/rpc/launch.hpp), while the others keep running. Torch-free on purpose: it links nothing of corpc.
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/random.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
