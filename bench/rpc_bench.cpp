@@ -137,6 +137,7 @@ struct Options {
   int cancel_samples = 200;  // cancel -> callee-sees-it samples after the cases; 0: skip
   bool flow_control = true;  // false: flow control's limits so high that they never bind (bench/flow_cost.sh)
   bool same_host = true;     // --channel shm (RpcOptions::same_host_channel) or tcp
+  bool unix_socket = true;   // --socket unix (RpcOptions::same_host_socket) or tcp
   bool transfers = false;    // --transfers: the echo cases on the same-host channel, TCP, the raw floor and memcpy
   std::optional<corpc::TlsOptions> tls;  // corpc's connections over TLS (bench/tls_cost.sh); the raw floor stays TCP
 };
@@ -148,7 +149,7 @@ struct Options {
       "                 (also 64KiB,256KiB,async1,async1024)\n"
       "                 [--block-ms MS] [--min-iters N] [--worker-threads N] [--spin-us US] [--raw-alloc]\n"
       "                 [--json PATH] [--cancel-samples N] [--host-cache-mib N] [--flow-control on|off]\n"
-      "                 [--channel shm|tcp] [--transfers] [--tls generate|CERT,KEY,CA]\n"
+      "                 [--channel shm|tcp] [--socket unix|tcp] [--transfers] [--tls generate|CERT,KEY,CA]\n"
       "Each case alternates blocks of raw Asio TCP and corpc (~MS ms each, >= N calls) for ~S seconds\n"
       "and reports the median of the per-block ratios corpc/raw.\n"
       "--raw-alloc: the raw floor receives each message into a freshly allocated at::empty buffer (both\n"
@@ -159,7 +160,9 @@ struct Options {
       "from Future::cancel() on rank 0 to the callee's await throwing CancelledError (one steady clock).\n"
       "--flow-control off: per-peer call limit, receive budgets, held requests and write backlog so high that\n"
       "they never bind (the checks still run): bench/flow_cost.sh compares on and off.\n"
-      "--channel: corpc between the two processes on its same-host channel (shm, the default) or on TCP only.\n"
+      "--channel: corpc between the two processes on its same-host channel (shm, the default) or on its socket only.\n"
+      "--socket: corpc's connections between the two processes on an abstract Unix socket (unix, the default:\n"
+      "RpcOptions::same_host_socket) or on TCP.\n"
       "--transfers: instead of the table above, each echo case (1MiB... by default) in rotating blocks of\n"
       "corpc on the same-host channel, corpc on TCP (channel paused in both processes), the raw TCP floor,\n"
       "and a single-threaded memcpy there and back, all in one run.\n"
@@ -173,7 +176,7 @@ Options parse(int argc, char** argv) {
   const corpc::bench::Flags flags(
       argc, argv,
       {"seconds-per-case", "block-ms", "min-iters", "worker-threads", "spin-us", "host-cache-mib", "json",
-       "cancel-samples", "flow-control", "channel", "tls", "cases"},
+       "cancel-samples", "flow-control", "channel", "socket", "tls", "cases"},
       {"help", "h", "raw-alloc", "transfers"});
   if (flags.has("help") || flags.has("h")) usage(0);
   Options o;
@@ -199,6 +202,11 @@ Options parse(int argc, char** argv) {
       o.same_host = v == "shm";
     }
     o.transfers = flags.has("transfers");
+    if (flags.has("socket")) {
+      const std::string v = flags.get("socket", "");
+      if (v != "unix" && v != "tcp") usage(2);
+      o.unix_socket = v == "unix";
+    }
     if (flags.has("tls")) {
       const std::string v = flags.get("tls", "");
       o.tls.emplace();
@@ -499,9 +507,9 @@ CaseResult run_case(const Options& o, const CaseSpec& c, RawClient& raw, RawClie
 // ---- --transfers: one echo, four ways ----------------------------------------------------------------------------
 // Blocks of each way in a rotating order, so that each sees the same share of the VM's fast and slow phases.
 void run_transfers(const Options& o, RawClient& raw) {
-  const char* names[] = {"corpc shm", "corpc tcp", "raw tcp", "memcpy"};
-  fmt::print("{:>8} | {:>10} {:>10} {:>10} {:>10} | {:>9} {:>9} | {:>12} {:>12}\n", "echo", "shm ms", "tcp ms",
-             "raw ms", "memcpy ms", "shm GB/s", "tcp GB/s", "shm/memcpy bw", "tcp/shm time");
+  const char* names[] = {"corpc shm", "corpc socket", "raw tcp", "memcpy"};
+  fmt::print("{:>8} | {:>10} {:>10} {:>10} {:>10} | {:>9} {:>9} | {:>12} {:>12}\n", "echo", "shm ms", "socket ms",
+             "raw ms", "memcpy ms", "shm GB/s", "sock GB/s", "shm/memcpy bw", "sock/shm time");
   for (const auto& c : o.cases) {
     at::Tensor t = at::rand({static_cast<std::int64_t>(c.bytes / sizeof(float))});
     std::vector<char> there(c.bytes), back(c.bytes);
@@ -521,7 +529,7 @@ void run_transfers(const Options& o, RawClient& raw) {
                                       std::memcpy(back.data(), there.data(), c.bytes);
                                     }};
     // Warm-up and checks: the bytes come back, and the shm way really goes through the channel (it is set up
-    // alongside the first calls) from its threshold on, the tcp way not.
+    // alongside the first calls) from its threshold on, the socket way not.
     auto& counters = corpc::detail::shm_counters();
     for (int way = 0; way < 2; ++way) {
       set_paused(way == 1);
@@ -616,7 +624,10 @@ void print_header(const Options& o) {
       o.worker_threads > 0 ? std::to_string(o.worker_threads) : std::string("default"),
       o.spin_us >= 0 ? fmt::format("{} us", o.spin_us) : std::string("default (50 us)"),
       o.raw_alloc ? "fresh at::empty per message (--raw-alloc)" : "reused",
-      o.flow_control ? "defaults" : "off (never bind)", o.tls ? "TLS 1.3 (--tls)" : "TCP");
+      o.flow_control ? "defaults" : "off (never bind)",
+      o.tls           ? "TLS 1.3 over TCP (--tls)"
+      : o.unix_socket ? "a Unix socket"
+                      : "TCP (--socket tcp)");
   fmt::print("{:>8} {:>7} {:>7} | {:>10} {:>10} | {:>10} {:>10} | {:>9} {:>13} | {:>10}\n", "case", "blocks", "calls",
              "corpc med", "corpc p99", "raw med", "raw p99", "corpc/raw", "blocks min-max", "corpc MB/s");
   fmt::print("{:>8} {:>7} {:>7} | {:>10} {:>10} | {:>10} {:>10} | {:>9} {:>13} | {:>10}\n", "", "", "", "us", "us",
@@ -681,6 +692,7 @@ corpc::RpcOptions rpc_options(const Options& o) {
   r.shutdown_timeout = std::chrono::seconds(30);
   r.num_worker_threads = o.worker_threads;
   r.same_host_channel = o.same_host;
+  r.same_host_socket = o.unix_socket;
   if (o.spin_us >= 0) r.spin_before_block = std::chrono::microseconds(o.spin_us);
   if (o.host_cache_mib >= 0)
     corpc::configure_host_memory({.cache_bytes = static_cast<std::uint64_t>(o.host_cache_mib) << 20});

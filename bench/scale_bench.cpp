@@ -9,8 +9,8 @@
 // rank's end - the barrier's release):
 //   init        init_rpc, up to every rank's return (rendezvous at rank 0, world table);
 //   first a2a   every rank calls `noop` on every other rank, all calls in flight at once: N(N-1) calls, and the
-//               N(N-1) connections they open, one per direction (dial, HMAC handshake, Hello, the same-host
-//               channel's set-up); "µs per new connection" is (first - steady) / N(N-1), wall time on the whole host;
+//               N(N-1) connections they open, one per direction (dial on the peer's Unix socket, HMAC handshake,
+//               Hello); "µs per new connection" is (first - steady) / N(N-1), wall time on the whole host;
 //   steady a2a  the same again, over the connections that are now open;
 //   ring        a token passed rank to rank around the ring, `--hops` hops (a chain of awaited calls: each hop is a
 //               request out and, at the end, a reply back): µs per hop = time / (2 x hops). One message is in flight
@@ -24,6 +24,7 @@
 // its calls fail).
 // --noop-on io runs the all-to-alls' `noop` on the I/O thread its request arrives on (CORPC_IO_THREAD_FUNCTION) instead
 // of the worker pool (pool, the default for any function): what the hand-off to a pool thread costs at this scale.
+// --socket tcp connects the ranks over TCP instead of their Unix sockets (RpcOptions::same_host_socket, on by default).
 // --phase-times prints when each phase began (CLOCK_MONOTONIC seconds) on stderr, to cut a profile by phase.
 // Ranks are forked, so libtorch's pages are shared between them; a spawned rank would load its own.
 #include <linux/futex.h>
@@ -168,7 +169,8 @@ CORPC_IO_THREAD_FUNCTION(&noop_on_io_thread);
 namespace {
 
 int run(int argc, char** argv) {
-  corpc::bench::Flags flags(argc, argv, {"ranks", "hops", "repeats", "timeout-s", "handshake-timeout-s", "noop-on"},
+  corpc::bench::Flags flags(argc, argv,
+                            {"ranks", "hops", "repeats", "timeout-s", "handshake-timeout-s", "noop-on", "socket"},
                             {"phase-times"});
   flags.check();
   const std::string noop_on = flags.get("noop-on", "pool");
@@ -179,6 +181,9 @@ int run(int argc, char** argv) {
   const int repeats = flags.get_int<int>("repeats", 1);
   corpc::RpcOptions options;
   options.handshake_timeout = std::chrono::seconds(flags.get_int("handshake-timeout-s", 5));
+  const std::string socket = flags.get("socket", "unix");
+  if (socket != "unix" && socket != "tcp") throw std::runtime_error("--socket: unix or tcp");
+  options.same_host_socket = socket == "unix";
   corpc::LaunchOptions launch;
   launch.start = corpc::StartMethod::fork;
   launch.timeout = std::chrono::seconds(flags.get_int("timeout-s", 300));

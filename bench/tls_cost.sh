@@ -12,8 +12,9 @@ source "$(dirname "${BASH_SOURCE[0]}")/ab_runs.sh"
 ab_init tls_cost.sh 4 "$@"
 cases=noop,4KiB,16MiB
 # TLS is for links that leave the host: both sides go over TCP. (On one host the same-host channel would carry the
-# 16 MiB tensors of both, outside TLS, and the comparison would measure the ring twice.)
-export CORPC_SAME_HOST_CHANNEL=0
+# 16 MiB tensors of both, outside TLS, and the comparison would measure the ring twice; and the plain runs would take
+# the Unix socket, which TLS never does.)
+export CORPC_SAME_HOST_CHANNEL=0 CORPC_SAME_HOST_SOCKET=0
 
 run() {  # run <plain|tls> <round>
   local extra=()

@@ -1205,7 +1205,7 @@ TEST_CASE("PeerTable: a new incarnation revives a dead rank once its predecessor
   auto newcomer = table_connection(io, "10.0.0.2");
   table.add_incoming(newcomer);
   bool admitted = false;
-  auto [refusal, old] = table.revive(1, newcomer, {"10.0.0.2", 4242}, [&] { admitted = true; });
+  auto [refusal, old] = table.revive(1, newcomer, {"10.0.0.2", 4242, {}}, [&] { admitted = true; });
   REQUIRE(refusal.has_value());  // the predecessor still speaks for the rank here
   CHECK(refusal->find("still connected") != std::string::npos);
   CHECK_FALSE(admitted);
@@ -1213,7 +1213,8 @@ TEST_CASE("PeerTable: a new incarnation revives a dead rank once its predecessor
 
   table.mark_dead(1, "killed");
   CHECK(table.remove(old_theirs).speaks_for_rank);
-  auto [refusal2, old2] = table.revive(1, newcomer, {"10.0.0.2", 4242}, [&] { admitted = true; });
+  auto [refusal2, old2] =
+      table.revive(1, newcomer, {"10.0.0.2", 4242, {"host-a", "new-socket"}}, [&] { admitted = true; });
   CHECK_FALSE(refusal2.has_value());
   CHECK(admitted);
   CHECK(old2 == old_ours);  // our connection to the predecessor, for the caller to close
@@ -1228,6 +1229,8 @@ TEST_CASE("PeerTable: a new incarnation revives a dead rank once its predecessor
   auto now = table.current_addresses(workers);
   CHECK(now[1].host == "10.0.0.2");
   CHECK(now[1].port == 4242);
+  const auto local_now = table.current_local_addresses({{"host-a", "socket0"}, {"host-a", "old-socket"}});
+  CHECK((local_now == std::vector<LocalAddress>{{"host-a", "socket0"}, {"host-a", "new-socket"}}));
   table.close();
 }
 
@@ -1251,31 +1254,31 @@ TEST_CASE("PeerTable: a loopback to ourselves does not keep the table open; a co
 TEST_CASE("Registrations: a rank or a name registered twice is refused; an admit() refusal records nothing") {
   asio::io_context io;
   Registrations regs;
-  regs.add_own(worker("master", 0), "config0");
+  regs.add_own(worker("master", 0), "config0", {});
   CHECK(regs.missing(3) == "1, 2");
   auto a = table_connection(io, "10.0.0.1");
   auto b = table_connection(io, "10.0.0.2");
   int admits = 0;
   auto admit = [&] { return ++admits, std::optional<std::string>{}; };
-  auto ok = regs.add(worker("w1", 1), a, "config1", admit);
+  auto ok = regs.add(worker("w1", 1), a, "config1", {}, admit);
   CHECK_FALSE(ok.rank_taken);
   CHECK_FALSE(ok.not_admitted);
   CHECK_FALSE(ok.duplicate_name);
   CHECK(admits == 1);
 
-  auto same_rank = regs.add(worker("other", 1), b, "", admit);
+  auto same_rank = regs.add(worker("other", 1), b, "", {}, admit);
   REQUIRE(same_rank.rank_taken);
   CHECK(*same_rank.rank_taken == "rank 1 already registered by 'w1'");
   CHECK(admits == 1);
 
-  auto same_name = regs.add(worker("w1", 2), b, "", admit);
+  auto same_name = regs.add(worker("w1", 2), b, "", {}, admit);
   REQUIRE(same_name.duplicate_name);
   CHECK(same_name.duplicate_name->find("worker name 'w1' is already taken by rank 1 (rank 2 claims it too)") !=
         std::string::npos);
   CHECK(same_name.others == std::vector<std::shared_ptr<Connection>>{a});  // rank 0 itself has no connection
   CHECK(admits == 1);
 
-  auto not_admitted = regs.add(worker("w2", 2), b, "", [] { return std::optional<std::string>("spoken for"); });
+  auto not_admitted = regs.add(worker("w2", 2), b, "", {}, [] { return std::optional<std::string>("spoken for"); });
   REQUIRE(not_admitted.not_admitted);
   CHECK(*not_admitted.not_admitted == "spoken for");
   CHECK(regs.missing(3) == "2");
@@ -1285,20 +1288,21 @@ TEST_CASE("Registrations: a rank or a name registered twice is refused; an admit
 TEST_CASE("Registrations: the table goes out once, complete and in rank order; a registrant that left is forgotten") {
   asio::io_context io;
   Registrations regs;
-  regs.add_own(worker("master", 0), "config0");
+  regs.add_own(worker("master", 0), "config0", {"host-a", "socket0"});
   auto c2 = table_connection(io, "10.0.0.2");
   auto c1 = table_connection(io, "10.0.0.1");
   auto none = [] { return std::optional<std::string>{}; };
-  regs.add(worker("w2", 2), c2, "config2", none);
+  regs.add(worker("w2", 2), c2, "config2", {"host-b", "stale"}, none);
   regs.forget(c2);
   CHECK(regs.missing(3) == "1, 2");
-  regs.add(worker("w2", 2), c2, "config2", none);
-  regs.add(worker("w1", 1), c1, "config1", none);
+  regs.add(worker("w2", 2), c2, "config2", {"host-b", "socket2"}, none);
+  regs.add(worker("w1", 1), c1, "config1", {}, none);
   auto world = regs.take_if_complete(3);
   REQUIRE(world.has_value());
   REQUIRE(world->workers.size() == 3);
   for (int r = 0; r < 3; ++r) CHECK(world->workers[r].rank == r);
   CHECK(world->device_configs == std::vector<std::string>{"config0", "config1", "config2"});
+  CHECK((world->local == std::vector<LocalAddress>{{"host-a", "socket0"}, {}, {"host-b", "socket2"}}));
   CHECK(world->registrants == std::vector<std::shared_ptr<Connection>>{c1, c2});
   CHECK_FALSE(regs.take_if_complete(3).has_value());  // once
 }
@@ -1307,11 +1311,11 @@ TEST_CASE("Registrations: two registrations completing at once publish the table
   for (int round = 0; round < 50; ++round) {
     asio::io_context io;
     Registrations regs;
-    regs.add_own(worker("master", 0), "");
+    regs.add_own(worker("master", 0), "", {});
     auto none = [] { return std::optional<std::string>{}; };
     std::atomic<int> published{0};
     auto registrant = [&](int rank) {
-      regs.add(worker("w" + std::to_string(rank), rank), table_connection(io, "10.0.0.1"), "", none);
+      regs.add(worker("w" + std::to_string(rank), rank), table_connection(io, "10.0.0.1"), "", {}, none);
       if (regs.take_if_complete(3)) published++;
     };
     std::thread t1(registrant, 1), t2(registrant, 2);

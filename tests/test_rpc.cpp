@@ -7,6 +7,10 @@
 #include <unistd.h>
 
 #include <asio.hpp>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
 #include <thread>
 
 #include "raw_peer.hpp"
@@ -76,6 +80,43 @@ Task<std::size_t> length_after_hop(const std::string& s, const std::vector<int>&
 }
 
 Future<int> future_result(int v) { return make_ready_future(v * 2); }
+
+int process_id() { return static_cast<int>(::getpid()); }
+
+// This process's sockets, as the kernel lists them: TCP connections that are established, and Unix stream sockets
+// that are connected (a worker's connections to peers on its host, when it takes the Unix socket).
+struct SocketCensus {
+  int tcp_established = 0;
+  int unix_connected = 0;
+};
+SocketCensus own_sockets() {
+  std::set<std::string> ours;  // inodes of the sockets among our descriptors
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    const std::string target = std::filesystem::read_symlink(entry.path(), ec).string();
+    if (!ec && target.rfind("socket:[", 0) == 0) ours.insert(target.substr(8, target.size() - 9));
+  }
+  SocketCensus census;
+  auto rows = [](const char* table, auto&& row) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // the heading
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::vector<std::string> f;
+      for (std::string x; fields >> x;) f.push_back(x);
+      row(f);
+    }
+  };
+  for (const char* table : {"/proc/self/net/tcp", "/proc/self/net/tcp6"})
+    rows(table, [&](const std::vector<std::string>& f) {  // sl local remote st ... inode (10th)
+      if (f.size() > 9 && f[3] == "01" && ours.count(f[9])) census.tcp_established++;
+    });
+  rows("/proc/self/net/unix", [&](const std::vector<std::string>& f) {  // Num RefCount Protocol Flags Type St Inode
+    if (f.size() > 6 && f[4] == "0001" && f[5] == "03" && ours.count(f[6])) census.unix_connected++;
+  });
+  return census;
+}
 
 // Run on the I/O thread that reads their request (marked below, at global scope).
 int add_on_io(int a, int b) { return a + b; }
@@ -397,26 +438,32 @@ TEST_CASE("connections must prove the run's secret before anything is read; stra
         if (rank != 0) return;
         asio::io_context io;
         const auto target = get_worker_info(1);
-        // Speaking the frame protocol without the handshake: dropped.
-        {
-          auto s = raw_socket(io, target);
-          asio::write(s, asio::buffer(std::string("GET / HTTP/1.1\r\n\r\n") + std::string(64, 'x')));
-          EXPECT(hung_up(s));
-        }
-        // The wrong secret: refused by the worker, and the worker's proof would not have convinced us either.
-        EXPECT_THROWS_AS(authenticated_socket(io, target, "not the secret"), ConnectionError);
-        // Silent strangers (a port scanner, a half-open connection): dropped after the handshake timeout.
-        {
-          std::vector<asio::ip::tcp::socket> silent;
-          for (int i = 0; i < 20; ++i) silent.push_back(raw_socket(io, target));
-          for (auto& s : silent) EXPECT(hung_up(s));
-        }
-        // An impostor claiming to be rank 2 (a Hello with its name and rank), then hanging up: before authentication
-        // this marked rank 2 dead on worker1. Now it never gets to say Hello.
-        {
-          auto s = raw_socket(io, target);
-          (void)write_raw_hello(s, get_worker_info(2), 3);
-          s.close();
+        const std::string local_socket = rpc_socket_of(rpc_sync<&process_id>(1));
+        EXPECT(!local_socket.empty());
+        // Both ways in: the TCP port, and the Unix socket that peers on its host use.
+        for (const bool over_unix : {false, true}) {
+          auto dial = [&] { return over_unix ? raw_local_socket(io, local_socket) : raw_socket(io, target); };
+          // Speaking the frame protocol without the handshake: dropped.
+          {
+            auto s = dial();
+            asio::write(s, asio::buffer(std::string("GET / HTTP/1.1\r\n\r\n") + std::string(64, 'x')));
+            EXPECT(hung_up(s));
+          }
+          // The wrong secret: refused by the worker, and the worker's proof would not have convinced us either.
+          EXPECT_THROWS_AS(authenticated_socket(io, dial(), "not the secret"), ConnectionError);
+          // Silent strangers (a port scanner, a half-open connection): dropped after the handshake timeout.
+          {
+            std::vector<asio::ip::tcp::socket> silent;
+            for (int i = 0; i < 20; ++i) silent.push_back(dial());
+            for (auto& s : silent) EXPECT(hung_up(s));
+          }
+          // An impostor claiming to be rank 2 (a Hello with its name and rank), then hanging up: before
+          // authentication this marked rank 2 dead on worker1. Now it never gets to say Hello.
+          {
+            auto s = dial();
+            (void)write_raw_hello(s, get_worker_info(2), 3);
+            s.close();
+          }
         }
         std::this_thread::sleep_for(200ms);
         EXPECT_EQ(rpc_sync<&whoami_via>(1, 2), worker_name(2));  // worker1 still reaches worker2
@@ -486,6 +533,49 @@ void loopback_job(const std::string& host) {
         shutdown(true);
       },
       launch_options(60s));
+}
+
+TEST_CASE("workers on one host connect over a Unix socket; one that turns it off is dialed over TCP") {
+  // Rank 0 dials ranks 1 and 2 after init_rpc: each dial is a new connection. Every rank's registration with rank 0
+  // stays on TCP (rank 0 is found by its address), so those two are rank 0's only TCP connections when the dials
+  // take the Unix socket.
+  for (const bool rank2_on : {true, false}) {
+    CAPTURE(rank2_on);
+    launch_processes(
+        3,
+        [&](int rank) {
+          auto options = quick_options();
+          if (rank == 2) options.same_host_socket = rank2_on;
+          init_rpc(worker_name(rank), rank, 3, options);
+          if (rank == 0) {
+            const auto before = own_sockets();
+            EXPECT_EQ(before.tcp_established, 2);
+            EXPECT_EQ(rpc_sync<&add>(1, 1, 2), 3);
+            EXPECT_EQ(rpc_sync<&add>(2, 3, 4), 7);
+            EXPECT_EQ(rpc_sync<&whoami_via>(1, 2), worker_name(2));  // 1 -> 2 too
+            EXPECT_EQ(rpc_sync<&whoami_via>(2, 1), worker_name(1));  // and 2 -> 1
+            const auto after = own_sockets();
+            EXPECT_EQ(after.unix_connected - before.unix_connected, rank2_on ? 2 : 1);
+            EXPECT_EQ(after.tcp_established, rank2_on ? 2 : 3);
+          }
+          shutdown(true);
+        },
+        launch_options(60s));
+  }
+  // Off everywhere (CORPC_SAME_HOST_SOCKET=0 sets the same option): all over TCP.
+  auto off = quick_options();
+  off.same_host_socket = false;
+  run_world(
+      2,
+      [](int rank) {
+        if (rank != 0) return;
+        const auto before = own_sockets();
+        EXPECT_EQ(rpc_sync<&add>(1, 1, 2), 3);
+        const auto after = own_sockets();
+        EXPECT_EQ(after.unix_connected, before.unix_connected);
+        EXPECT_EQ(after.tcp_established, before.tcp_established + 1);
+      },
+      off);
 }
 
 TEST_CASE("a job whose rank 0 is on 127.0.0.2 stays on loopback and works (skipped where it cannot listen there)" *

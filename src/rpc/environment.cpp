@@ -47,6 +47,8 @@ RpcOptions with_environment(RpcOptions options) {
     }
   }
   if (options.trace_path.empty()) options.trace_path = env_or_empty("CORPC_TRACE");
+  if (options.same_host_socket == defaults.same_host_socket && switched_off("CORPC_SAME_HOST_SOCKET"))
+    options.same_host_socket = false;
   if (options.same_host_channel == defaults.same_host_channel && switched_off("CORPC_SAME_HOST_CHANNEL"))
     options.same_host_channel = false;
   if (options.cuda_ipc == defaults.cuda_ipc && switched_off("CORPC_CUDA_IPC")) options.cuda_ipc = false;

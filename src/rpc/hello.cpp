@@ -21,6 +21,7 @@ std::string encode_hello(const Hello& hello) {
   w.put(hello.shm_cookie);
   w.put(hello.cuda_ipc);
   w.put(hello.rejoining);
+  w.put(hello.local);
   return body;
 }
 
@@ -45,6 +46,7 @@ Hello decode_hello(const char* body, std::size_t size) {
   h.shm_cookie = r.get<std::string>();
   h.cuda_ipc = r.get<bool>();
   h.rejoining = r.get<bool>();
+  h.local = r.get<LocalAddress>();
   return h;
 }
 

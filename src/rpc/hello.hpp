@@ -10,6 +10,16 @@
 
 namespace corpc::detail {
 
+// Where a worker takes connections from peers on its host (src/rpc/local_listener.cpp): its host's identity (boot id
+// and network namespace, as the same-host channel reads them) and the name of its abstract Unix socket, without the
+// leading NUL. Empty: TCP only.
+struct LocalAddress {
+  std::string host;
+  std::string socket;
+  bool operator==(const LocalAddress&) const = default;
+  CORPC_FIELDS(host, socket)
+};
+
 struct Hello {
   std::uint32_t version = kProtocolVersion;
   WorkerInfo self;
@@ -27,6 +37,9 @@ struct Hello {
   // The sender replaces a rank that died in a running world (RpcOptions::rejoin): its registration is taken although
   // the world is complete, and a peer that saw the rank die takes its Hello as the rank's new incarnation.
   bool rejoining = false;
+  // Where the sender takes connections from its own host: rank 0 publishes it in the world table, and a peer takes
+  // a new incarnation's (rejoining) from its Hello.
+  LocalAddress local;
 };
 
 std::string encode_hello(const Hello& hello);

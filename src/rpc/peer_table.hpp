@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "corpc/rpc/errors.hpp"
+#include "rpc/hello.hpp"
 #include "transport/connection.hpp"
 
 namespace corpc::detail {
@@ -32,6 +33,7 @@ class PeerTable {
   struct Address {
     std::string host;
     std::uint16_t port = 0;
+    LocalAddress local;  // where it takes connections from its own host
   };
 
   // Our connection to `rank`, made by `dial(moved)` (under the lock, so there is one) if there is none yet; `moved`
@@ -58,6 +60,12 @@ class PeerTable {
       table[rank].host = a.host;
       table[rank].port = a.port;
     }
+    return table;
+  }
+  // The same for where each rank takes connections from its own host.
+  std::vector<LocalAddress> current_local_addresses(std::vector<LocalAddress> table) const {
+    std::lock_guard lock(mutex_);
+    for (const auto& [rank, a] : moved_) table[rank] = a.local;
     return table;
   }
 

@@ -47,8 +47,16 @@ std::shared_ptr<detail::Connection> Runtime::Impl::connection_to(int rank) {
       // reads them (the peer's Hello answer), so writing them here again would race with it (TSan, under load).
       const std::string& host = moved ? moved->host : workers[rank].host;
       const std::uint16_t port = moved ? moved->port : workers[rank].port;
-      c = detail::dial_tcp_connection(pick_io(), rank, host, port, connection_settings(), frame_handler(),
-                                      close_handler(), auth);
+      // A peer on our host is dialed on its Unix socket (local_listener.cpp), if it has one.
+      std::string local_socket;
+      if (options.same_host_socket && !options.tls) {
+        const detail::LocalAddress* theirs = moved ? &moved->local : nullptr;
+        if (!theirs && rank < static_cast<int>(local_addresses.size())) theirs = &local_addresses[rank];
+        if (theirs && !theirs->host.empty() && theirs->host == detail::same_host_identity())
+          local_socket = theirs->socket;
+      }
+      c = detail::dial_tcp_connection(pick_io(), rank, host, port, std::move(local_socket), connection_settings(),
+                                      frame_handler(), close_handler(), auth);
       // Every dialed connection starts with who we are and what we accept.
       c->send(detail::prepare(hello_message(our_hello(false))));
     }
@@ -120,33 +128,36 @@ void Runtime::Impl::accept_loop() {
     }
     accepted++;
     accept_loop();
-    // Nothing is read as a frame before the peer has proved it knows the secret; a failure is logged and changes
-    // nothing else (no name is revealed, no rank is marked).
-    auto& io = static_cast<asio::io_context&>(socket.get_executor().context());
-    asio::co_spawn(
-        io,
-        [this, from, socket = std::move(socket)]() mutable -> asio::awaitable<void> {
-          std::string address = from->address().to_string();
-          std::string refused;
-          detail::Transport transport(std::move(socket));
-          try {
-            co_await detail::authenticate(transport, auth, detail::AuthRole::acceptor);
-          } catch (const std::exception& e) {
-            refused = e.what();
-          }
-          if (!refused.empty()) {
-            refused_connections++;
-            refused_handshakes.refused(
-                main_io(), self.name,
-                fmt::format("refused a connection from {}:{}: {}", address, from->port(), refused));
-            co_return;
-          }
-          auto conn = detail::make_tcp_connection(std::move(transport), connection_settings(), frame_handler(),
-                                                  close_handler(), std::move(address));
-          if (!peers->add_incoming(conn)) conn->close("shutting down");
-        },
-        asio::detached);
+    serve_accepted(std::move(socket), from->address().to_string(), from->port());
   });
+}
+
+void Runtime::Impl::serve_accepted(asio::ip::tcp::socket socket, std::string address, std::uint16_t port) {
+  // Nothing is read as a frame before the peer has proved it knows the secret; a failure is logged and changes
+  // nothing else (no name is revealed, no rank is marked).
+  auto& io = static_cast<asio::io_context&>(socket.get_executor().context());
+  asio::co_spawn(
+      io,
+      [this, address = std::move(address), port, socket = std::move(socket)]() mutable -> asio::awaitable<void> {
+        std::string refused;
+        detail::Transport transport(std::move(socket));
+        try {
+          co_await detail::authenticate(transport, auth, detail::AuthRole::acceptor);
+        } catch (const std::exception& e) {
+          refused = e.what();
+        }
+        if (!refused.empty()) {
+          refused_connections++;
+          const std::string from = port ? fmt::format("{}:{}", address, port) : "this host (Unix socket)";
+          refused_handshakes.refused(main_io(), self.name,
+                                     fmt::format("refused a connection from {}: {}", from, refused));
+          co_return;
+        }
+        auto conn = detail::make_tcp_connection(std::move(transport), connection_settings(), frame_handler(),
+                                                close_handler(), std::move(address));
+        if (!peers->add_incoming(conn)) conn->close("shutting down");
+      },
+      asio::detached);
 }
 
 void Runtime::Impl::close_everything(bool say_goodbye, const std::string& failure) {
@@ -175,6 +186,7 @@ void Runtime::Impl::close_everything(bool say_goodbye, const std::string& failur
     asio::error_code ec;
     acceptor->close(ec);
     if (shm_listener) shm_listener->close();
+    if (local_acceptor) local_acceptor->close(ec);
   });
   // Give queued frames (replies, goodbyes) a moment to leave, then stop the I/O threads.
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);

@@ -36,7 +36,7 @@ detail::Message hello_message(const detail::Hello& hello) {
 
 detail::Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits) {
   return hello_message(
-      detail::Hello{detail::kProtocolVersion, self, world_size, rendezvous, limits, {}, {}, {}, {}, false});
+      detail::Hello{detail::kProtocolVersion, self, world_size, rendezvous, limits, {}, {}, {}, {}, false, false, {}});
 }
 
 detail::Hello Runtime::Impl::our_hello(bool registering) const {
@@ -50,6 +50,7 @@ detail::Hello Runtime::Impl::our_hello(bool registering) const {
   h.host = same_host_id;
   h.cuda_ipc = cuda_ipc_offered;
   h.rejoining = options.rejoin;
+  h.local = local;
   return h;
 }
 
@@ -88,9 +89,10 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
   // address rank 0 sees them at (filled in there).
   const bool specific = listen_host != "0.0.0.0" && listen_host != "::";
   self.host = self.rank == 0 ? master_host : specific ? listen_host : "";
+  start_local_listener();  // before our registration: it carries where peers on our host connect to us
   if (self.rank == 0) {
     // Registered before accepting anyone: a worker's registration may be processed the moment we accept it.
-    registrations.add_own(self, own_device_config());
+    registrations.add_own(self, own_device_config(), local);
   }
   // From here on the network thread owns `self` (on_world rewrites it with the table's entry): this thread reads
   // only its own copy of the rank.
@@ -98,6 +100,7 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
   start_same_host();
   asio::post(main_io(), [this] {
     accept_loop();
+    local_accept_loop();
     if (self.rank == 0) publish_world_if_complete();  // a world of one
   });
 
@@ -236,7 +239,7 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, de
   if (world.known()) return refuse(conn, "the world is already complete");
   if (info.host.empty()) info.host = conn->remote_address;
   // Admitted as the rank's speaker and answered in the same step as the registration is recorded.
-  auto outcome = registrations.add(info, conn, std::move(hello.devices), [&] {
+  auto outcome = registrations.add(info, conn, std::move(hello.devices), hello.local, [&] {
     return peers->claim(info.rank, conn, [&] {
       conn->peer_limits = theirs;
       offer_same_host(conn, hello, answer);
@@ -265,7 +268,8 @@ void Runtime::Impl::admit_rejoined(const std::shared_ptr<detail::Connection>& co
                                    std::optional<detail::Clock::time_point> deadline) {
   const auto rejoin_deadline = deadline.value_or(detail::Clock::now() + options.handshake_timeout);
   const int rank = hello.self.rank;
-  detail::PeerTable::Address at{hello.self.host.empty() ? conn->remote_address : hello.self.host, hello.self.port};
+  detail::PeerTable::Address at{hello.self.host.empty() ? conn->remote_address : hello.self.host, hello.self.port,
+                                hello.local};
   hello.self.host = at.host;
   auto [refusal, old] = peers->revive(rank, conn, at, [&] {
     activity->forget_peer(rank);
@@ -298,6 +302,7 @@ void Runtime::Impl::admit_rejoined(const std::shared_ptr<detail::Connection>& co
   auto configs = world_device_configs;
   configs[rank] = hello.devices;
   w.put(configs);
+  w.put(peers->current_local_addresses(local_addresses));
   conn->send(detail::prepare(std::move(table)));
 }
 
@@ -312,6 +317,7 @@ void Runtime::Impl::publish_world_if_complete() {
   w.put(complete->workers);
   w.put(complete->device_configs);  // every worker checks the job's device maps itself, and reaches the same verdict
   world_device_configs = complete->device_configs;  // a rank that rejoins gets them too
+  w.put(complete->local);
   for (auto& c : complete->registrants) {
     detail::Message copy = table;
     c->send(detail::prepare(std::move(copy)));
@@ -323,15 +329,18 @@ void Runtime::Impl::on_world(detail::Message&& msg) {
   if (!world.first_table()) return;
   std::vector<WorkerInfo> table;
   std::vector<detail::DeviceConfig> configs;
+  std::vector<detail::LocalAddress> locals;
   try {
     Reader r(msg.body.data(), msg.body.size());
     table = r.get<std::vector<WorkerInfo>>();
     for (const auto& c : r.get<std::vector<std::string>>()) configs.push_back(detail::decode_device_config(c));
+    locals = r.get<std::vector<detail::LocalAddress>>();
   } catch (const ProtocolError& e) {
     world_ready.set_exception(ProtocolError(std::string("malformed world table: ") + e.what()));
     return;
   }
-  if (static_cast<int>(table.size()) != world_size || static_cast<int>(configs.size()) != world_size) {
+  if (static_cast<int>(table.size()) != world_size || static_cast<int>(configs.size()) != world_size ||
+      static_cast<int>(locals.size()) != world_size) {
     world_ready.set_exception(ProtocolError("world table of the wrong size"));
     return;
   }
@@ -350,6 +359,7 @@ void Runtime::Impl::on_world(detail::Message&& msg) {
     return;
   }
   workers = std::move(table);
+  local_addresses = std::move(locals);
   self = workers[self.rank];
   for (auto& [conn, m] : world.open()) on_frame(conn, std::move(m));
   world_ready.set_value();

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "corpc/rpc/worker_info.hpp"
+#include "rpc/hello.hpp"
 #include "transport/connection.hpp"
 
 namespace corpc::detail {
@@ -27,9 +28,9 @@ class Registrations {
   using ConnectionPtr = std::shared_ptr<Connection>;
 
   // Rank 0 itself, before it accepts anyone (a registration may be processed the moment it is accepted).
-  void add_own(WorkerInfo self, std::string device_config) {
+  void add_own(WorkerInfo self, std::string device_config, LocalAddress local) {
     std::lock_guard lock(mutex_);
-    entries_[self.rank] = {std::move(self), nullptr, std::move(device_config)};
+    entries_[self.rank] = {std::move(self), nullptr, std::move(device_config), std::move(local)};
   }
 
   struct Outcome {
@@ -44,7 +45,8 @@ class Registrations {
   // that passes those checks: it returns why the connection may not speak for the rank (nullopt: it may, and it has
   // answered), and only an admitted registration is recorded.
   template <class Admit>
-  Outcome add(const WorkerInfo& info, const ConnectionPtr& conn, std::string device_config, Admit&& admit) {
+  Outcome add(const WorkerInfo& info, const ConnectionPtr& conn, std::string device_config, LocalAddress local,
+              Admit&& admit) {
     std::lock_guard lock(mutex_);
     if (auto same = entries_.find(info.rank); same != entries_.end())
       return {
@@ -61,7 +63,7 @@ class Registrations {
       return dup;
     }
     if (auto refusal = admit()) return {std::nullopt, std::move(refusal), {}, {}};
-    entries_[info.rank] = {info, conn, std::move(device_config)};
+    entries_[info.rank] = {info, conn, std::move(device_config), std::move(local)};
     return {};
   }
 
@@ -86,6 +88,7 @@ class Registrations {
   struct World {
     std::vector<WorkerInfo> workers;          // by rank
     std::vector<std::string> device_configs;  // by rank
+    std::vector<LocalAddress> local;          // by rank
     std::vector<ConnectionPtr> registrants;   // everyone's but ours
   };
   std::optional<World> take_if_complete(int world_size) {
@@ -96,6 +99,7 @@ class Registrations {
     for (const auto& [rank, e] : entries_) {
       w.workers.push_back(e.info);
       w.device_configs.push_back(e.device_config);
+      w.local.push_back(e.local);
       if (e.conn) w.registrants.push_back(e.conn);
     }
     return w;
@@ -106,6 +110,7 @@ class Registrations {
     WorkerInfo info;
     ConnectionPtr conn;  // null for rank 0 itself
     std::string device_config;
+    LocalAddress local;
   };
   mutable std::mutex mutex_;
   std::map<int, Entry> entries_;

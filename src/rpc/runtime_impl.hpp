@@ -71,6 +71,12 @@ struct Runtime::Impl {
   asio::io_context& main_io() { return io_threads->main(); }
   asio::io_context& pick_io() { return io_threads->pick(); }
   std::optional<asio::ip::tcp::acceptor> acceptor;  // on the main I/O thread; created with the threads
+  // Peers on this host connect here rather than to `acceptor` (local_listener.cpp): the same connections over an
+  // abstract Unix socket, on the main I/O thread. None when it is off (RpcOptions::same_host_socket, TLS) or cannot
+  // be bound; `local` then stays empty.
+  std::optional<asio::local::stream_protocol::acceptor> local_acceptor;
+  detail::LocalAddress local;                         // ours, as our Hello announces it
+  std::vector<detail::LocalAddress> local_addresses;  // by rank, from the world table (written with `workers`)
   // The same-host channel (same_host.cpp): this host's identity when the channel is on (empty: off), and the Unix
   // socket on which dialers pass their segments (on the main I/O thread; none if it could not be bound).
   std::string same_host_id;
@@ -193,6 +199,11 @@ struct Runtime::Impl {
   void mark_dead(int rank, const std::string& why);
   void fail_all_calls(std::exception_ptr error);
   void accept_loop();
+  void start_local_listener();
+  void local_accept_loop();
+  // An accepted socket (TCP, or a Unix one adopted into a TCP socket object: `port` 0): authenticates it, then
+  // serves it. `address`: the peer's, as the connection records it.
+  void serve_accepted(asio::ip::tcp::socket socket, std::string address, std::uint16_t port);
   // Fails what is in flight, says Goodbye if asked (carrying `failure`, the error this rank stops after: "" for an
   // orderly shutdown), closes every connection and stops the threads.
   void close_everything(bool say_goodbye, const std::string& failure = {});

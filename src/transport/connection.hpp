@@ -180,11 +180,13 @@ std::shared_ptr<Connection> make_tcp_connection(Transport transport, const Conne
                                                 std::string remote_address = {});
 
 // Dials host:port and authenticates (TLS and the secret, as `auth` says); queued frames wait for both. A failure to
-// connect or authenticate closes it with the reason.
+// connect or authenticate closes it with the reason. `local_socket`, if not empty, names the peer's abstract Unix
+// socket (without the leading NUL): tried first, on every attempt, with TCP when it cannot be connected to.
 // `peer_rank` is set before dialing starts, so that a connect that fails at once is still attributed to its peer.
 std::shared_ptr<Connection> dial_tcp_connection(asio::io_context& io, int peer_rank, std::string host,
-                                                std::uint16_t port, const ConnectionSettings& settings,
-                                                FrameHandler on_frame, CloseHandler on_close, AuthConfig auth);
+                                                std::uint16_t port, std::string local_socket,
+                                                const ConnectionSettings& settings, FrameHandler on_frame,
+                                                CloseHandler on_close, AuthConfig auth);
 
 // Calls to ourselves: each frame comes back to `on_frame` as if received, through a copy of its tensors, so that a
 // self-call has exactly the semantics of a remote one.

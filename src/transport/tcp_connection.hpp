@@ -62,7 +62,7 @@ class TcpConnection final : public Connection {
 
   // Opening and closing (tcp_connection.cpp, tcp_dial.cpp).
   void start_reading();
-  void dial(std::string host, std::uint16_t port, AuthConfig auth);
+  void dial(std::string host, std::uint16_t port, std::string local_socket, AuthConfig auth);
   void close(std::string why) override;
   void close_when_flushed() override;
   void attach_shm(std::shared_ptr<ShmChannel> channel) override;
@@ -94,7 +94,7 @@ class TcpConnection final : public Connection {
 
   // Opening and closing.
   static asio::awaitable<void> connect(std::shared_ptr<TcpConnection> self, std::string host, std::uint16_t port,
-                                       AuthConfig auth);
+                                       std::string local_socket, AuthConfig auth);
   void fail(const std::string& why);
 
   // Writing.

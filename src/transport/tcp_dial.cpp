@@ -1,23 +1,51 @@
-// Opening a TCP connection to a peer: resolve, connect, authenticate (TLS and the secret), then read. Frames sent
-// meanwhile are staged, and go out behind the handshake's last message, in one write with it, once start_reading()
-// flushes them. A handshake that stalls or breaks off (HandshakeInterrupted: a peer too busy to answer within the
-// timeout, or one that gave up on us for the same reason) is tried again on a fresh socket, up to kDialAttempts in
-// all: nothing of the session has been sent yet, so the staged frames simply wait longer. A refusal (wrong secret,
-// TLS mismatch) or a refused connect fails at once.
+// Opening a connection to a peer: to its abstract Unix socket when it is on this host and has one, else over TCP
+// (resolve, connect); then authenticate (TLS and the secret), then read. Frames sent meanwhile are staged, and go out
+// behind the handshake's last message, in one write with it, once start_reading() flushes them. A handshake that
+// stalls or breaks off (HandshakeInterrupted: a peer too busy to answer within the timeout, or one that gave up on us
+// for the same reason) is tried again on a fresh socket, up to kDialAttempts in all: nothing of the session has been
+// sent yet, so the staged frames simply wait longer. A refusal (wrong secret, TLS mismatch) or a refused TCP connect
+// fails at once.
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstddef>
+#include <cstring>
+
 #include "transport/tcp_connection.hpp"
 
 namespace corpc::detail {
 
-void TcpConnection::dial(std::string host, std::uint16_t port, AuthConfig auth) {
-  asio::co_spawn(socket_.get_executor(), connect(self(), std::move(host), port, std::move(auth)), asio::detached);
+void TcpConnection::dial(std::string host, std::uint16_t port, std::string local_socket, AuthConfig auth) {
+  asio::co_spawn(socket_.get_executor(),
+                 connect(self(), std::move(host), port, std::move(local_socket), std::move(auth)), asio::detached);
 }
 
 namespace {
 constexpr int kDialAttempts = 3;
+
+// Connects `socket` to the abstract Unix socket `name`, if there is one in this network namespace with room in its
+// backlog; false otherwise (the caller then dials TCP). A Unix stream connects at once or not at all, so nothing waits.
+// The socket object stays an ip::tcp::socket: Asio needs only a stream descriptor for the reads, writes and waits a
+// connection makes, and the TCP-only options it sets on it fail harmlessly.
+bool connect_local(asio::ip::tcp::socket& socket, const std::string& name) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (name.empty() || name.size() + 1 > sizeof addr.sun_path) return false;
+  std::memcpy(addr.sun_path + 1, name.data(), name.size());  // sun_path[0] == 0: the abstract namespace
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  const auto length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  asio::error_code ec;
+  if (::connect(fd, reinterpret_cast<const sockaddr*>(&addr), length) == 0) socket.assign(asio::ip::tcp::v4(), fd, ec);
+  else ec = asio::error::connection_refused;
+  if (ec) ::close(fd);
+  return !ec;
 }
+}  // namespace
 
 asio::awaitable<void> TcpConnection::connect(std::shared_ptr<TcpConnection> self, std::string host, std::uint16_t port,
-                                             AuthConfig auth) {
+                                             std::string local_socket, AuthConfig auth) {
   for (int attempt = 1;; ++attempt) {
     std::string failure;
     try {
@@ -25,7 +53,9 @@ asio::awaitable<void> TcpConnection::connect(std::shared_ptr<TcpConnection> self
       // back (a rank dialing a hundred peers pays it a hundred times).
       asio::error_code not_numeric;
       const auto address = asio::ip::make_address(host, not_numeric);
-      if (!not_numeric) {
+      if (connect_local(self->socket_, local_socket)) {
+        self->remote_address = host;
+      } else if (!not_numeric) {
         co_await self->socket_.async_connect({address, port}, asio::use_awaitable);
         self->remote_address = address.to_string();
       } else {
@@ -57,13 +87,14 @@ asio::awaitable<void> TcpConnection::connect(std::shared_ptr<TcpConnection> self
 }
 
 std::shared_ptr<Connection> dial_tcp_connection(asio::io_context& io, int peer_rank, std::string host,
-                                                std::uint16_t port, const ConnectionSettings& settings,
-                                                FrameHandler on_frame, CloseHandler on_close, AuthConfig auth) {
+                                                std::uint16_t port, std::string local_socket,
+                                                const ConnectionSettings& settings, FrameHandler on_frame,
+                                                CloseHandler on_close, AuthConfig auth) {
   auto c = std::make_shared<TcpConnection>(Transport(asio::ip::tcp::socket(io)), settings, std::move(on_frame),
                                            std::move(on_close));
   c->peer_rank = peer_rank;
   c->outgoing = true;
-  c->dial(std::move(host), port, std::move(auth));
+  c->dial(std::move(host), port, std::move(local_socket), std::move(auth));
   return c;
 }
 

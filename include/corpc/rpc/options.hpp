@@ -17,8 +17,8 @@
 namespace corpc {
 
 /// The environment fills what a program leaves at its default, never what it set: CORPC_SECRET (secret),
-/// CORPC_TLS_CERT/KEY/CA/VERIFY (tls), CORPC_TRACE (trace_path), CORPC_SAME_HOST_CHANNEL=0 and CORPC_CUDA_IPC=0
-/// (same_host_channel, cuda_ipc). init_rpc applies it; each field's comment says which variable fills it.
+/// CORPC_TLS_CERT/KEY/CA/VERIFY (tls), CORPC_TRACE (trace_path), CORPC_SAME_HOST_SOCKET=0, CORPC_SAME_HOST_CHANNEL=0
+/// and CORPC_CUDA_IPC=0 (same_host_socket, same_host_channel, cuda_ipc). init_rpc applies it; each field's comment says which variable fills it.
 /// How init_rpc starts this process's runtime: rendezvous, threads, timeouts, security, limits and flow control.
 /// Every worker of a job should use compatible values (limits are announced to peers; timeouts are per worker).
 struct RpcOptions {
@@ -98,7 +98,13 @@ struct RpcOptions {
   /// alone does not notice. Detected within 1.25x this. 0: never.
   std::chrono::milliseconds liveness_timeout{15'000};
 
-  // ---- Same-host channel (docs/transfers.md) ----
+  // ---- Same host (docs/transfers.md) ----
+  /// Whether workers on one host (same boot id and network namespace) connect to each other over an abstract Unix
+  /// socket instead of TCP on the loopback: the same stream and the same authentication, without the kernel's TCP
+  /// path (a new connection costs ~0.6x, a small call's round trip ~0.8x: docs/benchmarks.md). Each worker listens on
+  /// one as well as on its TCP port and publishes its name with its address; a dial falls back to TCP when the socket
+  /// is not there. Off with TLS: every connection then carries TLS. Left true: CORPC_SAME_HOST_SOCKET=0 turns it off.
+  bool same_host_socket = true;
   /// Whether connections between two workers on one host move large tensors (64 KiB of tensor data per message and
   /// more) through shared memory instead of the socket. Same host is decided during the handshake (boot id and
   /// network namespace, compared by both ends); the channel is set up when the first such message crosses the
