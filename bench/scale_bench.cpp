@@ -22,9 +22,12 @@
 // --handshake-timeout-s sets RpcOptions::handshake_timeout (5 s by default): the set-ups queued at one rank wait
 // behind each other, and past 128 ranks on two vCPUs they wait longer than that (a dialer tries twice more before
 // its calls fail).
-// --noop-on io runs the all-to-alls' `noop` on the I/O thread its request arrives on (CORPC_IO_THREAD_FUNCTION) instead
-// of the worker pool (pool, the default for any function): what the hand-off to a pool thread costs at this scale.
+// --noop-on io runs the all-to-alls' `noop` and the ring's hop on the I/O thread its request arrives on
+// (CORPC_IO_THREAD_FUNCTION) instead of the worker pool (pool, the default for any function): what the hand-off to a
+// pool thread costs at this scale.
 // --socket tcp connects the ranks over TCP instead of their Unix sockets (RpcOptions::same_host_socket, on by default).
+// --liveness-timeout-ms sets RpcOptions::liveness_timeout (0: no heartbeats): what idle connections' heartbeats cost
+// the phases after set-up, where every rank holds 2(N-1) connections.
 // --phase-times prints when each phase began (CLOCK_MONOTONIC seconds) on stderr, to cut a profile by phase.
 // Ranks are forked, so libtorch's pages are shared between them; a spawned rank would load its own.
 #include <linux/futex.h>
@@ -109,6 +112,9 @@ int g_world = 0;
 corpc::Task<void> hop(int left) {
   if (left > 0) co_await corpc::rpc_async<&hop>((corpc::Runtime::get().rank() + 1) % g_world, left - 1);
 }
+corpc::Task<void> hop_on_io_thread(int left) {  // the same, run where its request arrives (--noop-on io)
+  if (left > 0) co_await corpc::rpc_async<&hop_on_io_thread>((corpc::Runtime::get().rank() + 1) % g_world, left - 1);
+}
 
 void all_to_all(int rank, int world) {
   std::vector<corpc::Future<void>> calls;
@@ -137,7 +143,8 @@ void run_rank(int rank, int world, int hops, const corpc::RpcOptions& options) {
   barrier(world, 3);
   if (rank == 0) {
     const auto t0 = now_ns();
-    corpc::rpc_sync<&hop>(1 % world, hops - 1);
+    if (g_noop_on_io) corpc::rpc_sync<&hop_on_io_thread>(1 % world, hops - 1);
+    else corpc::rpc_sync<&hop>(1 % world, hops - 1);
     me.ring_ns = now_ns() - t0;
   }
   barrier(world, 4);
@@ -165,13 +172,15 @@ long median_of(int world, F field) {
 }  // namespace
 
 CORPC_IO_THREAD_FUNCTION(&noop_on_io_thread);
+CORPC_IO_THREAD_FUNCTION(&hop_on_io_thread);
 
 namespace {
 
 int run(int argc, char** argv) {
-  corpc::bench::Flags flags(argc, argv,
-                            {"ranks", "hops", "repeats", "timeout-s", "handshake-timeout-s", "noop-on", "socket"},
-                            {"phase-times"});
+  corpc::bench::Flags flags(
+      argc, argv,
+      {"ranks", "hops", "repeats", "timeout-s", "handshake-timeout-s", "noop-on", "socket", "liveness-timeout-ms"},
+      {"phase-times"});
   flags.check();
   const std::string noop_on = flags.get("noop-on", "pool");
   if (noop_on != "pool" && noop_on != "io") throw std::runtime_error("--noop-on: pool or io");
@@ -184,6 +193,8 @@ int run(int argc, char** argv) {
   const std::string socket = flags.get("socket", "unix");
   if (socket != "unix" && socket != "tcp") throw std::runtime_error("--socket: unix or tcp");
   options.same_host_socket = socket == "unix";
+  options.liveness_timeout = std::chrono::milliseconds(
+      flags.get_int<long>("liveness-timeout-ms", static_cast<long>(options.liveness_timeout.count())));
   corpc::LaunchOptions launch;
   launch.start = corpc::StartMethod::fork;
   launch.timeout = std::chrono::seconds(flags.get_int("timeout-s", 300));

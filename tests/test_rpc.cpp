@@ -4,16 +4,24 @@
 
 #include <ATen/ATen.h>
 #include <signal.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <asio.hpp>
+#include <cerrno>
+#include <cstddef>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <system_error>
 #include <thread>
 
 #include "raw_peer.hpp"
+#include "stop_process.hpp"
 #include "support.hpp"
 
 using namespace corpc;
@@ -116,6 +124,61 @@ SocketCensus own_sockets() {
     if (f.size() > 6 && f[4] == "0001" && f[5] == "03" && ours.count(f[6])) census.unix_connected++;
   });
   return census;
+}
+
+int own_tcp_established() { return own_sockets().tcp_established; }
+
+// Whether one process may hold a full Unix listen backlog of connections (the kernel's somaxconn of them, plus the
+// rest it uses) once it raises its descriptor limit to the hard one.
+bool can_fill_a_backlog() {
+  std::ifstream in("/proc/sys/net/core/somaxconn");
+  long backlog = 0;
+  rlimit files{};
+  if (!(in >> backlog) || ::getrlimit(RLIMIT_NOFILE, &files) != 0) return false;
+  return files.rlim_max == RLIM_INFINITY || static_cast<long>(files.rlim_max) >= backlog + 512;
+}
+
+// Connects to the abstract socket `name` without blocking until the kernel refuses (its backlog is full: its owner
+// is stopped), and returns the queued connections' descriptors.
+std::vector<int> fill_backlog(const std::string& name) {
+  rlimit files{};
+  ::getrlimit(RLIMIT_NOFILE, &files);
+  files.rlim_cur = files.rlim_max;
+  ::setrlimit(RLIMIT_NOFILE, &files);
+  sockaddr_un at{};
+  at.sun_family = AF_UNIX;
+  std::memcpy(at.sun_path + 1, name.data(), name.size());
+  const auto length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  std::vector<int> queued;
+  for (;;) {
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) throw std::system_error(errno, std::generic_category(), "socket");
+    if (::connect(fd, reinterpret_cast<const sockaddr*>(&at), length) == 0) {
+      queued.push_back(fd);
+      continue;
+    }
+    const int error = errno;
+    ::close(fd);
+    if (error == EAGAIN) return queued;
+    throw std::system_error(error, std::generic_category(), "connect to a stopped worker's Unix socket");
+  }
+}
+
+// Whether some TCP connection on this host is established to `port` (whoever holds it).
+bool tcp_established_to(std::uint16_t port) {
+  char wanted[8];
+  std::snprintf(wanted, sizeof wanted, ":%04X", port);
+  for (const char* table : {"/proc/self/net/tcp", "/proc/self/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // the heading
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string sl, local, remote, state;
+      if ((fields >> sl >> local >> remote >> state) && state == "01" && remote.ends_with(wanted)) return true;
+    }
+  }
+  return false;
 }
 
 // Run on the I/O thread that reads their request (marked below, at global scope).
@@ -576,6 +639,43 @@ TEST_CASE("workers on one host connect over a Unix socket; one that turns it off
         EXPECT_EQ(after.tcp_established, before.tcp_established + 1);
       },
       off);
+}
+
+TEST_CASE("a peer whose Unix socket takes no more connections is dialed over TCP" *
+          doctest::skip(!can_fill_a_backlog())) {
+  // A Unix connect does not wait: when the listener's backlog is full it fails at once, and the dialer must fall back
+  // to the peer's TCP port. Rank 0 stops rank 1 and fills its Unix socket's backlog; rank 2's first call to rank 1
+  // must then open a TCP connection, and complete once rank 1 runs again.
+  launch_processes(
+      3,
+      [&](int rank) {
+        init_rpc(worker_name(rank), rank, 3, quick_options());
+        if (rank == 0) {
+          const int target = rpc_sync<&process_id>(1);
+          const std::string name = rpc_socket_of(target);
+          EXPECT(!name.empty());
+          EXPECT_EQ(rpc_sync<&own_tcp_established>(2), 1);  // its registration with rank 0
+          const std::uint16_t port = get_worker_info(1).port;
+          EXPECT(!tcp_established_to(port));  // everyone else reached rank 1 over its Unix socket
+          stop_process(target);
+          const std::vector<int> queued = fill_backlog(name);
+          auto reply = rpc_async<&whoami_via>(2, 1);
+          // The kernel completes a TCP handshake for a stopped listener: rank 2's dial shows as established.
+          const auto give_up = std::chrono::steady_clock::now() + 30s * time_scale();
+          while (!tcp_established_to(port) && std::chrono::steady_clock::now() < give_up)
+            std::this_thread::sleep_for(1ms);
+          const bool over_tcp = tcp_established_to(port);
+          for (const int fd : queued) ::close(fd);  // rank 1 reads these as strangers that hung up
+          ::kill(target, SIGCONT);
+          EXPECT(queued.size() > 0);
+          EXPECT(over_tcp);
+          EXPECT_EQ(reply.wait(), worker_name(1));
+          EXPECT_EQ(rpc_sync<&own_tcp_established>(2), 2);
+          EXPECT_EQ(rpc_sync<&whoami_via>(1, 2), worker_name(2));  // and rank 1 still serves and dials
+        }
+        shutdown(true);
+      },
+      launch_options(60s));
 }
 
 TEST_CASE("a job whose rank 0 is on 127.0.0.2 stays on loopback and works (skipped where it cannot listen there)" *

@@ -10,6 +10,7 @@
 
 #include "core/log.hpp"
 #include "rpc/runtime_impl.hpp"
+#include "transport/abstract_socket.hpp"
 #include "transport/shm_channel.hpp"
 
 namespace corpc {
@@ -19,15 +20,10 @@ void Runtime::Impl::start_local_listener() {
   if (!options.same_host_socket || options.tls) return;
   const std::string& host = detail::same_host_identity();
   if (host.empty()) return;  // no boot id or namespace to compare: nobody could tell it is on our host
-  // Abstract: nothing on the file system to clean up after a crash, reachable only in this network namespace. The
-  // random part keeps a stranger from squatting on the name in advance (it would still have to pass the handshake).
-  std::string name = "corpc-rpc-" + std::to_string(::getpid()) + "-" + detail::random_secret().substr(0, 16);
+  std::string name;
   try {
     local_acceptor.emplace(main_io());
-    const asio::local::stream_protocol::endpoint at(std::string(1, '\0') + name);
-    local_acceptor->open(at.protocol());
-    local_acceptor->bind(at);
-    local_acceptor->listen();
+    name = detail::listen_abstract(*local_acceptor, "corpc-rpc");
   } catch (const std::exception& e) {
     local_acceptor.reset();
     detail::log(detail::LogLevel::info, self.name, "rendezvous",

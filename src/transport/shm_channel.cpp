@@ -15,6 +15,7 @@
 #include <string_view>
 #include <system_error>
 
+#include "transport/abstract_socket.hpp"
 #include "transport/auth.hpp"
 #include "corpc/transport/errors.hpp"
 #include "corpc/wire/errors.hpp"
@@ -261,13 +262,7 @@ void ShmChannel::release(std::uint64_t offset) noexcept {
 
 ShmListener::ShmListener(asio::io_context& io, std::string worker)
     : io_(io), worker_(std::move(worker)), acceptor_(io) {
-  // Abstract (leading NUL): nothing on the file system to clean up after a crash; reachable only in this network
-  // namespace. The random part keeps a stranger from squatting on the name in advance.
-  name_ = std::string(1, '\0') + "corpc-" + std::to_string(::getpid()) + "-" + random_secret().substr(0, 16);
-  asio::local::stream_protocol::endpoint ep(name_);
-  acceptor_.open(ep.protocol());
-  acceptor_.bind(ep);
-  acceptor_.listen();
+  name_ = std::string(1, '\0') + listen_abstract(acceptor_, "corpc");  // dialers get it with its NUL
   accept_next();
 }
 

@@ -18,7 +18,8 @@ namespace corpc {
 
 /// The environment fills what a program leaves at its default, never what it set: CORPC_SECRET (secret),
 /// CORPC_TLS_CERT/KEY/CA/VERIFY (tls), CORPC_TRACE (trace_path), CORPC_SAME_HOST_SOCKET=0, CORPC_SAME_HOST_CHANNEL=0
-/// and CORPC_CUDA_IPC=0 (same_host_socket, same_host_channel, cuda_ipc). init_rpc applies it; each field's comment says which variable fills it.
+/// and CORPC_CUDA_IPC=0 (same_host_socket, same_host_channel, cuda_ipc). init_rpc applies it; each field's comment
+/// says which variable fills it.
 /// How init_rpc starts this process's runtime: rendezvous, threads, timeouts, security, limits and flow control.
 /// Every worker of a job should use compatible values (limits are announced to peers; timeouts are per worker).
 struct RpcOptions {
