@@ -41,7 +41,10 @@ detail::Message hello_message(const WorkerInfo& self, int world_size, bool rende
 
 detail::Hello Runtime::Impl::our_hello(bool registering) const {
   detail::Hello h;
-  h.self = self;
+  {
+    std::lock_guard lock(self_host_mutex);
+    h.self = self;
+  }
   h.world_size = world_size;
   h.registering = registering;
   // Our limits go with it, so that senders refuse oversized messages themselves instead of losing the connection.
@@ -94,8 +97,8 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
     // Registered before accepting anyone: a worker's registration may be processed the moment we accept it.
     registrations.add_own(self, own_device_config(), local);
   }
-  // From here on the network thread owns `self` (on_world rewrites it with the table's entry): this thread reads
-  // only its own copy of the rank.
+  // From here on the I/O threads may read `self`, and on_world fills in its host: this thread reads only its own copy
+  // of the rank.
   const int my_rank = self.rank;
   start_same_host();
   asio::post(main_io(), [this] {
@@ -360,7 +363,11 @@ void Runtime::Impl::on_world(detail::Message&& msg) {
   }
   workers = std::move(table);
   local_addresses = std::move(locals);
-  self = workers[self.rank];
+  {
+    // Only the host can differ (rank 0 fills in the address it saw); the rest of self is read unlocked everywhere.
+    std::lock_guard lock(self_host_mutex);
+    self.host = workers[self.rank].host;
+  }
   for (auto& [conn, m] : world.open()) on_frame(conn, std::move(m));
   world_ready.set_value();
 }

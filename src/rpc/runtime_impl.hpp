@@ -59,7 +59,10 @@ inline bool call_bound_exempt() noexcept { return current_call_context().get(cal
 struct Runtime::Impl {
   RpcOptions options;
   detail::AuthConfig auth;  // from options.secret / CORPC_SECRET
+  // Fixed before the I/O threads start, except self.host of a worker listening on a wildcard address: on_world fills
+  // it in (under self_host_mutex) while other I/O threads may be answering Hellos with a copy of self.
   WorkerInfo self;
+  mutable std::mutex self_host_mutex;
   int world_size = 0;
   std::vector<WorkerInfo> workers;  // by rank; written once by rendezvous before init_rpc returns
   std::unordered_map<std::string, int> rank_by_name;
