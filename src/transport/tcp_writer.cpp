@@ -80,8 +80,9 @@ void TcpConnection::send(OutFrame&& f) {
       shm_wanted_set_.store(false, std::memory_order_relaxed);
     }
   }
-  // A thread outside the I/O threads coalesces, unless it blocks on this very frame next (rpc_sync).
-  const bool coalesce = tls_batch.io == nullptr && tls_send_now == 0 && !transport_.encrypted();
+  // A thread outside the I/O threads coalesces, unless it blocks on this very frame next (rpc_sync). Whether TLS is on
+  // is read only once connected: until then the dial's I/O thread is setting it up (and nothing is written anyway).
+  const bool coalesce = tls_batch.io == nullptr && tls_send_now == 0 && connected_ && !transport_.encrypted();
   if (!connected_ || flush_owned_ || corked_here() || f.tensors.size() + 3 > kMaxIov || transport_.encrypted() ||
       coalesce) {
     stage(f, 0);
