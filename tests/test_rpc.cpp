@@ -91,6 +91,20 @@ Future<int> future_result(int v) { return make_ready_future(v * 2); }
 
 int process_id() { return static_cast<int>(::getpid()); }
 
+// Calls `row` with the fields of each line of a /proc/net table (its heading skipped).
+template <typename Row>
+void proc_net_rows(const char* table, Row&& row) {
+  std::ifstream in(table);
+  std::string line;
+  std::getline(in, line);  // the heading
+  while (std::getline(in, line)) {
+    std::istringstream fields(line);
+    std::vector<std::string> f;
+    for (std::string x; fields >> x;) f.push_back(x);
+    row(f);
+  }
+}
+
 // This process's sockets, as the kernel lists them: TCP connections that are established, and Unix stream sockets
 // that are connected (a worker's connections to peers on its host, when it takes the Unix socket).
 struct SocketCensus {
@@ -105,22 +119,12 @@ SocketCensus own_sockets() {
     if (!ec && target.rfind("socket:[", 0) == 0) ours.insert(target.substr(8, target.size() - 9));
   }
   SocketCensus census;
-  auto rows = [](const char* table, auto&& row) {
-    std::ifstream in(table);
-    std::string line;
-    std::getline(in, line);  // the heading
-    while (std::getline(in, line)) {
-      std::istringstream fields(line);
-      std::vector<std::string> f;
-      for (std::string x; fields >> x;) f.push_back(x);
-      row(f);
-    }
-  };
   for (const char* table : {"/proc/self/net/tcp", "/proc/self/net/tcp6"})
-    rows(table, [&](const std::vector<std::string>& f) {  // sl local remote st ... inode (10th)
+    proc_net_rows(table, [&](const std::vector<std::string>& f) {  // sl local remote st ... inode (10th)
       if (f.size() > 9 && f[3] == "01" && ours.count(f[9])) census.tcp_established++;
     });
-  rows("/proc/self/net/unix", [&](const std::vector<std::string>& f) {  // Num RefCount Protocol Flags Type St Inode
+  // Num RefCount Protocol Flags Type St Inode
+  proc_net_rows("/proc/self/net/unix", [&](const std::vector<std::string>& f) {
     if (f.size() > 6 && f[4] == "0001" && f[5] == "03" && ours.count(f[6])) census.unix_connected++;
   });
   return census;
@@ -168,17 +172,12 @@ std::vector<int> fill_backlog(const std::string& name) {
 bool tcp_established_to(std::uint16_t port) {
   char wanted[8];
   std::snprintf(wanted, sizeof wanted, ":%04X", port);
-  for (const char* table : {"/proc/self/net/tcp", "/proc/self/net/tcp6"}) {
-    std::ifstream in(table);
-    std::string line;
-    std::getline(in, line);  // the heading
-    while (std::getline(in, line)) {
-      std::istringstream fields(line);
-      std::string sl, local, remote, state;
-      if ((fields >> sl >> local >> remote >> state) && state == "01" && remote.ends_with(wanted)) return true;
-    }
-  }
-  return false;
+  bool found = false;
+  for (const char* table : {"/proc/self/net/tcp", "/proc/self/net/tcp6"})
+    proc_net_rows(table, [&](const std::vector<std::string>& f) {  // sl local remote st ...
+      if (f.size() > 3 && f[3] == "01" && f[2].ends_with(wanted)) found = true;
+    });
+  return found;
 }
 
 // Run on the I/O thread that reads their request (marked below, at global scope).
