@@ -223,3 +223,16 @@ TEST_CASE("an exception inside a remote backward reaches the caller") {
     expect_no_contexts(2);
   });
 }
+
+TEST_CASE("a context's release handled before the request that brings it: the request does not create it again") {
+  run_world(2, [](int rank) {
+    if (rank != 0) return;
+    da::Context ctx;
+    // The release a peer sends, delivered ahead of the tensor that carries the context: what happens when worker1's
+    // pool runs the two jobs out of order. Called by the name the compiler gives the library's own function.
+    rpc_async<void>(1, "corpc::dist_autograd::{anonymous}::release_context", ctx.id(), 0).wait();
+    auto x = at::ones({4}).set_requires_grad(true);
+    EXPECT_EQ(rpc_sync<&times_three_sum>(1, x).item<double>(), 12.0);
+    EXPECT_EQ(da::detail::live_contexts(1).wait(), 0u);  // not recreated: it would be held until worker1 exits
+  });
+}

@@ -112,13 +112,16 @@ class Container {
     auto it = contexts_.find(id);
     return it == contexts_.end() ? nullptr : it->second;
   }
+  // Remembered as released even when not alive here: a peer's release can be handled before the request that brings
+  // the context (the two run as separate pool jobs), and that request must not create it afterwards.
   std::shared_ptr<ContextState> erase(std::int64_t id) {
     std::lock_guard lock(mutex_);
-    auto it = contexts_.find(id);
-    if (it == contexts_.end()) return nullptr;
-    auto c = std::move(it->second);
-    contexts_.erase(it);
-    released_.insert(id);
+    std::shared_ptr<ContextState> c;
+    if (auto it = contexts_.find(id); it != contexts_.end()) {
+      c = std::move(it->second);
+      contexts_.erase(it);
+    }
+    if (!released_.insert(id).second) return c;
     released_order_.push_back(id);
     if (released_order_.size() > kRememberReleased) {
       released_.erase(released_order_.front());
