@@ -2,12 +2,12 @@
 // and whoever owns the flush writes them in one gathered write:
 // - an I/O thread delivering the frames of one read stages its sends and flushes them when the batch ends ("corked"),
 //   so a burst of replies costs one system call;
-// - any other thread (a caller, a worker-pool job) stages too and writes what it staged itself just before it blocks
-//   or when its job ends (core's deferred work), so calls issued back to back (a loop of rpc_async, a coroutine
-//   fanning out) leave together; a flush posted to the I/O thread is the fallback for a thread that does neither.
-//   Only what is already queued is coalesced: nothing waits for more;
-// - rpc_sync's request (the caller blocks right after it) and a frame sent with nothing queued from a thread that
-//   asks for it are written straight from the sending thread, with no hand-off.
+// - any other thread (a caller, a worker-pool job) writes the first frame it sends after it last blocked or ended a
+//   job straight from its own thread, when nothing is queued on that connection; it stages the frames that follow and
+//   writes them itself just before it blocks or when its job ends (core's deferred work), so calls issued back to
+//   back (a loop of rpc_async, a coroutine fanning out) leave together; a flush posted to the I/O thread is the
+//   fallback for a thread that does neither. Only what is already queued is coalesced: nothing waits for more;
+// - rpc_sync's request (the caller blocks right after it) is written straight from the sending thread too.
 // TLS writes always go through the I/O thread.
 #include <sys/socket.h>
 
@@ -31,8 +31,11 @@ thread_local std::vector<std::shared_ptr<TcpConnection>> batch_dirty;
 // a thread that never blocks again (a program's main thread after shutdown) must not keep a connection past its
 // runtime, to be destroyed at thread exit after the I/O threads are gone; its frames leave by the posted flush.
 thread_local std::vector<std::weak_ptr<TcpConnection>> sender_dirty;
+// Frames the calling thread (outside the I/O threads) sent since it last blocked or ended a job: its sender batch.
+thread_local int sender_batch_frames = 0;
 
 void flush_sender_batches() noexcept {
+  sender_batch_frames = 0;
   auto dirty = std::move(sender_dirty);
   sender_dirty.clear();
   for (auto& weak : dirty)
@@ -80,9 +83,16 @@ void TcpConnection::send(OutFrame&& f) {
       shm_wanted_set_.store(false, std::memory_order_relaxed);
     }
   }
-  // A thread outside the I/O threads coalesces, unless it blocks on this very frame next (rpc_sync). Whether TLS is on
-  // is read only once connected: until then the dial's I/O thread is setting it up (and nothing is written anyway).
-  const bool coalesce = tls_batch.io == nullptr && tls_send_now == 0 && connected_ && !transport_.encrypted();
+  // A thread outside the I/O threads coalesces the frames of its sender batch after the first, unless it blocks on
+  // this very frame next (rpc_sync). The first leaves at once: a job that sends one frame (a reply, a coroutine's
+  // next call) then gains nothing by waiting, and staging it would cost a wake-up of the I/O thread for the posted
+  // flush, the fallback that staged frames need. Whether TLS is on is read only once connected: until then the
+  // dial's I/O thread is setting it up (and nothing is written anyway).
+  bool coalesce = false;
+  if (tls_batch.io == nullptr && connected_ && !transport_.encrypted()) {
+    coalesce = tls_send_now == 0 && sender_batch_frames > 0;
+    if (sender_batch_frames++ == 0) defer_work();  // the batch ends when this thread blocks or ends its job
+  }
   if (!connected_ || flush_owned_ || corked_here() || f.tensors.size() + 3 > kMaxIov || transport_.encrypted() ||
       coalesce) {
     stage(f, 0);
