@@ -9,9 +9,9 @@
 
 #include "support.hpp"
 
-// The replacements below pair malloc with free under operator new and delete; g++ 14 sees only the free() reached
-// from an inlined `delete` and reports a mismatch that is not there.
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 14
+// The replacements below pair malloc with free under operator new and delete; g++ (11 and later, where the warning
+// exists) sees only the free() reached from an inlined `delete` and reports a mismatch that is not there.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
 #pragma GCC diagnostic ignored "-Wmismatched-new-delete"
 #endif
 
