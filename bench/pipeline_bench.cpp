@@ -113,7 +113,10 @@ std::vector<std::pair<at::Tensor, at::Tensor>> make_data(const Config& c) {
 
 std::string to_string(const std::vector<int>& balance) {
   std::string s;
-  for (std::size_t i = 0; i < balance.size(); ++i) s += (i ? "," : "") + std::to_string(balance[i]);
+  for (std::size_t i = 0; i < balance.size(); ++i) {
+    if (i) s += ',';
+    s += std::to_string(balance[i]);
+  }
   return s;
 }
 
@@ -651,6 +654,16 @@ int main(int argc, char** argv) {
       "worker (MiB) | micro-batches held | PyTorch RPC (s) | PyTorch / corpc |\n");
   std::printf("|---|---:|---:|---:|---:|---:|---|---|---:|---:|\n");
   double best = INFINITY, best_torch = INFINITY;
+  // A ratio or time that was not measured (no GPipe run at 1 split, PyTorch not compared) reads "-", not nan.
+  struct Cell {
+    char text[32];
+  };
+  auto cell = [](double v, const char* format) {
+    Cell c{};
+    if (std::isfinite(v)) std::snprintf(c.text, sizeof c.text, format, v);
+    else std::snprintf(c.text, sizeof c.text, "-");
+    return c;
+  };
   for (auto& r : rows) {
     const auto schedule = static_cast<Schedule>(r.schedule);
     const int v = min_stages_per_worker(schedule);
@@ -664,16 +677,20 @@ int main(int argc, char** argv) {
     const double torch_s = torch_times.count(r.splits) ? torch_times[r.splits] : NAN;
     best = std::min(best, r.seconds);
     if (!std::isnan(torch_s)) best_torch = std::min(best_torch, torch_s);
-    std::printf("| %s | %ld | %.2f | %.2f | %.3f | %.3f | %s | %s | %.2f | %.2f |\n", to_string(schedule), r.splits,
-                r.seconds, gpipe1 / r.seconds, r.bubble,
+    std::printf("| %s | %ld | %.2f | %s | %.3f | %.3f | %s | %s | %s | %s |\n", to_string(schedule), r.splits,
+                r.seconds, cell(gpipe1 / r.seconds, "%.2f").text, r.bubble,
                 bubble_formula(schedule, static_cast<int>(c.workers), v, static_cast<int>(r.splits)), mem.c_str(),
-                held.c_str(), torch_s, torch_s / r.seconds);
+                held.c_str(), cell(torch_s, "%.2f").text, cell(torch_s / r.seconds, "%.2f").text);
   }
   const double images = static_cast<double>(c.batch * c.batches);
   std::printf("\nOne process, no RPC, whole batches (%ld thread): %.2f s, %.1f images/s\n", c.threads, single,
               images / single);
-  std::printf("Best corpc run: %.2f s = %.2fx PyTorch's best split (%.2f s), %.2fx one process\n", best,
-              best / best_torch, best_torch, best / single);
+  if (std::isfinite(best_torch))
+    std::printf("Best corpc run: %.2f s = %.2fx PyTorch's best split (%.2f s), %.2fx one process\n", best,
+                best / best_torch, best_torch, best / single);
+  else
+    std::printf("Best corpc run: %.2f s = %.2fx one process (%s)\n", best, best / single,
+                compare ? "no run of PyTorch's RPC finished" : "PyTorch's RPC not compared: --compare-pytorch");
   std::printf(
       "Bubble measured: idle share of each worker between the step's first and last action (waits for inputs,\n"
       "messages, the step's start and end), averaged over workers and timed steps. Peak activations: the CPU\n"

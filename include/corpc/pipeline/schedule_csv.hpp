@@ -128,7 +128,11 @@ inline std::string schedule_to_csv(const std::vector<std::vector<Action>>& plan)
     for (std::size_t i = 0; i < list.size(); ++i) {
       if (i) out += ',';
       if (list[i].overlap && i + 1 < list.size()) {
-        out += "(" + cell(list[i]) + ";" + cell(list[i + 1]) + ")OVERLAP_F_B";
+        out += '(';
+        out += cell(list[i]);
+        out += ';';
+        out += cell(list[i + 1]);
+        out += ")OVERLAP_F_B";
         ++i;
       } else {
         out += cell(list[i]);

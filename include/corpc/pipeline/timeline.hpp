@@ -79,7 +79,10 @@ class ChromeTrace {
     events_.push_back(trace::process_name_event(process, name, process));
     for (auto& w : workers) {
       std::string stages;
-      for (auto s : w.stages) stages += (stages.empty() ? "" : ",") + std::to_string(s);
+      for (auto s : w.stages) {
+        if (!stages.empty()) stages += ',';
+        stages += std::to_string(s);
+      }
       events_.push_back(
           trace::thread_name_event(process, w.rank, "worker" + std::to_string(w.rank) + " (stage " + stages + ")"));
       for (auto& r : w.records) {
