@@ -96,11 +96,9 @@ void TcpConnection::send(OutFrame&& f) {
   if (!connected_ || flush_owned_ || corked_here() || f.tensors.size() + 3 > kMaxIov || transport_.encrypted() ||
       coalesce) {
     stage(f, 0);
-    if (coalesce && connected_ && !flush_owned_) {
-      // This thread writes it before it blocks; the flush posted to the I/O thread covers a thread that never does.
-      sender_dirty.push_back(self());
-      defer_work();
-    }
+    // This thread writes it before it blocks (its batch's first frame armed that); the flush posted to the I/O
+    // thread covers a thread that never does.
+    if (coalesce && !flush_owned_) sender_dirty.push_back(self());
     schedule_flush();
     if (coalesce && backlog_.load(std::memory_order_relaxed) >= kSenderBatchBytes) {
       lock.unlock();
