@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <ATen/ATen.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -192,8 +193,16 @@ Task<std::string> relay_on_io(std::vector<std::string> path) {
 
 }  // namespace
 
+// The name the system knows the running thread by (top -H, perf, gdb).
+std::string thread_name() {
+  char name[16] = {};
+  pthread_getname_np(pthread_self(), name, sizeof name);
+  return name;
+}
+std::string io_thread_name() { return thread_name(); }
 CORPC_IO_THREAD_FUNCTION(&add_on_io);
 CORPC_IO_THREAD_FUNCTION(&relay_on_io);
+CORPC_IO_THREAD_FUNCTION(&io_thread_name);
 
 TEST_CASE("rpc_sync and rpc_async reach every worker by name, rank and WorkerInfo") {
   run_world(3, [](int rank) {
@@ -485,6 +494,12 @@ TEST_CASE("functions on the I/O threads, with several I/O threads sharing the co
         EXPECT_EQ(rpc_async<&relay_on_io>((rank + 1) % 3, path).wait(30s),
                   worker_name((rank + 1) % 3) + ">" + worker_name((rank + 2) % 3) + ">" + worker_name(rank));
         EXPECT_EQ(rpc_sync<&add>((rank + 1) % 3, 2, 3), 5);  // pool functions alongside
+        // The threads carry names that say what they are.
+        EXPECT_EQ(rpc_sync<&thread_name>((rank + 1) % 3), "corpc-worker");
+        for (int peer : {(rank + 1) % 3, (rank + 2) % 3}) {
+          const std::string io_name = rpc_sync<&io_thread_name>(peer);
+          EXPECT(io_name == "corpc-io-0" || io_name == "corpc-io-1");
+        }
       },
       options);
 }

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "corpc/core/detail/blocking.hpp"
+#include "core/thread_name.hpp"
 #include "core/trace_recorder.hpp"
 
 namespace corpc::detail {
@@ -36,6 +37,7 @@ void IoThreads::start() {
     auto& t = threads_[i];
     t->executor = std::make_unique<IoExecutor>(t->io);
     t->thread = std::thread([t = t.get(), i] {
+      name_this_thread("corpc-io-" + std::to_string(i));
       trace::detail::label_thread("io " + std::to_string(i));
       ExecutorScope scope(t->executor.get());
       NonBlockingThreadScope no_blocking;  // a blocking wait here would stop the thread that must deliver its value

@@ -8,6 +8,7 @@
 #include "rpc/runtime_exit.hpp"
 #include "rpc/environment.hpp"
 #include "rpc/runtime_impl.hpp"
+#include "core/thread_name.hpp"
 #include "core/trace_recorder.hpp"
 
 namespace corpc {
@@ -116,7 +117,10 @@ bool Runtime::spawn_background(Task<void> task, Background how) noexcept {
 void Runtime::Impl::start_threads() {
   int threads = options.num_worker_threads;
   if (threads <= 0) threads = std::max(4u, 2 * std::max(1u, std::thread::hardware_concurrency()));
-  pool = std::make_unique<ThreadPool>(static_cast<std::size_t>(threads), options.worker_thread_init);
+  pool = std::make_unique<ThreadPool>(static_cast<std::size_t>(threads), [init = options.worker_thread_init] {
+    detail::name_this_thread("corpc-worker");
+    if (init) init();
+  });
   io_threads = std::make_unique<detail::IoThreads>(options.num_io_threads);
   acceptor.emplace(main_io());
   io_threads->start();

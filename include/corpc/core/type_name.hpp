@@ -40,16 +40,17 @@ constexpr std::string_view between_eq_and_bracket(std::string_view s) {
 }
 }  // namespace detail
 
-/// The name of type `T` as the compiler spells it ("std::vector<int>"), at compile time.
+/// The name of type `T` as the compiler spells it ("std::vector<int>"), at compile time. consteval: a call on a
+/// hot path must not parse the compiler's text at run time, which a constexpr function called there may do.
 template <class T>
-constexpr std::string_view type_name() {
+consteval std::string_view type_name() {
   return detail::between_eq_and_bracket(detail::raw_type_name<T>());
 }
 
 /// The name of F, a function pointer or member function pointer constant, as the compiler spells it ("add",
 /// "Shard1::forward", "ns::f"), at compile time: what rpc_async puts on the wire for `rpc_async<&f>`.
 template <auto F>
-constexpr std::string_view function_name() {
+consteval std::string_view function_name() {
   std::string_view s = detail::between_eq_and_bracket(detail::raw_value_name<F>());
   if (!s.empty() && s.front() == '&') s.remove_prefix(1);
   return s;

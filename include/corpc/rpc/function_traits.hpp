@@ -59,9 +59,9 @@ template <auto F>
 using ResultOf = typename Unwrap<typename FnTraits<decltype(F)>::Result>::type;
 
 // The signature key: a hash of the decayed parameter types, so that a caller and callee that disagree get a clear
-// ArgumentTypeError instead of misread bytes.
+// ArgumentTypeError instead of misread bytes. Computed at compile time (every call sends it).
 template <class ArgsTuple>
-constexpr std::uint64_t signature_of() {
+consteval std::uint64_t signature_of() {
   return fnv1a(type_name<ArgsTuple>());
 }
 

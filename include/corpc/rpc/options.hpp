@@ -28,12 +28,15 @@ struct RpcOptions {
   /// address directly.
   std::string init_method = "env://";
   /// Threads that run user functions. Coroutine functions hold no thread while suspended. 0: max(4, 2 x cores).
+  /// The system sees them as "corpc-worker" (top -H, perf, gdb).
   int num_worker_threads = 0;
-  /// I/O threads, each owning a share of the connections (and running the functions marked Execution::io_thread).
+  /// I/O threads, each owning a share of the connections (and running the functions marked Execution::io_thread);
+  /// named "corpc-io-0", "corpc-io-1", ...
   int num_io_threads = 1;
   /// How long a blocked wait()/rpc_sync spins before it sleeps (see corpc/core/executor.hpp); 0: never spin.
   std::chrono::microseconds spin_before_block{50};
-  /// Runs first on each worker thread: per-thread settings, e.g. at::set_num_threads (OpenMP's count is per thread).
+  /// Runs first on each worker thread (once it is named): per-thread settings, e.g. at::set_num_threads (OpenMP's
+  /// count is per thread).
   std::function<void()> worker_thread_init;
   /// Default timeout of every call (CallOptions::timeout overrides it); past it the call fails with TimeoutError.
   std::chrono::milliseconds rpc_timeout{60'000};

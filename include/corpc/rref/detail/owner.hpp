@@ -24,7 +24,7 @@ struct SelfBinder {
 };
 
 template <class T>
-constexpr std::uint64_t type_hash_of() {
+consteval std::uint64_t type_hash_of() {
   return fnv1a(type_name<T>());
 }
 
