@@ -16,6 +16,9 @@
 // A VM's vCPUs move between fast and slow placements, so each case alternates short blocks
 // of raw and corpc (ABBA order) and reports the ratio per block pair; the headline ratio is the median of those.
 // Ratio = corpc time per call / raw time per call (for async64: raw calls/s / corpc calls/s); > 1: corpc is slower.
+// The async cases also report the CPU time both processes spent per call, over all their threads (the scheduler's
+// accounting), and the kernel's share of it: what bounds calls/s on a machine whose cores are all busy.
+#include <pthread.h>
 #include <sched.h>
 #include <unistd.h>
 
@@ -34,6 +37,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <limits.h>
@@ -94,6 +98,48 @@ std::atomic<int> g_raw_port{0};
 int raw_port() { return g_raw_port.load(); }
 std::atomic<int> g_relay_port{0};
 int relay_port() { return g_relay_port.load(); }
+int server_pid() { return static_cast<int>(::getpid()); }
+
+// ---- CPU time of a process, all its threads -----------------------------------------------------------------------
+// Nanoseconds on a CPU (/proc/PID/task/*/schedstat, the scheduler's own accounting) and the user and system clock
+// ticks (/proc/PID/task/*/stat): what the async cases cost in CPU per call, and how much of it is the kernel's.
+struct CpuTime {
+  std::int64_t ns = 0;
+  std::int64_t user_ticks = 0, system_ticks = 0;
+  CpuTime operator-(const CpuTime& o) const {
+    return {ns - o.ns, user_ticks - o.user_ticks, system_ticks - o.system_ticks};
+  }
+  CpuTime operator+(const CpuTime& o) const {
+    return {ns + o.ns, user_ticks + o.user_ticks, system_ticks + o.system_ticks};
+  }
+};
+
+CpuTime process_cpu(int pid) {
+  CpuTime t;
+  const std::string dir = fmt::format("/proc/{}/task", pid);
+  std::error_code ec;
+  for (const auto& task : std::filesystem::directory_iterator(dir, ec)) {
+    std::ifstream sched(task.path() / "schedstat");
+    std::int64_t ns = 0;
+    if (sched >> ns) t.ns += ns;
+    std::ifstream stat(task.path() / "stat");
+    std::string line;
+    std::getline(stat, line);
+    // The fields after the command (which may hold spaces) start after its closing parenthesis; utime and stime are
+    // the 14th and 15th fields of the line, the 12th and 13th after the state.
+    const auto close = line.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(line.substr(close + 2));
+    std::string field;
+    for (int i = 0; i < 11 && rest >> field; ++i) {}
+    std::int64_t user = 0, system = 0;
+    if (rest >> user >> system) {
+      t.user_ticks += user;
+      t.system_ticks += system;
+    }
+  }
+  return t;
+}
 
 // ---- options ----------------------------------------------------------------------------------------------------
 enum class Kind { echo, async, remote, chain };
@@ -368,6 +414,7 @@ class RawClient {
 struct Block {
   std::vector<double> lat_us;
   double calls_per_s = 0;
+  std::size_t calls = 0;
 };
 
 // Latency block: `once()` repeatedly for block_ms and at least min_iters calls.
@@ -402,6 +449,7 @@ Block raw_async_block(const Options& o, RawClient& raw, std::size_t in_flight) {
   }
   while (!issued.empty()) consume();
   b.calls_per_s = static_cast<double>(done) / (us_since(start) / 1e6);
+  b.calls = done;
   return b;
 }
 
@@ -423,6 +471,7 @@ Block corpc_async_block(const Options& o, std::size_t in_flight) {
   }
   while (!window.empty()) consume();
   b.calls_per_s = static_cast<double>(done) / (us_since(start) / 1e6);
+  b.calls = done;
   return b;
 }
 
@@ -432,10 +481,15 @@ struct CaseResult {
   std::vector<double> corpc_us, raw_us;      // all samples
   std::vector<double> corpc_rate, raw_rate;  // calls/s per block
   std::vector<double> ratios;                // per block pair
+  // The async cases: both processes' CPU time over all blocks of each, and the calls they made.
+  CpuTime corpc_cpu, raw_cpu;
+  std::size_t corpc_calls = 0, raw_calls = 0;
 };
 
-CaseResult run_case(const Options& o, const CaseSpec& c, RawClient& raw, RawClient& relay) {
-  CaseResult r{c, {}, {}, {}, {}, {}};
+CaseResult run_case(const Options& o, const CaseSpec& c, RawClient& raw, RawClient& relay, int server) {
+  CaseResult r{c, {}, {}, {}, {}, {}, {}, {}, 0, 0};
+  const int client = static_cast<int>(::getpid());
+  auto both_cpu = [&] { return process_cpu(client) + process_cpu(server); };
   at::Tensor t;
   if (!c.async() && c.bytes) t = at::rand({static_cast<std::int64_t>(c.bytes / sizeof(float))});
 
@@ -482,11 +536,23 @@ CaseResult run_case(const Options& o, const CaseSpec& c, RawClient& raw, RawClie
   auto start = Clock::now();
   for (int pair = 0; pair < 3 || us_since(start) < o.seconds_per_case * 1e6; ++pair) {
     Block rb, cb;
+    // The calling thread's name says whose block it runs, so that a profiler (perf report --sort comm) can keep the
+    // two apart.
     auto do_raw = [&] {
-      rb = c.async() ? raw_async_block(o, raw, static_cast<std::size_t>(c.in_flight)) : latency_block(o, raw_once);
+      ::pthread_setname_np(::pthread_self(), "client-raw");
+      if (!c.async()) return void(rb = latency_block(o, raw_once));
+      const CpuTime before = both_cpu();
+      rb = raw_async_block(o, raw, static_cast<std::size_t>(c.in_flight));
+      r.raw_cpu = r.raw_cpu + (both_cpu() - before);
+      r.raw_calls += rb.calls;
     };
     auto do_corpc = [&] {
-      cb = c.async() ? corpc_async_block(o, static_cast<std::size_t>(c.in_flight)) : latency_block(o, corpc_once);
+      ::pthread_setname_np(::pthread_self(), "client-corpc");
+      if (!c.async()) return void(cb = latency_block(o, corpc_once));
+      const CpuTime before = both_cpu();
+      cb = corpc_async_block(o, static_cast<std::size_t>(c.in_flight));
+      r.corpc_cpu = r.corpc_cpu + (both_cpu() - before);
+      r.corpc_calls += cb.calls;
     };
     if (pair % 2 == 0) {
       do_raw();
@@ -636,6 +702,14 @@ void print_header(const Options& o) {
   std::fflush(stdout);
 }
 
+double cpu_us_per_call(const CpuTime& t, std::size_t calls) {
+  return calls ? static_cast<double>(t.ns) / 1e3 / static_cast<double>(calls) : 0.0;
+}
+double kernel_percent(const CpuTime& t) {
+  const auto ticks = t.user_ticks + t.system_ticks;
+  return ticks ? 100.0 * static_cast<double>(t.system_ticks) / static_cast<double>(ticks) : 0.0;
+}
+
 void print_row(const CaseResult& r) {
   auto [mn, mx] = std::minmax_element(r.ratios.begin(), r.ratios.end());
   std::string mbps = r.spec.bytes
@@ -649,6 +723,10 @@ void print_row(const CaseResult& r) {
         "{:>8}   throughput, {} in flight: corpc {:.0f} calls/s, raw {:.0f} msgs/s (medians of blocks); "
         "latency = issue -> consumed\n",
         "", r.spec.in_flight, median(r.corpc_rate), median(r.raw_rate));
+    fmt::print(
+        "{:>8}   CPU per call, both processes: corpc {:.2f} us ({:.0f}% in the kernel), raw {:.2f} us ({:.0f}%)\n", "",
+        cpu_us_per_call(r.corpc_cpu, r.corpc_calls), kernel_percent(r.corpc_cpu),
+        cpu_us_per_call(r.raw_cpu, r.raw_calls), kernel_percent(r.raw_cpu));
   }
   std::fflush(stdout);
 }
@@ -673,8 +751,11 @@ void write_json(const Options& o, const std::vector<CaseResult>& results) {
         r.spec.name, r.spec.bytes, median(r.corpc_us), p99(r.corpc_us), median(r.raw_us), p99(r.raw_us),
         median(r.ratios), json_array(r.ratios), r.corpc_us.size());
     if (r.spec.async()) {
-      s += fmt::format(", \"calls_per_s\": {:.1f}, \"raw_calls_per_s\": {:.1f}, \"in_flight\": {}",
-                       median(r.corpc_rate), median(r.raw_rate), r.spec.in_flight);
+      s += fmt::format(
+          ", \"calls_per_s\": {:.1f}, \"raw_calls_per_s\": {:.1f}, \"in_flight\": {}, \"cpu_us_per_call\": {:.3f}, "
+          "\"raw_cpu_us_per_call\": {:.3f}, \"kernel_percent\": {:.1f}, \"raw_kernel_percent\": {:.1f}",
+          median(r.corpc_rate), median(r.raw_rate), r.spec.in_flight, cpu_us_per_call(r.corpc_cpu, r.corpc_calls),
+          cpu_us_per_call(r.raw_cpu, r.raw_calls), kernel_percent(r.corpc_cpu), kernel_percent(r.raw_cpu));
     }
     s += "}";
   }
@@ -719,7 +800,10 @@ void server_rank(const Options& o, int rank, int world) {
   };
   asio::co_spawn(ctx, raw_echo_session(acceptor, o.raw_alloc), on_error);
   auto work = asio::make_work_guard(ctx);  // until the relay is set up
-  std::thread raw_thread([&] { ctx.run(); });
+  std::thread raw_thread([&] {
+    ::pthread_setname_np(::pthread_self(), "raw-server");
+    ctx.run();
+  });
 
   corpc::init_rpc(rank == 1 ? "server" : "server2", rank, world, rpc_options(o));
   if (rank == 1 && world == 3) {
@@ -753,8 +837,9 @@ void client_rank(const Options& o, int world) {
     return;
   }
   std::vector<CaseResult> results;
+  const int server = corpc::rpc_sync<&server_pid>(1);
   for (auto& c : o.cases) {
-    results.push_back(run_case(o, c, raw, relay));
+    results.push_back(run_case(o, c, raw, relay, server));
     print_row(results.back());
   }
   if (o.cancel_samples > 0) {

@@ -38,6 +38,21 @@ c10::intrusive_ptr<c10d::ProcessGroup> trainer_group(int trainer, const std::str
   return group;
 }
 
+// The mean seconds of one allreduce of a tensor as large as `dense`'s parameters on `group` (both trainers call it).
+double time_bare_allreduce(c10d::ProcessGroup& group, torch::nn::Linear& dense) {
+  std::int64_t numel = 0;
+  for (auto& p : dense->parameters()) numel += p.numel();
+  std::vector<at::Tensor> buffer{at::zeros({numel})};
+  group.barrier()->wait();
+  constexpr int kWarmup = 20, kCalls = 500;
+  std::chrono::steady_clock::time_point start;
+  for (int i = 0; i < kWarmup + kCalls; ++i) {
+    if (i == kWarmup) start = std::chrono::steady_clock::now();
+    group.allreduce(buffer)->wait();
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / kCalls;
+}
+
 at::Tensor weight_of(corpc::RRef<torch::nn::EmbeddingBag> table) {
   return table.local_value()->weight.detach().clone();
 }
@@ -122,6 +137,7 @@ TrainerResult run_trainer(corpc::RemoteModule<torch::nn::EmbeddingBag> embedding
   TrainerResult result;
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   result.phase_seconds = std::move(phase_seconds);
+  if (config.phases) result.bare_allreduce_seconds = time_bare_allreduce(*group, fc);
   for (auto& p : dense->parameters()) result.dense.push_back(p.detach().clone());
   return result;
 }

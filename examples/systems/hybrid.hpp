@@ -62,7 +62,10 @@ struct TrainerResult {
   std::vector<at::Tensor> dense;      // the trainer's Linear [weight, bias] after training
   double seconds = 0;                 // the training loop alone
   std::vector<double> phase_seconds;  // Config::phases: the seconds spent in each of kPhases, summed over the steps
-  CORPC_FIELDS(dense, seconds, phase_seconds)
+  // Config::phases: after training, the mean seconds of one allreduce of the dense gradients' size on the trainers'
+  // process group alone (c10d, Gloo): the floor under the backward phase, which waits for DDP's allreduce.
+  double bare_allreduce_seconds = 0;
+  CORPC_FIELDS(dense, seconds, phase_seconds, bare_allreduce_seconds)
 };
 
 // A trainer's loop (started by the master over RPC, which hands it the remote module). Joins the trainers' DDP
