@@ -655,14 +655,11 @@ int main(int argc, char** argv) {
   std::printf("|---|---:|---:|---:|---:|---:|---|---|---:|---:|\n");
   double best = INFINITY, best_torch = INFINITY;
   // A ratio or time that was not measured (no GPipe run at 1 split, PyTorch not compared) reads "-", not nan.
-  struct Cell {
+  auto cell = [](double v) {
+    if (!std::isfinite(v)) return std::string("-");
     char text[32];
-  };
-  auto cell = [](double v, const char* format) {
-    Cell c{};
-    if (std::isfinite(v)) std::snprintf(c.text, sizeof c.text, format, v);
-    else std::snprintf(c.text, sizeof c.text, "-");
-    return c;
+    std::snprintf(text, sizeof text, "%.2f", v);
+    return std::string(text);
   };
   for (auto& r : rows) {
     const auto schedule = static_cast<Schedule>(r.schedule);
@@ -678,9 +675,9 @@ int main(int argc, char** argv) {
     best = std::min(best, r.seconds);
     if (!std::isnan(torch_s)) best_torch = std::min(best_torch, torch_s);
     std::printf("| %s | %ld | %.2f | %s | %.3f | %.3f | %s | %s | %s | %s |\n", to_string(schedule), r.splits,
-                r.seconds, cell(gpipe1 / r.seconds, "%.2f").text, r.bubble,
+                r.seconds, cell(gpipe1 / r.seconds).c_str(), r.bubble,
                 bubble_formula(schedule, static_cast<int>(c.workers), v, static_cast<int>(r.splits)), mem.c_str(),
-                held.c_str(), cell(torch_s, "%.2f").text, cell(torch_s / r.seconds, "%.2f").text);
+                held.c_str(), cell(torch_s).c_str(), cell(torch_s / r.seconds).c_str());
   }
   const double images = static_cast<double>(c.batch * c.batches);
   std::printf("\nOne process, no RPC, whole batches (%ld thread): %.2f s, %.1f images/s\n", c.threads, single,

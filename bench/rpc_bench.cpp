@@ -16,10 +16,11 @@
 // A VM's vCPUs move between fast and slow placements, so each case alternates short blocks
 // of raw and corpc (ABBA order) and reports the ratio per block pair; the headline ratio is the median of those.
 // Ratio = corpc time per call / raw time per call (for async64: raw calls/s / corpc calls/s); > 1: corpc is slower.
-// The async cases also report the CPU time both processes spent per call, over all their threads (the scheduler's
-// accounting), and the kernel's share of it: what bounds calls/s on a machine whose cores are all busy.
+// The async cases also report the CPU time both processes spent per call, over all their threads (each process's
+// CPU clock), and the kernel's share of it: what bounds calls/s on a machine whose cores are all busy.
 #include <pthread.h>
 #include <sched.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <ATen/ATen.h>
@@ -37,7 +38,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <limits.h>
@@ -101,8 +101,9 @@ int relay_port() { return g_relay_port.load(); }
 int server_pid() { return static_cast<int>(::getpid()); }
 
 // ---- CPU time of a process, all its threads -----------------------------------------------------------------------
-// Nanoseconds on a CPU (/proc/PID/task/*/schedstat, the scheduler's own accounting) and the user and system clock
-// ticks (/proc/PID/task/*/stat): what the async cases cost in CPU per call, and how much of it is the kernel's.
+// Nanoseconds on a CPU (the process's CPU clock, clock_getcpuclockid) and the user and system clock ticks
+// (/proc/PID/stat): what the async cases cost in CPU per call, and how much of it is the kernel's. Both count every
+// thread of the process, exited ones included.
 struct CpuTime {
   std::int64_t ns = 0;
   std::int64_t user_ticks = 0, system_ticks = 0;
@@ -116,28 +117,21 @@ struct CpuTime {
 
 CpuTime process_cpu(int pid) {
   CpuTime t;
-  const std::string dir = fmt::format("/proc/{}/task", pid);
-  std::error_code ec;
-  for (const auto& task : std::filesystem::directory_iterator(dir, ec)) {
-    std::ifstream sched(task.path() / "schedstat");
-    std::int64_t ns = 0;
-    if (sched >> ns) t.ns += ns;
-    std::ifstream stat(task.path() / "stat");
-    std::string line;
-    std::getline(stat, line);
-    // The fields after the command (which may hold spaces) start after its closing parenthesis; utime and stime are
-    // the 14th and 15th fields of the line, the 12th and 13th after the state.
-    const auto close = line.rfind(')');
-    if (close == std::string::npos) continue;
-    std::istringstream rest(line.substr(close + 2));
-    std::string field;
-    for (int i = 0; i < 11 && rest >> field; ++i) {}
-    std::int64_t user = 0, system = 0;
-    if (rest >> user >> system) {
-      t.user_ticks += user;
-      t.system_ticks += system;
-    }
-  }
+  clockid_t clock;
+  timespec ts{};
+  if (::clock_getcpuclockid(pid, &clock) == 0 && ::clock_gettime(clock, &ts) == 0)
+    t.ns = ts.tv_sec * 1'000'000'000LL + ts.tv_nsec;
+  std::ifstream stat(fmt::format("/proc/{}/stat", pid));
+  std::string line;
+  std::getline(stat, line);
+  // The fields after the command (which may hold spaces) start after its closing parenthesis; utime and stime are
+  // the 14th and 15th fields of the line, the 12th and 13th after the state.
+  const auto close = line.rfind(')');
+  if (close == std::string::npos) return t;
+  std::istringstream rest(line.substr(close + 2));
+  std::string field;
+  for (int i = 0; i < 11 && rest >> field; ++i) {}
+  rest >> t.user_ticks >> t.system_ticks;
   return t;
 }
 
