@@ -2,7 +2,9 @@
 # DDP steps/s on 2 ranks x 1 thread: corpc (overlapped buckets), corpc with one allreduce after backward, and
 # PyTorch's DDP, interleaved round by round so machine noise hits all three alike. Prints the median of each and
 # the median of the per-round ratios.
-#   bench/compare_ddp.sh [rounds] [steps] [models]   (from the repository root, after ninja -C build bench/ddp_bench)
+#   bench/compare_ddp.sh [rounds] [steps] [models]   (from the repository root, after ninja -C $BUILD bench/ddp_bench;
+#   BUILD defaults to build). On libtorch 2.14, both sides in the root of scripts/root.sh make forky:
+#   scripts/root.sh run forky 'BUILD=build-forky bench/compare_ddp.sh 3 10 "linear cnn resnet18"'
 #   models: space-separated, default "linear resnet18" (also: cnn)
 set -euo pipefail
 python=${PYTHON:-/usr/bin/python3}  # Debian's python3-torch; a pyenv python3 first on PATH has no torch
@@ -14,8 +16,8 @@ uptime | sed 's/^/# load at start:/' >&2
 for model in $models; do
   for ((r = 0; r < rounds; r++)); do
     # A run that fails or hangs (a rank killed under load) loses its round, not the table.
-    timeout 300 ./build/bench/ddp_bench "$model" overlap "$steps" >>"$tmp" || echo "# round $r: corpc overlap failed" >&2
-    timeout 300 ./build/bench/ddp_bench "$model" after "$steps" >>"$tmp" || echo "# round $r: corpc after failed" >&2
+    timeout 300 ./${BUILD:-build}/bench/ddp_bench "$model" overlap "$steps" >>"$tmp" || echo "# round $r: corpc overlap failed" >&2
+    timeout 300 ./${BUILD:-build}/bench/ddp_bench "$model" after "$steps" >>"$tmp" || echo "# round $r: corpc after failed" >&2
     timeout 300 "$python" bench/pytorch_ddp_bench.py "$model" "$steps" 2>/dev/null >>"$tmp" ||
       echo "# round $r: pytorch failed" >&2
     echo "round $model $r" >>"$tmp"

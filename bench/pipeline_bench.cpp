@@ -1,16 +1,18 @@
 // The main job's benchmark: ResNet50 as a torch::nn::Sequential cut into pipeline stages on worker processes, trained
 // (SGD, lr 0.05, MSE on one-hot labels) under each corpc::pipeline schedule and number of micro-batches, beside
 // PyTorch's "Distributed Pipeline Parallelism Using RPC" tutorial on the same network and data, run interleaved, and
-// beside torch.distributed.pipelining (PyTorch 2.6) on the same job and balance.
+// beside torch.distributed.pipelining on the same job and balance, on the same libtorch where corpc is built against
+// the PyTorch that runs it (scripts/benchmark.sh: both 2.14, in the Debian testing root).
 //
 //   pipeline_bench                          # batch 32 of 64x64 images, 3 timed batches, splits 1 2 4 8, 1 thread each
 //   pipeline_bench --tutorial               # the tutorial's setting: batch 120 of 128x128 images
 //   pipeline_bench --compare-pytorch        # after each split, the same split through torch.distributed.rpc (the
-//                                           # tutorial, /usr/bin/python3) and through every schedule of
-//                                           # torch.distributed.pipelining (bench/pytorch_pipelining.py, PyTorch 2.6
-//                                           # in the root of `scripts/debian13.sh make --pytorch`, when it is made)
-//   pipeline_bench --compare-pytorch --pipelining-python 'CMD'   # CMD runs that script instead (an interpreter or
-//                                           # a command prefix with torch >= 2.6); 'off' leaves it out
+//                                           # tutorial) and through every schedule of torch.distributed.pipelining
+//                                           # (bench/pytorch_pipelining.py), both run by --python (/usr/bin/python3)
+//   pipeline_bench --compare-pytorch --pipelining-python 'CMD'   # CMD runs the pipelining script instead (an
+//                                           # interpreter or a command prefix with torch >= 2.4); 'off' leaves it out
+//   pipeline_bench --results FILE           # also writes corpc's best run per split and its one process to FILE
+//   pipeline_bench --column FILE            # adds those of another build (its --results) as columns of the summary
 //   pipeline_bench --schedules gpipe,1f1b,interleaved,zbh1 --balance measured|time|tutorial|11,12 --workers 2
 //   pipeline_bench --trace pipeline_trace.json --gantt pipeline_gantt.png   # the last timed step of every run
 //   pipeline_bench --device cuda:0          # every stage on that device (workers "workerN/cuda:0"), the reference too
@@ -67,7 +69,8 @@ struct Config {
   // torch.distributed.pipelining (bench/pytorch_pipelining.py): the command prefix that runs the script, or empty and
   // why it does not run.
   std::string pipelining, pipelining_script = "bench/pytorch_pipelining.py", pipelining_missing;
-  long pipelining_timeout = 180;  // seconds for each (schedule, splits) run
+  std::string pipelining_torch = "?";  // the version the pipelining script reported
+  long pipelining_timeout = 180;       // seconds for each (schedule, splits) run
 };
 
 // "workerN/<device>": worker w's name and its stages' device, as PipelineOptions::workers takes them.
@@ -313,21 +316,15 @@ std::pair<std::vector<std::string>, int> run_command(const std::string& command,
   return {lines, WIFEXITED(status) ? WEXITSTATUS(status) : -1};
 }
 
-// Decides how bench/pytorch_pipelining.py runs: --pipelining-python CMD, else the PyTorch 2.6 root when it is made;
-// then asks the script whether torch.distributed.pipelining imports (through sudo, where the root needs it: a
-// password prompt comes here, before the run). Sets c.pipelining, or clears it and says why in c.pipelining_missing.
+// Decides how bench/pytorch_pipelining.py runs: --pipelining-python CMD, else --python (the tutorial's interpreter);
+// then asks the script whether torch.distributed.pipelining imports (through sudo, where CMD enters a root: a
+// password prompt comes here, before the run). Sets c.pipelining and c.pipelining_torch, or clears c.pipelining and
+// says why in c.pipelining_missing.
 void resolve_pipelining(Config& c, const bench::Flags& flags) {
-  const char* roots_env = std::getenv("CORPC_ROOTS");
-  const std::string roots = roots_env && *roots_env ? roots_env : "/var/tmp/corpc-roots";
-  c.pipelining = flags.get("pipelining-python", "");
+  c.pipelining = flags.get("pipelining-python", c.python);
   if (c.pipelining == "off") {
     c.pipelining.clear();
     c.pipelining_missing = "--pipelining-python off";
-  } else if (c.pipelining.empty()) {
-    if (std::ifstream(roots + "/trixie-pytorch/.corpc-stamp"))
-      c.pipelining = "scripts/debian13.sh run --pytorch python3";
-    else
-      c.pipelining_missing = "no PyTorch 2.6 root at " + roots + "/trixie-pytorch (scripts/debian13.sh make --pytorch)";
   }
   if (!c.pipelining.empty() && c.workers != 2)
     c.pipelining_missing = "it runs on 2 ranks, not --workers " + std::to_string(c.workers);
@@ -341,6 +338,7 @@ void resolve_pipelining(Config& c, const bench::Flags& flags) {
     if (status == 0 && l.rfind("torch ", 0) == 0) {
       std::printf("# torch.distributed.pipelining: %s (run as: %s %s)\n", l.c_str(), c.pipelining.c_str(),
                   c.pipelining_script.c_str());
+      c.pipelining_torch = l.substr(6, l.find(':') == std::string::npos ? std::string::npos : l.find(':') - 6);
       return;
     }
   c.pipelining_missing = "'" + c.pipelining + " " + c.pipelining_script +
@@ -411,6 +409,47 @@ void write_gantt(const std::string& png, const std::vector<std::pair<std::string
   gantt::draw(png, chart);
 }
 
+// --results / --column: corpc's best run per split and its one process, as one build measured them, so that a run
+// of another build (another libtorch line) can show them beside its own.
+struct OtherBuild {
+  std::string label;  // its libtorch version; empty: none given
+  std::map<long, double> best;
+  double single = NAN;
+};
+
+template <class Rows>
+void write_results(const std::string& path, const Rows& rows, double single) {
+  std::ofstream out(path);
+  out << "libtorch " << TORCH_VERSION << "\nsingle " << single << '\n';
+  std::map<long, double> best;
+  for (auto& r : rows)
+    if (!best.count(r.splits) || r.seconds < best[r.splits]) best[r.splits] = r.seconds;
+  for (auto& [s, t] : best) out << "best " << s << ' ' << t << '\n';
+}
+
+OtherBuild read_other_build(const std::string& path) {
+  OtherBuild o;
+  if (path.empty()) return o;
+  std::ifstream in(path);
+  if (!in) {
+    std::fprintf(stderr, "pipeline_bench: --column %s: cannot read it\n", path.c_str());
+    return o;
+  }
+  for (std::string line; std::getline(in, line);) {
+    std::istringstream ls(line);
+    std::string key;
+    ls >> key;
+    if (key == "libtorch") ls >> o.label;
+    else if (key == "single") ls >> o.single;
+    else if (key == "best") {
+      long s;
+      double t;
+      if (ls >> s >> t) o.best[s] = t;
+    }
+  }
+  return o;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -431,7 +470,10 @@ int main(int argc, char** argv) {
         "               [--pipelining-python CMD|off] [--pipelining-script bench/pytorch_pipelining.py]\n"
         "               [--pipelining-timeout 180]   (torch.distributed.pipelining with --compare-pytorch: CMD runs "
         "the script;\n"
-        "                                           default: the root of scripts/debian13.sh make --pytorch, if made)");
+        "                                           default: --python)\n"
+        "               [--results FILE]   (corpc's best run per split and its one process, for another run's "
+        "--column)\n"
+        "               [--column FILE]    (another build's --results beside this run's in the summary)");
     return 0;
   }
   const bool tutorial = flags.has("tutorial");
@@ -698,18 +740,19 @@ int main(int argc, char** argv) {
         "the CPU allocator only (device memory is not counted).\n",
         c.device.c_str());
   if (compare) {
-    // torch.distributed.pipelining (PyTorch 2.6): each schedule's time per split, then corpc's best per split
+    // torch.distributed.pipelining: each schedule's time per split, then corpc's best per split
     // against pipelining's best valid run (finished, and its every step's loss that of one process), the tutorial's
     // time and one process.
     std::printf(
         "\ntorch.distributed.pipelining (bench/pytorch_pipelining.py), 2 ranks over Gloo, cut as corpc's runs; "
-        "time (s) per split:\n");
+        "time (s) per split (PyTorch %s):\n",
+        c.pipelining_torch.c_str());
     if (!c.pipelining_missing.empty()) std::printf("not run: %s\n", c.pipelining_missing.c_str());
     for (auto& n : pipelining_notes) std::printf("%s\n", n.c_str());
     std::vector<std::string> schedules;
     for (auto& r : pipelining_runs)
       if (std::find(schedules.begin(), schedules.end(), r.schedule) == schedules.end()) schedules.push_back(r.schedule);
-    auto cell = [](const PipeliningRun& r) {
+    auto run_cell = [](const PipeliningRun& r) {
       char buf[64];
       if (r.check == "ok") std::snprintf(buf, sizeof buf, "%.2f", r.seconds);
       else if (r.result == "FAILED:timeout") std::snprintf(buf, sizeof buf, "hang (timeout)");
@@ -728,7 +771,7 @@ int main(int argc, char** argv) {
         for (long s : c.splits) {
           auto r = std::find_if(pipelining_runs.begin(), pipelining_runs.end(),
                                 [&](const PipeliningRun& x) { return x.schedule == name && x.splits == s; });
-          std::printf(" %s |", r == pipelining_runs.end() ? "-" : cell(*r).c_str());
+          std::printf(" %s |", r == pipelining_runs.end() ? "-" : run_cell(*r).c_str());
         }
         std::printf("\n");
       }
@@ -750,10 +793,13 @@ int main(int argc, char** argv) {
     }
     for (auto& e : pipelining_errors) std::printf("- no result: %s\n", e.c_str());
 
+    // Another build's corpc (--column: its --results), measured in its own run before this one.
+    const OtherBuild other = read_other_build(flags.get("column", ""));
     std::printf(
         "\n| splits | corpc best (s) | corpc schedule | pipelining best (s) | pipelining schedule | PyTorch RPC "
-        "tutorial (s) | corpc / pipelining | corpc / one process | pipelining / its one process |\n");
-    std::printf("|---:|---:|---|---:|---|---:|---:|---:|---:|\n");
+        "tutorial (s) | corpc / pipelining | corpc / one process | pipelining / its one process |%s\n",
+        other.label.empty() ? "" : (" corpc on libtorch " + other.label + " (s) | its / its one process |").c_str());
+    std::printf("|---:|---:|---|---:|---|---:|---:|---:|---:|%s\n", other.label.empty() ? "" : "---:|---:|");
     const PipeliningRun* best_pipelining = nullptr;
     for (long s : c.splits) {
       const Row* corpc_best = nullptr;
@@ -772,16 +818,29 @@ int main(int argc, char** argv) {
       char pt[32] = "-";
       if (p) std::snprintf(pt, sizeof pt, "%.2f", p->seconds);
       const std::string which = p ? p->schedule : any ? "none valid" : "not run (see above)";
-      std::printf("| %ld | %.2f | %s | %s | %s | %.2f | %.2f | %.2f | %.2f |\n", s, corpc_best->seconds,
-                  to_string(static_cast<Schedule>(corpc_best->schedule)), pt, which.c_str(), torch_s,
-                  p ? corpc_best->seconds / p->seconds : NAN, corpc_best->seconds / single,
-                  p ? p->seconds / pipelining_single : NAN);
+      std::printf("| %ld | %.2f | %s | %s | %s | %s | %s | %s | %s |", s, corpc_best->seconds,
+                  to_string(static_cast<Schedule>(corpc_best->schedule)), pt, which.c_str(), cell(torch_s).c_str(),
+                  cell(p ? corpc_best->seconds / p->seconds : NAN).c_str(), cell(corpc_best->seconds / single).c_str(),
+                  cell(p ? p->seconds / pipelining_single : NAN).c_str());
+      if (!other.label.empty()) {
+        const double o = other.best.count(s) ? other.best.at(s) : NAN;
+        std::printf(" %s | %s |", cell(o).c_str(), cell(o / other.single).c_str());
+      }
+      std::printf("\n");
     }
     std::printf("\nOne process, whole batches (%ld thread): libtorch %s (corpc's) %.2f s", c.threads, TORCH_VERSION,
                 single);
     if (!std::isnan(pipelining_single))
-      std::printf("; PyTorch 2.6 (the pipelining script's reference) %.2f s", pipelining_single);
+      std::printf("; PyTorch %s (the pipelining script's reference) %.2f s", c.pipelining_torch.c_str(),
+                  pipelining_single);
+    if (!other.label.empty())
+      std::printf("; libtorch %s (corpc's, its own run) %.2f s", other.label.c_str(), other.single);
     std::printf("\n");
+    if (!other.label.empty())
+      std::printf(
+          "corpc on libtorch %s ran before this run, in its own build: compare it with its own one process, not\n"
+          "across lines (kernels, BLAS and oneDNN differ between libtorch releases).\n",
+          other.label.c_str());
     if (best_pipelining)
       std::printf("Best pipelining run: %.2f s (%s, %ld splits) = %.2fx its one process; best corpc run = %.2fx it\n",
                   best_pipelining->seconds, best_pipelining->schedule.c_str(), best_pipelining->splits,
@@ -791,5 +850,6 @@ int main(int argc, char** argv) {
         "(1e-4 relative) to the same model's trained in one process on the same micro-batches; the others show their\n"
         "time beside why they are not valid.\n");
   }
+  if (const std::string results = flags.get("results", ""); !results.empty()) write_results(results, rows, single);
   return rows.empty() ? 1 : 0;
 }

@@ -1,7 +1,7 @@
 """PyTorch's own Gloo allreduce of a small tensor between two local processes: the floor under the hybrid's step
 (examples/ddp_rpc_hybrid --phases times the same allreduce through corpc's process group).
 
-    scripts/debian13.sh run --pytorch 'python3 bench/pytorch_gloo_allreduce.py [numel] [calls]'   # default 136, 500
+    scripts/root.sh run trixie --pytorch 'python3 bench/pytorch_gloo_allreduce.py [numel] [calls]'   # default 136, 500
 
 Prints each rank's mean microseconds per dist.all_reduce, after 20 unmeasured calls.
 """

@@ -10,10 +10,12 @@ schedule.step(), and each rank steps its own SGD. Cut by --balance (layers per s
 
 Schedules (2 ranks): GPipe and 1F1B with one stage per rank (--balance 2:...); Interleaved1F1B, LoopedBFS and
 InterleavedZeroBubble with two stages per rank, loop placement (rank r holds stages r and r+2); ZBVZeroBubble with the
-V placement (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2), passed as stage_index_to_group_rank (--balance 4:...).
+V placement (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2; passed as stage_index_to_group_rank where the class
+takes it, as 2.6's does; 2.14's places its V itself) (--balance 4:...).
 
-The loss: PyTorch 2.6's schedules sum the micro-batches' gradients (no scale_grads yet), so loss_fn is MSE times the
-micro-batch's share of the batch, which is what corpc does: the step's loss (the sum of the micro-batches' losses) and
+The loss: loss_fn is MSE times the micro-batch's share of the batch, which is what corpc does, and the schedules sum
+the micro-batches' gradients (2.6's always do; later releases are given scale_grads=False, since their default
+divides the gradients by the number of micro-batches once more): the step's loss (the sum of the micro-batches' losses) and
 its gradients are then those of the whole batch. Training-mode BatchNorm normalizes each micro-batch by its own
 statistics (in corpc too), so the check's reference is the same model trained in this one process on the same
 micro-batches (gradients accumulated): the first step's loss must equal it (1e-4 relative), and so must every later
@@ -36,8 +38,9 @@ Output, one line per result (machine-readable; '#' lines are comments):
              # detail
 and a last line "JSON: {...}".
 
-Runs with Debian 13's python3-torch 2.6 in the root of `scripts/debian13.sh make --pytorch`:
-  scripts/debian13.sh run --pytorch python3 bench/pytorch_pipelining.py --splits 2 4 --balance 2:13,10 4:9,5,4,5
+Runs with Debian testing's python3-torch 2.14 in the root of `scripts/root.sh make forky` (what
+scripts/benchmark.sh uses), or Debian 13's 2.6 in that of `scripts/root.sh make trixie --pytorch`:
+  scripts/root.sh run forky python3 bench/pytorch_pipelining.py --splits 2 4 --balance 2:13,10 4:9,5,4,5
 """
 import argparse
 import json
@@ -161,6 +164,22 @@ def apply_p2p_fix():
     schedules._batch_p2p = _batch_p2p  # _sorted_batch_p2p and every schedule look it up in the module
 
 
+def schedule_kwargs(cls, placement, to_rank):
+    """What this release's schedule class takes beyond the stages, micro-batches and loss, by its signature:
+    - scale_grads=False (after 2.6): each micro-batch's loss is already its share of the batch's (make_loss_fn), so the
+      schedule must not divide the gradients by the number of micro-batches a second time (its default does);
+    - the V placement, where the class asks for it (2.6's ZBVZeroBubble; 2.14's places its V itself)."""
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters
+    kw = {}
+    if "scale_grads" in params:
+        kw["scale_grads"] = False
+    if placement == "v" and "stage_index_to_group_rank" in params:
+        kw["stage_index_to_group_rank"] = to_rank
+    return kw
+
+
 def run_rank(args):
     from datetime import timedelta
 
@@ -183,12 +202,8 @@ def run_rank(args):
     del layers
     cls = getattr(pipelining, "Schedule" + args.schedule)
     loss_fn = make_loss_fn(args.batch_size)
-    if per_rank == 1:
-        schedule = cls(stages[0], n_microbatches=args.splits, loss_fn=loss_fn)
-    elif placement == "v":
-        schedule = cls(stages, n_microbatches=args.splits, loss_fn=loss_fn, stage_index_to_group_rank=to_rank)
-    else:
-        schedule = cls(stages, n_microbatches=args.splits, loss_fn=loss_fn)
+    schedule = cls(stages[0] if per_rank == 1 else stages, n_microbatches=args.splits, loss_fn=loss_fn,
+                   **schedule_kwargs(cls, placement, to_rank))
     opt = torch.optim.SGD([p for s in stages for p in s.submod.parameters()], lr=0.05)
     has_first, has_last = 0 in mine, n_stages - 1 in mine
 

@@ -14,7 +14,7 @@ the barrier's release to the last rank's end:
   shutdown    rpc.shutdown() (graceful), up to every rank's return.
 Then, per rank (median): open file descriptors and resident memory, after the steady phase.
 
-  scripts/debian13.sh run --pytorch python3 bench/pytorch_scale_bench.py --ranks 8,32 --hops 300
+  scripts/root.sh run trixie --pytorch python3 bench/pytorch_scale_bench.py --ranks 8,32 --hops 300
   /usr/bin/python3 bench/pytorch_scale_bench.py --ranks 8      # Debian 12's PyTorch 1.13
 
 The store is told not to use libuv (USE_LIBUV=0): PyTorch 2.6's libuv TCPStore fails on these machines.

@@ -1,31 +1,51 @@
 #!/usr/bin/env bash
 # Sets up, builds and runs the main job: ResNet50 in pipeline stages on two local worker processes (CPU), under every
 # schedule (GPipe, 1F1B, Interleaved 1F1B, ZB-H1, LoopedBFS, interleaved zero bubble, ZBV, DualPipeV) and 1/2/4/8
-# micro-batches, each split followed by PyTorch's RPC
-# tutorial on the same split and by every schedule of torch.distributed.pipelining (PyTorch 2.6, in the Debian 13
-# root of `scripts/debian13.sh make --pytorch`, made here when this user is root or has password-less sudo; without
-# it the tables say that the pipelining comparison did not run, and why). Writes the timelines of the last timed step
-# of each run as a Chrome trace (pipeline_trace.json; open in https://ui.perfetto.dev) and the 8-split ones as a
-# Gantt chart (pipeline_gantt.png).
-# Extra arguments go to pipeline_bench (e.g. --tutorial, --splits 1,2,4, --schedules 1f1b,zbh1, --balance tutorial;
-# see --help).
+# micro-batches.
+#
+# The comparison runs on the libtorch a user installs today: corpc built against Debian testing's libtorch 2.14, and
+# after each split PyTorch 2.14's RPC tutorial and every schedule of its torch.distributed.pipelining, all in the
+# root `scripts/root.sh make forky` makes (same kernels, BLAS and oneDNN on both sides). Before it, the same job runs
+# on this machine's libtorch 1.13 (corpc alone); its best run per split is a column of the summary. Without root or
+# password-less sudo no root can be made: the job then runs on libtorch 1.13 beside PyTorch 1.13's RPC tutorial, and
+# says why pipelining is missing.
+# Writes the timelines of the last timed step of each 2.14 run as a Chrome trace (pipeline_trace.json; open in
+# https://ui.perfetto.dev) and the 8-split ones as a Gantt chart (pipeline_gantt.png); the 1.13 run's own tables go to
+# build/pipeline-1.13.md.
+# Extra arguments go to pipeline_bench, in both runs (e.g. --tutorial, --splits 1,2,4, --schedules 1f1b,zbh1,
+# --balance tutorial; see --help).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --pytorch
-# PyTorch 2.6 for the torch.distributed.pipelining comparison (Debian 12 has 1.13, which lacks it): a root of its own.
 roots=${CORPC_ROOTS:-/var/tmp/corpc-roots}
+forky=
 if [[ $(id -u) -eq 0 ]] || sudo -n true 2>/dev/null; then
-  [[ -f $roots/trixie-pytorch/.corpc-stamp ]] ||
-    echo "benchmark: making a Debian 13 root with PyTorch 2.6 for the torch.distributed.pipelining comparison" \
-      "(scripts/debian13.sh make --pytorch: the first time downloads Debian 13 packages, about 1.3 GB installed" \
-      "under $roots)" >&2
-  scripts/debian13.sh make --pytorch >&2 ||  # reuses the root unless its package list changed
-    echo "benchmark: could not make the root; the pipelining comparison will be missing" >&2
-elif [[ ! -f $roots/trixie-pytorch/.corpc-stamp ]]; then
-  echo "benchmark: no PyTorch 2.6 root and no password-less sudo to make one: the pipelining comparison will be" \
-    "missing (scripts/debian13.sh make --pytorch makes it, asking for sudo)" >&2
-fi  # else: the root is there; running in it asks for sudo once, when pipeline_bench starts
+  [[ -f $roots/forky-cpu/.corpc-stamp ]] ||
+    echo "benchmark: making a Debian testing root with libtorch 2.14 and PyTorch 2.14 (scripts/root.sh make forky:" \
+      "the first time downloads Debian testing's packages, about 2.1 GB installed under $roots, ~5 min)" >&2
+  if scripts/root.sh make forky >&2; then forky=yes; else
+    echo "benchmark: could not make the root: the job runs on libtorch 1.13 only" >&2
+  fi
+else
+  echo "benchmark: no root and no password-less sudo to make the libtorch 2.14 root (scripts/root.sh make forky):" \
+    "the job runs on libtorch 1.13 only, without torch.distributed.pipelining (PyTorch 1.13 lacks it)" >&2
+fi
+
 # Build progress goes to stderr ("[12/87] Compiling ..."), so that stdout stays the benchmark's tables.
-echo "benchmark: building corpc (the first build takes several minutes)" >&2
-scripts/build.sh >&2
-exec build/bench/pipeline_bench --compare-pytorch --trace pipeline_trace.json --gantt pipeline_gantt.png "$@"
+echo "benchmark: building corpc on libtorch 1.13 (the first build takes several minutes)" >&2
+[[ -f build/build.ninja ]] || meson setup build --buildtype=release >&2
+ninja -C build bench/pipeline_bench >&2
+if [[ -z $forky ]]; then
+  exec build/bench/pipeline_bench --compare-pytorch --pipelining-python off --trace pipeline_trace.json \
+    --gantt pipeline_gantt.png "$@"
+fi
+
+echo "benchmark: building corpc on libtorch 2.14, in the root" >&2
+scripts/root.sh run forky \
+  '{ [[ -f build-forky/build.ninja ]] || meson setup build-forky --buildtype=release -Dunity=on; } && ninja -C build-forky bench/pipeline_bench' >&2
+echo "benchmark: corpc on libtorch 1.13 (its tables: build/pipeline-1.13.md)" >&2
+build/bench/pipeline_bench --results build/pipeline-1.13.txt "$@" >build/pipeline-1.13.md
+echo "benchmark: corpc on libtorch 2.14 beside PyTorch 2.14" >&2
+args=; (($#)) && args=$(printf " %q" "$@")
+exec scripts/root.sh run forky "build-forky/bench/pipeline_bench --compare-pytorch --column build/pipeline-1.13.txt \
+  --trace pipeline_trace.json --gantt pipeline_gantt.png$args"

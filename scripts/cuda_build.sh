@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Compiles and links corpc's CUDA path against a real CUDA build of libtorch, without a GPU: Debian 13's
-# libtorch-cuda-dev 2.6 (CUDA 12.4) in the root that `scripts/debian13.sh make --cuda` makes (about 2.3 GB; kept
+# libtorch-cuda-dev 2.6 (CUDA 12.4) in the root that `scripts/root.sh make trixie --cuda` makes (about 2.3 GB; kept
 # outside CI for that download). Builds, in build-cuda/ with -Dcuda=enabled, both libraries and every program that
 # carries CUDA tensors — the tests of device maps and of CUDA (test_device_map, test_cuda), the CUDA echo and
 # pipeline benchmarks, an example — so that the CUDA path (c10::cuda streams, the caching allocator, CUDA IPC) is
@@ -15,9 +15,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 targets="libcorpc.a libcorpc_ddp.a tests/test_device_map tests/test_cuda bench/cuda_echo bench/pipeline_bench examples/rpc_hello"
 [[ "${1:-}" == "--all" ]] && targets=""
-scripts/debian13.sh make --cuda
+scripts/root.sh make trixie --cuda
 mkdir -p build-cuda
-scripts/debian13.sh run --cuda '
+scripts/root.sh run trixie --cuda '
   set -euo pipefail
   if [[ ! -f build-cuda/build.ninja ]]; then
     meson setup build-cuda --buildtype=release -Dcuda=enabled -Dcpp_link_args=-Wl,--allow-shlib-undefined
@@ -28,7 +28,7 @@ scripts/debian13.sh run --cuda '
 ' 2>&1 | tee build-cuda/cuda_build.log
 status=${PIPESTATUS[0]}
 if [[ $status -eq 0 ]]; then
-  versions=$(scripts/debian13.sh run --cuda "dpkg-query -W -f '\${Package} \${Version}; ' libtorch-cuda-dev nvidia-cuda-dev g++")
+  versions=$(scripts/root.sh run trixie --cuda "dpkg-query -W -f '\${Package} \${Version}; ' libtorch-cuda-dev nvidia-cuda-dev g++")
   echo "cuda build: compiled and linked against ${versions% }"
 fi
 exit "$status"

@@ -5,8 +5,9 @@
 # 0 skipped", the last one in its output: forked ranks print none), and one case for a test without one (scripts, or
 # a binary that crashed or timed out before its summary, which counts as failed). Exits non-zero if anything failed.
 #   scripts/suite.sh NAME BUILD_DIR [meson setup arguments…]
-# scripts/test.sh runs it for Debian 12's libtorch 1.13 on this machine (build/) and for Debian 13's libtorch 2.6 in
-# the root that scripts/debian13.sh makes (build-debian13/).
+#   CORPC_SUITE_TESTS=rpc,rref,… scripts/suite.sh …   builds everything, runs only those tests
+# scripts/test.sh runs it for Debian 12's libtorch 1.13 on this machine (build/), and in the roots that
+# scripts/root.sh makes for Debian testing's libtorch 2.14 (build-forky/) and Debian 13's libtorch 2.6 (build-trixie/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 name=$1 dir=$2
@@ -16,7 +17,12 @@ if [[ ! -f $dir/build.ninja ]]; then
 fi
 ninja -C "$dir"
 set +e
-meson test -C "$dir" --no-rebuild --print-errorlogs --num-processes 2
+chosen=()
+if [[ -n ${CORPC_SUITE_TESTS:-} ]]; then
+  IFS=, read -r -a chosen <<<"$CORPC_SUITE_TESTS"
+  echo "suite $name: running ${chosen[*]} (of $(meson test -C "$dir" --list --no-rebuild 2>/dev/null | wc -l) tests)"
+fi
+meson test -C "$dir" --no-rebuild --print-errorlogs --num-processes 2 "${chosen[@]}"
 status=$?
 set -e
 read -r ok fail skipped < <(python3 - "$dir/meson-logs/testlog.json" <<'PY'

@@ -1059,11 +1059,11 @@ TEST_CASE("register_function adds an entry to the global registry that decodes i
   REQUIRE(e != nullptr);
   CHECK(e->name == name);
   CHECK(e->execution == Execution::io_thread);
-  CHECK(e->signature == detail::signature_of<std::tuple<int, int>>());
+  CHECK(e->signature == corpc::detail::signature_of<std::tuple<int, int>>());
   REQUIRE((e->run_sync != nullptr));
 
   Message request;
-  detail::encode_args<std::tuple<int, int>>(request, 0, 20, 22);
+  corpc::detail::encode_args<std::tuple<int, int>>(request, 0, 20, 22);
   Inbound in{0, e->name, Reader(request.body.data(), request.body.size()), &request};
   in.args.tensors = &request.tensors;
   Message reply;

@@ -13,6 +13,7 @@
 #include <set>
 
 #include "corpc/core/when_all.hpp"
+#include "corpc/detail/torch_compat.hpp"
 #include "corpc/rpc/call.hpp"
 #include "core/trace_recorder.hpp"
 
@@ -157,7 +158,7 @@ class Container {
       std::lock_guard lock(ctx->mutex);
       ctx->peers.insert(src);
     }
-    auto recv = std::make_shared<RecvFunction>(src, msg_id);
+    auto recv = corpc::detail::make_node<RecvFunction>(src, msg_id);
     for (auto& t : tensors) {
       if (!t.defined() || !t.requires_grad()) continue;
       t.set_requires_grad(false);  // from a leaf to the output of `recv`
@@ -267,14 +268,14 @@ Future<void> local_pass(const std::shared_ptr<ContextState>& ctx, const ag::edge
     stack.pop_back();
     if (!n || !seen.insert(n).second) continue;
     if (auto* acc = dynamic_cast<ag::AccumulateGrad*>(n)) {
-      outputs.emplace_back(acc->shared_from_this(), 0);
+      outputs.emplace_back(corpc::detail::node_ref<ag::Node>(acc), 0);
       leaves.push_back(acc);
       recvs.push_back(nullptr);
       continue;
     }
     if (auto* recv = dynamic_cast<RecvFunction*>(n)) {
       for (std::uint32_t i = 0; i < recv->num_inputs(); ++i) {
-        outputs.emplace_back(recv->shared_from_this(), i);
+        outputs.emplace_back(corpc::detail::node_ref<ag::Node>(recv), i);
         leaves.push_back(nullptr);
         recvs.push_back(recv);
       }

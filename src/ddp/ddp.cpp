@@ -4,8 +4,12 @@
 // Built from c10d's ProcessGroup collectives and autograd's public-internal hooks rather than c10d::Reducer: the
 // Reducer's C++ constructor wants Python-side bucket assignment and logger plumbing, and the pieces of
 // gradient_sync.hpp are what it does for the dense, single-device-per-parameter case.
+#include <memory>
+#include <optional>
+#include <string_view>
 #include <vector>
 
+#include "core/log.hpp"
 #include "ddp/gradient_sync.hpp"
 
 namespace corpc::ddp {
@@ -22,7 +26,28 @@ CommHook allreduce_hook() {
 }
 
 CommHook fp16_compress_hook() {
-  return [](c10d::ProcessGroup& group, const GradBucket& bucket) {
+  // Whether the group's backend reduces float16 is asked once, with a one-element allreduce that every rank makes at
+  // the same point (its first bucket): Debian's libtorch 2.14 builds Gloo without half types (its allreduce fails with
+  // "Invalid scalar type", PyTorch's own fp16 hook too), and a hook that failed every step would stop training. There
+  // the buckets are reduced uncompressed, in their own dtype, as allreduce_hook() does, and a warning says so.
+  auto half_reduces = std::make_shared<std::optional<bool>>();
+  return [half_reduces, uncompressed = allreduce_hook()](c10d::ProcessGroup& group, const GradBucket& bucket) {
+    if (!half_reduces->has_value()) {
+      std::vector<at::Tensor> probe{at::zeros({1}, at::kHalf)};
+      try {
+        group.allreduce(probe)->wait();
+        *half_reduces = true;
+      } catch (const std::exception& e) {
+        const std::string_view what = e.what();
+        if (what.find("Invalid scalar type") == std::string_view::npos) throw;
+        *half_reduces = false;
+        corpc::detail::log(corpc::detail::LogLevel::warn, "ddp", "fp16_compress_hook",
+                           "this process group's backend cannot reduce float16 tensors ({}): buckets are reduced "
+                           "uncompressed, in {}",
+                           what.substr(0, what.find('\n')), c10::toString(bucket.buffer.scalar_type()));
+      }
+    }
+    if (!**half_reduces) return uncompressed(group, bucket);
     // Divide first: the sum stays in float16's range.
     std::vector<at::Tensor> tensors{bucket.buffer.div(static_cast<double>(bucket.divisor)).to(at::kHalf)};
     auto work = group.allreduce(tensors);

@@ -9,6 +9,8 @@
 // the end-of-backward callback and the training thread all take.
 #pragma once
 
+#include <torch/csrc/autograd/function.h>
+
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -16,6 +18,7 @@
 #include <vector>
 
 #include "corpc/ddp/ddp.hpp"
+#include "corpc/detail/torch_compat.hpp"
 
 namespace corpc::ddp {
 
@@ -39,7 +42,7 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
   std::vector<at::Tensor> buffers;
   std::vector<Bucket> buckets;
   std::vector<Slot> slots;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // kept alive: autograd holds them weakly
+  std::vector<corpc::detail::NodeRef<torch::autograd::Node>> accumulators;  // kept alive: autograd holds them weakly
 
   mutable std::mutex mutex;
   bool sync = true;

@@ -253,6 +253,10 @@ bool RpcStore::check(const std::vector<std::string>& keys) {
 
 int64_t RpcStore::getNumKeys() { return rpc_sync<&sd::store_num_keys>(server_, with_timeout(timeout_)); }
 
+c10::intrusive_ptr<c10d::Store> RpcStore::clone() {
+  return c10::make_intrusive<RpcStore>(server_, std::chrono::duration_cast<std::chrono::milliseconds>(timeout_));
+}
+
 void RpcStore::wait(const std::vector<std::string>& keys) { wait(keys, timeout_); }
 
 void RpcStore::wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) {

@@ -70,7 +70,8 @@ Split plan_split(const at::Tensor& output, const at::Tensor& input, const std::v
     while (parent[i] != i) i = parent[i] = parent[parent[i]];
     return i;
   };
-  std::vector<std::pair<std::shared_ptr<ag::Node>, std::size_t>> used;  // (AccumulateGrad, one of its intermediates)
+  // (AccumulateGrad, one of its intermediates)
+  std::vector<std::pair<corpc::detail::NodeRef<ag::Node>, std::size_t>> used;
   for (const at::Tensor& p : parameters) {
     auto acc = ag::impl::try_get_grad_accumulator(p);
     if (!acc || !consumers.count(acc.get())) continue;  // not used by this stage's graph
@@ -87,7 +88,7 @@ Split plan_split(const at::Tensor& output, const at::Tensor& input, const std::v
         }
         auto [it, fresh] = index.try_emplace(c, pass.nodes.size());
         if (fresh) {
-          pass.nodes.push_back(c->shared_from_this());
+          pass.nodes.push_back(corpc::detail::node_ref<ag::Node>(c));
           parent.push_back(it->second);
         }
         mine.push_back(it->second);

@@ -2,6 +2,8 @@
 
 #include <torch/csrc/autograd/function.h>
 
+#include "corpc/detail/torch_compat.hpp"
+
 #include <memory>
 #include <vector>
 
@@ -33,7 +35,7 @@ struct WeightPass {
     std::vector<std::size_t> intermediates;  // indices into `nodes`
     ag::edge_list parameters;                // the parameters' gradient edges (their AccumulateGrad nodes)
   };
-  std::vector<std::shared_ptr<ag::Node>> nodes;  // the intermediates; they hold the part of the graph W needs
+  std::vector<corpc::detail::NodeRef<ag::Node>> nodes;  // the intermediates; they hold the part of the graph W needs
   std::vector<Group> groups;
   std::shared_ptr<CapturedGrads> captured = std::make_shared<CapturedGrads>();
 };

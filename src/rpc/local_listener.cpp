@@ -24,6 +24,10 @@ void Runtime::Impl::start_local_listener() {
   try {
     local_acceptor.emplace(main_io());
     name = detail::listen_abstract(*local_acceptor, "corpc-rpc");
+    // local_accept_loop accepts with accept4 until EAGAIN, so the listening socket itself must not block. Asio up to
+    // 1.30 happened to set O_NONBLOCK on a socket it waited on; 1.36 (Debian testing) does not, and the I/O thread
+    // then blocked in accept4 with the next dialer's handshake waiting on that same thread.
+    local_acceptor->non_blocking(true);
   } catch (const std::exception& e) {
     local_acceptor.reset();
     detail::log(detail::LogLevel::info, self.name, "rendezvous",

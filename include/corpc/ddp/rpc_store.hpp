@@ -51,6 +51,9 @@ class RpcStore : public c10d::Store {
   void wait(const std::vector<std::string>& keys) override;
   /// Waits until every key is set; TimeoutError after `timeout`.
   void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override;
+  /// Another client of the same map, with this one's server and timeout (c10d asks for one per thread that uses a
+  /// store). Declared without `override`: c10d::Store has it from libtorch 2.14, and not on 2.6 and earlier.
+  c10::intrusive_ptr<c10d::Store> clone();
 
  private:
   int server_;

@@ -10,6 +10,7 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include <cstddef>
+#include <memory>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -61,6 +62,31 @@ class CpuAllocatorBase<Base, false> : public Base {
   virtual c10::DataPtr allocate_bytes(std::size_t n) const = 0;
   virtual void copy_bytes(void* dest, const void* src, std::size_t count) const = 0;
 };
+
+// Autograd nodes: owned through std::shared_ptr<Node> (Node derives from enable_shared_from_this) up to 2.13; through
+// c10::intrusive_ptr<Node> (Node is a c10::intrusive_ptr_target) from 2.14 (pytorch#181782). NodeRef<N> owns a node
+// of type N on either line; make_node builds one; node_ref gives a new owning reference to a node that something else
+// keeps alive (the engine, a grad_fn, an accumulator). Keyed on N's base, so N must be complete where these are used
+// (include torch/csrc/autograd/function.h): this header includes no autograd header, whose edge.h cannot stand alone
+// on 2.14.
+template <class N>
+inline constexpr bool is_intrusive_node = std::is_base_of_v<c10::intrusive_ptr_target, N>;
+
+template <class N>
+using NodeRef = std::conditional_t<is_intrusive_node<N>, c10::intrusive_ptr<N>, std::shared_ptr<N>>;
+
+template <class N, class... Args>
+NodeRef<N> make_node(Args&&... args) {
+  if constexpr (is_intrusive_node<N>) return c10::make_intrusive<N>(std::forward<Args>(args)...);
+  else return std::make_shared<N>(std::forward<Args>(args)...);
+}
+
+// `Base` is the type the reference is to (torch::autograd::Node where an edge or a list of nodes takes it).
+template <class Base, class N>
+NodeRef<Base> node_ref(N* node) {
+  if constexpr (is_intrusive_node<N>) return c10::intrusive_ptr<Base>::reclaim_copy(node);
+  else return node->shared_from_this();
+}
 
 // c10d's Gloo group: a c10d::ProcessGroup itself up to 1.13; from 2.0 a c10d::Backend that a ProcessGroup carries
 // per device type. Returns the group to hand users either way. (Templates so that this header needs no c10d header:

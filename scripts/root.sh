@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# A Debian 13 (trixie) root with libtorch 2.6 and g++ 14, made with mmdebstrap from the Debian mirror this machine's
-# apt is configured with, and a way to run commands in it with this repository mounted at /corpc.
-#   scripts/debian13.sh make [--cuda|--pytorch]       make the root if it is missing or its package list changed
-#                                                     (idempotent)
-#   scripts/debian13.sh run [--cuda|--pytorch] CMD…   run CMD in the root, in /corpc (the repository), as root
-# The plain root has Debian's CPU libtorch-dev; --cuda makes a second root with libtorch-cuda-dev (contrib, built on
-# CUDA 12.4 from non-free: about 2.3 GB installed), for compiling and linking corpc's CUDA path without a GPU. The two
-# cannot share a root: libtorch-cuda-dev conflicts with libtorch-dev. --pytorch makes a third, with Debian's
-# python3-torch 2.6 (CPU) and no compiler, for bench/pytorch_pipelining.py (torch.distributed.pipelining, which
-# PyTorch 1.13 lacks); it is kept apart so that the CI's CPU root does not grow.
+# Debian roots for the libtorch lines this machine's Debian 12 lacks, made with mmdebstrap from the Debian mirror this
+# machine's apt is configured with, and a way to run commands in them with this repository mounted at /corpc.
+#   scripts/root.sh make RELEASE [--cuda|--pytorch]       make the root if it is missing or its package list changed
+#                                                         (idempotent)
+#   scripts/root.sh run RELEASE [--cuda|--pytorch] CMD…   run CMD in the root, in /corpc (the repository), as root
+# RELEASE is one of
+#   trixie  Debian 13: libtorch 2.6, g++ 14, Meson 1.7 (what Debian's stable users have)
+#   forky   Debian testing: libtorch 2.14.1, g++ 16, Meson 1.12 (what a user installing today gets). Its root also
+#           holds python3-torch 2.14, so that PyTorch's side of every comparison runs on the same libtorch, BLAS and
+#           oneDNN as corpc's. The mirror's forky Release file is past its Valid-Until date: apt is told not to check it.
+# The plain trixie root has Debian's CPU libtorch-dev; --cuda makes a second trixie root with libtorch-cuda-dev
+# (contrib, built on CUDA 12.4 from non-free: about 2.3 GB installed), for compiling and linking corpc's CUDA path
+# without a GPU. The two cannot share a root: libtorch-cuda-dev conflicts with libtorch-dev. --pytorch makes a third
+# trixie root, with Debian's python3-torch 2.6 (CPU) and no compiler, for the 2.6 comparisons; it is kept apart so
+# that the CI's trixie root does not grow.
 # Roots live under $CORPC_ROOTS (default /var/tmp/corpc-roots), outside any clone, so that later runs on the same
 # machine reuse them. Needs root (mmdebstrap's chroot mode, mounts in a private mount namespace).
 # CORPC_MMDEBSTRAP_QUIET= (set, empty) shows mmdebstrap's own output: why a package set cannot be installed.
@@ -18,17 +23,27 @@ if [[ $(id -u) -ne 0 ]]; then exec sudo -E "$0" "$@"; fi
 repo=$PWD
 roots=${CORPC_ROOTS:-/var/tmp/corpc-roots}
 
-verb=${1:-}; shift || true
+usage() { echo "usage: scripts/root.sh make|run trixie|forky [--cuda|--pytorch] [command…]"; exit 2; }
+verb=${1:-}; release=${2:-}; shift 2 || usage
+[[ $release == trixie || $release == forky ]] || usage
 flavour=cpu
 case ${1:-} in
   --cuda) flavour=cuda; shift ;;
   --pytorch) flavour=pytorch; shift ;;
 esac
-root=$roots/trixie-$flavour
+[[ $release == forky && $flavour != cpu ]] && { echo "root: forky has one root (libtorch and python3-torch)"; exit 2; }
+root=$roots/$release-$flavour
 
 common=(build-essential meson ninja-build pkg-config cmake git python3 ca-certificates
         libasio-dev libfmt-dev doctest-dev libssl-dev libopenblas0-pthread)
-if [[ $flavour == cpu ]]; then
+aptopts=()
+if [[ $release == forky ]]; then
+  # python3-torch: the PyTorch 2.14 peers (bench/pytorch_*.py) and torchrun; procps for ps/kill when a run hangs;
+  # gnuplot-nox draws the pipeline benchmark's Gantt chart.
+  packages=("${common[@]}" libtorch-dev libgloo-dev iproute2 python3-torch python3-numpy procps gnuplot-nox)
+  components="main"
+  aptopts=(--aptopt='Acquire::Check-Valid-Until "false"')
+elif [[ $flavour == cpu ]]; then
   packages=("${common[@]}" libtorch-dev libgloo-dev iproute2)  # iproute2: test_multihost's network namespaces
   components="main"
 elif [[ $flavour == pytorch ]]; then
@@ -44,7 +59,7 @@ else
   packages=("${common[@]}" libtorch-cuda-dev libgloo-cuda-dev nvidia-cuda-dev)  # nvidia-cuda-dev: cudart headers
   components="main contrib non-free"
 fi
-stamp="trixie $components: ${packages[*]##*/}"
+stamp="$release $components: ${packages[*]##*/}"
 
 mirror() {  # the URI of the Debian archive apt uses here (deb822 or one-line sources)
   local uri
@@ -55,17 +70,17 @@ mirror() {  # the URI of the Debian archive apt uses here (deb822 or one-line so
 
 make_root() {
   if [[ -f $root/.corpc-stamp && "$(cat "$root/.corpc-stamp")" == "$stamp" ]]; then
-    echo "debian13: reusing $root"
+    echo "root: reusing $root"
     return
   fi
   if ! command -v mmdebstrap >/dev/null; then
-    echo "debian13: installing mmdebstrap"
+    echo "root: installing mmdebstrap"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends mmdebstrap >/dev/null
   fi
   local uri
   uri=$(mirror)
-  echo "debian13: making $root from $uri ($components; $(date +%T))"
+  echo "root: making $root from $uri ($components; $(date +%T))"
   rm -rf "$root.tmp"
   mkdir -p "$roots"
   if [[ $flavour == cuda ]]; then
@@ -85,17 +100,17 @@ make_root() {
            --customize-hook="chroot \"\$1\" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends /tmp/nvidia-cudnn-placeholder.deb ${packages[*]:${#common[@]}}")
   fi
   mmdebstrap ${CORPC_MMDEBSTRAP_QUIET---quiet} --variant=apt --components="${components// /,}" --include="$include" \
-    --aptopt='APT::Install-Recommends "false"' "${hooks[@]}" trixie "$root.tmp" "$uri"
+    --aptopt='APT::Install-Recommends "false"' "${aptopts[@]}" "${hooks[@]}" "$release" "$root.tmp" "$uri"
   echo "$stamp" >"$root.tmp/.corpc-stamp"
   rm -rf "$root"
   mv "$root.tmp" "$root"
-  echo "debian13: $root ready ($(date +%T), $(du -sh "$root" | cut -f1))"
+  echo "root: $root ready ($(date +%T), $(du -sh "$root" | cut -f1))"
 }
 
 run_in_root() {
   local option=""
   [[ $flavour == cpu ]] || option=" --$flavour"
-  [[ -f $root/.corpc-stamp ]] || { echo "debian13: no root at $root (scripts/debian13.sh make$option)"; exit 2; }
+  [[ -f $root/.corpc-stamp ]] || { echo "root: no root at $root (scripts/root.sh make $release$option)"; exit 2; }
   mkdir -p "$root/corpc"
   # A private mount namespace: the mounts vanish with the command, whatever way it ends. The network namespace is
   # the host's, so 127.0.0.1 is the same loopback.
@@ -117,5 +132,5 @@ run_in_root() {
 case $verb in
   make) make_root ;;
   run) run_in_root "$@" ;;
-  *) echo "usage: scripts/debian13.sh make|run [--cuda|--pytorch] [command…]"; exit 2 ;;
+  *) usage ;;
 esac
