@@ -5,7 +5,7 @@
 # 0 skipped", the last one in its output: forked ranks print none), and one case for a test without one (scripts, or
 # a binary that crashed or timed out before its summary, which counts as failed). Exits non-zero if anything failed.
 #   scripts/suite.sh NAME BUILD_DIR [meson setup arguments…]
-#   CORPC_SUITE_TESTS=rpc,rref,… scripts/suite.sh …   builds everything, runs only those tests
+#   CORPC_SUITE_TESTS=rpc,rref,… scripts/suite.sh …   builds every library and what those tests need, runs them
 # scripts/test.sh runs it for Debian 12's libtorch 1.13 on this machine (build/), and in the roots that
 # scripts/root.sh makes for Debian testing's libtorch 2.14 (build-forky/) and Debian 13's libtorch 2.6 (build-trixie/).
 set -euo pipefail
@@ -15,13 +15,30 @@ shift 2
 if [[ ! -f $dir/build.ninja ]]; then
   meson setup "$dir" --buildtype=release "$@" >/dev/null
 fi
-ninja -C "$dir"
-set +e
 chosen=()
 if [[ -n ${CORPC_SUITE_TESTS:-} ]]; then
   IFS=, read -r -a chosen <<<"$CORPC_SUITE_TESTS"
-  echo "suite $name: running ${chosen[*]} (of $(meson test -C "$dir" --list --no-rebuild 2>/dev/null | wc -l) tests)"
+  # Every library (each layer, ddp, the examples' shared code) and what the chosen tests run: their executables and
+  # the programs they start (meson's `depends`).
+  mapfile -t targets < <(meson introspect --targets --tests "$dir" | python3 -c '
+import json, os, sys
+info = json.load(sys.stdin)
+build, chosen = sys.argv[1], set(sys.argv[2].split(","))
+by_id = {t["id"]: t for t in info["targets"]}
+want = {t["id"] for t in info["targets"] if t["type"] == "static library"}
+for test in info["tests"]:
+    if test["name"] in chosen:
+        want.update(d for d in test["depends"] if d in by_id)
+for i in sorted(want):
+    for f in by_id[i]["filename"]:
+        print(os.path.relpath(f, os.path.abspath(build)))
+' "$dir" "$CORPC_SUITE_TESTS")
+  echo "suite $name: building the libraries and what ${chosen[*]} run (${#targets[@]} targets)"
+  ninja -C "$dir" "${targets[@]}"
+else
+  ninja -C "$dir"
 fi
+set +e
 meson test -C "$dir" --no-rebuild --print-errorlogs --num-processes 2 "${chosen[@]}"
 status=$?
 set -e
@@ -46,5 +63,10 @@ for line in open(sys.argv[1]):
 print(passed, failed, skipped)
 PY
 )
+# CORPC_SUITE_SKIP="test: why" leaves a chosen test out as skipped, with its reason.
+if [[ -n ${CORPC_SUITE_SKIP:-} ]]; then
+  echo "suite $name: ${CORPC_SUITE_SKIP%%:*} skipped:${CORPC_SUITE_SKIP#*:}"
+  skipped=$((skipped + 1))
+fi
 echo "suite $name: $ok passed, $fail failed, $skipped skipped"
 [[ $status -eq 0 && $fail -eq 0 ]]

@@ -21,6 +21,17 @@ if [[ -e ${CUDA_HOME:-/usr/local/cuda}/include/cuda_runtime_api.h ]]; then cuda_
 # Benchmarks are built on the 2.14 line only (scripts/benchmark.sh runs them there); no test runs them.
 parts=("scripts/suite.sh libtorch-1.13 build $cuda_arg -Dbenchmarks=disabled")
 roots_pid=
+trixie_tests=core,call_tables,rpc,rref,dist_autograd,pipeline,ddp,fault_tolerant,layers
+trixie_skip=
+if grep -q AuthenticAMD /proc/cpuinfo; then
+  # Debian 13's libtorch 2.6 (oneDNN 3.6) on AMD CPUs: a pipeline of micro-batches of other shapes than the whole
+  # batch trains to other parameters than one process (test_pipeline, beyond rtol 1e-4), unless oneDNN is held to
+  # SSE4.1 (ONEDNN_MAX_CPU_ISA=SSE41), where its scratch memory breaks the suite's peak-memory case instead; its
+  # convolution backward also dies with SIGFPE in the benchmark's ResNet50 there. 1.13 and 2.14 pass the same suite
+  # on the same CPUs. docs/libtorch-versions.md#known-differences-on-2x
+  trixie_tests=${trixie_tests/pipeline,/}
+  trixie_skip="pipeline: libtorch 2.6's oneDNN on an AMD CPU (docs/libtorch-versions.md#known-differences-on-2x)"
+fi
 if [[ "${1:-}" != "--quick" ]]; then
   # The roots are made (or reused) while libtorch 1.13's line builds: making them is mostly download and unpacking,
   # the build is compiling. A root that cannot be made fails its line's part, with mmdebstrap's reason in its log.
@@ -29,11 +40,12 @@ if [[ "${1:-}" != "--quick" ]]; then
   # The other lines build as unity builds (-Dunity=on: a library's sources compiled four to a file), so that libtorch's
   # and Asio's headers are parsed a quarter as often. The 1.13 line builds file by file, as users do, so that a
   # missing include still shows.
-  # 2.6, the middle line, builds everything and runs the suites of the layers that differ between libtorch releases
-  # (RPC, RRef, distributed autograd, pipeline, DDP and fault-tolerant DDP) and the quick unit tests.
+  # 2.6, the middle line, builds every library (each layer, DDP, the examples' shared code) and runs the suites of the
+  # layers that differ between libtorch releases (RPC, RRef, distributed autograd, pipeline, DDP and fault-tolerant
+  # DDP) and the quick unit tests, with what they start: three lines would not fit CI's time otherwise.
   parts+=("wait_roots"
           "scripts/root.sh run forky scripts/suite.sh libtorch-2.14 build-forky -Dunity=on"
-          "scripts/root.sh run trixie CORPC_SUITE_TESTS=core,call_tables,rpc,rref,dist_autograd,pipeline,ddp,fault_tolerant,layers scripts/suite.sh libtorch-2.6 build-trixie -Dunity=on -Dbenchmarks=disabled"
+          'CORPC_SUITE_TESTS=$trixie_tests CORPC_SUITE_SKIP=$trixie_skip scripts/root.sh run trixie scripts/suite.sh libtorch-2.6 build-trixie -Dunity=on -Dbenchmarks=disabled'
           scripts/fuzz.sh scripts/sanitize.sh)
 fi
 
