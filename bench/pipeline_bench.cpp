@@ -660,9 +660,9 @@ int main(int argc, char** argv) {
         rows.push_back(r);
       } else if (key == "pytorch") {
         long s;
-        double t;
+        double t = NAN;
         ls >> s >> t;
-        torch_times[s] = t;
+        if (t > 0) torch_times[s] = t;  // a run that failed reports no time (Debian's 2.14 has no TensorPipe)
       } else if (key == "pipelining") {
         PipeliningRun r;
         std::string loss;
