@@ -28,8 +28,9 @@ CommHook allreduce_hook() {
 CommHook fp16_compress_hook() {
   // Whether the group's backend reduces float16 is asked once, with a one-element allreduce that every rank makes at
   // the same point (its first bucket): Debian's libtorch 2.14 builds Gloo without half types (its allreduce fails with
-  // "Invalid scalar type", PyTorch's own fp16 hook too), and a hook that failed every step would stop training. There
-  // the buckets are reduced uncompressed, in their own dtype, as allreduce_hook() does, and a warning says so.
+  // "Invalid scalar type", as PyTorch's own dist.all_reduce of float16 does there), and a hook that failed every step
+  // would stop training. There the buckets are reduced uncompressed, in their own dtype, as allreduce_hook() does, and
+  // a warning says so.
   auto half_reduces = std::make_shared<std::optional<bool>>();
   return [half_reduces, uncompressed = allreduce_hook()](c10d::ProcessGroup& group, const GradBucket& bucket) {
     if (!half_reduces->has_value()) {
