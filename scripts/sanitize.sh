@@ -5,9 +5,10 @@
 # Exits non-zero if any sanitized test failed; the last line has the form scripts/test.sh adds to its own count.
 #   scripts/sanitize.sh             both builds
 #   scripts/sanitize.sh asan|tsan   one of them
-# Only the library and the chosen tests are built, at -O0 (file by file: Debian 12's Meson 1.0 loses a layer's unity
-# objects when libcorpc.a takes the layers whole): instrumented optimisation passes over libtorch's headers
+# Only the library and the chosen tests are built, at -O0: instrumented optimisation passes over libtorch's headers
 # would double the compile time, and the tests wait on sockets more than they compute. No benchmarks or examples.
+# The ASan build compiles each library as one unit (as scripts/test.sh's lines do); the TSan build compiles every file
+# on its own, the suite's check that each source file includes what it uses.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -33,14 +34,14 @@ total_pass=0
 total_fail=0
 for kind in "${which[@]}"; do
   case "$kind" in
-    asan) sanitize=address,undefined; chosen=("${tests[@]}") ;;
-    tsan) sanitize=thread; chosen=("${tests[@]}" soak) ;;
+    asan) sanitize=address,undefined; chosen=("${tests[@]}"); unity=(-Dunity=on -Dunity_size=1000) ;;
+    tsan) sanitize=thread; chosen=("${tests[@]}" soak); unity=() ;;
     *) echo "sanitize: unknown build '$kind' (asan or tsan)" >&2; exit 2 ;;
   esac
   dir=build-$kind
   if [[ ! -f $dir/build.ninja ]]; then
     meson setup "$dir" --buildtype=plain -Doptimization=0 -Db_sanitize="$sanitize" \
-      -Dcpp_args=-fno-omit-frame-pointer -Dbenchmarks=disabled -Dexamples=disabled >/dev/null
+      -Dcpp_args=-fno-omit-frame-pointer -Dbenchmarks=disabled -Dexamples=disabled "${unity[@]}" >/dev/null
   fi
   ninja -C "$dir" $(printf 'tests/test_%s ' "${chosen[@]}") >/dev/null
   set +e

@@ -282,7 +282,7 @@ TEST_CASE("a cycle of handlers through three ranks, every link at the limit with
 
 TEST_CASE("a stopped worker (SIGSTOP) is declared unreachable; its peers' calls fail and their shutdown completes") {
   auto options = quick_options();
-  options.liveness_timeout = 1s;   // short for the test; the default is 15 s
+  options.liveness_timeout = 1s * time_scale();  // short for the test (the default is 15 s); stretched when sanitized
   options.rpc_timeout = 60s;       // longer than the test allows: only the liveness check can end these calls
   options.shutdown_timeout = 0ms;  // as long as the others are alive: only the death of worker2 lets it end
   expect_stopped_worker2_declared_unreachable(options);

@@ -429,8 +429,8 @@ TEST_CASE("a stage's worker killed mid-step fails the step with PipelineError na
 TEST_CASE(
     "a stage's worker stopped mid-step (SIGSTOP): the step fails with PipelineError naming it once it is silent") {
   RpcOptions options = quick_options();
-  options.liveness_timeout =
-      std::chrono::seconds(2);  // a stopped peer answers no heartbeat: declared unreachable after this
+  // A stopped peer answers no heartbeat: declared unreachable after this (stretched when sanitized).
+  options.liveness_timeout = std::chrono::seconds(2) * time_scale();
   expect_only_rank_lost(2, "", [&] {
     run_world(
         3,

@@ -259,7 +259,7 @@ TEST_CASE("a TLS worker refuses plain peers, untrusted and expired certificates,
 TEST_CASE("over TLS a stopped worker misses its deadlines, then is declared unreachable; the others go on") {
   ThrowawayPki pki;
   auto options = tls_options(pki.issue("worker"));
-  options.liveness_timeout = 1s;  // short for the test; the default is 15 s
+  options.liveness_timeout = 1s * time_scale();  // short for the test (the default is 15 s); stretched when sanitized
   options.rpc_timeout = 60s;      // longer than the test allows: only a deadline or the liveness check ends a call
   expect_stopped_worker2_declared_unreachable(options, [] {
     // A call with its own deadline ends at it, naming the worker, before the liveness check fails the rest.
