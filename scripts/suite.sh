@@ -6,6 +6,7 @@
 # a binary that crashed or timed out before its summary, which counts as failed). Exits non-zero if anything failed.
 #   scripts/suite.sh NAME BUILD_DIR [meson setup arguments…]
 #   CORPC_SUITE_TESTS=rpc,rref,… scripts/suite.sh …   builds every library and what those tests need, runs them
+#   CORPC_SUITE_TESTS=all scripts/suite.sh …          the same for every test: examples no test runs are not built
 # scripts/test.sh runs it for Debian 12's libtorch 1.13 on this machine (build/), and in the roots that
 # scripts/root.sh makes for Debian testing's libtorch 2.14 (build-forky/) and Debian 13's libtorch 2.6 (build-trixie/).
 set -euo pipefail
@@ -17,23 +18,23 @@ if [[ ! -f $dir/build.ninja ]]; then
 fi
 chosen=()
 if [[ -n ${CORPC_SUITE_TESTS:-} ]]; then
-  IFS=, read -r -a chosen <<<"$CORPC_SUITE_TESTS"
-  # Every library (each layer, ddp, the examples' shared code) and what the chosen tests run: their executables and
-  # the programs they start (meson's `depends`).
+  [[ $CORPC_SUITE_TESTS == all ]] || IFS=, read -r -a chosen <<<"$CORPC_SUITE_TESTS"
+  # Every library (each layer, ddp, the examples' shared code), the build's checks, what `meson install` installs,
+  # and what the chosen tests run: their executables and the programs they start (meson's `depends`).
   mapfile -t targets < <(meson introspect --targets --tests "$dir" | python3 -c '
 import json, os, sys
 info = json.load(sys.stdin)
 build, chosen = sys.argv[1], set(sys.argv[2].split(","))
 by_id = {t["id"]: t for t in info["targets"]}
-want = {t["id"] for t in info["targets"] if t["type"] == "static library"}
+want = {t["id"] for t in info["targets"] if t["type"] in ("static library", "custom") or t.get("installed")}
 for test in info["tests"]:
-    if test["name"] in chosen:
+    if test["name"] in chosen or "all" in chosen:
         want.update(d for d in test["depends"] if d in by_id)
 for i in sorted(want):
     for f in by_id[i]["filename"]:
         print(os.path.relpath(f, os.path.abspath(build)))
 ' "$dir" "$CORPC_SUITE_TESTS")
-  echo "suite $name: building the libraries and what ${chosen[*]} run (${#targets[@]} targets)"
+  echo "suite $name: building the libraries and what ${chosen[*]:-every test} needs (${#targets[@]} targets)"
   ninja -C "$dir" "${targets[@]}"
 else
   ninja -C "$dir"

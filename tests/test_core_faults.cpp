@@ -9,12 +9,17 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <unistd.h>
 
 #include <asio.hpp>
 #include <malloc.h>
+#include <algorithm>
+#include <cstddef>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <optional>
 #include <thread>
@@ -64,6 +69,7 @@ std::uint64_t pool_threads_started() { return Runtime::get().stats().pool_thread
 // ---- exits, duplicate names, late replies ----
 
 std::string whoami() { return get_worker_info().name; }
+at::Tensor echo_tensor(at::Tensor t) { return t; }
 std::string whoami_via(int rank) { return rpc_sync<&whoami>(rank); }
 bool is_alive_here(int rank) { return Runtime::get().is_alive(rank); }
 std::string echo(std::string s) { return s; }
@@ -192,13 +198,14 @@ class UnreadStderr {
 };
 std::optional<UnreadStderr> g_unread_stderr;
 
-// Reads the worker's stderr pipe until the refusals' summary shows up (at most 20 s); returns the corpc lines.
-std::string drain_stderr_until_summary() {
+// Reads the worker's stderr pipe until the refusals' summary (a line containing `summary`) shows up (at most 20 s);
+// returns the corpc lines.
+std::string drain_stderr_until_summary(std::string summary) {
   const int fd = g_unread_stderr->read_end();
   ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
   std::string text;
   const auto deadline = std::chrono::steady_clock::now() + 20s;
-  while (text.find("more connections refused") == std::string::npos && std::chrono::steady_clock::now() < deadline) {
+  while (text.find(summary) == std::string::npos && std::chrono::steady_clock::now() < deadline) {
     char buf[4096];
     const ssize_t n = ::read(fd, buf, sizeof buf);
     if (n > 0) {
@@ -223,6 +230,32 @@ int flood_with_strangers(const WorkerInfo& target, int n) {
     timeval limit{2, 0};  // a connect that would wait for a full backlog gives up
     ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof limit);
     connected += ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0;
+    ::close(fd);
+  }
+  return connected;
+}
+
+// The name of this worker's same-host channel socket (abstract: no file), as `ss -xlp` shows it to anyone on the host.
+std::string shm_socket_here() { return runtime_impl(Runtime::get()).shm_listener->name(); }
+
+// Opens `n` connections to the abstract Unix socket `name` (with its leading NUL), sends each 64 random bytes and
+// closes it: each fails the channel's set-up there. Returns how many connected.
+int flood_unix_socket(const std::string& name, int n) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, name.data(), std::min(name.size(), sizeof addr.sun_path));
+  const auto len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + name.size());
+  int connected = 0;
+  char junk[64];
+  for (int i = 0; i < n; ++i) {
+    for (auto& c : junk) c = static_cast<char>(std::rand());
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    timeval limit{2, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof limit);
+    if (::connect(fd, reinterpret_cast<const sockaddr*>(&addr), len) == 0) {
+      ++connected;
+      (void)!::write(fd, junk, sizeof junk);
+    }
     ::close(fd);
   }
   return connected;
@@ -433,9 +466,35 @@ TEST_CASE("strangers flooding a worker whose stderr nobody reads: it answers, su
           EXPECT_EQ(rpc_async<&add>(1, with_timeout(10s), 2, 3).wait(20s), 5);
           EXPECT_EQ(rpc_async<&whoami>(1, with_timeout(10s)).wait(20s), worker_name(1));
           // Its log: a few refusals in full, the rest in a summary.
-          const auto log = rpc_async<&drain_stderr_until_summary>(1, with_timeout(40s)).wait(60s);
+          const auto log =
+              rpc_async<&drain_stderr_until_summary>(1, with_timeout(40s), "more connections refused").wait(60s);
           EXPECT(count_of(log, "refused a connection") <= 5);  // RefusalLog::kInFull (src/core/refusal_log.hpp)
           EXPECT_CONTAINS(log, "more connections refused");
+        }
+        shutdown(true);
+        g_unread_stderr.reset();
+      },
+      launch_options(120s));
+}
+
+TEST_CASE("strangers flooding a worker's same-host channel socket: a few lines and a summary, and it still answers") {
+  constexpr int kStrangers = 1000;
+  launch_processes(
+      2,
+      [](int rank) {
+        if (rank == 1) g_unread_stderr.emplace();
+        init_rpc(worker_name(rank), rank, 2, quick_options());
+        if (rank == 0) {
+          const std::string socket = rpc_sync<&shm_socket_here>(1);
+          EXPECT(flood_unix_socket(socket, kStrangers) > kStrangers / 2);
+          EXPECT_EQ(rpc_async<&add>(1, with_timeout(10s), 2, 3).wait(20s), 5);
+          const auto log = rpc_async<&drain_stderr_until_summary>(1, with_timeout(40s), "more set-ups refused")
+                               .wait(60s);
+          EXPECT(count_of(log, "refused a set-up") <= 5);  // RefusalLog::kInFull (src/core/refusal_log.hpp)
+          EXPECT_CONTAINS(log, "more set-ups refused on its Unix socket");
+          // The job's own channel is untouched: a large tensor still goes through it both ways.
+          const at::Tensor big = at::arange(1 << 20, at::kFloat);
+          EXPECT(at::equal(rpc_sync<&echo_tensor>(1, big), big));
         }
         shutdown(true);
         g_unread_stderr.reset();

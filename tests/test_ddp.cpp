@@ -201,6 +201,8 @@ TEST_CASE("ddp: a dead rank makes the others' backward fail within the collectiv
   // Rank 0 failed by itself, with DDP's error, rather than being killed by the launcher's grace period.
   INFO(rank0);
   REQUIRE(rank0.find("DDP: gradient allreduce") != std::string::npos);
+  // It names where it failed as the rank that saw the failure, not as a rank that failed.
+  CHECK(rank0.find("failed here, on rank 0 of the process group") != std::string::npos);
 }
 
 // Uneven inputs: rank 0 has 2 batches, rank 1 has 4. Under Join rank 0 shadows rank 1's last two steps; the

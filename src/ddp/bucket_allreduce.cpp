@@ -7,6 +7,7 @@
 
 #include "corpc/autograd/dist_autograd.hpp"
 #include "corpc/rpc/errors.hpp"
+#include "corpc/rpc/runtime.hpp"
 #include "ddp/gradient_sync.hpp"
 
 namespace corpc::ddp {
@@ -79,8 +80,14 @@ at::Tensor GradientSync::State::wait_bucket_locked(size_t bi) {
     const std::string why = b.result->tryRetrieveErrorMessage();
     reset_locked();
     in_backward = false;
-    throw RpcError("DDP: gradient allreduce of bucket " + std::to_string(bi) + " failed on rank " +
-                   std::to_string(group->getRank()) + " (a peer died or timed out?): " + why);
+    // Named as the user names workers: a bare group rank read as the rank that failed, which it need not be.
+    std::string here = "rank " + std::to_string(group->getRank()) + " of the process group";
+    if (const auto* rpc = Runtime::try_get()) {
+      const WorkerInfo me = rpc->worker(rpc->rank());
+      here = "worker '" + me.name + "' (RPC rank " + std::to_string(me.rank) + ", " + here + ")";
+    }
+    throw RpcError("DDP: gradient allreduce of bucket " + std::to_string(bi) + " failed here, on " + here +
+                   " (a peer died or timed out?): " + why);
   }
   const auto value = b.result->value();
   b.result.reset();

@@ -341,8 +341,7 @@ asio::awaitable<void> ShmListener::session(asio::local::stream_protocol::socket 
   }
   for (int i = 0; i < nfds; ++i) ::close(fds[i]);
   timer.cancel();
-  if (!refused.empty())
-    log(LogLevel::warn, worker_, "same-host channel", "refused a set-up on its Unix socket: {}", refused);
+  if (!refused.empty()) refusals_.refused(io_, worker_, fmt::format("refused a set-up on its Unix socket: {}", refused));
 }
 
 asio::awaitable<std::string> dial_shm_channel(std::string socket_name, std::string cookie, std::uint64_t ring_bytes,

@@ -37,6 +37,8 @@
 #include <string>
 #include <vector>
 
+#include "core/refusal_log.hpp"
+
 namespace corpc::detail {
 
 // Messages whose tensor data is at least this large go through the ring (below, one memcpy more costs about what a
@@ -139,6 +141,8 @@ class ShmListener {
   asio::io_context& io_;
   std::string worker_;
   std::string name_;
+  // Anyone on the host can connect to the socket and fail the set-up at will: refusals are logged at a bounded rate.
+  RefusalLog refusals_{"same-host channel", "set-ups refused on its Unix socket"};
   asio::local::stream_protocol::acceptor acceptor_;
   std::mutex mutex_;
   struct Offer {
