@@ -86,7 +86,9 @@ def blas_threads():
 
 def run(rank, model, steps, phases, port):
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # USE_LIBUV=0: Debian's PyTorch 2.14 (and 2.6) is built without libuv, which its TCPStore otherwise asks for
+    # ("use_libuv was requested but PyTorch was built without libuv support"). The store only does the rendezvous.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), USE_LIBUV="0")
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.manual_seed(rank)
     net, x, y, loss_fn = make(model)
