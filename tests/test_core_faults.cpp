@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <thread>
 
@@ -453,23 +454,26 @@ TEST_CASE("replies forged on a claimed rank's behalf close only the claimant; th
       quick_options(), 60s);
 }
 
-TEST_CASE("strangers flooding a worker whose stderr nobody reads: it answers, summarises, and shuts down") {
-  constexpr int kStrangers = 2000;
+// Rank 0 runs `flood` against rank 1, whose stderr nobody reads. Rank 1 must still answer, and its log hold at most
+// RefusalLog::kInFull (src/core/refusal_log.hpp) lines containing `refusal` and a summary containing `summary`;
+// `then` runs last on rank 0. Both ranks then shut down gracefully.
+void expect_flood_summarised(const std::function<void()>& flood, const std::string& refusal,
+                             const std::string& summary, const std::function<void()>& then = {}) {
   launch_processes(
       2,
-      [](int rank) {
+      [&](int rank) {
         if (rank == 1) g_unread_stderr.emplace();
         init_rpc(worker_name(rank), rank, 2, quick_options());
         if (rank == 0) {
-          EXPECT(flood_with_strangers(get_worker_info(1), kStrangers) > kStrangers / 2);
+          flood();
           // A worker whose I/O thread blocked on its log misses this deadline (and, 15 s on, is declared unreachable).
           EXPECT_EQ(rpc_async<&add>(1, with_timeout(10s), 2, 3).wait(20s), 5);
           EXPECT_EQ(rpc_async<&whoami>(1, with_timeout(10s)).wait(20s), worker_name(1));
           // Its log: a few refusals in full, the rest in a summary.
-          const auto log =
-              rpc_async<&drain_stderr_until_summary>(1, with_timeout(40s), "more connections refused").wait(60s);
-          EXPECT(count_of(log, "refused a connection") <= 5);  // RefusalLog::kInFull (src/core/refusal_log.hpp)
-          EXPECT_CONTAINS(log, "more connections refused");
+          const auto log = rpc_async<&drain_stderr_until_summary>(1, with_timeout(40s), summary).wait(60s);
+          EXPECT(count_of(log, refusal) <= 5);
+          EXPECT_CONTAINS(log, summary);
+          if (then) then();
         }
         shutdown(true);
         g_unread_stderr.reset();
@@ -477,29 +481,21 @@ TEST_CASE("strangers flooding a worker whose stderr nobody reads: it answers, su
       launch_options(120s));
 }
 
+TEST_CASE("strangers flooding a worker whose stderr nobody reads: it answers, summarises, and shuts down") {
+  constexpr int kStrangers = 2000;
+  expect_flood_summarised([] { EXPECT(flood_with_strangers(get_worker_info(1), kStrangers) > kStrangers / 2); },
+                          "refused a connection", "more connections refused");
+}
+
 TEST_CASE("strangers flooding a worker's same-host channel socket: a few lines and a summary, and it still answers") {
   constexpr int kStrangers = 1000;
-  launch_processes(
-      2,
-      [](int rank) {
-        if (rank == 1) g_unread_stderr.emplace();
-        init_rpc(worker_name(rank), rank, 2, quick_options());
-        if (rank == 0) {
-          const std::string socket = rpc_sync<&shm_socket_here>(1);
-          EXPECT(flood_unix_socket(socket, kStrangers) > kStrangers / 2);
-          EXPECT_EQ(rpc_async<&add>(1, with_timeout(10s), 2, 3).wait(20s), 5);
-          const auto log = rpc_async<&drain_stderr_until_summary>(1, with_timeout(40s), "more set-ups refused")
-                               .wait(60s);
-          EXPECT(count_of(log, "refused a set-up") <= 5);  // RefusalLog::kInFull (src/core/refusal_log.hpp)
-          EXPECT_CONTAINS(log, "more set-ups refused on its Unix socket");
-          // The job's own channel is untouched: a large tensor still goes through it both ways.
-          const at::Tensor big = at::arange(1 << 20, at::kFloat);
-          EXPECT(at::equal(rpc_sync<&echo_tensor>(1, big), big));
-        }
-        shutdown(true);
-        g_unread_stderr.reset();
-      },
-      launch_options(120s));
+  expect_flood_summarised(
+      [] { EXPECT(flood_unix_socket(rpc_sync<&shm_socket_here>(1), kStrangers) > kStrangers / 2); },
+      "refused a set-up", "more set-ups refused on its Unix socket", [] {
+        // The job's own channel is untouched: a large tensor still goes through it both ways.
+        const at::Tensor big = at::arange(1 << 20, at::kFloat);
+        EXPECT(at::equal(rpc_sync<&echo_tensor>(1, big), big));
+      });
 }
 
 TEST_CASE("a peer announcing a large frame and sending nothing commits no memory on the receiver") {
