@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <asio.hpp>
+#include <algorithm>
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
@@ -110,25 +111,40 @@ void proc_net_rows(const char* table, Row&& row) {
 // that are connected (a worker's connections to peers on its host, when it takes the Unix socket).
 struct SocketCensus {
   int tcp_established = 0;
+  int tcp_dialed = 0;  // established TCP connections whose far end is one of the ports asked about
   int unix_connected = 0;
+  std::string tcp;  // every established TCP connection, "local port->remote port", for failure messages
 };
-SocketCensus own_sockets() {
+SocketCensus own_sockets(const std::vector<std::uint16_t>& dialed_ports = {}) {
   std::set<std::string> ours;  // inodes of the sockets among our descriptors
   for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
     std::error_code ec;
     const std::string target = std::filesystem::read_symlink(entry.path(), ec).string();
     if (!ec && target.rfind("socket:[", 0) == 0) ours.insert(target.substr(8, target.size() - 9));
   }
+  const auto port_of = [](const std::string& address) {  // "0100007F:1F90" -> 8080
+    return static_cast<std::uint16_t>(std::stoul(address.substr(address.rfind(':') + 1), nullptr, 16));
+  };
   SocketCensus census;
   for (const char* table : {"/proc/self/net/tcp", "/proc/self/net/tcp6"})
     proc_net_rows(table, [&](const std::vector<std::string>& f) {  // sl local remote st ... inode (10th)
-      if (f.size() > 9 && f[3] == "01" && ours.count(f[9])) census.tcp_established++;
+      if (f.size() <= 9 || f[3] != "01" || !ours.count(f[9])) return;
+      census.tcp_established++;
+      const std::uint16_t remote = port_of(f[2]);
+      if (std::find(dialed_ports.begin(), dialed_ports.end(), remote) != dialed_ports.end()) census.tcp_dialed++;
+      census.tcp += " " + std::to_string(port_of(f[1])) + "->" + std::to_string(remote);
     });
   // Num RefCount Protocol Flags Type St Inode
   proc_net_rows("/proc/self/net/unix", [&](const std::vector<std::string>& f) {
     if (f.size() > 6 && f[4] == "0001" && f[5] == "03" && ours.count(f[6])) census.unix_connected++;
   });
   return census;
+}
+
+// A count the test expects, failing with what it saw.
+void expect_count(int got, int want, const std::string& what) {
+  if (got != want)
+    throw std::runtime_error(what + ": " + std::to_string(got) + " where " + std::to_string(want) + " were expected");
 }
 
 int own_tcp_established() { return own_sockets().tcp_established; }
@@ -613,9 +629,9 @@ void loopback_job(const std::string& host) {
 }
 
 TEST_CASE("workers on one host connect over a Unix socket; one that turns it off is dialed over TCP") {
-  // Rank 0 dials ranks 1 and 2 after init_rpc: each dial is a new connection. Every rank's registration with rank 0
-  // stays on TCP (rank 0 is found by its address), so those two are rank 0's only TCP connections when the dials
-  // take the Unix socket.
+  // Rank 0 dials ranks 1 and 2 after init_rpc: each dial is a new connection, counted by where it goes (the peers' TCP
+  // ports, or a Unix socket). Connections others open to rank 0 do not count: whether a peer's shutdown has dialed us
+  // yet when we look is a race, and it is not what this test is about.
   for (const bool rank2_on : {true, false}) {
     CAPTURE(rank2_on);
     launch_processes(
@@ -625,15 +641,17 @@ TEST_CASE("workers on one host connect over a Unix socket; one that turns it off
           if (rank == 2) options.same_host_socket = rank2_on;
           init_rpc(worker_name(rank), rank, 3, options);
           if (rank == 0) {
-            const auto before = own_sockets();
-            EXPECT_EQ(before.tcp_established, 2);
+            const std::vector<std::uint16_t> peers{get_worker_info(1).port, get_worker_info(2).port};
+            const auto before = own_sockets(peers);
+            expect_count(before.tcp_dialed, 0, "TCP connections to peers before any call:" + before.tcp);
             EXPECT_EQ(rpc_sync<&add>(1, 1, 2), 3);
             EXPECT_EQ(rpc_sync<&add>(2, 3, 4), 7);
             EXPECT_EQ(rpc_sync<&whoami_via>(1, 2), worker_name(2));  // 1 -> 2 too
             EXPECT_EQ(rpc_sync<&whoami_via>(2, 1), worker_name(1));  // and 2 -> 1
-            const auto after = own_sockets();
-            EXPECT_EQ(after.unix_connected - before.unix_connected, rank2_on ? 2 : 1);
-            EXPECT_EQ(after.tcp_established, rank2_on ? 2 : 3);
+            const auto after = own_sockets(peers);
+            const std::string seen = "; TCP connections before:" + before.tcp + ", after:" + after.tcp;
+            expect_count(after.unix_connected - before.unix_connected, rank2_on ? 2 : 1, "new Unix connections" + seen);
+            expect_count(after.tcp_dialed, rank2_on ? 0 : 1, "TCP connections to peers" + seen);
           }
           shutdown(true);
         },
@@ -646,11 +664,13 @@ TEST_CASE("workers on one host connect over a Unix socket; one that turns it off
       2,
       [](int rank) {
         if (rank != 0) return;
-        const auto before = own_sockets();
+        const std::vector<std::uint16_t> peer{get_worker_info(1).port};
+        const auto before = own_sockets(peer);
         EXPECT_EQ(rpc_sync<&add>(1, 1, 2), 3);
-        const auto after = own_sockets();
+        const auto after = own_sockets(peer);
         EXPECT_EQ(after.unix_connected, before.unix_connected);
-        EXPECT_EQ(after.tcp_established, before.tcp_established + 1);
+        EXPECT_EQ(before.tcp_dialed, 0);
+        EXPECT_EQ(after.tcp_dialed, 1);
       },
       off);
 }
