@@ -23,7 +23,7 @@
 #include "../tools/tls_certs.hpp"
 
 // The relay below is an Asio coroutine in a lambda: g++ 12 at -O1 inlines its frame's class-specific operator delete
-// and reports it as mismatched with the operator new that made the frame (the same class's; GCC bug 109224).
+// and reports it as mismatched with the operator new that made the frame, the same class's (a false positive).
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
 #pragma GCC diagnostic ignored "-Wmismatched-new-delete"
 #endif
