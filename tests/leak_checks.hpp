@@ -38,7 +38,7 @@ inline void expect_no_contexts_on(const std::vector<int>& ranks) {
   auto deadline = std::chrono::steady_clock::now() + 20s;
   for (;;) {
     std::uint64_t live = 0;
-    for (int r : ranks) live += dist_autograd::detail::live_contexts(r).wait(10s);
+    for (int r : ranks) live += dist_autograd::live_contexts(r).wait(10s);
     if (live == 0) return;
     if (std::chrono::steady_clock::now() > deadline)
       throw std::runtime_error(std::to_string(live) + " contexts leaked");

@@ -212,10 +212,10 @@ TEST_CASE("cancelling during a large tensor transfer: the callee never runs the 
     // The dropped reference's delete is a call of this worker's own, in flight until the owner answers it.
     for (int i = 0; i < 1000 && in_flight() != 0; ++i) std::this_thread::sleep_for(10ms);
     EXPECT_EQ(in_flight(), 0u);
-    for (int i = 0; i < 1000 && dist_autograd::detail::live_contexts(1).wait() != 0; ++i)
+    for (int i = 0; i < 1000 && dist_autograd::live_contexts(1).wait() != 0; ++i)
       std::this_thread::sleep_for(10ms);
-    EXPECT_EQ(dist_autograd::detail::live_contexts(1).wait(), 0u);
-    EXPECT_EQ(dist_autograd::detail::live_contexts(), 0u);
+    EXPECT_EQ(dist_autograd::live_contexts(1).wait(), 0u);
+    EXPECT_EQ(dist_autograd::live_contexts(), 0u);
   });
 }
 

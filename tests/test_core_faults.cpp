@@ -1,7 +1,8 @@
 // Faults found in earlier runtime cores, one test each. On that core each of these hung (bounded here by
 // the launcher's timeout) or gave a wrong result; the run-to-completion core must pass them all. Then exits and ranks:
-// peers that hold the secret and claim a rank that is taken, strangers flooding a worker whose stderr nobody reads,
-// and a peer announcing a large frame and sending nothing.
+// peers that hold the secret and claim a rank that is taken, or a rank they cannot prove (a live rank that has not
+// dialled yet, as itself or as its replacement; a dead rank's replacement at rank 0), strangers flooding a worker whose
+// stderr nobody reads, and a peer announcing a large frame and sending nothing.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
@@ -25,6 +26,7 @@
 #include <optional>
 #include <thread>
 
+#include "../src/rpc/hello.hpp"
 #include "../src/rpc/runtime_impl.hpp"
 #include "corpc/autograd/dist_autograd.hpp"
 #include "raw_peer.hpp"
@@ -138,6 +140,24 @@ std::string serialized(const corpc::detail::FrameHeader& h, const std::string& b
 std::string claim(const WorkerInfo& who, int world_size, const std::string& after) {
   corpc::detail::OutFrame hello = corpc::detail::prepare(hello_message(who, world_size, false, WireLimits{}));
   return serialized(hello.head, hello.body) + after;
+}
+
+// A Hello claiming `who` that no launcher dealt and no key of `who` signed: a fresh key of its own, a proof of nothing.
+// `registering`: sent to rank 0 as a registration; `rejoining`: as the rank's replacement (incarnation 1).
+std::string unproven_hello(const WorkerInfo& who, int world_size, bool registering, bool rejoining) {
+  corpc::detail::Hello h;
+  h.self = who;
+  h.world_size = world_size;
+  h.registering = registering;
+  h.rejoining = rejoining;
+  h.incarnation = rejoining ? 1 : 0;
+  h.public_key = std::string(32, '\x5a');
+  h.proof = std::string(registering ? 32 : 64, '\0');
+  corpc::detail::Message m;
+  m.head.kind = corpc::detail::FrameKind::Hello;
+  m.body = corpc::detail::encode_hello(h);
+  corpc::detail::OutFrame f = corpc::detail::prepare(std::move(m));
+  return serialized(f.head, f.body);
 }
 
 // Expects the worker behind `s` to refuse the claim it was sent: an Error for the connection itself (id 0) as the very
@@ -422,6 +442,70 @@ TEST_CASE("a second connection claiming a connected rank is refused; the real ra
         EXPECT_EQ(rpc_sync<&whoami_via>(2, 1), worker_name(1));  // the real worker2's own connection still works
       },
       quick_options(), 60s);  // and the graceful shutdown balances: the refused request counted for nobody
+}
+
+TEST_CASE("a claim for a live rank that has not dialled yet, as itself or as its replacement, needs its key") {
+  // worker2 has never dialled worker1. A process with the secret claims to be worker2 to worker1, plainly and then as
+  // its new incarnation, and hangs up: worker1 must refuse both (it used to answer the first, and to take the second
+  // as worker2's replacement), and neither the claims nor their connections' ends may change what it knows of worker2.
+  run_world(
+      3,
+      [](int rank) {
+        if (rank != 0) return;
+        for (const bool rejoining : {false, true}) {
+          asio::io_context io;  // one per connection: the helpers run it until they are done
+          auto s = authenticated_socket(io, get_worker_info(1));
+          asio::write(s, asio::buffer(unproven_hello(get_worker_info(2), 3, false, rejoining)));
+          expect_claim_refused(io, s);
+          s.close();
+        }
+        EXPECT(rpc_sync<&is_alive_here>(1, 2));
+        EXPECT_EQ(rpc_sync<&whoami_via>(2, 1), worker_name(1));  // the real worker2's first dial is taken ...
+        EXPECT_EQ(rpc_sync<&whoami_via>(1, 2), worker_name(2));  // ... and worker1 reaches it
+      },
+      quick_options(), 60s);
+}
+
+namespace {
+// Where rank 2 of the case below tells rank 1's replacement that its forgery was answered (children of one launcher).
+std::string forged_flag() { return "/tmp/corpc-forged-" + std::to_string(::getppid()); }
+}  // namespace
+
+TEST_CASE("a dead rank's replacement is taken only with the launcher's credential for it; a forger is refused") {
+  // Rank 1 dies; before the launcher's replacement registers, rank 2 (holding the job's secret, as a buggy rank or a
+  // second job with the same CORPC_SECRET would) registers with rank 0 as rank 1's replacement. Rank 0 used to admit
+  // it and take its answers as rank 1's; it must refuse it, then admit the real replacement, whose answers are right
+  // and whose connections to the other ranks are taken on rank 0's word (its certificate).
+  LaunchOptions restart_once = launch_options(90s);
+  restart_once.max_rank_restarts = 1;
+  launch_processes(
+      3,
+      [](int rank) {
+        if (rank == 1 && rank_restart_count() > 0) {
+          while (::access(forged_flag().c_str(), F_OK) != 0) std::this_thread::sleep_for(10ms);
+        }
+        init_rpc(worker_name(rank), rank, 3, quick_options());
+        if (rank == 1 && rank_restart_count() == 0) ::raise(SIGKILL);
+        if (rank == 2) {
+          while (rpc_sync<&is_alive_here>(0, 1)) std::this_thread::sleep_for(10ms);
+          asio::io_context io;
+          auto s = authenticated_socket(io, get_worker_info(0));
+          asio::write(s, asio::buffer(unproven_hello(get_worker_info(1), 3, true, true)));
+          expect_claim_refused(io, s);
+          s.close();
+          std::ofstream(forged_flag()) << "refused\n";
+        }
+        if (rank == 0) {
+          while (is_alive_here(1)) std::this_thread::sleep_for(10ms);
+          while (!is_alive_here(1)) std::this_thread::sleep_for(10ms);
+          EXPECT_EQ(rpc_sync<&add>(1, 20, 22), 42);                // the real replacement answers
+          EXPECT_EQ(rpc_sync<&whoami_via>(1, 2), worker_name(2));  // its dial to rank 2, on rank 0's certificate
+          EXPECT_EQ(rpc_sync<&whoami_via>(2, 1), worker_name(1));
+          ::unlink(forged_flag().c_str());
+        }
+        shutdown(true);
+      },
+      restart_once);
 }
 
 TEST_CASE("replies forged on a claimed rank's behalf close only the claimant; the real rank's calls go on") {

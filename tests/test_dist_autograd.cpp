@@ -233,6 +233,6 @@ TEST_CASE("a context's release handled before the request that brings it: the re
     rpc_async<void>(1, "corpc::dist_autograd::{anonymous}::release_context", ctx.id(), 0).wait();
     auto x = at::ones({4}).set_requires_grad(true);
     EXPECT_EQ(rpc_sync<&times_three_sum>(1, x).item<double>(), 12.0);
-    EXPECT_EQ(da::detail::live_contexts(1).wait(), 0u);  // not recreated: it would be held until worker1 exits
+    EXPECT_EQ(da::live_contexts(1).wait(), 0u);  // not recreated: it would be held until worker1 exits
   });
 }

@@ -158,31 +158,29 @@ std::string rejoin_flag(int rank) {
 }  // namespace
 
 TEST_CASE("a rank killed and started again with RpcOptions::rejoin takes its place: calls both ways, quiet shutdown") {
-  // Rank 1's process forks its first incarnation, which takes part and is then killed; once rank 0 and rank 2 have
-  // seen it die, the process joins again as rank 1's second incarnation (what a launcher's in-place restart does).
+  // Rank 1's first process takes part and is then killed; the launcher starts it again in place (its restart 1, which
+  // rejoins), and once rank 0 and rank 2 have seen it die it takes its place as rank 1's second incarnation.
+  LaunchOptions restart_once = launch_options(60s);
+  restart_once.max_rank_restarts = 1;
   launch_processes(
       3,
       [](int rank) {
         RpcOptions o = quick_options();
+        if (rank == 1 && rank_restart_count() == 0) {
+          init_rpc(worker_name(1), 1, 3, o);
+          EXPECT_EQ(rpc_sync<&add>(0, 1, 1), 2);
+          EXPECT_EQ(rpc_sync<&add>(2, 1, 2), 3);  // rank 2 now has a connection from this incarnation
+          rpc_sync<&mark_rejoin_phase>(0);
+          ::raise(SIGKILL);
+        }
         if (rank == 1) {
-          const pid_t child = ::fork();
-          if (child == 0) {
-            init_rpc(worker_name(1), 1, 3, o);
-            EXPECT_EQ(rpc_sync<&add>(0, 1, 1), 2);
-            EXPECT_EQ(rpc_sync<&add>(2, 1, 2), 3);  // rank 2 now has a connection from this incarnation
-            rpc_sync<&mark_rejoin_phase>(0);
-            ::raise(SIGKILL);
-          }
-          int status = 0;
-          ::waitpid(child, &status, 0);
-          EXPECT(WIFSIGNALED(status));
+          EXPECT(rejoining());
           // A claim is taken only once the predecessor's connection has closed where it is made.
           until([] {
             return ::access(rejoin_flag(0).c_str(), F_OK) == 0 && ::access(rejoin_flag(2).c_str(), F_OK) == 0;
           });
           ::unlink(rejoin_flag(0).c_str());
           ::unlink(rejoin_flag(2).c_str());
-          o.rejoin = true;
           init_rpc(worker_name(1), 1, 3, o);
           EXPECT_EQ(get_worker_info(1).name, "worker1");
           EXPECT_EQ(rpc_sync<&add>(0, 2, 2), 4);
@@ -208,5 +206,5 @@ TEST_CASE("a rank killed and started again with RpcOptions::rejoin takes its pla
         }
         shutdown(true);  // quiet: the job lost nothing, the replaced rank's old requests are forgotten
       },
-      launch_options(60s));
+      restart_once);
 }

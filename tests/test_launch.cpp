@@ -103,6 +103,7 @@ void killed_rank_restarts_in_place(StartMethod start) {
       3,
       [dir](int rank) {
         record_process(dir, rank);
+        if (launching_process()) throw std::runtime_error("a rank says it is the launching process");
         if (rank == 1 && rank_restart_count() == 0) {
           if (rejoining()) throw std::runtime_error("a first process says it rejoins");
           ::raise(SIGKILL);
@@ -151,6 +152,7 @@ TEST_CASE("spawned ranks run this program again; a failed rank is named with its
       [](int rank) {
         // A new process that started from main (a fork would not know a launched rank), told its rank.
         if (launched_rank() != rank) throw std::runtime_error("launched_rank() does not say this rank");
+        if (launching_process()) throw std::runtime_error("a spawned rank says it is the launching process");
         if (!g_first_launch_failed) throw std::runtime_error("the earlier launch's failure was not replayed");
         init_rpc(worker_name(rank), -1, -1, quick_options());
         if (rpc_sync<&add>((rank + 1) % 3, rank, 10) != rank + 10) throw std::runtime_error("wrong sum");
@@ -279,8 +281,13 @@ TEST_CASE("under a launcher (RANK and WORLD_SIZE set) launch_processes runs this
     }
   } restore{"RANK", "WORLD_SIZE", "CORPC_LAUNCHED"};
   ::unsetenv("CORPC_LAUNCHED");
+  const bool launching_before = launching_process();
   ::setenv("RANK", "1", 1);
   ::setenv("WORLD_SIZE", "2", 1);
+  if (!launched_rank()) {
+    CHECK(launching_before);       // the test program, started by nobody: it launches ...
+    CHECK(!launching_process());  // ... until a launcher's variables say it is one of the ranks
+  }
   const pid_t here = ::getpid();
   int ran = -1;
   pid_t ran_in = 0;

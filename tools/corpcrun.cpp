@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "core/loopback_listener.hpp"
+#include "transport/rank_identity.hpp"
 
 namespace {
 
@@ -145,6 +146,9 @@ int main(int argc, char** argv) {
   const int listen_fd = bind_master_socket(port);
   const char* caller_secret = std::getenv("CORPC_SECRET");
   const std::string secret = caller_secret && *caller_secret ? caller_secret : fresh_secret();
+  // This run's own key (src/transport/rank_identity.hpp): rank 0 checks with it that each rank, and each restart of it,
+  // is the process this launcher started, whoever else holds the secret.
+  const std::string launcher_key = corpc::detail::random_launcher_key();
 
   struct sigaction sa {};
   sa.sa_handler = on_signal;
@@ -174,6 +178,12 @@ int main(int argc, char** argv) {
       set("MASTER_ADDR", "127.0.0.1");
       set("MASTER_PORT", std::to_string(port));
       set("CORPC_SECRET", secret);
+      set("CORPC_RANK_CREDENTIAL", corpc::detail::rank_credential(launcher_key, r, static_cast<std::uint32_t>(restart)));
+      if (r == 0) {
+        set("CORPC_RANK_KEY", launcher_key);
+      } else {
+        ::unsetenv("CORPC_RANK_KEY");
+      }
       if (restart > 0) {
         set("CORPC_REJOIN", "1");  // join the running job instead of its initial rendezvous
         set("CORPC_RANK_RESTART", std::to_string(restart));

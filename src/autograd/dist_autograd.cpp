@@ -438,9 +438,10 @@ void set_gradient(std::int64_t context_id, const at::Tensor& leaf, at::Tensor gr
 }
 }  // namespace leaf_hooks
 
-namespace detail {
 std::size_t live_contexts() { return container()->size(); }
 Future<std::uint64_t> live_contexts(const WorkerRef& worker) { return rpc_async<&live_contexts_here>(worker); }
+
+namespace detail {
 int context_slot() { return g_context_slot; }
 CallContext with_context(std::int64_t id) {
   CallContext c = current_call_context();

@@ -1,6 +1,8 @@
 // The environment's share of the options (see environment.hpp for the variables and the rule).
 #include "rpc/environment.hpp"
 
+#include <algorithm>
+
 #include <cstdlib>
 #include <initializer_list>
 
@@ -69,5 +71,13 @@ std::string master_address_from_environment() { return env_or_empty("MASTER_ADDR
 int master_port_from_environment() { return env_int({"MASTER_PORT"}, -1); }
 
 int listen_fd_from_environment() { return env_int({"CORPC_LISTEN_FD"}, -1); }
+
+RankProofs rank_proofs_from_environment() {
+  RankProofs p;
+  p.launcher_key = env_or_empty("CORPC_RANK_KEY");
+  p.credential = env_or_empty("CORPC_RANK_CREDENTIAL");
+  p.incarnation = static_cast<std::uint32_t>(std::max(0, env_int({"CORPC_RANK_RESTART"}, 0)));
+  return p;
+}
 
 }  // namespace corpc::detail

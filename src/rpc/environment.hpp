@@ -7,12 +7,14 @@
 //   cuda_ipc           CORPC_CUDA_IPC=0 (off)
 //   rejoin             CORPC_REJOIN=1 (on: a launcher restarted this rank in place)
 // and what init_rpc is not given: the rank and world size (RANK/WORLD_SIZE, or Slurm's, Open MPI's, PMI's), rank 0's
-// address for env:// (MASTER_ADDR, MASTER_PORT) and a socket a launcher bound for rank 0 (CORPC_LISTEN_FD).
+// address for env:// (MASTER_ADDR, MASTER_PORT), a socket a launcher bound for rank 0 (CORPC_LISTEN_FD), and what a
+// launcher deals to prove ranks (CORPC_RANK_KEY to rank 0, CORPC_RANK_CREDENTIAL to the others, CORPC_RANK_RESTART).
 // Outside this file, readers remain only for protocols of their own: CORPC_LOG (core/log.cpp: logging exists before
 // any runtime), the variables between a launcher and its ranks (rpc/launch.cpp), and init_process_group's store
 // (ddp/process_group.cpp: MASTER_ADDR/PORT and torchrun's agent store; its rank and size come from here).
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "corpc/rpc/options.hpp"
@@ -27,5 +29,14 @@ int world_size_from_environment();              // -1 if no launcher said
 std::string master_address_from_environment();  // MASTER_ADDR, or empty
 int master_port_from_environment();             // MASTER_PORT, or -1
 int listen_fd_from_environment();               // CORPC_LISTEN_FD, or -1
+
+// What the launcher dealt this process to prove which rank it is (transport/rank_identity.hpp); empty strings under a
+// launcher that deals none (torchrun, Slurm).
+struct RankProofs {
+  std::string launcher_key;      // CORPC_RANK_KEY: rank 0 only
+  std::string credential;        // CORPC_RANK_CREDENTIAL: this rank's, for this incarnation
+  std::uint32_t incarnation = 0;  // CORPC_RANK_RESTART: how many times the launcher restarted this rank
+};
+RankProofs rank_proofs_from_environment();
 
 }  // namespace corpc::detail

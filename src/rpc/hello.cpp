@@ -22,6 +22,10 @@ std::string encode_hello(const Hello& hello) {
   w.put(hello.cuda_ipc);
   w.put(hello.rejoining);
   w.put(hello.local);
+  w.put(hello.incarnation);
+  w.put(hello.public_key);
+  w.put(hello.proof);
+  w.put(hello.certificate);
   return body;
 }
 
@@ -47,6 +51,10 @@ Hello decode_hello(const char* body, std::size_t size) {
   h.cuda_ipc = r.get<bool>();
   h.rejoining = r.get<bool>();
   h.local = r.get<LocalAddress>();
+  h.incarnation = r.get<std::uint32_t>();
+  h.public_key = r.get<std::string>();
+  h.proof = r.get<std::string>();
+  h.certificate = r.get<std::string>();
   return h;
 }
 

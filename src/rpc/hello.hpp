@@ -40,6 +40,15 @@ struct Hello {
   // Where the sender takes connections from its own host: rank 0 publishes it in the world table, and a peer takes
   // a new incarnation's (rejoining) from its Hello.
   LocalAddress local;
+  // Which process of the rank this is (src/transport/rank_identity.hpp): its incarnation (0, then one more per restart
+  // by the launcher) and its public key. `proof`: in a registration, the proof of the launcher's credential for this
+  // rank and incarnation (empty without one); in a dialer's Hello, its signature over hello_statement(); empty in an
+  // answer. `certificate`: rank 0's signature over this incarnation and key, for an incarnation admitted after the
+  // world was published (its peers know the earlier one).
+  std::uint32_t incarnation = 0;
+  std::string public_key;
+  std::string proof;
+  std::string certificate;
 };
 
 std::string encode_hello(const Hello& hello);

@@ -2,6 +2,7 @@
 #include "corpc/rpc/launch.hpp"
 
 #include "transport/auth.hpp"
+#include "transport/rank_identity.hpp"
 #include "core/exception_text.hpp"
 #include "rpc/environment.hpp"
 #include "core/log.hpp"
@@ -207,9 +208,15 @@ std::string run_rank(int rank, const std::function<void(int)>& fn) {
   ::_exit(error.empty() ? 0 : 1);
 }
 
+// Which of this launch's processes a rank is, proven (src/transport/rank_identity.hpp): rank 0 gets the launch's key,
+// every start of every rank the credential for its rank and restart. Never passed on from the caller.
+constexpr const char* kRankKey = "CORPC_RANK_KEY";
+constexpr const char* kRankCredential = "CORPC_RANK_CREDENTIAL";
+
 // The variables every rank gets, as torchrun sets them, plus corpc's own; `restart` counts the rank's restarts.
 std::vector<std::pair<std::string, std::string>> rank_environment(int rank, int world_size, int port,
-                                                                  const std::string& secret, int restart) {
+                                                                  const std::string& secret, int restart,
+                                                                  const std::string& launcher_key) {
   std::vector<std::pair<std::string, std::string>> vars{
       {"MASTER_ADDR", "127.0.0.1"},
       {"MASTER_PORT", std::to_string(port)},
@@ -218,7 +225,9 @@ std::vector<std::pair<std::string, std::string>> rank_environment(int rank, int 
       {"WORLD_SIZE", std::to_string(world_size)},
       {"LOCAL_WORLD_SIZE", std::to_string(world_size)},
       {"CORPC_SECRET", secret},  // connections between this run's ranks authenticate with it
-      {kLaunched, "1"}};
+      {kLaunched, "1"},
+      {kRankCredential, detail::rank_credential(launcher_key, rank, static_cast<std::uint32_t>(restart))}};
+  if (rank == 0) vars.emplace_back(kRankKey, launcher_key);
   if (restart > 0) {
     vars.emplace_back(kRejoin, "1");
     vars.emplace_back(kRankRestart, std::to_string(restart));
@@ -228,11 +237,12 @@ std::vector<std::pair<std::string, std::string>> rank_environment(int rank, int 
 
 // `listen_fd` is rank 0's socket, or -1 once the launcher has closed it (a restart, never of rank 0).
 [[noreturn]] void run_forked_child(int rank, int world_size, int port, int listen_fd, int report_fd,
-                                   const std::string& secret, int restart, const std::function<void(int)>& fn) {
+                                   const std::string& secret, int restart, const std::string& launcher_key,
+                                   const std::function<void(int)>& fn) {
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-  ::unsetenv(kRejoin);
-  ::unsetenv(kRankRestart);
-  for (auto& [k, v] : rank_environment(rank, world_size, port, secret, restart)) ::setenv(k.c_str(), v.c_str(), 1);
+  for (const char* v : {kRejoin, kRankRestart, kRankKey}) ::unsetenv(v);
+  for (auto& [k, v] : rank_environment(rank, world_size, port, secret, restart, launcher_key))
+    ::setenv(k.c_str(), v.c_str(), 1);
   if (rank == 0) {
     ::setenv("CORPC_LISTEN_FD", std::to_string(listen_fd).c_str(), 1);
   } else {
@@ -383,6 +393,11 @@ std::optional<int> launched_rank() {
   return g_spawn_target->rank;
 }
 
+bool launching_process() {
+  if (g_spawn_target || std::getenv(kLaunched)) return false;  // a rank launch_processes started
+  return detail::rank_from_environment() < 0 || detail::world_size_from_environment() < 0;  // else a launcher's rank
+}
+
 int rank_restart_count() {
   const char* v = std::getenv(kRankRestart);
   return v ? std::max(0, std::atoi(v)) : 0;
@@ -459,6 +474,8 @@ void launch_group(int world_size, int call, const std::function<void(int rank)>&
     std::string s = detail::secret_from_environment();
     return s.empty() ? detail::random_secret() : s;
   }();
+  // This launch's own key, whatever the secret: ranks of another launch (or an earlier run) cannot pass for ours.
+  const std::string launcher_key = detail::random_launcher_key();
   const bool spawn = options.start == StartMethod::spawn;
   const Program program = spawn ? this_program() : Program{};
   // Starts `rank`'s process (its `restart`th restart; 0: its first start); the rank's listening socket is open only
@@ -471,9 +488,9 @@ void launch_group(int world_size, int call, const std::function<void(int rank)>&
     if (::pipe2(p, O_CLOEXEC) != 0) throw RpcError("launch_processes: pipe failed");
     pid_t pid;
     if (spawn) {
-      auto rank_vars = rank_environment(rank, world_size, port, secret, restart);
+      auto rank_vars = rank_environment(rank, world_size, port, secret, restart, launcher_key);
       if (rank == 0) rank_vars.emplace_back("CORPC_LISTEN_FD", std::to_string(open_listen_fd));
-      std::set<std::string> hidden{"CORPC_LISTEN_FD", kRejoin, kRankRestart};
+      std::set<std::string> hidden{"CORPC_LISTEN_FD", kRejoin, kRankRestart, kRankKey};
       for (auto& [k, v] : rank_vars) hidden.insert(k);
       const std::vector<std::pair<std::string, std::string>> vars{{kSpawnRank, std::to_string(rank)},
                                                                   {kSpawnCall, std::to_string(call)},
@@ -486,7 +503,7 @@ void launch_group(int world_size, int call, const std::function<void(int rank)>&
       pid = ::fork();
       if (pid == 0) {
         ::close(p[0]);
-        run_forked_child(rank, world_size, port, open_listen_fd, p[1], secret, restart, fn);
+        run_forked_child(rank, world_size, port, open_listen_fd, p[1], secret, restart, launcher_key, fn);
       }
     }
     if (pid < 0) {

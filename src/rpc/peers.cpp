@@ -58,7 +58,7 @@ std::shared_ptr<detail::Connection> Runtime::Impl::connection_to(int rank) {
       c = detail::dial_tcp_connection(pick_io(), rank, host, port, std::move(local_socket), connection_settings(),
                                       frame_handler(), close_handler(), auth);
       // Every dialed connection starts with who we are and what we accept.
-      c->send(detail::prepare(hello_message(our_hello(false))));
+      c->send(detail::prepare(hello_message(our_hello(false, rank))));
     }
     detail::calls_on(*c).pending.set_limit(options.max_calls_in_flight_per_peer);
     return c;

@@ -36,10 +36,10 @@ detail::Message hello_message(const detail::Hello& hello) {
 
 detail::Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits) {
   return hello_message(
-      detail::Hello{detail::kProtocolVersion, self, world_size, rendezvous, limits, {}, {}, {}, {}, false, false, {}});
+      detail::Hello{detail::kProtocolVersion, self, world_size, rendezvous, limits, {}, {}, {}, {}, false, false, {}, 0, {}, {}, {}});
 }
 
-detail::Hello Runtime::Impl::our_hello(bool registering) const {
+detail::Hello Runtime::Impl::our_hello(bool registering, int to_rank) const {
   detail::Hello h;
   {
     std::lock_guard lock(self_host_mutex);
@@ -54,7 +54,62 @@ detail::Hello Runtime::Impl::our_hello(bool registering) const {
   h.cuda_ipc = cuda_ipc_offered;
   h.rejoining = options.rejoin;
   h.local = local;
+  h.incarnation = rank_proofs.incarnation;
+  h.public_key = rank_key->public_key();
+  if (registering) {
+    if (!rank_proofs.credential.empty()) h.proof = detail::credential_proof(rank_proofs.credential, h.public_key);
+  } else if (to_rank >= 0) {
+    h.proof = rank_key->sign(detail::hello_statement(self.rank, h.incarnation, to_rank));
+    h.certificate = certificate;
+  }
   return h;
+}
+
+std::optional<std::string> Runtime::Impl::unproven_claim(const detail::Hello& hello) {
+  const int rank = hello.self.rank;
+  const std::string who = "rank " + std::to_string(rank);
+  const auto known = identities.get(rank);
+  if (hello.incarnation < known.incarnation)
+    return fmt::format("it claims incarnation {} of {}, which incarnation {} replaced", hello.incarnation, who,
+                       known.incarnation);
+  std::string key = known.public_key;
+  if (hello.incarnation > known.incarnation) {
+    // A replacement rank 0 admitted after we took the world table: rank 0 vouches for its key.
+    if (!detail::verify_signature(identities.get(0).public_key,
+                                  detail::certificate_statement(rank, hello.incarnation, hello.public_key),
+                                  hello.certificate))
+      return fmt::format("it claims incarnation {} of {} without rank 0's certificate for it", hello.incarnation, who);
+    key = hello.public_key;
+  }
+  if (key.empty() || hello.public_key != key)
+    return fmt::format("its key is not the one {} registered with", who);
+  if (!detail::verify_signature(key, detail::hello_statement(rank, hello.incarnation, self.rank), hello.proof))
+    return fmt::format("it cannot prove it is {} (no valid signature of {}'s key)", who, who);
+  if (hello.incarnation > known.incarnation) identities.advance(rank, {hello.incarnation, key});
+  return std::nullopt;
+}
+
+std::optional<std::string> Runtime::Impl::unproven_registration(const detail::Hello& hello, bool replacing) const {
+  const int rank = hello.self.rank;
+  const std::string who = "rank " + std::to_string(rank);
+  if (rank_proofs.launcher_key.empty()) {
+    // Under a launcher that deals no credentials (torchrun, Slurm) the first registration of a rank is taken as it
+    // comes, and its key is the rank from then on; a replacement could be anyone holding the secret.
+    if (replacing)
+      return "a replacement must prove it is " + who +
+             ", and this job's launcher deals no rank credentials (launch_processes and corpcrun do)";
+    return std::nullopt;
+  }
+  const std::string credential = detail::rank_credential(rank_proofs.launcher_key, rank, hello.incarnation);
+  if (!detail::credential_proof_matches(credential, hello.public_key, hello.proof))
+    return fmt::format("it does not hold the launcher's credential for {}, incarnation {}", who, hello.incarnation);
+  if (replacing) {
+    const auto known = identities.get(rank);
+    if (hello.incarnation <= known.incarnation)
+      return fmt::format("incarnation {} of {} is not newer than incarnation {}, which registered already",
+                         hello.incarnation, who, known.incarnation);
+  }
+  return std::nullopt;
 }
 
 std::string Runtime::Impl::own_device_config() const {
@@ -222,6 +277,9 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, de
     return refuse(conn, "invalid rank " + std::to_string(info.rank));
   auto answer = our_hello(false);
   if (!registering) {
+    // A claim is checked against the world table's keys: until we have the table it waits with what follows it.
+    if (world.park_if_unknown(conn, msg)) return;
+    if (auto unproven = unproven_claim(hello)) return refuse_claim(conn, info, *unproven);
     if (world.known() && workers[info.rank].name != info.name)
       return refuse(
           conn, "rank " + std::to_string(info.rank) + " is '" + workers[info.rank].name + "', not '" + info.name + "'");
@@ -237,13 +295,16 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, de
     if (workers[info.rank].name != info.name)
       return refuse(
           conn, "rank " + std::to_string(info.rank) + " is '" + workers[info.rank].name + "', not '" + info.name + "'");
+    if (auto unproven = unproven_registration(hello, /*replacing=*/true)) return refuse_claim(conn, info, *unproven);
     return admit_rejoined(conn, hello, answer, /*registration=*/true);
   }
   if (world.known()) return refuse(conn, "the world is already complete");
+  if (auto unproven = unproven_registration(hello, /*replacing=*/false)) return refuse_claim(conn, info, *unproven);
   if (info.host.empty()) info.host = conn->remote_address;
   // Admitted as the rank's speaker and answered in the same step as the registration is recorded.
   auto outcome = registrations.add(info, conn, std::move(hello.devices), hello.local, [&] {
     return peers->claim(info.rank, conn, [&] {
+      identities.set(info.rank, {hello.incarnation, hello.public_key});
       conn->peer_limits = theirs;
       offer_same_host(conn, hello, answer);
       conn->send(detail::prepare(hello_message(answer)));
@@ -298,6 +359,7 @@ void Runtime::Impl::admit_rejoined(const std::shared_ptr<detail::Connection>& co
   detail::log(detail::LogLevel::info, self.name, "rendezvous", "worker '{}' (rank {}) rejoined from {}:{}",
               hello.self.name, rank, at.host, at.port);
   if (!registration) return;
+  identities.set(rank, {hello.incarnation, hello.public_key});
   detail::Message table;
   table.head.kind = detail::FrameKind::World;
   Writer w(table.body);
@@ -306,6 +368,9 @@ void Runtime::Impl::admit_rejoined(const std::shared_ptr<detail::Connection>& co
   configs[rank] = hello.devices;
   w.put(configs);
   w.put(peers->current_local_addresses(local_addresses));
+  w.put(identities.all());
+  // What the new incarnation shows its peers: they hold the earlier incarnation's key.
+  w.put(rank_key->sign(detail::certificate_statement(rank, hello.incarnation, hello.public_key)));
   conn->send(detail::prepare(std::move(table)));
 }
 
@@ -321,6 +386,8 @@ void Runtime::Impl::publish_world_if_complete() {
   w.put(complete->device_configs);  // every worker checks the job's device maps itself, and reaches the same verdict
   world_device_configs = complete->device_configs;  // a rank that rejoins gets them too
   w.put(complete->local);
+  w.put(identities.all());
+  w.put(std::string());  // no certificate: every rank's key is in the table
   for (auto& c : complete->registrants) {
     detail::Message copy = table;
     c->send(detail::prepare(std::move(copy)));
@@ -333,17 +400,21 @@ void Runtime::Impl::on_world(detail::Message&& msg) {
   std::vector<WorkerInfo> table;
   std::vector<detail::DeviceConfig> configs;
   std::vector<detail::LocalAddress> locals;
+  std::vector<detail::RankIdentity> keys;
+  std::string our_certificate;
   try {
     Reader r(msg.body.data(), msg.body.size());
     table = r.get<std::vector<WorkerInfo>>();
     for (const auto& c : r.get<std::vector<std::string>>()) configs.push_back(detail::decode_device_config(c));
     locals = r.get<std::vector<detail::LocalAddress>>();
+    keys = r.get<std::vector<detail::RankIdentity>>();
+    our_certificate = r.get<std::string>();
   } catch (const ProtocolError& e) {
     world_ready.set_exception(ProtocolError(std::string("malformed world table: ") + e.what()));
     return;
   }
   if (static_cast<int>(table.size()) != world_size || static_cast<int>(configs.size()) != world_size ||
-      static_cast<int>(locals.size()) != world_size) {
+      static_cast<int>(locals.size()) != world_size || static_cast<int>(keys.size()) != world_size) {
     world_ready.set_exception(ProtocolError("world table of the wrong size"));
     return;
   }
@@ -363,6 +434,8 @@ void Runtime::Impl::on_world(detail::Message&& msg) {
   }
   workers = std::move(table);
   local_addresses = std::move(locals);
+  identities.set_all(std::move(keys));
+  certificate = std::move(our_certificate);
   {
     // Only the host can differ (rank 0 fills in the address it saw); the rest of self is read unlocked everywhere.
     std::lock_guard lock(self_host_mutex);

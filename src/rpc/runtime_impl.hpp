@@ -34,11 +34,14 @@
 #include "rpc/connection_calls.hpp"
 #include "rpc/hello.hpp"
 #include "rpc/io_threads.hpp"
+#include "rpc/environment.hpp"
 #include "rpc/peer_table.hpp"
+#include "rpc/rank_identities.hpp"
 #include "rpc/rendezvous_state.hpp"
 #include "rpc/shutdown_rounds.hpp"
 #include "transport/auth.hpp"
 #include "transport/connection.hpp"
+#include "transport/rank_identity.hpp"
 #include "transport/shm_channel.hpp"
 
 namespace corpc {
@@ -59,6 +62,14 @@ inline bool call_bound_exempt() noexcept { return current_call_context().get(cal
 struct Runtime::Impl {
   RpcOptions options;
   detail::AuthConfig auth;  // from options.secret / CORPC_SECRET
+  // Which rank this process is, proven (transport/rank_identity.hpp): our key pair (made by init_rpc), what the launcher
+  // dealt us, and rank 0's certificate for our incarnation when we replaced a rank after the world was published
+  // (written by on_world before init_rpc returns). `identities`: every rank's incarnation and key; rank 0 fills it as
+  // ranks register, the others take it with the world table; a newer incarnation replaces one under its lock.
+  std::optional<detail::RankKey> rank_key;
+  detail::RankProofs rank_proofs;
+  std::string certificate;
+  detail::RankIdentities identities;
   // Fixed before the I/O threads start, except self.host of a worker listening on a wildcard address: on_world fills
   // it in (under self_host_mutex) while other I/O threads may be answering Hellos with a copy of self.
   WorkerInfo self;
@@ -246,7 +257,13 @@ struct Runtime::Impl {
   // while the predecessor's connection is not yet seen closed.
   void admit_rejoined(const std::shared_ptr<detail::Connection>& conn, detail::Hello& hello, detail::Hello& answer,
                       bool registration, std::optional<detail::Clock::time_point> deadline = std::nullopt);
-  detail::Hello our_hello(bool registering) const;
+  // `to_rank`: the rank a dialed Hello goes to (it is signed for that rank); -1 for an answer.
+  detail::Hello our_hello(bool registering, int to_rank = -1) const;
+  // Why a Hello's claim of its rank and incarnation is not proven, or nullopt (rank_identity.hpp); a newer incarnation
+  // with rank 0's certificate is taken into `identities`.
+  std::optional<std::string> unproven_claim(const detail::Hello& hello);
+  // Rank 0: why a registration's claim is not proven (the launcher's credential), or nullopt.
+  std::optional<std::string> unproven_registration(const detail::Hello& hello, bool replacing) const;
 
   // ---- same_host.cpp ----
   void start_same_host();

@@ -3,7 +3,7 @@
 # processes:
 #   1. `meson install` of this build into a temporary prefix, then g++ with `pkg-config --cflags --libs corpc`;
 #   2. a CMake project with find_package(corpc) from that prefix;
-#   3. a Meson project with corpc as a subproject (built only with CORPC_CONSUMER_SUBPROJECT_BUILD=1), checking that only the library is built (no tests, benchmarks or
+#   3. a Meson project with corpc as a subproject, the install above in its search paths (built only with CORPC_CONSUMER_SUBPROJECT_BUILD=1), checking that only the library is built (no tests, benchmarks or
 #      examples, none of corpc's tests in the user's `meson test`, no nvcc probe, no Asio defines in user flags).
 #   tests/consumer/run.sh SOURCE_ROOT BUILD_DIR
 set -euo pipefail
@@ -42,9 +42,13 @@ step "3. Meson, corpc as a subproject"
 mkdir -p "$work/meson/subprojects"
 cp "$here/consumer.cpp" "$here/meson.build" "$work/meson/"
 ln -s "$src" "$work/meson/subprojects/corpc"
-unset PKG_CONFIG_PATH
-meson setup "$work/meson/build" "$work/meson" --force-fallback-for=corpc >"$work/meson.log" 2>&1 ||
+# With the install of step 0 in both search paths, as on a machine where the README's install was done: the subproject
+# must still be what the project gets.
+CMAKE_PREFIX_PATH="$prefix" meson setup "$work/meson/build" "$work/meson" >"$work/meson.log" 2>&1 ||
   { cat "$work/meson.log"; fail "meson setup"; }
+grep -q "subprojects/corpc/include" "$work/meson/build/compile_commands.json" &&
+  ! grep -q "$prefix/include" "$work/meson/build/compile_commands.json" ||
+  fail "consumer.cpp is not compiled against the subproject's headers alone"
 ! grep -qi "nvcc" "$work/meson/build/meson-logs/meson-log.txt" || fail "the subproject probed nvcc"
 tests=$(meson test -C "$work/meson/build" --list --no-rebuild 2>/dev/null)
 # Meson 1.12 names a test by its project too ("corpc_consumer:consumer"); earlier releases by itself.

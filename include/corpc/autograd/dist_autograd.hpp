@@ -129,10 +129,10 @@ at::Tensor gradient(std::int64_t context_id, const at::Tensor& leaf);
 void set_gradient(std::int64_t context_id, const at::Tensor& leaf, at::Tensor grad);
 }  // namespace leaf_hooks
 
-namespace detail {
-// Live contexts on this worker / on another one, by RPC (tests check that none outlive their iteration).
+/// The distributed-autograd contexts alive on this worker: a leak check (a context outlives its iteration when nothing
+/// released it, and holds its graph and gradients until then).
 std::size_t live_contexts();
+/// The same, on `worker`, by RPC.
 Future<std::uint64_t> live_contexts(const WorkerRef& worker);
-}  // namespace detail
 
 }  // namespace corpc::dist_autograd

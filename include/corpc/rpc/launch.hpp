@@ -18,7 +18,7 @@
 /// launch_processes call, which then runs only `fn(rank)` and ends the process. The rules that follow:
 ///   - every rank must reach the call the same way (the same arguments, no decision on randomness or time); a rank
 ///     that exits before reaching it is reported as failed;
-///   - code before the call runs in every rank: keep it cheap, or skip it where `launched_rank()` has a value;
+///   - code before the call runs in every rank: keep it cheap, or do it only where `launching_process()` is true;
 ///   - a program that launches several times: in a rank, the calls before its own return at once, running nothing.
 /// StartMethod::fork forks the calling process instead (no `main` again, `fn` may capture anything), but only from a
 /// process that has not started threads: a forked child inherits other threads' locks but not the threads (libtorch's
@@ -96,6 +96,12 @@ void launch_processes(int world_size, const std::function<void(int rank)>& fn, L
 /// In a process that launch_processes started (StartMethod::spawn) to run a rank, that rank: code before the
 /// launch_processes call may skip work only the caller needs. Empty in the caller and everywhere else.
 std::optional<int> launched_rank();
+
+/// Whether this process is the one that starts the ranks: false in every rank that launch_processes started (either
+/// start method, before its call as after it) and in every process under a launcher (torchrun, corpcrun, Slurm: RANK
+/// and WORLD_SIZE set), where each process is a rank. What only the launching process should do (a run directory, a
+/// summary) goes under it: with StartMethod::spawn the code before the launch_processes call runs again in each rank.
+bool launching_process();
 
 /// How many times the launcher has restarted this rank in place (CORPC_RANK_RESTART; 0 in a rank's first process and
 /// outside a launcher). Under StartMethod::spawn it is set from the rank's launch_processes call on, as RANK is.

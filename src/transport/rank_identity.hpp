@@ -1,0 +1,61 @@
+// Which rank a connection speaks for, proven rather than claimed (internal).
+//
+// The job's secret (auth.hpp) proves that a process belongs to the job; it says nothing of which rank the process is.
+// Three things do:
+//   - a launcher key K that only the launcher and rank 0 hold (CORPC_RANK_KEY): the launcher deals each start of rank
+//     r, its incarnation i, the credential C(r, i) = HMAC-SHA256(K, "corpc rank credential" || r || i)
+//     (CORPC_RANK_CREDENTIAL), and rank 0 recomputes it to check a registration;
+//   - a key pair of each process's own (Ed25519), made at init_rpc: a registration proves C(r, i) over the connection's
+//     handshake and the process's public key, and rank 0 publishes the keys it admitted in the world table;
+//   - rank 0's signature over (r, i, public key) for an incarnation admitted after the world was published: the new
+//     incarnation shows it to peers, which check it against rank 0's key from the table.
+// Every dialer's Hello is signed over the rank and incarnation it claims and the rank it dials: only that peer sees the
+// signature, so it proves nothing anywhere else. The cost is one signature and one verification per connection, none
+// per message.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+namespace corpc::detail {
+
+// An Ed25519 key pair: the process's identity for as long as it runs.
+class RankKey {
+ public:
+  static RankKey generate();
+  RankKey(RankKey&&) noexcept;
+  RankKey& operator=(RankKey&&) noexcept;
+  ~RankKey();
+
+  const std::string& public_key() const noexcept { return public_key_; }  // 32 bytes
+  std::string sign(std::string_view message) const;                        // 64 bytes
+
+ private:
+  struct Impl;
+  explicit RankKey(std::unique_ptr<Impl> impl, std::string public_key);
+  std::unique_ptr<Impl> impl_;
+  std::string public_key_;
+};
+
+// Whether `signature` is `public_key`'s over `message` (false for a malformed key or signature).
+bool verify_signature(std::string_view public_key, std::string_view message, std::string_view signature);
+
+// A fresh launcher key, hex, for a launcher that starts the ranks of one job.
+std::string random_launcher_key();
+
+// The credential the launcher deals to incarnation `incarnation` of `rank` (hex, 64 characters).
+std::string rank_credential(std::string_view launcher_key, int rank, std::uint32_t incarnation);
+
+// A registration's proof that its sender holds `credential`, bound to the sender's public key (32 bytes): only rank 0
+// sees it, and it vouches for that key alone.
+std::string credential_proof(std::string_view credential, std::string_view public_key);
+bool credential_proof_matches(std::string_view credential, std::string_view public_key, std::string_view proof);
+
+// What a dialer signs in its Hello: the rank and incarnation it claims, and the rank it dials.
+std::string hello_statement(int rank, std::uint32_t incarnation, int to_rank);
+// What rank 0 signs for an incarnation it admitted after the world was published.
+std::string certificate_statement(int rank, std::uint32_t incarnation, std::string_view public_key);
+
+}  // namespace corpc::detail
