@@ -33,8 +33,7 @@ fi
 
 # Build progress goes to stderr ("[12/87] Compiling ..."), so that stdout stays the benchmark's tables.
 echo "benchmark: building corpc on libtorch 1.13 (the first build takes several minutes)" >&2
-# scripts/test.sh configures build/ and build-forky/ without benchmarks, and build-forky at -O1: turn the benchmarks on,
-# and build-forky back to -O3 (a no-op when they are).
+# scripts/test.sh configures build/ and build-forky/ without benchmarks: turn them on (a no-op when they are).
 if [[ -f build/build.ninja ]]; then meson configure build -Dbenchmarks=enabled >&2; else
   meson setup build --buildtype=release >&2
 fi
@@ -46,7 +45,7 @@ fi
 
 echo "benchmark: building corpc on libtorch 2.14, in the root" >&2
 scripts/root.sh run forky \
-  'if [[ -f build-forky/build.ninja ]]; then meson configure build-forky -Dbenchmarks=enabled -Doptimization=3; else
+  'if [[ -f build-forky/build.ninja ]]; then meson configure build-forky -Dbenchmarks=enabled; else
      meson setup build-forky --buildtype=release -Dunity=on; fi && ninja -C build-forky bench/pipeline_bench' >&2
 echo "benchmark: corpc on libtorch 1.13 (its tables: build/pipeline-1.13.md)" >&2
 build/bench/pipeline_bench --results build/pipeline-1.13.txt "$@" >build/pipeline-1.13.md

@@ -24,10 +24,6 @@ if [[ -e ${CUDA_HOME:-/usr/local/cuda}/include/cuda_runtime_api.h ]]; then cuda_
 # line costs. The ThreadSanitizer build (scripts/sanitize.sh) still compiles the libraries file by file, so a missing
 # include still shows. No test runs the benchmarks: scripts/benchmark.sh turns them on where it runs them.
 unity="-Dunity=on -Dunity_size=1000"
-# The 2.14 and 2.6 lines check that corpc builds and behaves on those libtorch releases: they compile at -O1 (a third
-# less CPU than -O3), keeping NDEBUG as a release build has it. The 1.13 line on this machine builds as users do
-# (release, -O3), and scripts/benchmark.sh measures its 2.14 build at -O3 (it sets the level back where it runs).
-fast="-Doptimization=1 -Db_ndebug=true"
 # The 1.13 line builds what its tests run, not the examples that no test runs (the 2.14 line builds those).
 parts=("CORPC_SUITE_TESTS=all scripts/suite.sh libtorch-1.13 build $cuda_arg $unity -Dbenchmarks=disabled")
 roots_pid=
@@ -51,8 +47,8 @@ if [[ "${1:-}" != "--quick" ]]; then
   # layers that differ between libtorch releases (RPC, RRef, distributed autograd, pipeline, DDP and fault-tolerant
   # DDP) and the quick unit tests, with what they start: three lines would not fit CI's time otherwise.
   parts+=("wait_roots"
-          "scripts/root.sh run forky scripts/suite.sh libtorch-2.14 build-forky $unity $fast -Dbenchmarks=disabled"
-          'CORPC_SUITE_TESTS=$trixie_tests CORPC_SUITE_SKIP=$trixie_skip scripts/root.sh run trixie scripts/suite.sh libtorch-2.6 build-trixie $unity $fast -Dbenchmarks=disabled'
+          "scripts/root.sh run forky scripts/suite.sh libtorch-2.14 build-forky $unity -Dbenchmarks=disabled"
+          'CORPC_SUITE_TESTS=$trixie_tests CORPC_SUITE_SKIP=$trixie_skip scripts/root.sh run trixie scripts/suite.sh libtorch-2.6 build-trixie $unity -Dbenchmarks=disabled'
           scripts/fuzz.sh scripts/sanitize.sh)
 fi
 
