@@ -13,7 +13,7 @@
 # that corpc itself references is still resolved against the real libraries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-targets="libcorpc.a libcorpc_ddp.a tests/test_device_map tests/test_cuda bench/cuda_echo bench/pipeline_bench examples/rpc_hello"
+targets="libcorpc.a libcorpc_ddp.a tests/test_data bench/cuda_echo bench/pipeline_bench examples/rpc_hello"
 [[ "${1:-}" == "--all" ]] && targets=""
 scripts/root.sh make trixie --cuda
 mkdir -p build-cuda

@@ -190,7 +190,7 @@ fact "compiler: $("$cxx" --version | head -1); meson $(meson --version); ninja $
 fact "carried: $(grep -v '^#' "$carry/MANIFEST" | tr '\n' ';' | sed 's/;$//; s/;/; /g')"
 
 # ---- configure and build --------------------------------------------------------------------------------------------
-targets=(tests/test_device_map tests/test_cuda bench/cuda_echo bench/pipeline_bench)
+targets=(tests/test_data bench/cuda_echo bench/pipeline_bench)  # test_data holds test_device_map.cpp and test_cuda.cpp
 if ((!no_build)); then
   cpp_args=("-isystem$carry/include")
   if [[ -n $abi ]]; then cpp_args+=("-D_GLIBCXX_USE_CXX11_ABI=$abi"); fi
@@ -243,7 +243,7 @@ fi
 timed_out() { if (($1 == 124 || $1 == 137)); then echo ", timed out"; fi; }
 
 # ---- (a) tests ------------------------------------------------------------------------------------------------------
-# doctest's summary line: "[doctest] test cases: 8 | 7 passed | 1 failed | 0 skipped".
+# The file's summary line (tests/main.cpp): "[corpc] test_cuda.cpp: test cases: 8 | 7 passed | 1 failed | 0 skipped".
 if ((!skip_tests)); then
   table="## (a) Tests: device maps with a real device (two processes sharing cuda:0)"$'\n\n'
   table+="| binary | status | test cases passed | failed | skipped | seconds |"$'\n'"|---|---|---:|---:|---:|---:|"$'\n'
@@ -257,10 +257,11 @@ if ((!skip_tests)); then
     echo "gpu_check: (a) $name"
     start=$SECONDS
     set +e
-    env "${env_set[@]}" timeout -k 10 600 "$build_dir/tests/$t" >"$log" 2>&1
+    env "${env_set[@]}" CORPC_TEST_FILE="$t.cpp" timeout -k 10 600 "$build_dir/tests/test_data" --source-file="*/$t.cpp" \
+      >"$log" 2>&1
     rc=$?
     set -e
-    summary=$(grep -a '\[doctest\] test cases:' "$log" | tail -1 || true)
+    summary=$(grep -a '^\[corpc\] .*test cases:' "$log" | tail -1 || true)  # this file's cases (tests/main.cpp)
     num() { grep -o "[0-9]* $1" <<<"$summary" | grep -o '^[0-9]*' || echo '?'; }
     status=passed
     if ((rc != 0)); then status="failed (exit $rc$(timed_out $rc))"; failures=$((failures + 1)); fi

@@ -43,7 +43,8 @@ for kind in "${which[@]}"; do
     meson setup "$dir" --buildtype=plain -Doptimization=0 -Db_sanitize="$sanitize" \
       -Dcpp_args=-fno-omit-frame-pointer -Dbenchmarks=disabled -Dexamples=disabled "${unity[@]}" >/dev/null
   fi
-  ninja -C "$dir" $(printf 'tests/test_%s ' "${chosen[@]}") >/dev/null
+  mapfile -t targets < <(scripts/test_targets.py "$dir" "$(IFS=,; echo "${chosen[*]}")")
+  ninja -C "$dir" "${targets[@]}" >/dev/null
   set +e
   meson test -C "$dir" --no-rebuild --print-errorlogs --num-processes 2 --timeout-multiplier 3 "${chosen[@]}"
   set -e

@@ -21,19 +21,7 @@ if [[ -n ${CORPC_SUITE_TESTS:-} ]]; then
   [[ $CORPC_SUITE_TESTS == all ]] || IFS=, read -r -a chosen <<<"$CORPC_SUITE_TESTS"
   # Every library (each layer, ddp, the examples' shared code), the build's checks, what `meson install` installs,
   # and what the chosen tests run: their executables and the programs they start (meson's `depends`).
-  mapfile -t targets < <(meson introspect --targets --tests "$dir" | python3 -c '
-import json, os, sys
-info = json.load(sys.stdin)
-build, chosen = sys.argv[1], set(sys.argv[2].split(","))
-by_id = {t["id"]: t for t in info["targets"]}
-want = {t["id"] for t in info["targets"] if t["type"] in ("static library", "custom") or t.get("installed")}
-for test in info["tests"]:
-    if test["name"] in chosen or "all" in chosen:
-        want.update(d for d in test["depends"] if d in by_id)
-for i in sorted(want):
-    for f in by_id[i]["filename"]:
-        print(os.path.relpath(f, os.path.abspath(build)))
-' "$dir" "$CORPC_SUITE_TESTS")
+  mapfile -t targets < <(scripts/test_targets.py "$dir" "$CORPC_SUITE_TESTS" --libraries)
   echo "suite $name: building the libraries and what ${chosen[*]:-every test} needs (${#targets[@]} targets)"
   ninja -C "$dir" "${targets[@]}"
 else
@@ -49,7 +37,9 @@ passed = failed = skipped = 0
 for line in open(sys.argv[1]):
     test = json.loads(line)
     out = re.sub(r"\x1b\[[0-9;]*m", "", test.get("stdout") or "")
-    cases = re.findall(r"\[doctest\] test cases:\s*(\d+) \|\s*(\d+) passed \|\s*(\d+) failed(?: \|\s*(\d+) skipped)?", out)
+    # tests/main.cpp's line for the run's own file first; doctest's summary counts other files' cases as skipped
+    cases = re.findall(r"^\[corpc\] \S+: test cases:\s*(\d+) \|\s*(\d+) passed \|\s*(\d+) failed \|\s*(\d+) skipped", out, re.M)
+    cases = cases or re.findall(r"\[doctest\] test cases:\s*(\d+) \|\s*(\d+) passed \|\s*(\d+) failed(?: \|\s*(\d+) skipped)?", out)
     result = test["result"]
     if cases and result in ("OK", "FAIL"):
         _, p, f, s = cases[-1]

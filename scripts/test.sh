@@ -27,7 +27,7 @@ unity="-Dunity=on -Dunity_size=1000"
 # The 1.13 line builds what its tests run, not the examples that no test runs (the 2.14 line builds those).
 parts=("CORPC_SUITE_TESTS=all scripts/suite.sh libtorch-1.13 build $cuda_arg $unity -Dbenchmarks=disabled")
 roots_pid=
-trixie_tests=core,call_tables,rpc,rref,dist_autograd,pipeline,ddp,fault_tolerant,layers
+trixie_tests=core,rpc,rref,dist_autograd,pipeline,ddp,fault_tolerant,systems,layers
 trixie_skip=
 if grep -q AuthenticAMD /proc/cpuinfo; then
   # Debian 13's libtorch 2.6 (oneDNN 3.6) on AMD CPUs: a pipeline of micro-batches of other shapes than the whole

@@ -8,6 +8,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 #include "corpc/corpc.hpp"
 
@@ -53,6 +54,14 @@
 namespace corpc::test {
 
 inline std::string worker_name(int rank) { return rank == 0 ? "master" : "worker" + std::to_string(rank); }
+
+// Whether this run of the test executable is for `file` ("test_cuda.cpp"): a run of a group's executable is for one
+// of its files (CORPC_TEST_FILE, tests/meson.build); a run by hand without it is for all. What a file probes while
+// its cases register (a GPU, torchrun) asks this first, so that runs for the other files do not pay for the probe.
+inline bool run_is_for(std::string_view file) {
+  const char* f = std::getenv("CORPC_TEST_FILE");
+  return !f || !*f || file == f;
+}
 
 // Sanitized builds run several times slower, and each rank's exit runs LeakSanitizer over a process holding libtorch
 // (seconds on a loaded machine): scripts/sanitize.sh sets CORPC_TEST_TIME_SCALE so that the launcher's bounds (the

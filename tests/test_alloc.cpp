@@ -1,6 +1,5 @@
 // Heap allocations per no-op call in steady state, counted by replacing the global operator new of this binary
 // (both the caller and the callee are this binary). The target: zero, on both sides.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <atomic>

@@ -3,7 +3,6 @@
 // (InboundCalls: their stop tokens), the receive budget (ReceiveBudget, and its per-connection share as a TCP
 // connection applies it over a real socket pair), and the function registry (Registry: lookups, replacement, hash
 // collisions, snapshots read while another thread registers).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -29,6 +28,8 @@
 #include "../src/transport/receive_budget.hpp"
 #include "../src/transport/stream.hpp"
 #include "support.hpp"  // last: puts doctest's CHECK back over glog's (torch headers above)
+
+namespace test_call_tables {  // this file's names, apart from the files it shares an executable with
 
 using namespace corpc;
 using namespace corpc::detail;
@@ -1369,3 +1370,5 @@ TEST_CASE("WorldGate: a request racing the table is either parked and handed bac
     for (std::size_t i = 0; i < parked.size(); ++i) CHECK(parked[i].second.body == std::to_string(i));
   }
 }
+
+}  // namespace test_call_tables

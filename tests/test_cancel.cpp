@@ -1,6 +1,5 @@
 // Cancellation and deadlines over real sockets: a cancelled call stops its callee (before it starts, mid-run, during
 // a large transfer), a deadline stops the work on every worker of a chain, and nothing stays counted afterwards.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <ATen/ATen.h>
@@ -11,6 +10,8 @@
 #include "corpc/autograd/dist_autograd.hpp"
 #include "corpc/rref/rref.hpp"
 #include "support.hpp"
+
+namespace test_cancel {  // this file's names, apart from the files it shares an executable with
 
 using namespace corpc;
 using namespace corpc::test;
@@ -39,7 +40,9 @@ void hold_until_released() {
 }
 void release_hold() { g_released = true; }
 }  // namespace
-CORPC_IO_THREAD_FUNCTION(&release_hold);
+}  // namespace test_cancel
+CORPC_IO_THREAD_FUNCTION(&test_cancel::release_hold);
+namespace test_cancel {
 namespace {
 
 // Parks until its call is stopped, then says so.
@@ -307,3 +310,5 @@ TEST_CASE("a remote() whose creation timed out fails every later use, and the cr
       },
       one_pool_thread());
 }
+
+}  // namespace test_cancel

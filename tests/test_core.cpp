@@ -1,5 +1,4 @@
 // Coroutine primitives and the codec, in one process, without torch.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <atomic>

@@ -3,7 +3,6 @@
 // peers that hold the secret and claim a rank that is taken, or a rank they cannot prove (a live rank that has not
 // dialled yet, as itself or as its replacement; a dead rank's replacement at rank 0), strangers flooding a worker whose
 // stderr nobody reads, and a peer announcing a large frame and sending nothing.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <ATen/ATen.h>
@@ -31,6 +30,8 @@
 #include "corpc/autograd/dist_autograd.hpp"
 #include "raw_peer.hpp"
 #include "support.hpp"
+
+namespace test_core_faults {  // this file's names, apart from the files it shares an executable with
 
 using namespace corpc;
 using namespace corpc::test;
@@ -290,8 +291,10 @@ std::size_t count_of(const std::string& text, const std::string& part) {
 
 }  // namespace
 
-CORPC_IO_THREAD_FUNCTION(&block_on_io_thread);
-CORPC_IO_THREAD_FUNCTION(&held_and_rss);
+}  // namespace test_core_faults
+CORPC_IO_THREAD_FUNCTION(&test_core_faults::block_on_io_thread);
+CORPC_IO_THREAD_FUNCTION(&test_core_faults::held_and_rss);
+namespace test_core_faults {
 
 TEST_CASE("a call whose arguments fail to encode fails alone, and graceful shutdown still completes") {
   run_world(2, [](int rank) {
@@ -641,3 +644,5 @@ TEST_CASE("a peer announcing a large frame and sending nothing commits no memory
       },
       options, 90s);
 }
+
+}  // namespace test_core_faults

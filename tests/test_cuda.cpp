@@ -8,7 +8,6 @@
 // is skipped without them, so on CI machines this binary only reports skipped cases.
 //
 // Whether they are there is asked in a forked child (tests/gpu_probe.hpp): this process never touches CUDA itself.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <ATen/ATen.h>
@@ -28,6 +27,8 @@
 #include "leak_checks.hpp"
 #include "support.hpp"
 
+namespace test_cuda {  // this file's names, apart from the files it shares an executable with
+
 using namespace corpc;
 using namespace corpc::test;
 using namespace std::chrono_literals;
@@ -42,7 +43,8 @@ bool cuda_usable() {
   if (!ok) std::fprintf(stderr, "test_cuda: no CUDA device usable through this libtorch: every case is skipped\n");
   return ok;
 }
-const bool g_no_gpu = !cuda_usable();  // before the test cases below: their registration reads it
+// Before the test cases below: their registration reads it.
+const bool g_no_gpu = !run_is_for("test_cuda.cpp") || !cuda_usable();
 
 const c10::Device kCuda0(c10::kCUDA, 0);
 
@@ -275,3 +277,5 @@ TEST_CASE("a RemoteModule on cuda:0 trained by DistributedOptimizer follows the 
     expect_no_references(2);
   });
 }
+
+}  // namespace test_cuda

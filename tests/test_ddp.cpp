@@ -6,7 +6,6 @@
 // ulps per step (~1e-7 relative). After a few SGD steps on O(1) values, 1e-5 absolute + 1e-5 relative is loose
 // enough for reordering and tight enough that any missing, doubled or stale gradient (errors of order lr * grad,
 // ~1e-2) fails. The fp16 hook rounds each gradient to 11 significant bits (~5e-4 relative): 5e-3 there.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <unistd.h>
@@ -25,6 +24,8 @@
 #include <corpc/autograd/optimizer.hpp>
 
 #include "support.hpp"
+
+namespace test_ddp {  // this file's names, apart from the files it shares an executable with
 
 namespace {
 
@@ -656,7 +657,7 @@ bool torchrun_can_start() {
              "timeout 120 torchrun --no_python --standalone --nproc_per_node=1 --redirects 1 --tee 1 true "
              ">/dev/null 2>&1") == 0;
 }
-const bool g_no_torchrun = !torchrun_can_start();
+const bool g_no_torchrun = !corpc::test::run_is_for("test_ddp.cpp") || !torchrun_can_start();
 }  // namespace
 
 #ifdef CORPC_DDP_EXAMPLE
@@ -686,3 +687,5 @@ TEST_CASE("ddp: the DDP notes' programs run under torchrun" * doctest::skip(g_no
   }
 }
 #endif
+
+}  // namespace test_ddp

@@ -5,7 +5,6 @@
 // CUDA device (all Debian's CPU libtorch can make), which reaches every check that happens before a copy; the copies
 // themselves need a GPU (the last test cases, skipped without one). CUDA IPC's decisions, wire format and bookkeeping
 // are tested here too; its copies need a GPU and a CUDA build of libtorch.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <ATen/ATen.h>
@@ -24,6 +23,8 @@
 #include "gpu_probe.hpp"
 #include "raw_peer.hpp"
 #include "support.hpp"
+
+namespace test_device_map {  // this file's names, apart from the files it shares an executable with
 
 using namespace corpc;
 using namespace corpc::test;
@@ -65,7 +66,8 @@ std::string send_labelled_to_master(int index) {
 // For the same reason the cases that would (host staging buffers, tensors labelled as CUDA in a CUDA libtorch) run
 // only where no GPU is.
 bool gpu_present() { return cuda_usable_in_child(/*with_torch_kernels=*/false); }
-const bool g_gpu = gpu_present();  // before the test cases below: their registration reads it
+// Before the test cases below: their registration reads it.
+const bool g_gpu = run_is_for("test_device_map.cpp") && gpu_present();
 
 // Every worker of these jobs pretends to have two CUDA devices, so that maps naming cuda:0 and cuda:1 validate.
 void pretend_two_devices() { cd::set_cuda_device_count_for_testing(2); }
@@ -774,3 +776,5 @@ TEST_CASE("a launcher variable that is not a number is a UsageError naming it, n
   if (saved) ::setenv("RANK", before.c_str(), 1);
   else ::unsetenv("RANK");
 }
+
+}  // namespace test_device_map

@@ -1,5 +1,4 @@
 // Distributed autograd and DistributedOptimizer against the same computation in one process.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <mutex>
@@ -14,6 +13,8 @@
 #include "corpc/rref/remote_module.hpp"
 #include "leak_checks.hpp"
 #include "support.hpp"
+
+namespace test_dist_autograd {  // this file's names, apart from the files it shares an executable with
 
 using namespace corpc;
 using namespace corpc::test;
@@ -236,3 +237,5 @@ TEST_CASE("a context's release handled before the request that brings it: the re
     EXPECT_EQ(da::live_contexts(1).wait(), 0u);  // not recreated: it would be held until worker1 exits
   });
 }
+
+}  // namespace test_dist_autograd

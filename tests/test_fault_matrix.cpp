@@ -3,7 +3,6 @@
 // deterministic by stopping the worker first, starting the phase (its messages are then surely in flight to a frozen
 // peer), then killing it. (Covered elsewhere: SIGKILL mid-call, test_rpc; of an RRef owner while its value is being
 // made, test_rref; SIGKILL and SIGSTOP during a pipeline step, test_pipeline; of the master, test_rpc.)
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <signal.h>
@@ -24,6 +23,8 @@
 #include "leak_checks.hpp"
 #include "stop_process.hpp"
 #include "support.hpp"
+
+namespace test_fault_matrix {  // this file's names, apart from the files it shares an executable with
 
 using namespace corpc;
 using namespace corpc::test;
@@ -208,3 +209,5 @@ TEST_CASE("a rank killed and started again with RpcOptions::rejoin takes its pla
       },
       restart_once);
 }
+
+}  // namespace test_fault_matrix

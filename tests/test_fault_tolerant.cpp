@@ -4,7 +4,6 @@
 // Every trainer logs the steps it saw committed with their members; at the end every trainer's parameters and
 // optimizer state must be bit for bit those of the others, and equal (rtol 1e-5) to one process that replays the
 // logged steps: each step's gradient the mean over the batches of the members that took part.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <signal.h>
@@ -23,6 +22,8 @@
 #include "corpc/rpc/call.hpp"
 #include "corpc/rpc/runtime.hpp"
 #include "support.hpp"
+
+namespace test_fault_tolerant {  // this file's names, apart from the files it shares an executable with
 
 using namespace corpc;
 using namespace corpc::test;
@@ -391,3 +392,5 @@ TEST_CASE("the coordinator killed: every trainer ends with ConnectionError namin
   }
   std::filesystem::remove_all(dir);
 }
+
+}  // namespace test_fault_tolerant

@@ -1,6 +1,5 @@
 // Flow control and liveness: a slow consumer's memory stays within its receive budget while a producer
 // floods it, oversized requests fail typed, calls to one peer wait for room, and a silent peer is declared gone.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <ATen/ATen.h>
@@ -12,6 +11,8 @@
 
 #include "stopped_worker.hpp"
 #include "support.hpp"
+
+namespace test_flow {  // this file's names, apart from the files it shares an executable with
 
 using namespace corpc;
 using namespace corpc::test;
@@ -309,3 +310,5 @@ TEST_CASE("a dial whose handshake stalls on a peer that is only busy is tried ag
       },
       options);
 }
+
+}  // namespace test_flow

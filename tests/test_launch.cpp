@@ -1,7 +1,6 @@
 // How ranks start and how they end: launch_processes' start methods (spawn runs this binary again, so every case
 // here also runs, replayed, in the ranks of the cases after it), a launcher's RANK, and ranks that leave without
 // shutdown() or after an error. Each exit path must end without a signal, and no rank of a failed job may exit 0.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <ATen/ATen.h>

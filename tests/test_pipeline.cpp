@@ -1,5 +1,4 @@
 // Pipeline schedules against the unsplit model in one process; memory of 1F1B against GPipe; balancing; a dead stage.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <signal.h>
@@ -16,6 +15,8 @@
 #include "resnet_shards.hpp"
 #include "stop_process.hpp"
 #include "support.hpp"
+
+namespace test_pipeline {  // this file's names, apart from the files it shares an executable with
 
 using namespace corpc;
 using namespace corpc::test;
@@ -513,3 +514,5 @@ TEST_CASE("zero bubble's W computes no activation gradient again: a node between
       },
       quick_options(), std::chrono::seconds(120));
 }
+
+}  // namespace test_pipeline

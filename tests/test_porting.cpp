@@ -1,7 +1,6 @@
 // What porting PyTorch's RPC tutorials line by line needs: parameter types without a default constructor, a
 // RemoteModule built from options and shared with other workers, timeouts on proxies, literal strings and torch's
 // small value types as arguments, and an object that hands out references to itself.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <torch/nn/modules/embedding.h>
@@ -10,9 +9,6 @@
 #include "leak_checks.hpp"
 #include "support.hpp"
 
-using namespace corpc;
-using namespace corpc::test;
-using namespace std::chrono_literals;
 
 // ---- a parameter type without a default constructor ------------------------------------------------------------------
 namespace {
@@ -59,6 +55,11 @@ struct corpc::Codec<torch::nn::EmbeddingBagOptions> {
     return o;
   }
 };
+
+namespace test_porting {  // this file's names, apart from the files it shares an executable with
+using namespace corpc;
+using namespace corpc::test;
+using namespace std::chrono_literals;
 
 namespace {
 
@@ -138,6 +139,7 @@ struct Agent : EnableRRefFromThis<Agent> {
     co_return total.load();
   }
 };
+
 Task<int> observe(RRef<Agent> agent, int reward) { co_return co_await agent.rpc_async<&Agent::report>(reward); }
 
 using Bag = RemoteModule<torch::nn::EmbeddingBag>;
@@ -318,3 +320,5 @@ TEST_CASE("an object hands out references to itself, and is freed when the last 
     expect_no_references(3);  // the agent is gone: it never held a reference to itself
   });
 }
+
+}  // namespace test_porting

@@ -1,5 +1,4 @@
 // RPC over real sockets: every test forks real worker processes that talk over 127.0.0.1.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <ATen/ATen.h>
@@ -25,6 +24,8 @@
 #include "raw_peer.hpp"
 #include "stop_process.hpp"
 #include "support.hpp"
+
+namespace test_rpc {  // this file's names, apart from the files it shares an executable with
 
 using namespace corpc;
 using namespace corpc::test;
@@ -216,9 +217,11 @@ std::string thread_name() {
   return name;
 }
 std::string io_thread_name() { return thread_name(); }
-CORPC_IO_THREAD_FUNCTION(&add_on_io);
-CORPC_IO_THREAD_FUNCTION(&relay_on_io);
-CORPC_IO_THREAD_FUNCTION(&io_thread_name);
+}  // namespace test_rpc
+CORPC_IO_THREAD_FUNCTION(&test_rpc::add_on_io);
+CORPC_IO_THREAD_FUNCTION(&test_rpc::relay_on_io);
+CORPC_IO_THREAD_FUNCTION(&test_rpc::io_thread_name);
+namespace test_rpc {
 
 TEST_CASE("rpc_sync and rpc_async reach every worker by name, rank and WorkerInfo") {
   run_world(3, [](int rank) {
@@ -739,3 +742,35 @@ TEST_CASE("workers whose master died fail their shutdown instead of exiting as a
         launch_options(60s));
   });
 }
+
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kAddressSanitizer = true;
+#else
+constexpr bool kAddressSanitizer = false;
+#endif
+
+// Memory no pointer reaches once this returns: out of line, so that no register or stack slot of the rank keeps it.
+[[gnu::noinline]] void leak_some_memory() {
+  for (int i = 0; i < 64; ++i) {
+    auto* p = new int[16];
+    std::memset(p, i, 16 * sizeof(int));
+    asm volatile("" : : "r"(p) : "memory");
+  }
+}
+
+TEST_CASE("under AddressSanitizer a rank that leaks fails with LeakSanitizer's report (skipped in other builds)" *
+          doctest::skip(!kAddressSanitizer)) {
+  // This suite runs with CORPC_RANK_LEAK_CHECK=1 (tests/meson.build): every rank's leaks are checked as it exits.
+  try {
+    launch_processes(
+        2, [](int rank) { if (rank == 1) leak_some_memory(); }, launch_options(60s));
+    FAIL("the leaking rank was expected to fail");
+  } catch (const LaunchError& e) {
+    INFO(e.what());
+    REQUIRE(e.failures().size() == 1);
+    CHECK(e.failures()[0].rank == 1);
+    CHECK(e.failures()[0].reason.find("LeakSanitizer found leaks") != std::string::npos);
+  }
+}
+
+}  // namespace test_rpc

@@ -1,5 +1,4 @@
 // Remote references over real sockets: creation, the fork scenarios, deletion, failures, serialized objects.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <ATen/ATen.h>
@@ -10,6 +9,10 @@
 #include "corpc/rref/rref.hpp"
 #include "leak_checks.hpp"
 #include "support.hpp"
+#include <torch/nn/modules/linear.h>
+#include "corpc/rref/remote_module.hpp"
+
+namespace test_rref {  // this file's names, apart from the files it shares an executable with
 
 using namespace corpc;
 using namespace corpc::test;
@@ -236,10 +239,6 @@ TEST_CASE("a dead owner fails every waiting use with ConnectionError") {
   });
 }
 
-#include <torch/nn/modules/linear.h>
-
-#include "corpc/rref/remote_module.hpp"
-
 TEST_CASE("RemoteModule's forward equals the local module's forward") {
   run_world(2, [](int rank) {
     if (rank != 0) return;
@@ -282,3 +281,5 @@ TEST_CASE("RRef bookkeeping on a link at the per-peer limit does not block the h
       },
       options);
 }
+
+}  // namespace test_rref

@@ -1,7 +1,6 @@
 // The same-host channel: between two workers on one host, large tensor data goes through a shared ring.
 // Every check runs on the channel and on TCP (the option off), compares element for element, and asserts through
 // the process's counters which path each message took, so that a silent fall-back to TCP fails the test.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <ATen/ATen.h>
@@ -19,6 +18,8 @@
 
 #include "../src/transport/shm_channel.hpp"
 #include "support.hpp"
+
+namespace test_shm_channel {  // this file's names, apart from the files it shares an executable with
 
 using namespace corpc;
 using namespace corpc::test;
@@ -271,3 +272,5 @@ TEST_CASE("a peer killed while a tensor is in its ring fails the call with Conne
         channel_options(true));
   });
 }
+
+}  // namespace test_shm_channel

@@ -1,9 +1,8 @@
 // A bounded soak: four workers mix calls, references (created, forked to a third worker, dropped) and distributed
 // backward passes for a while, sampling their resident memory. Passes if, after a warm-up, no worker's RSS keeps
 // growing, and at the end no reference and no context is left anywhere.
-//   build/tests/test_soak                          ~20 s (CI)
-//   CORPC_SOAK_SECONDS=600 build/tests/test_soak   the long run (docs/testing.md)
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+//   meson test -C build soak                                                   ~20 s (CI)
+//   CORPC_SOAK_SECONDS=600 build/tests/test_channels -sf='*/test_soak.cpp'    the long run (docs/testing.md)
 #include <doctest/doctest.h>
 
 #include <unistd.h>
@@ -21,6 +20,8 @@
 #include "corpc/rref/rref.hpp"
 #include "leak_checks.hpp"
 #include "support.hpp"
+
+namespace test_soak {  // this file's names, apart from the files it shares an executable with
 
 using namespace corpc;
 using namespace corpc::test;
@@ -116,3 +117,5 @@ TEST_CASE("mixed calls, references and backward passes keep RSS flat and leave n
       },
       quick_options(), duration + 120s);
 }
+
+}  // namespace test_soak

@@ -1,5 +1,4 @@
 // The tutorials' training systems (examples/systems/) end to end: real processes, results against one process.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <ATen/ATen.h>
@@ -10,6 +9,8 @@
 #include "systems/hybrid.hpp"
 #include "systems/param_server.hpp"
 #include "systems/reinforce.hpp"
+
+namespace test_systems {  // this file's names, apart from the files it shares an executable with
 
 using namespace corpc;
 using namespace corpc::test;
@@ -171,3 +172,5 @@ TEST_CASE("DDP + RPC hybrid: the trainers' dense layers are identical and all pa
     expect_no_contexts(4);
   });
 }
+
+}  // namespace test_systems

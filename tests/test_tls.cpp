@@ -1,6 +1,5 @@
 // TLS on every connection (RpcOptions::tls / CORPC_TLS_*): jobs over TLS, peers that must be refused, and what an
 // observer on the wire sees. Certificates are made fresh for each test (tools/tls_certs.hpp).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <ATen/ATen.h>
@@ -21,6 +20,8 @@
 #include "stopped_worker.hpp"
 #include "support.hpp"
 #include "../tools/tls_certs.hpp"
+
+namespace test_tls {  // this file's names, apart from the files it shares an executable with
 
 // The relay below is an Asio coroutine in a lambda: g++ 12 at -O1 inlines its frame's class-specific operator delete
 // and reports it as mismatched with the operator new that made the frame, the same class's (a false positive).
@@ -440,3 +441,5 @@ TEST_CASE("over TLS the wire carries no plaintext (a relay between the ranks see
     CHECK((seen.find(kMarker) != std::string::npos) == !tls);
   }
 }
+
+}  // namespace test_tls

@@ -1,6 +1,5 @@
 // Job traces (corpc/core/trace.hpp): a real 3-worker run with tracing on leaves one merged Chrome trace that parses as
 // JSON, has a track per worker, the events of what was done, and a matching end for every flow start.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>  // its macros spelled DOCTEST_*: torch's headers bring glog's CHECK
 
 #include <ATen/ATen.h>
@@ -19,15 +18,17 @@
 #include "corpc/rref/rref.hpp"
 #include "support.hpp"
 
-using namespace corpc;
-using namespace corpc::test;
-
 // Outside any namespace, so that the slices carry the plain names ("add → worker1").
 int add(int a, int b) { return a + b; }
 at::Tensor scale(at::Tensor t, double k) { return t * k; }
-std::string whoami() { return get_worker_info().name; }
+std::string whoami() { return corpc::get_worker_info().name; }
 // worker1 asks worker2 on the caller's behalf: the nested call master → worker1 → worker2.
-Task<std::string> relay(std::string to) { co_return co_await rpc_async<&whoami>(to); }
+corpc::Task<std::string> relay(std::string to) { co_return co_await corpc::rpc_async<&whoami>(to); }
+
+namespace test_trace {  // this file's names, apart from the files it shares an executable with
+
+using namespace corpc;
+using namespace corpc::test;
 
 namespace {
 
@@ -148,3 +149,5 @@ TEST_CASE("merging by hand: parts that exist merge, a truncated last line is dro
   DOCTEST_CHECK(merged["traceEvents"].arr().size() == 4);
   DOCTEST_CHECK(merged["traceEvents"].arr()[0]["args"]["name"].str() == "w\"0");
 }
+
+}  // namespace test_trace

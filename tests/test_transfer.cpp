@@ -1,6 +1,5 @@
 // Tensor transfer paths: large receives reuse pooled memory (no page faults in steady state), and every
 // path carries the same bytes, element for element.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <ATen/ATen.h>
@@ -9,6 +8,8 @@
 
 #include "../src/memory/host_block_cache.hpp"
 #include "support.hpp"
+
+namespace test_transfer {  // this file's names, apart from the files it shares an executable with
 
 using namespace corpc;
 using namespace corpc::test;
@@ -154,3 +155,5 @@ TEST_CASE("large CPU allocations reuse cached pages when the host allocator is o
         quick_options());
   }
 }
+
+}  // namespace test_transfer
