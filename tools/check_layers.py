@@ -2,10 +2,13 @@
 """Rejects an #include that points up corpc's layer table.
 
 The table is the one in docs/ARCHITECTURE.md ("## Layers"): a row per layer, its name in backticks in the first
-cell and the layers it builds on, in backticks, in the last. A file in include/corpc/<L>/ or src/<L>/ may include
+cell, the libraries beyond the C++ and POSIX ones that it uses, in backticks, in the next to last ("uses"), and the
+layers it builds on, in backticks, in the last. A file in include/corpc/<L>/ or src/<L>/ may include
   - the public headers of L and of every layer L builds on, directly or through another ("corpc/<M>/..."),
   - the private headers of those layers ("<M>/name.hpp", from src/<M>/),
   - corpc/detail/ (the libtorch release shims, shared by every layer that sees libtorch),
+  - the headers of the libraries L uses (LIBRARIES below says which headers are whose; any other <header> is the
+    C++ library's or the system's),
 and a public header never includes a private one. Run by the build before anything compiles (meson.build) and by
 the tests (tests/meson.build, with --self-test showing that it rejects an upward include).
 
@@ -17,27 +20,41 @@ import re
 import sys
 import tempfile
 
-ROW = re.compile(r'^\|\s*`(\w+)`\s*\|.*\|([^|]*)\|\s*$')
+ROW = re.compile(r'^\|\s*`(\w+)`\s*\|.*\|([^|]*)\|([^|]*)\|\s*$')
 INCLUDE = re.compile(r"^[ \t]*#\s*include\s+\"([^\"]+)\"", re.M)
+SYSTEM_INCLUDE = re.compile(r"^[ \t]*#\s*include\s+<([^>]+)>", re.M)
+# Whose header an #include <...> names: the libraries a layer may list under "uses".
+LIBRARIES = {
+    'asio': re.compile(r'^asio(\.hpp$|/)'),
+    'libtorch': re.compile(r'^(ATen|c10|torch|caffe2)/'),
+    'gloo': re.compile(r'^gloo/'),
+    'openssl': re.compile(r'^openssl/'),
+    'fmt': re.compile(r'^fmt/'),
+    'cuda': re.compile(r'^(cuda|cuda_runtime|cuda_runtime_api|driver_types)\.h$'),
+    'doctest': re.compile(r'^doctest/'),
+}
 
 
 def read_table(root):
     path = os.path.join(root, 'docs', 'ARCHITECTURE.md')
-    table, inside = {}, False
+    table, uses, inside = {}, {}, False
     for line in open(path, encoding='utf-8'):
         if line.startswith('## '):
             inside = line.strip() == '## Layers'
             continue
         m = ROW.match(line) if inside else None
         if m:
-            table[m.group(1)] = re.findall(r'`(\w+)`', m.group(2))
+            table[m.group(1)] = re.findall(r'`(\w+)`', m.group(3))
+            uses[m.group(1)] = set(re.findall(r'`(\w+)`', m.group(2)))
     if not table:
         sys.exit(f'{path}: no layer table under "## Layers"')
     for layer, below in table.items():
         for b in below:
             if b not in table:
                 sys.exit(f'{path}: layer {layer} builds on {b}, which has no row')
-    return table
+        for lib in uses[layer] - set(LIBRARIES):
+            sys.exit(f'{path}: layer {layer} uses {lib}, which tools/check_layers.py does not know')
+    return table, uses
 
 
 def closure(table):
@@ -69,12 +86,20 @@ def files_of(root, table):
 
 
 def check(root):
-    table = read_table(root)
+    table, uses = read_table(root)
     reach = closure(table)
     errors = []
     for kind, layer, path in files_of(root, table):
         rel = os.path.relpath(path, root)
         text = open(path, encoding='utf-8').read()
+        for m in SYSTEM_INCLUDE.finditer(text):
+            inc = m.group(1)
+            lib = next((name for name, pattern in LIBRARIES.items() if pattern.search(inc)), None)
+            if lib and lib not in uses[layer]:
+                line = text.count('\n', 0, m.start()) + 1
+                errors.append(f'{rel}:{line}: #include <{inc}>: {layer} does not use {lib} '
+                              f'(it uses {", ".join(sorted(uses[layer])) or "the C++ and system libraries only"}; '
+                              f'docs/ARCHITECTURE.md, "Layers")')
         for m in INCLUDE.finditer(text):
             inc = m.group(1)
             line = text.count('\n', 0, m.start()) + 1
@@ -110,8 +135,8 @@ def self_test():
     with tempfile.TemporaryDirectory() as root:
         os.makedirs(os.path.join(root, 'docs'))
         with open(os.path.join(root, 'docs', 'ARCHITECTURE.md'), 'w') as f:
-            f.write('## Layers\n| layer | where | builds on |\n|---|---|---|\n'
-                    '| `core` | x | |\n| `wire` | x | `core` |\n| `rpc` | x | `wire` |\n')
+            f.write('## Layers\n| layer | where | uses | builds on |\n|---|---|---|---|\n'
+                    '| `core` | x | | |\n| `wire` | x | `libtorch` | `core` |\n| `rpc` | x | `asio` | `wire` |\n')
         files = {
             'include/corpc/core/a.hpp': '#include "corpc/core/b.hpp"\n',
             'include/corpc/core/b.hpp': '',
@@ -121,6 +146,8 @@ def self_test():
             'src/rpc/e.hpp': '',
             'src/core/up.cpp': '\n#include "rpc/e.hpp"\n',                # the upward include
             'include/corpc/wire/leak.hpp': '#include "wire/d.hpp"\n',     # public including private
+            'src/wire/f.cpp': '#include <ATen/ATen.h>\n#include <vector>\n#include <sys/socket.h>\n',  # its own
+            'src/core/g.hpp': '#include <string>\n\n#include <asio.hpp>\n',    # a library core does not use
         }
         for name, text in files.items():
             os.makedirs(os.path.dirname(os.path.join(root, name)), exist_ok=True)
@@ -128,12 +155,14 @@ def self_test():
                 f.write(text)
         errors = check(root)
         want = ['src/core/up.cpp:2: #include "rpc/e.hpp": core includes rpc, which is not below it',
-                'include/corpc/wire/leak.hpp:1: #include "wire/d.hpp": a public header includes a private one']
+                'include/corpc/wire/leak.hpp:1: #include "wire/d.hpp": a public header includes a private one',
+                'src/core/g.hpp:3: #include <asio.hpp>: core does not use asio']
         missing = [w for w in want if not any(e.startswith(w) for e in errors)]
         if missing or len(errors) != len(want):
             print('self-test failed; errors:', *errors, 'expected:', *want, sep='\n  ')
             return 1
-    print('check_layers self-test: the upward include and the public-private include are rejected, nothing else')
+    print('check_layers self-test: the upward include, the public-private include and a library the layer does not '
+          'use are rejected, nothing else')
     return 0
 
 

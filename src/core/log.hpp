@@ -2,7 +2,8 @@
 // is printed to stderr; the default is warn. Each line names the worker and the function it comes from:
 //   corpc warn [worker1, init_rpc]: no shared secret ...
 // Logging never blocks an I/O thread: its lines go through a bounded queue to a logger thread (dropped, and counted,
-// when stderr does not keep up). Messages a peer can trigger at will belong behind a RefusalLog (refusal_log.hpp).
+// when stderr does not keep up). Messages a peer can trigger at will belong behind a RefusalLog
+// (src/transport/refusal_log.hpp).
 #pragma once
 
 #include <fmt/format.h>

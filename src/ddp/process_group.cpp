@@ -3,7 +3,6 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -24,15 +23,6 @@
 namespace corpc::ddp {
 namespace {
 
-std::string env_or(const char* name, const char* fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') {
-    if (fallback == nullptr) throw UsageError(std::string("init_process_group: ") + name + " is not set");
-    return fallback;
-  }
-  return v;
-}
-
 // A launcher's value (read as init_rpc reads it: torchrun / Slurm / Open MPI / PMI), else RPC's, else an error.
 int launcher_or(int from_environment, int fallback, const char* what) {
   if (from_environment >= 0) return from_environment;
@@ -43,8 +33,8 @@ int launcher_or(int from_environment, int fallback, const char* what) {
 
 c10::intrusive_ptr<c10d::Store> make_store(const std::string& addr, int port, int rank, int world,
                                            std::chrono::milliseconds timeout) {
-  const bool agent_store = env_or("TORCHELASTIC_USE_AGENT_STORE", "") == "True";
-  if (!agent_store && std::getenv("CORPC_SECRET") != nullptr) {
+  const bool agent_store = corpc::detail::agent_store_from_environment();
+  if (!agent_store && !corpc::detail::secret_from_environment().empty()) {
     // corpc::launch_processes: rank 0 holds MASTER_PORT's listening socket for RPC, so no TCPStore can bind it.
     // All ranks are forks of one launcher (same parent, same port): a file named after both is unique to this run.
     auto path = "/tmp/corpc-ddp-store-" + std::to_string(::getppid()) + "-" + std::to_string(port);
@@ -77,7 +67,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const ProcessGroupOpti
     throw UsageError("init_process_group: rank " + std::to_string(rank) + " is not below the group size " +
                      std::to_string(world));
   }
-  const std::string addr = env_or("MASTER_ADDR", "127.0.0.1");
+  // The launcher's variables, read as init_rpc reads them (src/rpc/environment.hpp).
+  std::string addr = corpc::detail::master_address_from_environment();
+  if (addr.empty()) addr = "127.0.0.1";
   // Groups made one after another in a process (on every rank in the same order, as in PyTorch) get their own keys.
   static std::atomic<int> groups_made{0};
   const std::string prefix = options.store_prefix + std::to_string(groups_made++) + "/";
@@ -85,7 +77,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const ProcessGroupOpti
   if (rpc != nullptr) {
     base = c10::make_intrusive<RpcStore>(0, options.timeout);  // one rendezvous: the keys live on RPC's rank 0
   } else {
-    base = make_store(addr, std::stoi(env_or("MASTER_PORT", "29500")), rank, world, options.timeout);
+    const int port = corpc::detail::master_port_from_environment();
+    base = make_store(addr, port >= 0 ? port : 29500, rank, world, options.timeout);
   }
   auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, base);
   return detail::gloo_group(store, rank, world, options.timeout, addr == "127.0.0.1" || addr == "localhost");

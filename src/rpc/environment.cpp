@@ -72,6 +72,8 @@ int master_port_from_environment() { return env_int({"MASTER_PORT"}, -1); }
 
 int listen_fd_from_environment() { return env_int({"CORPC_LISTEN_FD"}, -1); }
 
+bool agent_store_from_environment() { return env_or_empty("TORCHELASTIC_USE_AGENT_STORE") == "True"; }
+
 RankProofs rank_proofs_from_environment() {
   RankProofs p;
   p.launcher_key = env_or_empty("CORPC_RANK_KEY");

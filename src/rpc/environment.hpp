@@ -9,9 +9,9 @@
 // and what init_rpc is not given: the rank and world size (RANK/WORLD_SIZE, or Slurm's, Open MPI's, PMI's), rank 0's
 // address for env:// (MASTER_ADDR, MASTER_PORT), a socket a launcher bound for rank 0 (CORPC_LISTEN_FD), and what a
 // launcher deals to prove ranks (CORPC_RANK_KEY to rank 0, CORPC_RANK_CREDENTIAL to the others, CORPC_RANK_RESTART).
+// init_process_group (ddp/process_group.cpp) reads the launcher's variables here too, and torchrun's agent store.
 // Outside this file, readers remain only for protocols of their own: CORPC_LOG (core/log.cpp: logging exists before
-// any runtime), the variables between a launcher and its ranks (rpc/launch.cpp), and init_process_group's store
-// (ddp/process_group.cpp: MASTER_ADDR/PORT and torchrun's agent store; its rank and size come from here).
+// any runtime) and the variables between launch_processes and its ranks (rpc/launch_protocol.hpp).
 #pragma once
 
 #include <cstdint>
@@ -29,6 +29,7 @@ int world_size_from_environment();              // -1 if no launcher said
 std::string master_address_from_environment();  // MASTER_ADDR, or empty
 int master_port_from_environment();             // MASTER_PORT, or -1
 int listen_fd_from_environment();               // CORPC_LISTEN_FD, or -1
+bool agent_store_from_environment();            // torchrun's agent serves a store on MASTER_PORT
 
 // What the launcher dealt this process to prove which rank it is (transport/rank_identity.hpp); empty strings under a
 // launcher that deals none (torchrun, Slurm).

@@ -29,7 +29,7 @@
 
 #include "corpc/rpc/detail/registry.hpp"
 #include "corpc/rpc/runtime.hpp"
-#include "core/refusal_log.hpp"
+#include "transport/refusal_log.hpp"
 #include "rpc/activity.hpp"
 #include "rpc/connection_calls.hpp"
 #include "rpc/hello.hpp"

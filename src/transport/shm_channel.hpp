@@ -37,7 +37,7 @@
 #include <string>
 #include <vector>
 
-#include "core/refusal_log.hpp"
+#include "transport/refusal_log.hpp"
 
 namespace corpc::detail {
 

@@ -21,8 +21,9 @@
 namespace corpc::detail {
 
 inline constexpr std::uint32_t kFrameMagic = 0x43505243;  // "CRPC"
-inline constexpr std::uint8_t kProtocolVersion =
-    9;  // 9: a Hello proves which rank and incarnation sent it (a key, a proof, rank 0's certificate), the world table carries each rank's key; 8: where a worker takes connections from its own host (a Unix socket) in the Hello and the world table; 7: the dialer speaks first in the authentication (its proof leaves with its Hello); 6: a Hello says whether its sender replaces a rank that died (rejoining); 5: CUDA IPC (the Hello says whether its sender can, IPC entries in the tensor table, IpcDone); 4: the same-host channel (host identity in the Hello, kFlagShm), device maps (Hello, World, tensors bound for a device); 3: cancel frames, heartbeats, the receive budget in the Hello
+// Ranks talk only to ranks of the same version; it is also the minor version of corpc (meson.build reads it here).
+// What each version changed: docs/CHANGES.md#wire-protocol-versions.
+inline constexpr std::uint8_t kProtocolVersion = 9;
 
 // What a frame is (FrameHeader::kind).
 enum class FrameKind : std::uint8_t {
