@@ -126,7 +126,7 @@ run_in_root() {
     [[ -d /run/netns ]] && mkdir -p "$root/run/netns" && mount --rbind /run/netns "$root/run/netns"
     exec chroot "$root" /usr/bin/env -i HOME=/root PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin LANG=C.UTF-8 \
       CI="${CI:-}" CORPC_TEST_TIME_SCALE="${CORPC_TEST_TIME_SCALE:-}" CORPC_SUITE_TESTS="${CORPC_SUITE_TESTS:-}" \
-      CORPC_SUITE_SKIP="${CORPC_SUITE_SKIP:-}" bash -c "cd /corpc && $*"
+      CORPC_SUITE_SKIP="${CORPC_SUITE_SKIP:-}" CORPC_SUITE_EXCLUDE="${CORPC_SUITE_EXCLUDE:-}" bash -c "cd /corpc && $*"
   ' bash "$root" "$repo" "$@"
 }
 

@@ -6,7 +6,7 @@
 # "NAME: N passed, N failed[, N skipped]"; the last line adds them up: "N passed, N failed, N skipped".
 #   scripts/test.sh           everything (what CI runs)
 #   scripts/test.sh --quick   the plain suite on libtorch 1.13 only (no other line, fuzzing or sanitized builds)
-# Where the time goes, and why the 2.6 line runs a subset of the suite: docs/testing.md#what-ci-costs.
+# Where the time goes: docs/testing.md#what-ci-costs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -27,7 +27,7 @@ unity="-Dunity=on -Dunity_size=1000"
 # The 1.13 line builds what its tests run, not the examples that no test runs (the 2.14 line builds those).
 parts=("CORPC_SUITE_TESTS=all scripts/suite.sh libtorch-1.13 build $cuda_arg $unity -Dbenchmarks=disabled")
 roots_pid=
-trixie_tests=core,rpc,rref,dist_autograd,pipeline,ddp,fault_tolerant,systems,layers
+trixie_exclude=
 trixie_skip=
 if grep -q AuthenticAMD /proc/cpuinfo; then
   # Debian 13's libtorch 2.6 (oneDNN 3.6) on AMD CPUs: a pipeline of micro-batches of other shapes than the whole
@@ -35,7 +35,7 @@ if grep -q AuthenticAMD /proc/cpuinfo; then
   # SSE4.1 (ONEDNN_MAX_CPU_ISA=SSE41), where its scratch memory breaks the suite's peak-memory case instead; its
   # convolution backward also dies with SIGFPE in the benchmark's ResNet50 there. 1.13 and 2.14 pass the same suite
   # on the same CPUs. docs/libtorch-versions.md#known-differences-on-2x
-  trixie_tests=${trixie_tests/pipeline,/}
+  trixie_exclude=pipeline
   trixie_skip="pipeline: libtorch 2.6's oneDNN on an AMD CPU (docs/libtorch-versions.md#known-differences-on-2x)"
 fi
 if [[ "${1:-}" != "--quick" ]]; then
@@ -43,12 +43,9 @@ if [[ "${1:-}" != "--quick" ]]; then
   # the build is compiling. A root that cannot be made fails its line's part, with mmdebstrap's reason in its log.
   (scripts/root.sh make forky && scripts/root.sh make trixie) >build/roots.log 2>&1 &
   roots_pid=$!
-  # 2.6, the middle line, builds every library (each layer, DDP, the examples' shared code) and runs the suites of the
-  # layers that differ between libtorch releases (RPC, RRef, distributed autograd, pipeline, DDP and fault-tolerant
-  # DDP) and the quick unit tests, with what they start: three lines would not fit CI's time otherwise.
   parts+=("wait_roots"
           "scripts/root.sh run forky scripts/suite.sh libtorch-2.14 build-forky $unity -Dbenchmarks=disabled"
-          'CORPC_SUITE_TESTS=$trixie_tests CORPC_SUITE_SKIP=$trixie_skip scripts/root.sh run trixie scripts/suite.sh libtorch-2.6 build-trixie $unity -Dbenchmarks=disabled'
+          'CORPC_SUITE_EXCLUDE=$trixie_exclude CORPC_SUITE_SKIP=$trixie_skip scripts/root.sh run trixie scripts/suite.sh libtorch-2.6 build-trixie $unity -Dbenchmarks=disabled'
           scripts/fuzz.sh scripts/sanitize.sh)
 fi
 
