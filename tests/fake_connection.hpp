@@ -1,0 +1,42 @@
+// A fake connection for in-process unit tests of the runtime's tables and of what drives them: a Connection that holds
+// only what the tables read (its peer's rank, its direction, its address) and sends nothing. It records instead what
+// it was asked to do: every frame sent, in order, and the first close with its reason (close_when_flushed is not
+// recorded). The record has no lock: a test reads it once the threads that send or close on it are done.
+#pragma once
+
+#include <asio.hpp>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../src/transport/connection.hpp"
+
+namespace corpc::test {
+
+class TableConnection final : public detail::Connection {
+ public:
+  TableConnection(asio::io_context& io, std::string address, bool dialed = false) : Connection(io, {}) {
+    remote_address = std::move(address);
+    outgoing = dialed;
+  }
+  void send(detail::OutFrame&& frame) override { sent.push_back(std::move(frame)); }
+  void close(std::string why) override {
+    if (closed) return;
+    closed = true;
+    closed_why = std::move(why);
+  }
+  void close_when_flushed() override {}
+
+  std::vector<detail::OutFrame> sent;  // every frame sent, in order
+  std::string closed_why;              // the reason given by the first close
+  bool closed = false;
+};
+
+inline std::shared_ptr<detail::Connection> table_connection(asio::io_context& io, std::string address,
+                                                            bool dialed = false) {
+  return std::make_shared<TableConnection>(io, std::move(address), dialed);
+}
+
+}  // namespace corpc::test
