@@ -17,7 +17,10 @@ namespace corpc::test {
 
 class TableConnection final : public detail::Connection {
  public:
-  TableConnection(asio::io_context& io, std::string address, bool dialed = false) : Connection(io, {}) {
+  // `make_session`: the upper layer's state on it (a call engine), as the runtime's connections carry; none by default.
+  TableConnection(asio::io_context& io, std::string address, bool dialed = false,
+                  const detail::SessionFactory& make_session = {})
+      : Connection(io, make_session) {
     remote_address = std::move(address);
     outgoing = dialed;
   }

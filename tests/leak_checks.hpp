@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "corpc/autograd/dist_autograd.hpp"
-#include "corpc/rref/context.hpp"
+#include "corpc/rref/detail/context.hpp"
 
 namespace corpc::test {
 

@@ -13,7 +13,7 @@
 #include "../src/rpc/environment.hpp"
 #include "../src/transport/auth.hpp"
 #include "corpc/rpc/worker_info.hpp"
-#include "corpc/wire/detail/message.hpp"
+#include "../src/transport/frames.hpp"
 
 namespace corpc {
 // The Hello a dialing worker sends first (src/rpc/rendezvous.cpp), for tests that impersonate one.

@@ -1,7 +1,9 @@
 // Error frames: how a failure travels back to the caller as a typed exception.
 #include <cxxabi.h>
 
+#include "rpc/error_frames.hpp"
 #include "rpc/runtime_impl.hpp"
+#include "core/trace_recorder.hpp"
 
 namespace corpc {
 
@@ -78,6 +80,22 @@ std::exception_ptr decode_error(const detail::Message& msg, const std::string& w
     return std::make_exception_ptr(
         ProtocolError("malformed error reply from '" + worker + "' for '" + std::string(function) + "': " + e.what()));
   }
+}
+
+void send_error_frame(detail::Connection& conn, std::uint64_t id, std::exception_ptr error, const std::string& worker,
+                      std::string_view function, bool traced) {
+  detail::OutFrame frame = detail::prepare(error_frame(id, std::move(error), worker, function));
+  trace::detail::ScopedRecord slice(
+      [&, bytes = frame.wire_bytes()] {
+        return trace::detail::Record{.kind = trace::detail::Kind::reply_sent,
+                                     .error = true,
+                                     .peer = conn.peer_rank,
+                                     .request = id,
+                                     .bytes = bytes,
+                                     .name = std::string(function)};
+      },
+      traced);
+  conn.send(std::move(frame));
 }
 
 }  // namespace corpc

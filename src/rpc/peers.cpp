@@ -9,7 +9,8 @@
 namespace corpc {
 
 std::function<void(const std::shared_ptr<detail::Connection>&, detail::Message&&)> Runtime::Impl::frame_handler() {
-  return [this](const std::shared_ptr<detail::Connection>& c, detail::Message&& m) { on_frame(c, std::move(m)); };
+  return
+      [this](const std::shared_ptr<detail::Connection>& c, detail::Message&& m) { frames.dispatch(c, std::move(m)); };
 }
 std::function<void(const std::shared_ptr<detail::Connection>&, const std::string&)> Runtime::Impl::close_handler() {
   return [this](const std::shared_ptr<detail::Connection>& c, const std::string& why) { on_close(c, why); };
@@ -31,7 +32,7 @@ detail::ConnectionSettings Runtime::Impl::connection_settings() const {
   s.budget_per_connection = options.receive_budget_per_connection;
   s.max_write_backlog = options.max_write_backlog_bytes;
   s.liveness_timeout = options.liveness_timeout;
-  s.make_session = detail::ConnectionCalls::make;
+  s.make_session = detail::CallEngine::factory(*call_host, options.max_calls_in_flight_per_peer);
   return s;
 }
 
@@ -39,7 +40,9 @@ std::shared_ptr<detail::Connection> Runtime::Impl::connection_to(int rank) {
   return peers->outgoing_to(rank, workers[rank].name, [&](const detail::PeerTable::Address* moved) {
     std::shared_ptr<detail::Connection> c;
     if (rank == self.rank) {
-      c = detail::make_loopback_connection(pick_io(), options.limits, frame_handler(), detail::ConnectionCalls::make);
+      c = detail::make_loopback_connection(
+          pick_io(), options.limits, frame_handler(),
+          detail::CallEngine::factory(*call_host, options.max_calls_in_flight_per_peer));
       c->peer_rank = rank;
       c->outgoing = true;
     } else {
@@ -60,13 +63,19 @@ std::shared_ptr<detail::Connection> Runtime::Impl::connection_to(int rank) {
       // Every dialed connection starts with who we are and what we accept.
       c->send(detail::prepare(hello_message(our_hello(false, rank))));
     }
-    detail::calls_on(*c).pending.set_limit(options.max_calls_in_flight_per_peer);
     return c;
   });
 }
 
 void Runtime::Impl::fail_all_calls(std::exception_ptr error) {
-  for (auto& c : peers->outgoing_connections()) fail_calls(*c, error);
+  for (auto& c : peers->outgoing_connections()) detail::CallEngine::of(*c).closed(error);
+}
+
+// A Goodbye's body says the peer stops after an error; on_close words its departure with it. Bounded: it is only words.
+void Runtime::Impl::route_goodbye() {
+  frames.on(detail::Route::goodbye, [this](const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {
+    if (!msg.body.empty()) peers->set_farewell(conn->peer_rank, msg.body.substr(0, 4096));
+  });
 }
 
 void Runtime::Impl::mark_dead(int rank, const std::string& why) {
@@ -100,9 +109,7 @@ void Runtime::Impl::on_close(const std::shared_ptr<detail::Connection>& conn, co
   auto error = was_closing ? std::make_exception_ptr(ShutdownError("corpc runtime shut down"))
                            : std::make_exception_ptr(ConnectionError("worker '" + name_of(rank) + "' (rank " +
                                                                      std::to_string(rank) + ") is gone: " + reason));
-  fail_calls(*conn, error);
-  // The peer's requests running here: nobody waits for their replies any more.
-  detail::calls_on(*conn).inbound.cancel_all();
+  detail::CallEngine::of(*conn).closed(error);
   if (!world.known()) {
     if (self.rank == 0) {
       registrations.forget(conn);  // a worker that left before the world was complete may come back

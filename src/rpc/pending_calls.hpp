@@ -19,7 +19,8 @@
 #include <string_view>
 #include <vector>
 
-#include "corpc/rpc/outbound.hpp"
+#include "corpc/rpc/detail/outbound.hpp"
+#include "transport/frames.hpp"
 
 namespace corpc::detail {
 

@@ -5,6 +5,7 @@
 #include "wire/device_map.hpp"
 #include "rpc/hello.hpp"
 #include "core/log.hpp"
+#include "rpc/error_frames.hpp"
 #include "rpc/runtime_impl.hpp"
 
 namespace corpc {
@@ -35,8 +36,8 @@ detail::Message hello_message(const detail::Hello& hello) {
 }
 
 detail::Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits) {
-  return hello_message(
-      detail::Hello{detail::kProtocolVersion, self, world_size, rendezvous, limits, {}, {}, {}, {}, false, false, {}, 0, {}, {}, {}});
+  return hello_message(detail::Hello{
+      detail::kProtocolVersion, self, world_size, rendezvous, limits, {}, {}, {}, {}, false, false, {}, 0, {}, {}, {}});
 }
 
 detail::Hello Runtime::Impl::our_hello(bool registering, int to_rank) const {
@@ -81,8 +82,7 @@ std::optional<std::string> Runtime::Impl::unproven_claim(const detail::Hello& he
       return fmt::format("it claims incarnation {} of {} without rank 0's certificate for it", hello.incarnation, who);
     key = hello.public_key;
   }
-  if (key.empty() || hello.public_key != key)
-    return fmt::format("its key is not the one {} registered with", who);
+  if (key.empty() || hello.public_key != key) return fmt::format("its key is not the one {} registered with", who);
   if (!detail::verify_signature(key, detail::hello_statement(rank, hello.incarnation, self.rank), hello.proof))
     return fmt::format("it cannot prove it is {} (no valid signature of {}'s key)", who, who);
   if (hello.incarnation > known.incarnation) identities.advance(rank, {hello.incarnation, key});
@@ -210,7 +210,6 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
                                                     close_handler(), std::move(address));
             conn->peer_rank = 0;
             conn->outgoing = true;
-            detail::calls_on(*conn).pending.set_limit(options.max_calls_in_flight_per_peer);  // as on every dialed one
             peers->set_outgoing(0, conn);
             conn->send(detail::prepare(hello_message(our_hello(true))));
             co_return;
@@ -237,7 +236,7 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
 // sends is acted on.
 void Runtime::Impl::refuse(const std::shared_ptr<detail::Connection>& conn, const std::string& why) {
   conn->hello_refused = true;
-  send_error(conn, 0, std::make_exception_ptr(ProtocolError(why)), "rendezvous", /*traced=*/false);
+  send_error_frame(*conn, 0, std::make_exception_ptr(ProtocolError(why)), self.name, "rendezvous", /*traced=*/false);
   conn->close_when_flushed();
 }
 
@@ -441,8 +440,30 @@ void Runtime::Impl::on_world(detail::Message&& msg) {
     std::lock_guard lock(self_host_mutex);
     self.host = workers[self.rank].host;
   }
-  for (auto& [conn, m] : world.open()) on_frame(conn, std::move(m));
+  for (auto& [conn, m] : world.open()) frames.dispatch(conn, std::move(m));
   world_ready.set_value();
+}
+
+void Runtime::Impl::route_rendezvous() {
+  frames.on(detail::Route::hello, [this](const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {
+    on_hello(conn, std::move(msg));
+  });
+  frames.on(detail::Route::world, [this](const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {
+    // Only rank 0 publishes the table, on the connection we registered through.
+    if (!conn->outgoing || conn->peer_rank != 0) return conn->close("protocol error: a world table not from rank 0");
+    on_world(std::move(msg));
+  });
+  // The peer refused the connection itself (an Error frame with id 0).
+  frames.on(detail::Route::refusal, [this](const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {
+    std::string why = "refused by peer";
+    try {
+      std::rethrow_exception(decode_error(msg, name_of(conn->peer_rank), "rendezvous"));
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    if (!world_ready.get_future().done()) world_ready.set_exception(RpcError("rendezvous refused: " + why));
+    conn->close(why);
+  });
 }
 
 }  // namespace corpc

@@ -114,6 +114,18 @@ bool Runtime::spawn_background(Task<void> task, Background how) noexcept {
 
 // ---- threads -------------------------------------------------------------------------------------------------------
 
+// Every frame kind gets its owner before any connection exists (frame_dispatcher.hpp).
+void Runtime::Impl::route_frames() {
+  call_host = detail::make_call_host(*this);
+  requests = std::make_unique<detail::RequestServer>(*this);
+  route_rendezvous();
+  requests->route(frames);
+  detail::route_replies(frames);
+  route_ipc_done();
+  route_goodbye();
+  detail::route_device_delivery(*this, frames);
+}
+
 void Runtime::Impl::start_threads() {
   int threads = options.num_worker_threads;
   if (threads <= 0) threads = std::max(4u, 2 * std::max(1u, std::thread::hardware_concurrency()));
@@ -204,6 +216,7 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   if (rank == 0) impl->identities.set(0, {impl->rank_proofs.incarnation, impl->rank_key->public_key()});
   impl->peers = std::make_unique<detail::PeerTable>(world_size);
   impl->activity = std::make_unique<detail::Activity>(world_size);
+  impl->route_frames();
   auto* raw = impl.get();
   auto rt = std::make_unique<Runtime>(std::move(impl));
   trace::detail::start(options.trace_path, rank);

@@ -2,14 +2,16 @@
 //   io_threads.hpp        the I/O threads and their executors
 //   activity.hpp          calls and handlers in flight, requests per peer; waiting for quiet
 //   shutdown_rounds.hpp   rank 0's side of graceful shutdown's termination detection
-//   connection_calls.hpp  the calls in flight on one connection, both ways (kept on the connection)
+//   call_engine.hpp       a connection's calls, both ways: start, reply, deadlines, cancellation (kept on the connection)
+//   frame_dispatcher.hpp  which part each frame goes to (the parts register their routes: route_frames)
+//   request_server.hpp    the peers' requests: lookup, execution (I/O thread or pool), replies and error frames
 //   environment.hpp       what the environment adds to the options
 //   peer_table.hpp        connections by rank, who speaks for each rank, which ranks are gone
 //   rendezvous_state.hpp  rank 0's registrations; the wait for the world table and the requests that come before it
 // The rest is shared by the files that implement the runtime:
 //   runtime.cpp     public surface, init_rpc
-//   calls.cpp       outgoing calls: framing, registration, deadlines, replies
-//   dispatch.cpp    incoming requests: lookup, execution (I/O thread or pool), replies and error frames
+//   calls.cpp       start_call (the connection for a call), what a call engine uses of the runtime, framing for a peer
+//   device_delivery.cpp  frames whose tensors go to CUDA devices first
 //   peers.cpp       connections: dialing, accepting, closing, peer death
 //   shutdown.cpp    graceful shutdown
 //   rendezvous.cpp  finding every worker at start
@@ -31,7 +33,9 @@
 #include "corpc/rpc/runtime.hpp"
 #include "transport/refusal_log.hpp"
 #include "rpc/activity.hpp"
-#include "rpc/connection_calls.hpp"
+#include "rpc/call_engine.hpp"
+#include "rpc/frame_dispatcher.hpp"
+#include "rpc/request_server.hpp"
 #include "rpc/hello.hpp"
 #include "rpc/io_threads.hpp"
 #include "rpc/environment.hpp"
@@ -45,19 +49,6 @@
 #include "transport/shm_channel.hpp"
 
 namespace corpc {
-
-namespace detail {
-// The CallContext slot that marks work whose calls max_calls_in_flight_per_peer does not hold back (1): a handler
-// serving a request (its calls are nested in that request) and the runtime's own bookkeeping (RRef control messages,
-// context releases, started by spawn_background). The bound is for the program's own calls: a nested call that
-// waited for room could wait on the very requests whose handlers wait on it, and bookkeeping started on a handler's
-// thread would block that thread for room (docs/flow-control.md).
-inline int call_bound_exempt_slot() {
-  static const int slot = CallContext::new_slot();
-  return slot;
-}
-inline bool call_bound_exempt() noexcept { return current_call_context().get(call_bound_exempt_slot()) == 1; }
-}  // namespace detail
 
 struct Runtime::Impl {
   RpcOptions options;
@@ -101,6 +92,12 @@ struct Runtime::Impl {
   bool cuda_ipc_offered = false;
   std::atomic<bool> cuda_ipc_warned{false};
   std::unique_ptr<ThreadPool> pool;
+
+  // The parts that own frames (frame_dispatcher.hpp), made and wired by route_frames before any connection exists;
+  // declared before the connections, which use them until they are gone.
+  detail::FrameDispatcher frames;
+  std::unique_ptr<detail::CallHost> call_host;      // what each connection's call engine uses of this runtime
+  std::unique_ptr<detail::RequestServer> requests;  // the peers' requests
 
   // Connections and the state of every peer (peer_table.hpp); made by init_rpc once the world size is known.
   std::unique_ptr<detail::PeerTable> peers;
@@ -148,62 +145,27 @@ struct Runtime::Impl {
   // ---- runtime.cpp ----
   void start_threads();
   void stop_threads();
+  void route_frames();
   std::string name_of(int rank) const;
   // Why a peer that said goodbye is gone (as opposed to one that died): compared against by shutdown().
   static constexpr const char* kShutDownReason = "it shut down";
-  // The CallContext a request's reply is stamped in: the caller's context id in the hooks' slot.
-  CallContext handler_context(std::int64_t context_id) const noexcept;
-  // The one a request's handler runs with: the same, with its stop token and deadline, and marked so that the calls
-  // it makes are not held back by max_calls_in_flight_per_peer (call_bound_exempt_slot).
-  CallContext handler_context(std::int64_t context_id, std::stop_token stop,
-                              detail::Clock::time_point deadline) const noexcept;
   std::int64_t outbound_context() const noexcept {
     return tensor_hooks.context_slot >= 0 ? current_call_context().get(tensor_hooks.context_slot) : -1;
   }
 
-  // ---- calls.cpp ----
-  void start_call(detail::OutboundCall&& call);
-  void send_request(const std::shared_ptr<detail::Connection>& conn, detail::OutFrame&& frame, bool counted);
-  void deliver_reply(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg);
-  void arm_deadline_timer(const std::shared_ptr<detail::Connection>& conn);  // conn's I/O thread
-  void fail_calls(detail::Connection& conn, std::exception_ptr error);
-  void finish_without_reply(detail::PendingCall& p, std::exception_ptr error) noexcept;
-  std::exception_ptr timed_out(const detail::PendingCall& p) const;  // the TimeoutError of a call past its deadline
-  // Its text; `unsent`: the call was still waiting for room under max_calls_in_flight_per_peer.
-  std::string timed_out_text(std::string_view function, int dst, std::chrono::milliseconds timeout, bool unsent) const;
-  void fail_pending(const std::shared_ptr<detail::Connection>& conn, std::uint64_t id, std::exception_ptr error);
-  // ---- calls.cpp: cancellation and deadlines ----
-  std::chrono::milliseconds effective_timeout(std::optional<std::chrono::milliseconds> asked) const;
-  // Completes call `id` on `where` (if still pending there) as cancelled and tells its callee. Any thread.
-  void cancel_call(detail::Connection* where, int dst, std::uint64_t id);
-  void send_cancel(detail::Connection& conn, std::uint64_t id) noexcept;
+  // ---- calls.cpp: framing for a peer, both directions ----
   // Lets distributed autograd record a send function for an outbound message; fills its header's autograd ids.
   void stamp_autograd(detail::Message& m, int dst) const;
   void attach_autograd(const detail::FrameHeader& h, int src, std::vector<at::Tensor>& tensors) const;
   // `frame` framed with the device map to `rank` (an empty map before the world is known), for `conn` (whose CUDA IPC
   // link, if it lends, carries CUDA tensors).
   detail::OutFrame prepare_for(detail::Message&& m, int rank, detail::Connection* conn = nullptr) const;
-  // Runs `send(frame)` on `conn`'s I/O thread once the frame's CUDA tensors are staged (now if it has none), or
-  // `failed(error)` there if staging failed.
-  void when_staged(const std::shared_ptr<detail::Connection>& conn, detail::OutFrame&& frame,
-                   std::function<void(detail::OutFrame&&)> send, std::function<void(std::exception_ptr)> failed);
-
-  // ---- dispatch.cpp ----
-  void on_frame(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg);
-  void on_request(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg);
-  // A message with tensors bound for CUDA devices: copied there first, then delivered as any other.
-  void deliver_on_devices(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg);
-  // `traced`: a user request's (the trace leaves shutdown's control rounds out).
-  void send_error(const std::shared_ptr<detail::Connection>& conn, std::uint64_t id, std::exception_ptr error,
-                  std::string_view function, bool traced = true);
 
   // ---- flow control and liveness (peers.cpp) ----
   // What peers' requests may hold here (RpcOptions::receive_budget_*, max_requests_held); shared by all connections.
   std::unique_ptr<detail::ReceiveBudget> receive_budget;
   detail::ConnectionSettings connection_settings() const;
   void init_flow_control();  // from options; before any connection exists
-  // A request whose header announced more than the receive budget: its bytes were dropped; answer it.
-  void refuse_too_large(const std::shared_ptr<detail::Connection>& conn, const detail::FrameHeader& h);
 
   // ---- peers.cpp ----
   std::function<void(const std::shared_ptr<detail::Connection>&, detail::Message&&)> frame_handler();
@@ -212,6 +174,7 @@ struct Runtime::Impl {
   void on_close(const std::shared_ptr<detail::Connection>& conn, const std::string& why);
   void mark_dead(int rank, const std::string& why);
   void fail_all_calls(std::exception_ptr error);
+  void route_goodbye();
   void accept_loop();
   void start_local_listener();
   void local_accept_loop();
@@ -251,6 +214,7 @@ struct Runtime::Impl {
   // Refuses a Hello that claimed `claimed`, whose rank is taken (`why`), and says so in our log.
   void refuse_claim(const std::shared_ptr<detail::Connection>& conn, const WorkerInfo& claimed, const std::string& why);
   void on_world(detail::Message&& msg);
+  void route_rendezvous();
   void publish_world_if_complete();
   // Takes `hello`'s sender as the new incarnation of its rank (RpcOptions::rejoin); `registration`: on rank 0, which
   // also sends it the current world table, and retries until `deadline` (default: a handshake timeout from now)
@@ -276,20 +240,26 @@ struct Runtime::Impl {
   void cuda_ipc_failed(int rank, const std::string& why);
   // An IpcDone frame: the peer is done with tensors we lent it.
   void on_ipc_done(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg);
+  void route_ipc_done();
   // Tells the lender of `msg`'s CUDA IPC tensors (on `conn`) that their copies are done.
   void return_ipc_loans(const std::shared_ptr<detail::Connection>& conn, const detail::CudaIpcArrivals& arrivals);
 };
 
 Runtime::Impl& runtime_impl(Runtime& rt) noexcept;
 
+namespace detail {
+// start_call (corpc/rpc/detail/outbound.hpp) for the runtime's own calls.
+void start_call(Runtime::Impl& rt, OutboundCall&& call) noexcept;
+// The owners of frames that are not parts of the runtime (calls.cpp, device_delivery.cpp).
+std::unique_ptr<CallHost> make_call_host(Runtime::Impl& rt);
+void route_replies(FrameDispatcher& frames);
+void route_device_delivery(Runtime::Impl& rt, FrameDispatcher& frames);
+}  // namespace detail
+
 void validate_worker_name(const std::string& name);
 // The first frame on every dialed connection (rendezvous.cpp).
 detail::Message hello_message(const detail::Hello& hello);
 // A plain one, without same-host fields (tests that play a peer by hand, tests/raw_peer.hpp).
 detail::Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits);
-// Error frames (error_frames.cpp): [u8 code][worker][function][type][message].
-detail::Message error_frame(std::uint64_t id, std::exception_ptr error, const std::string& worker,
-                            std::string_view function);
-std::exception_ptr decode_error(const detail::Message& msg, const std::string& worker, std::string_view function);
 
 }  // namespace corpc

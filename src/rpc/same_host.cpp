@@ -96,6 +96,12 @@ void Runtime::Impl::cuda_ipc_failed(int rank, const std::string& why) {
 }
 
 // The lender's side: the I/O thread of the connection the tensors were lent on. The tensors are released here.
+void Runtime::Impl::route_ipc_done() {
+  frames.on(detail::Route::ipc_done, [this](const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {
+    on_ipc_done(conn, std::move(msg));
+  });
+}
+
 void Runtime::Impl::on_ipc_done(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {
   auto link = conn->cuda_ipc();
   if (!link) return conn->close("protocol error: IpcDone on a connection without CUDA IPC");

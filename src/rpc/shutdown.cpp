@@ -57,7 +57,7 @@ RoundResult ask_round(Runtime::Impl& impl, std::int64_t round, bool idle, std::c
   detail::encode_args<Args>(call.message, 0, round, impl.self.rank, std::move(sent), std::move(handled), idle);
   call.complete = &detail::complete_call<RoundResult>;
   call.target = state;
-  detail::start_call(std::move(call));
+  detail::start_call(impl, std::move(call));
   return std::move(fut).wait();
 }
 

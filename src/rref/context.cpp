@@ -1,5 +1,5 @@
 // RRef bookkeeping: owner slots, forks, confirmations, deletions, and their control messages.
-#include "corpc/rref/context.hpp"
+#include "corpc/rref/detail/context.hpp"
 
 #include "corpc/rpc/call.hpp"
 

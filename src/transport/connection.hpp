@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "corpc/transport/errors.hpp"
-#include "corpc/wire/detail/message.hpp"
+#include "transport/frames.hpp"
 #include "transport/receive_budget.hpp"
 
 namespace corpc::detail {

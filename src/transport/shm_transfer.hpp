@@ -6,7 +6,7 @@
 #include <memory>
 #include <vector>
 
-#include "corpc/wire/detail/message.hpp"
+#include "transport/frames.hpp"
 #include "transport/shm_channel.hpp"
 
 namespace corpc::detail {

@@ -90,7 +90,7 @@ void TcpConnection::send(OutFrame&& f) {
   // dial's I/O thread is setting it up (and nothing is written anyway).
   bool coalesce = false;
   if (tls_batch.io == nullptr && connected_ && !transport_.encrypted()) {
-    coalesce = tls_send_now == 0 && sender_batch_frames > 0;
+    coalesce = !f.send_now && sender_batch_frames > 0;
     if (sender_batch_frames++ == 0) defer_work();  // the batch ends when this thread blocks or ends its job
   }
   if (!connected_ || flush_owned_ || corked_here() || f.tensors.size() + 3 > kMaxIov || transport_.encrypted() ||

@@ -6,7 +6,7 @@
 #include <limits>
 
 #include "corpc/wire/codec.hpp"
-#include "corpc/wire/detail/message.hpp"
+#include "transport/frames.hpp"
 #include "memory/cuda_ipc.hpp"
 #include "memory/cuda_transfer.hpp"
 #include "wire/device_map.hpp"

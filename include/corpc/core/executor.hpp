@@ -91,17 +91,8 @@ std::chrono::nanoseconds spin_before_block() noexcept;
 using DeferredWork = void (*)() noexcept;
 void set_deferred_work(DeferredWork fn) noexcept;
 inline thread_local bool tls_work_deferred = false;
-// Set while the calling thread is about to block on what it sends (rpc_sync): nothing it sends is deferred.
-inline thread_local int tls_send_now = 0;
 void run_deferred_work() noexcept;
 inline void defer_work() noexcept { tls_work_deferred = true; }
-// rpc_sync's sends leave at once: the caller blocks right after, and deferring would only add a hand-off.
-struct SendNowScope {
-  SendNowScope() noexcept { ++tls_send_now; }
-  ~SendNowScope() { --tls_send_now; }
-  SendNowScope(const SendNowScope&) = delete;
-  SendNowScope& operator=(const SendNowScope&) = delete;
-};
 }  // namespace detail
 
 // ---- executors ----------------------------------------------------------------------------------------------------

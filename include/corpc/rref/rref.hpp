@@ -37,7 +37,7 @@
 #include <type_traits>
 
 #include "corpc/rpc/call.hpp"
-#include "corpc/rref/context.hpp"
+#include "corpc/rref/detail/context.hpp"
 
 namespace corpc {
 

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <string>
 
-#include "corpc/rref/context.hpp"
+#include "corpc/rref/detail/context.hpp"
 #include "corpc/rref/detail/owner.hpp"
 
 namespace corpc {

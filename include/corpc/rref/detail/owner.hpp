@@ -11,7 +11,7 @@
 #include <variant>
 
 #include "corpc/rpc/call.hpp"
-#include "corpc/rref/context.hpp"
+#include "corpc/rref/detail/context.hpp"
 
 namespace corpc::detail {
 

@@ -11,7 +11,7 @@
 #include <utility>
 
 #include "corpc/rpc/call.hpp"
-#include "corpc/rref/context.hpp"
+#include "corpc/rref/detail/context.hpp"
 #include "corpc/rref/detail/owner.hpp"
 
 namespace corpc::detail {

@@ -1,4 +1,4 @@
-// corpc/rpc/function_traits.hpp — what a callable's signature means on the wire.
+// corpc/rpc/detail/function_traits.hpp — what a callable's signature means on the wire.
 #pragma once
 
 #include <cstdint>

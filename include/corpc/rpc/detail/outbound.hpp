@@ -1,4 +1,4 @@
-// corpc/rpc/outbound.hpp — the one entry point through which every call leaves this process (internal).
+// corpc/rpc/detail/outbound.hpp — the one entry point through which every call leaves this process (internal).
 //
 // The call templates (rpc_async, RRef proxies, the RRef protocol) encode their arguments into an OutboundCall and hand
 // it to start_call, which frames it, checks it against the receiver's limits, registers it on the connection to its
@@ -18,6 +18,10 @@
 #include "corpc/core/future.hpp"
 #include "corpc/wire/detail/message.hpp"
 
+namespace corpc {
+class Runtime;
+}
+
 namespace corpc::detail {
 
 // Completes a call: decodes `reply` (from rank `src`) into the caller's future, or fails it with `error`. Runs exactly
@@ -33,13 +37,14 @@ struct OutboundCall {
   std::string_view sent_types;  // the argument types as encoded (static storage), added to an argument-type refusal
   std::optional<std::chrono::milliseconds> timeout;  // unset: RpcOptions::rpc_timeout
   bool control = false;                              // corpc's own shutdown protocol: not counted as work in flight
-  Message message;                                   // body and tensors; the runtime fills in the header
+  bool send_now = false;  // the caller blocks on the reply next (rpc_sync): the request is never held to coalesce
+  Message message;        // body and tensors; the runtime fills in the header
   CompleteFn complete = nullptr;
   void* target = nullptr;
   CancelSlot* cancel = nullptr;  // the caller's future: armed so that cancelling it cancels the call on its callee
 };
 
-// Sends `call`. Never throws: every failure reaches `complete`.
-void start_call(OutboundCall&& call) noexcept;
+// Sends `call` through `runtime`. Never throws: every failure reaches `complete`.
+void start_call(Runtime& runtime, OutboundCall&& call) noexcept;
 
 }  // namespace corpc::detail

@@ -1,0 +1,277 @@
+// The request side (request_server.hpp).
+#include "rpc/request_server.hpp"
+
+#include "core/trace_recorder.hpp"
+#include "rpc/call_engine.hpp"
+#include "rpc/error_frames.hpp"
+#include "rpc/runtime_impl.hpp"
+
+namespace corpc::detail {
+
+namespace {
+
+// One request being handled: owns what the reply needs, and guarantees the reply and the accounting happen once,
+// even if the handler throws, its result fails to encode, or the handler is dropped without answering.
+class RequestScope {
+ public:
+  RequestScope(RequestServer& server, std::shared_ptr<Connection> conn, const FrameHeader& h, const HandlerEntry& entry,
+               std::stop_token stop)
+      : server_(server),
+        rt_(server.runtime()),
+        conn_(std::move(conn)),
+        id_(h.id),
+        src_(conn_->peer_rank),
+        ctx_(h.context_id),
+        counted_(!(h.flags & kFlagControl)),
+        entry_(&entry),
+        stop_(std::move(stop)),
+        deadline_(h.deadline_ms ? Clock::now() + std::chrono::milliseconds(h.deadline_ms) : Clock::time_point::max()) {}
+  RequestScope(RequestScope&& o) noexcept
+      : server_(o.server_),
+        rt_(o.rt_),
+        conn_(std::move(o.conn_)),
+        id_(o.id_),
+        src_(o.src_),
+        ctx_(o.ctx_),
+        counted_(o.counted_),
+        entry_(o.entry_),
+        credit_(std::move(o.credit_)),
+        stop_(std::move(o.stop_)),
+        deadline_(o.deadline_),
+        done_(std::exchange(o.done_, true)) {}
+
+  // What the handler runs with: the caller's autograd context, this request's stop token and deadline.
+  CallContext handler_context() const noexcept { return server_.handler_context(ctx_, stop_, deadline_); }
+  bool stop_requested() const noexcept { return stop_.stop_requested(); }
+  ~RequestScope() {
+    if (!done_) fail(std::make_exception_ptr(RpcError("the handler finished without a reply")));
+  }
+
+  // Keeps the request's receive-budget reservation until it is answered.
+  void hold(ReceiveCredit credit) noexcept { credit_ = std::move(credit); }
+
+  void reply(Message&& out) noexcept {
+    if (done_) return;
+    try {
+      out.head.kind = FrameKind::Response;
+      out.head.id = id_;
+      {
+        CallContextScope scope(server_.handler_context(ctx_));
+        rt_.stamp_autograd(out, src_);
+      }
+      // A result that cannot be encoded becomes an error frame.
+      OutFrame frame = rt_.prepare_for(std::move(out), src_, conn_.get());
+      check_limits(frame, conn_->peer_limits, rt_.name_of(src_));
+      if (frame.staged) [[unlikely]] {  // CUDA tensors still being copied out: replied from the copy's completion
+        auto self = std::make_shared<RequestScope>(std::move(*this));
+        auto conn = self->conn_;
+        return when_staged(
+            conn, std::move(frame), [self](OutFrame&& f) { self->send_reply(std::move(f)); },
+            [self](std::exception_ptr error) { self->fail(std::move(error)); });
+      }
+      send_reply(std::move(frame));
+    } catch (...) {
+      fail(std::current_exception());
+    }
+  }
+  void send_reply(OutFrame&& frame) noexcept {
+    try {
+      {
+        trace::detail::ScopedRecord slice(
+            [&, bytes = frame.wire_bytes()] {
+              return trace::detail::Record{.kind = trace::detail::Kind::reply_sent,
+                                           .peer = src_,
+                                           .request = id_,
+                                           .bytes = bytes,
+                                           .name = entry_->name};
+            },
+            counted_);
+        conn_->send(std::move(frame));
+      }
+      finish();
+    } catch (...) {
+      fail(std::current_exception());
+    }
+  }
+  void fail(std::exception_ptr error) noexcept {
+    if (done_) return;
+    try {
+      server_.send_error(*conn_, id_, std::move(error), entry_->name, counted_);
+    } catch (...) {
+      conn_->close("cannot send an error reply");
+    }
+    finish();
+  }
+
+ private:
+  void finish() noexcept {
+    done_ = true;
+    credit_.release();
+    if (stop_.stop_possible()) CallEngine::of(*conn_).inbound().remove(id_);
+    if (!counted_) return;
+    rt_.activity->request_handled(src_);
+    rt_.activity->handler_done();
+  }
+
+  RequestServer& server_;
+  Runtime::Impl& rt_;
+  std::shared_ptr<Connection> conn_;
+  std::uint64_t id_;
+  int src_;
+  std::int64_t ctx_;
+  bool counted_;
+  const HandlerEntry* entry_;
+  ReceiveCredit credit_;  // after conn_: released while the connection is still referenced
+  std::stop_token stop_;  // empty for handlers that run to completion on the I/O thread: no cancel can reach them
+  Clock::time_point deadline_;
+  bool done_ = false;
+};
+
+// Runs `entry` on `msg` on the calling thread; the reply leaves from here, or when the handler's future completes.
+void run_request(Runtime::Impl& rt, RequestScope scope, const HandlerEntry& entry, Message& msg, int src) {
+  trace::detail::ScopedRecord slice(
+      [&] {  // the handler's synchronous part (a coroutine's, up to its first suspension)
+        return trace::detail::Record{.kind = trace::detail::Kind::run,
+                                     .peer = src,
+                                     .request = msg.head.id,
+                                     .bytes = frame_bytes(msg.head),
+                                     .name = entry.name};
+      },
+      !(msg.head.flags & kFlagControl));
+  if (scope.stop_requested()) {  // cancelled before it started: dropped
+    slice.finish();
+    return scope.fail(cancelled_error());
+  }
+  try {
+    CallContextScope ctx_scope(scope.handler_context());
+    rt.attach_autograd(msg.head, src, msg.tensors);
+    Inbound in{src, entry.name, Reader(msg.body.data(), msg.body.size()), &msg};
+    in.args.tensors = &msg.tensors;
+    in.args.peer = src;
+    if (entry.run_sync) {
+      Message out;
+      entry.run_sync(in, out);
+      slice.finish();  // before the reply: see ScopedRecord::finish
+      scope.reply(std::move(out));
+      return;
+    }
+    Future<Message> result = entry.run_async(in);
+    slice.finish();
+    if (result.done()) {
+      if (auto e = result.error()) scope.fail(e);
+      else scope.reply(std::move(result).value());
+      return;
+    }
+    on_ready_inline(result, [scope = std::move(scope), result]() mutable {
+      if (auto e = result.error()) scope.fail(e);
+      else scope.reply(std::move(result).value());
+    });
+  } catch (...) {
+    slice.finish();
+    scope.fail(std::current_exception());
+  }
+}
+
+// A request handed to the worker pool: owns its message until it runs.
+struct PooledRequest : WorkItem {
+  Runtime::Impl& rt;
+  RequestScope scope;
+  const HandlerEntry& entry;
+  Message msg;
+  int src;
+  PooledRequest(Runtime::Impl& r, RequestScope s, const HandlerEntry& e, Message&& m, int source)
+      : rt(r), scope(std::move(s)), entry(e), msg(std::move(m)), src(source) {
+    run = [](WorkItem* w) noexcept {
+      auto* self = static_cast<PooledRequest*>(w);
+      run_request(self->rt, std::move(self->scope), self->entry, self->msg, self->src);
+      delete self;
+    };
+  }
+};
+
+}  // namespace
+
+RequestServer::RequestServer(Runtime::Impl& runtime) : rt_(runtime) {}
+
+void RequestServer::route(FrameDispatcher& frames) {
+  frames.on(Route::request, [this](const std::shared_ptr<Connection>& c, Message&& m) { on_request(c, std::move(m)); });
+  frames.on(Route::cancel, [this](const std::shared_ptr<Connection>& c, Message&& m) { on_cancel(c, std::move(m)); });
+  frames.on(Route::oversized,
+            [this](const std::shared_ptr<Connection>& c, Message&& m) { refuse_too_large(c, m.head); });
+}
+
+CallContext RequestServer::handler_context(std::int64_t context_id) const noexcept {
+  CallContext c;
+  if (rt_.tensor_hooks.context_slot >= 0) c.set(rt_.tensor_hooks.context_slot, context_id);
+  return c;
+}
+CallContext RequestServer::handler_context(std::int64_t context_id, std::stop_token stop,
+                                           Clock::time_point deadline) const noexcept {
+  CallContext c = handler_context(context_id);
+  c.set(call_bound_exempt_slot(), 1);
+  c.stop = std::move(stop);
+  c.deadline = deadline;
+  return c;
+}
+
+void RequestServer::on_request(const std::shared_ptr<Connection>& conn, Message&& msg) {
+  if (conn->peer_rank < 0) return conn->close("protocol error: a request before hello");
+  if (rt_.world.park_if_unknown(conn, msg)) return;
+  const HandlerEntry* entry = global_registry().find(msg.head.function);
+  const bool counted = !(msg.head.flags & kFlagControl);
+  // A refused request still counts as handled: the caller counted it as sent, and graceful shutdown balances the two.
+  auto refuse = [&](std::exception_ptr error, std::string_view function) {
+    send_error(*conn, msg.head.id, std::move(error), function, counted);
+    if (counted) rt_.activity->request_handled(conn->peer_rank);
+  };
+  if (!entry) {
+    return refuse(std::make_exception_ptr(UnknownFunctionError(
+                      "no function with id " + std::to_string(msg.head.function) + " is registered on worker '" +
+                      rt_.self.name + "' (different binaries? register it by name)")),
+                  "");
+  }
+  if (entry->signature != 0 && msg.head.signature != 0 && entry->signature != msg.head.signature) {
+    return refuse(std::make_exception_ptr(ArgumentTypeError("arguments do not match '" + entry->name + "' on worker '" +
+                                                            rt_.self.name + "', which takes " + entry->signature_text)),
+                  entry->name);
+  }
+  if (counted) rt_.activity->handler_started();
+  // A plain function on the I/O thread runs to completion before this thread could read a cancel: it needs no token.
+  const bool runs_to_completion_here = entry->execution == Execution::io_thread && entry->run_sync;
+  RequestScope scope(*this, conn, msg.head, *entry,
+                     runs_to_completion_here ? std::stop_token() : CallEngine::of(*conn).inbound().add(msg.head.id));
+  scope.hold(conn->take_receive_credit());
+  const int src = conn->peer_rank;
+  if (entry->execution == Execution::io_thread) {
+    run_request(rt_, std::move(scope), *entry, msg, src);
+  } else {
+    rt_.pool->enqueue(new PooledRequest(rt_, std::move(scope), *entry, std::move(msg), src));
+  }
+}
+
+// Stops request `id` if its handler is still running (or queued): no reply, no count. Parked with the requests that
+// come before the world table, so that it follows the request it cancels.
+void RequestServer::on_cancel(const std::shared_ptr<Connection>& conn, Message&& msg) {
+  if (conn->peer_rank < 0) return conn->close("protocol error: a request before hello");
+  if (rt_.world.park_if_unknown(conn, msg)) return;
+  CallEngine::of(*conn).inbound().cancel(msg.head.id);
+}
+
+void RequestServer::refuse_too_large(const std::shared_ptr<Connection>& conn, const FrameHeader& h) {
+  if (h.kind != FrameKind::Request || conn->peer_rank < 0) return conn->close("protocol error: an oversized frame");
+  const std::uint64_t size = sizeof(FrameHeader) + std::uint64_t{h.meta_len} + h.body_len + h.tensor_bytes;
+  send_error(*conn, h.id,
+             std::make_exception_ptr(MessageTooLargeError(
+                 "a request of " + std::to_string(size) + " bytes is over the " +
+                 std::to_string(rt_.options.limits.max_request_bytes) + " that worker '" + rt_.self.name +
+                 "' may hold (its RpcOptions::receive_budget_per_connection / _per_process)")),
+             "", !(h.flags & kFlagControl));
+  if (!(h.flags & kFlagControl)) rt_.activity->request_handled(conn->peer_rank);
+}
+
+void RequestServer::send_error(Connection& conn, std::uint64_t id, std::exception_ptr error, std::string_view function,
+                               bool traced) {
+  send_error_frame(conn, id, std::move(error), rt_.self.name, function, traced);
+}
+
+}  // namespace corpc::detail
