@@ -440,7 +440,13 @@ void Runtime::Impl::on_world(detail::Message&& msg) {
     std::lock_guard lock(self_host_mutex);
     self.host = workers[self.rank].host;
   }
-  for (auto& [conn, m] : world.open()) frames.dispatch(conn, std::move(m));
+  // Each parked frame goes back to its own connection's I/O thread: the table may complete on another one, and a
+  // connection's reader state (its receive credit) belongs to its thread.
+  for (auto& [conn, m] : world.open()) {
+    asio::post(conn->io(), [this, conn = conn, m = std::make_shared<detail::Message>(std::move(m))] {
+      frames.dispatch(conn, std::move(*m));
+    });
+  }
   world_ready.set_value();
 }
 
