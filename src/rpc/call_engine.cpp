@@ -45,8 +45,11 @@ void CallEngine::start(const std::shared_ptr<Connection>& conn, OutboundCall&& c
   m.head.deadline_ms = static_cast<std::uint32_t>(std::clamp<std::int64_t>(timeout.count(), 1, 0xffffffffLL));
   OutFrame frame = host_.frame_for(std::move(m), dst, *conn);
   frame.send_now = call.send_now;
-  check_limits(frame, conn->peer_limits, host_.name_of(dst));
-  check_request_budget(frame, conn->peer_limits, host_.name_of(dst));
+  {
+    const std::string receiver = host_.name_of(dst);
+    check_limits(frame, conn->peer_limits, receiver);
+    check_request_budget(frame, conn->peer_limits, receiver);
+  }
 
   PendingCall p;
   p.complete = call.complete;
@@ -139,20 +142,16 @@ void CallEngine::on_reply(const std::shared_ptr<Connection>& conn, Message&& msg
 }
 
 void CallEngine::cancel(const std::shared_ptr<Connection>& conn, std::uint64_t id) {
-  PendingCall p;
-  std::vector<OutFrame> ready;  // calls that waited for room, which the cancelled one frees
-  if (pending_.take(id, p, ready) != PendingCalls::Lookup::Found) return;  // completed already
-  send_all(conn, ready);
-  finish_without_reply(p, cancelled_error());
-  send_cancel(*conn, id);
+  if (fail_call(conn, id, cancelled_error())) send_cancel(*conn, id);  // not if it completed already
 }
 
-void CallEngine::fail_call(const std::shared_ptr<Connection>& conn, std::uint64_t id, std::exception_ptr error) {
+bool CallEngine::fail_call(const std::shared_ptr<Connection>& conn, std::uint64_t id, std::exception_ptr error) {
   PendingCall p;
-  std::vector<OutFrame> ready;
-  if (pending_.take(id, p, ready) != PendingCalls::Lookup::Found) return;
+  std::vector<OutFrame> ready;  // calls that waited for room, which this one frees
+  if (pending_.take(id, p, ready) != PendingCalls::Lookup::Found) return false;
   send_all(conn, ready);
   finish_without_reply(p, std::move(error));
+  return true;
 }
 
 void CallEngine::closed(std::exception_ptr error) {

@@ -78,9 +78,9 @@ class CallEngine final : public ConnectionSession {
   void on_reply(const std::shared_ptr<Connection>& conn, Message&& msg);
   // Completes call `id` (if still pending) as cancelled and tells the callee. Any thread.
   void cancel(const std::shared_ptr<Connection>& conn, std::uint64_t id);
-  // Fails call `id` (if still pending) with `error` and no reply: staging its request's tensors failed, or the
-  // delivery of its reply to a device did.
-  void fail_call(const std::shared_ptr<Connection>& conn, std::uint64_t id, std::exception_ptr error);
+  // Fails call `id` (if still pending: returns whether it was) with `error` and no reply: staging its request's
+  // tensors failed, the delivery of its reply to a device did, or it was cancelled.
+  bool fail_call(const std::shared_ptr<Connection>& conn, std::uint64_t id, std::exception_ptr error);
   // The connection is gone: fails our calls with `error`, refuses later ones, and stops the peer's requests here.
   void closed(std::exception_ptr error);
 

@@ -5,7 +5,6 @@
 #include "memory/cuda_transfer.hpp"
 #include "memory/device_transfer.hpp"
 #include "rpc/call_engine.hpp"
-#include "rpc/error_frames.hpp"
 #include "rpc/runtime_impl.hpp"
 
 namespace corpc::detail {
@@ -39,10 +38,8 @@ void deliver_on_devices(Runtime::Impl& rt, const std::shared_ptr<Connection>& co
       }
       if (!error) return rt.frames.dispatch(conn, std::move(*held));
       const FrameHeader& h = held->head;
-      const bool counted = !(h.flags & kFlagControl);
       if (h.kind == FrameKind::Request) {
-        send_error_frame(*conn, h.id, std::move(error), rt.self.name, "(delivery to a CUDA device)", counted);
-        if (counted) rt.activity->request_handled(conn->peer_rank);
+        rt.requests->refuse(*conn, h, std::move(error), "(delivery to a CUDA device)");
       } else if (conn->outgoing) {
         CallEngine::of(*conn).fail_call(conn, h.id, std::move(error));
       }

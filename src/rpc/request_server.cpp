@@ -214,28 +214,33 @@ CallContext RequestServer::handler_context(std::int64_t context_id, std::stop_to
   return c;
 }
 
+// A request (or a cancel) is acted on once its sender has said who it is and the world table is known; until the
+// table, it is parked (WorldGate) and comes back here.
+bool RequestServer::admitted(const std::shared_ptr<Connection>& conn, Message& msg) {
+  if (conn->peer_rank < 0) {
+    conn->close("protocol error: a request before hello");
+    return false;
+  }
+  return !rt_.world.park_if_unknown(conn, msg);
+}
+
 void RequestServer::on_request(const std::shared_ptr<Connection>& conn, Message&& msg) {
-  if (conn->peer_rank < 0) return conn->close("protocol error: a request before hello");
-  if (rt_.world.park_if_unknown(conn, msg)) return;
+  if (!admitted(conn, msg)) return;
   const HandlerEntry* entry = global_registry().find(msg.head.function);
-  const bool counted = !(msg.head.flags & kFlagControl);
-  // A refused request still counts as handled: the caller counted it as sent, and graceful shutdown balances the two.
-  auto refuse = [&](std::exception_ptr error, std::string_view function) {
-    send_error(*conn, msg.head.id, std::move(error), function, counted);
-    if (counted) rt_.activity->request_handled(conn->peer_rank);
-  };
   if (!entry) {
-    return refuse(std::make_exception_ptr(UnknownFunctionError(
+    return refuse(*conn, msg.head,
+                  std::make_exception_ptr(UnknownFunctionError(
                       "no function with id " + std::to_string(msg.head.function) + " is registered on worker '" +
                       rt_.self.name + "' (different binaries? register it by name)")),
                   "");
   }
   if (entry->signature != 0 && msg.head.signature != 0 && entry->signature != msg.head.signature) {
-    return refuse(std::make_exception_ptr(ArgumentTypeError("arguments do not match '" + entry->name + "' on worker '" +
+    return refuse(*conn, msg.head,
+                  std::make_exception_ptr(ArgumentTypeError("arguments do not match '" + entry->name + "' on worker '" +
                                                             rt_.self.name + "', which takes " + entry->signature_text)),
                   entry->name);
   }
-  if (counted) rt_.activity->handler_started();
+  if (!(msg.head.flags & kFlagControl)) rt_.activity->handler_started();
   // A plain function on the I/O thread runs to completion before this thread could read a cancel: it needs no token.
   const bool runs_to_completion_here = entry->execution == Execution::io_thread && entry->run_sync;
   RequestScope scope(*this, conn, msg.head, *entry,
@@ -252,21 +257,26 @@ void RequestServer::on_request(const std::shared_ptr<Connection>& conn, Message&
 // Stops request `id` if its handler is still running (or queued): no reply, no count. Parked with the requests that
 // come before the world table, so that it follows the request it cancels.
 void RequestServer::on_cancel(const std::shared_ptr<Connection>& conn, Message&& msg) {
-  if (conn->peer_rank < 0) return conn->close("protocol error: a request before hello");
-  if (rt_.world.park_if_unknown(conn, msg)) return;
-  CallEngine::of(*conn).inbound().cancel(msg.head.id);
+  if (admitted(conn, msg)) CallEngine::of(*conn).inbound().cancel(msg.head.id);
 }
 
 void RequestServer::refuse_too_large(const std::shared_ptr<Connection>& conn, const FrameHeader& h) {
   if (h.kind != FrameKind::Request || conn->peer_rank < 0) return conn->close("protocol error: an oversized frame");
   const std::uint64_t size = sizeof(FrameHeader) + std::uint64_t{h.meta_len} + h.body_len + h.tensor_bytes;
-  send_error(*conn, h.id,
-             std::make_exception_ptr(MessageTooLargeError(
-                 "a request of " + std::to_string(size) + " bytes is over the " +
-                 std::to_string(rt_.options.limits.max_request_bytes) + " that worker '" + rt_.self.name +
-                 "' may hold (its RpcOptions::receive_budget_per_connection / _per_process)")),
-             "", !(h.flags & kFlagControl));
-  if (!(h.flags & kFlagControl)) rt_.activity->request_handled(conn->peer_rank);
+  refuse(*conn, h,
+         std::make_exception_ptr(MessageTooLargeError(
+             "a request of " + std::to_string(size) + " bytes is over the " +
+             std::to_string(rt_.options.limits.max_request_bytes) + " that worker '" + rt_.self.name +
+             "' may hold (its RpcOptions::receive_budget_per_connection / _per_process)")),
+         "");
+}
+
+// A refused request still counts as handled: the caller counted it as sent, and graceful shutdown balances the two.
+void RequestServer::refuse(Connection& conn, const FrameHeader& h, std::exception_ptr error,
+                           std::string_view function) {
+  const bool counted = !(h.flags & kFlagControl);
+  send_error(conn, h.id, std::move(error), function, counted);
+  if (counted) rt_.activity->request_handled(conn.peer_rank);
 }
 
 void RequestServer::send_error(Connection& conn, std::uint64_t id, std::exception_ptr error, std::string_view function,

@@ -32,12 +32,15 @@ class RequestServer {
   // The one a request's handler runs with: the same, with its stop token and deadline, and marked so that the calls
   // it makes are not held back by max_calls_in_flight_per_peer (call_bound_exempt_slot).
   CallContext handler_context(std::int64_t context_id, std::stop_token stop, Clock::time_point deadline) const noexcept;
+  // Answers the request `h` names on `conn` with `error` instead of running it, and counts it as handled.
+  void refuse(Connection& conn, const FrameHeader& h, std::exception_ptr error, std::string_view function);
   // Answers request `id` on `conn` with `error`. `traced`: a user request's (the trace leaves control rounds out).
   void send_error(Connection& conn, std::uint64_t id, std::exception_ptr error, std::string_view function, bool traced);
 
   Runtime::Impl& runtime() noexcept { return rt_; }
 
  private:
+  bool admitted(const std::shared_ptr<Connection>& conn, Message& msg);
   void on_request(const std::shared_ptr<Connection>& conn, Message&& msg);
   void on_cancel(const std::shared_ptr<Connection>& conn, Message&& msg);
   // A request whose header announced more than the receive budget: its bytes were dropped; answer it.
