@@ -96,6 +96,11 @@ at::Tensor GradientSync::State::wait_bucket_locked(size_t bi) {
 
 void GradientSync::State::finish_backward() {
   std::lock_guard<std::mutex> lock(mutex);
+  launch_rest_locked();
+  write_back_locked();
+}
+
+void GradientSync::State::launch_rest_locked() {
   torch::NoGradGuard no_grad;
   // Parameters this backward did not reach count as zero gradient, so every bucket's allreduce takes place.
   for (auto& b : buckets) {
@@ -108,6 +113,10 @@ void GradientSync::State::finish_backward() {
     b.pending = 0;
   }
   launch_ready_locked();
+}
+
+void GradientSync::State::write_back_locked() {
+  torch::NoGradGuard no_grad;
   for (size_t bi = 0; bi < buckets.size(); ++bi) {
     auto& b = buckets[bi];
     const at::Tensor averaged = wait_bucket_locked(bi);
@@ -140,6 +149,19 @@ void GradientSync::State::finish_backward() {
     }
   }
   in_backward = false;
+}
+
+void GradientSync::launch_all() {
+  auto& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.reset_locked();
+  s.launch_rest_locked();
+}
+
+void GradientSync::finish_launched() {
+  auto& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.write_back_locked();
 }
 
 }  // namespace corpc::ddp

@@ -90,9 +90,13 @@ void GradientSync::State::broadcast(std::vector<at::Tensor>& tensors, int64_t ro
   }
 }
 
-GradientSync::GradientSync(torch::nn::Module& module, c10::intrusive_ptr<c10d::ProcessGroup> group, DdpOptions options)
-    : state_(std::make_shared<State>()) {
-  auto& s = *state_;
+namespace {
+
+// What both constructors do: the parameters that require a gradient, the buffers, the buckets.
+std::shared_ptr<GradientSync::State> make_state(torch::nn::Module& module, c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                                DdpOptions options) {
+  auto state = std::make_shared<GradientSync::State>();
+  auto& s = *state;
   s.group = std::move(group);
   s.options = std::move(options);
   s.divisor = s.group->getSize();
@@ -102,6 +106,20 @@ GradientSync::GradientSync(torch::nn::Module& module, c10::intrusive_ptr<c10d::P
   s.buffers = module.buffers();
   s.slots.resize(s.params.size());
   s.build_buckets();
+  return state;
+}
+
+}  // namespace
+
+GradientSync::GradientSync(torch::nn::Module& module, c10::intrusive_ptr<c10d::ProcessGroup> group, DdpOptions options,
+                           Manual)
+    : state_(make_state(module, std::move(group), std::move(options))) {
+  state_->options.gradient_as_bucket_view = false;  // .grad is written only once the averages are in
+}
+
+GradientSync::GradientSync(torch::nn::Module& module, c10::intrusive_ptr<c10d::ProcessGroup> group, DdpOptions options)
+    : state_(make_state(module, std::move(group), std::move(options))) {
+  auto& s = *state_;
 
   // Every rank starts from rank 0's model.
   auto all = s.params;

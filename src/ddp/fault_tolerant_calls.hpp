@@ -1,9 +1,11 @@
-// The three requests of the fault-tolerant trainer (corpc/ddp/fault_tolerant.hpp): two to the quorum coordinator
-// (quorum_coordinator.cpp) and one to a donor (fault_tolerant.cpp). Declared here so that caller and callee name the
+// The requests of the fault-tolerant trainers (corpc/ddp/fault_tolerant.hpp, corpc/ddp/pipeline_replicas.hpp): two to
+// the quorum coordinator (quorum_coordinator.cpp), one to a donor (ft_member.cpp) and one from the coordinator to a
+// pipeline replica's worker (pipeline_replicas.cpp). Declared here so that caller and callee name the
 // same functions; each is registered to run on the I/O thread in the file that defines it.
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -28,5 +30,9 @@ Future<bool> commit_request(int rank, std::int64_t epoch, std::int64_t step, boo
 // Asked of a donor by a member that recovers: the donor's state at the boundary of `epoch`'s first step (parameters,
 // buffers, the optimizer's archive as bytes, the step counter), once the donor has taken it.
 Future<std::vector<at::Tensor>> state_request(std::int64_t epoch);
+
+// To a member of a replica group: the attempt at `step` in `epoch` is taken by nobody (a member was lost, or the vote
+// failed); a worker still running it stops waiting for its replica mates. Nothing where no such attempt runs.
+void abort_attempt(std::int64_t epoch, std::int64_t step, std::string why);
 
 }  // namespace corpc::ddp::ft_detail

@@ -35,7 +35,18 @@ struct QuorumCoordinator::State {
   std::vector<int> members;       // of the current epoch
   std::set<int> expected;         // who a round waits for: the current members still alive (the replicas at first)
   std::int64_t broken_epoch = 0;  // a member of this epoch died: none of its steps can be committed any more
+  std::int64_t current_step = 0;  // the step of the last quorum answered
   QuorumStats stats;
+
+  // Replica groups (QuorumOptions::replica_groups): rank -> (group, position in it). A rank in none is a group alone.
+  std::map<int, std::pair<int, int>> place;
+  std::vector<std::vector<int>> groups;
+  bool grouped() const { return !groups.empty(); }
+  std::pair<int, int> place_of(int rank) const {
+    auto it = place.find(rank);
+    return it == place.end() ? std::pair<int, int>{-1 - rank, 0} : it->second;
+  }
+  size_t group_size(int group) const { return group < 0 ? 1 : groups[static_cast<size_t>(group)].size(); }
 
   struct Ask {
     std::int64_t committed;
@@ -63,72 +74,128 @@ struct QuorumCoordinator::State {
     std::vector<std::pair<Promise<QuorumAnswer>, QuorumAnswer>> quorums;
     std::vector<std::pair<Promise<bool>, bool>> votes;
     std::vector<std::pair<Promise<QuorumAnswer>, std::exception_ptr>> refusals;
+    struct Abort {
+      int rank;
+      std::int64_t epoch, step;
+      std::string why;
+    };
+    std::vector<Abort> aborts;  // replica groups: members told at once that their attempt is taken by nobody
     void send() {
       for (auto& [p, a] : quorums) p.set_value(std::move(a));
       for (auto& [p, v] : votes) p.set_value(v);
       for (auto& [p, e] : refusals) p.set_exception(e);
+      for (auto& a : aborts) {
+        try {  // best effort: a member that misses it fails its step by its own timeouts
+          (void)rpc_async<&ft_detail::abort_attempt>(a.rank, a.epoch, a.step, a.why);
+        } catch (const std::exception&) {
+        }
+      }
     }
   };
 
-  // Closes the open round if it may: enough members, and every expected one has asked or the deadline passed.
+  // Closes the open round if it may: every expected rank has asked or the deadline passed, and enough replicas are
+  // complete. Only whole replicas become members; the asks of a replica that misses a rank are held for a later round.
   void close_round_if_ready_locked(Clock::time_point now, Replies& out) {
-    if (round.empty() || static_cast<int>(round.size()) < options.min_replicas) return;
+    if (round.empty()) return;
     const bool all_there = std::all_of(expected.begin(), expected.end(), [&](int r) { return round.count(r) != 0; });
     if (!all_there && (!round_deadline || now < *round_deadline)) return;
 
+    std::map<int, std::vector<int>> asked;  // group -> its ranks in the round
+    for (const auto& [r, a] : round) asked[place_of(r).first].push_back(r);
     std::vector<int> now_members;
+    int complete = 0;
+    for (const auto& [g, ranks] : asked) {
+      if (ranks.size() != group_size(g)) continue;
+      ++complete;
+      now_members.insert(now_members.end(), ranks.begin(), ranks.end());
+    }
+    if (complete < options.min_replicas) {
+      round_deadline.reset();  // the next expected request starts the wait again
+      return;
+    }
+    std::sort(now_members.begin(), now_members.end());
+
     std::int64_t step = 0;
     bool any_state = false, any_failed = false;
-    for (const auto& [r, a] : round) {
-      now_members.push_back(r);
+    for (int r : now_members) {
+      const auto& a = round.at(r);
       any_failed = any_failed || a.failed;
       if (a.has_state) {
         step = any_state ? std::max(step, a.committed) : a.committed;
         any_state = true;
       }
     }
-    if (global_step > 0 && (!any_state || step < global_step)) {
-      // Nobody here holds the last committed state (its holders left): refused, rather than restarting history.
-      for (auto& [r, a] : round)
-        out.refusals.emplace_back(
-            std::move(a.reply),
-            std::make_exception_ptr(RpcError("FaultTolerantDdp: no live member holds the state of step " +
-                                             std::to_string(global_step) + " to recover from")));
-      round.clear();
-      round_deadline.reset();
-      return;
-    }
-    int donor = -1;
+    // A donor per position in the replicas (every member's own, without replica groups).
+    std::map<int, int> donor;
     std::vector<int> behind;
     if (any_state) {
-      for (const auto& [r, a] : round)
-        if (a.has_state && a.committed == step && donor < 0) donor = r;
-      for (const auto& [r, a] : round)
-        if (!a.has_state || a.committed < step) behind.push_back(r);
+      for (int r : now_members) {
+        const auto& a = round.at(r);
+        if (a.has_state && a.committed == step) donor.try_emplace(place_of(r).second, r);
+      }
+      for (int r : now_members)
+        if (!round.at(r).has_state || round.at(r).committed < step) behind.push_back(r);
     } else {
-      for (const auto& [r, a] : round) step = std::max(step, a.committed);
+      for (int r : now_members) step = std::max(step, round.at(r).committed);
+    }
+    std::string missing;  // why no member can be given the last committed state
+    if (global_step > 0 && (!any_state || step < global_step)) {
+      missing = "no live member holds the state of step " + std::to_string(global_step) + " to recover from";
+    }
+    for (int r : behind)
+      if (missing.empty() && donor.count(place_of(r).second) == 0)
+        missing = "no live member at position " + std::to_string(place_of(r).second) + " of its replica holds step " +
+                  std::to_string(step) + " to recover from";
+    if (!missing.empty()) {
+      // Refused, rather than restarting history.
+      for (int r : now_members) {
+        out.refusals.emplace_back(std::move(round.at(r).reply),
+                                  std::make_exception_ptr(RpcError("fault-tolerant training: " + missing)));
+        round.erase(r);
+      }
+      round_deadline.reset();
+      return;
     }
     if (!started || now_members != members || any_failed || !behind.empty()) ++epoch;
     started = true;
     members = now_members;
+    current_step = step;
     expected = std::set<int>(members.begin(), members.end());
     stats.epoch = epoch;
     ++stats.quorums;
     stats.recoveries += static_cast<std::int64_t>(behind.size());
-    for (auto& [r, a] : round) {
+    for (int r : members) {
+      const int position = place_of(r).second;
       const bool recovers = std::find(behind.begin(), behind.end(), r) != behind.end();
-      out.quorums.emplace_back(std::move(a.reply), QuorumAnswer{epoch, step, members, recovers ? donor : -1,
-                                                                r == donor ? behind : std::vector<int>{}});
+      std::vector<int> serve;
+      if (auto d = donor.find(position); d != donor.end() && d->second == r)
+        for (int b : behind)
+          if (place_of(b).second == position) serve.push_back(b);
+      out.quorums.emplace_back(std::move(round.at(r).reply),
+                               QuorumAnswer{epoch, step, members, recovers ? donor.at(position) : -1, serve});
+      round.erase(r);
     }
-    round.clear();
     round_deadline.reset();
     // Votes of older epochs can no longer be decided by anyone: they are lost.
     for (auto it = decided.begin(); it != decided.end();)
       it = it->first.first + 4 < epoch ? decided.erase(it) : std::next(it);
   }
 
+  // Replica groups: tells `ranks` (members of the current epoch) that the step in progress is taken by nobody, so
+  // that a worker waiting for a lost replica mate's activation stops now rather than at a timeout.
+  void abort_members_locked(const std::vector<int>& ranks, const std::string& why, Replies& out) {
+    if (!grouped()) return;
+    for (int r : ranks) out.aborts.push_back({r, epoch, current_step, why});
+  }
+
   void decide_locked(const StepKey& key, bool outcome, Replies& out) {
     auto it = votes.find(key);
+    if (!outcome && key.first == epoch && key.second == current_step) {
+      std::vector<int> not_yes;
+      for (int m : members)
+        if (it == votes.end() || it->second.yes.count(m) == 0) not_yes.push_back(m);
+      abort_members_locked(not_yes, "step " + std::to_string(key.second) + " was voted down", out);
+    }
     if (it != votes.end()) {
       for (auto& p : it->second.waiting) out.votes.emplace_back(std::move(p), outcome);
       votes.erase(it);
@@ -208,6 +275,10 @@ struct QuorumCoordinator::State {
       }
       if (std::find(members.begin(), members.end(), rank) != members.end()) {
         broken_epoch = epoch;
+        std::vector<int> others;
+        for (int m : members)
+          if (m != rank) others.push_back(m);
+        abort_members_locked(others, "member " + std::to_string(rank) + " was lost: " + why, out);
         std::vector<StepKey> open;
         for (const auto& [key, v] : votes)
           if (key.first == epoch) open.push_back(key);
@@ -273,10 +344,21 @@ Future<T> with_coordinator(std::function<Future<T>(QuorumCoordinator::State&)> r
 
 QuorumCoordinator::QuorumCoordinator(QuorumOptions options) : state_(std::make_shared<State>()) {
   auto& rt = Runtime::get();
+  if (options.replicas.empty() && !options.replica_groups.empty())
+    for (const auto& g : options.replica_groups) options.replicas.insert(options.replicas.end(), g.begin(), g.end());
   if (options.replicas.empty())
     for (int r = 0; r < rt.world_size(); ++r)
       if (r != rt.rank()) options.replicas.push_back(r);
   if (options.min_replicas < 1) throw UsageError("QuorumOptions::min_replicas must be at least 1");
+  for (size_t g = 0; g < options.replica_groups.size(); ++g) {
+    const auto& ranks = options.replica_groups[g];
+    if (ranks.empty() || ranks.size() != options.replica_groups[0].size())
+      throw UsageError("QuorumOptions::replica_groups: every replica needs the same number of ranks (at least one)");
+    for (size_t k = 0; k < ranks.size(); ++k)
+      if (!state_->place.emplace(ranks[k], std::pair<int, int>{static_cast<int>(g), static_cast<int>(k)}).second)
+        throw UsageError("QuorumOptions::replica_groups: rank " + std::to_string(ranks[k]) + " is in two replicas");
+  }
+  state_->groups = options.replica_groups;
   state_->options = std::move(options);
   state_->expected = std::set<int>(state_->options.replicas.begin(), state_->options.replicas.end());
   std::vector<std::function<void(State&)>> early;

@@ -10,6 +10,7 @@
 #include <tuple>
 #include <utility>
 
+#include "corpc/core/detail/continuation.hpp"
 #include "corpc/pipeline/pipeline.hpp"
 #include "memory/host_allocator.hpp"
 #include "core/trace_recorder.hpp"
@@ -41,7 +42,7 @@ struct Held {
   bool input_done = false;  // its I has run: its W may run whenever the worker would otherwise wait
 };
 
-struct Host {
+struct Host : std::enable_shared_from_this<Host> {
   StagePlacement placement;
   int rank = -1;
   LossFn loss;
@@ -131,7 +132,18 @@ Future<void> send(Host& host, std::int64_t step, int stage, int micro, bool grad
     done.set_value();
     return done.get_future();
   }
-  return rpc_async<&deliver>(to, host.placement.pipeline_id, step, stage, micro, gradient, std::move(value));
+  auto sent = rpc_async<&deliver>(to, host.placement.pipeline_id, step, stage, micro, gradient, std::move(value));
+  // A send that fails ends this worker's step now: the stage that waits for what it carried never gets it, and this
+  // worker may itself be waiting for that stage's answer.
+  corpc::detail::on_ready_inline(sent, [host = host.shared_from_this(), step, to, sent] {
+    if (!sent.has_error()) return;
+    try {
+      sent.value();
+    } catch (const std::exception& e) {
+      host->abort(step, "sending to rank " + std::to_string(to) + " failed: " + e.what());
+    }
+  });
+  return sent;
 }
 
 at::Tensor grad_or_zeros(const at::Tensor& leaf) { return leaf.grad().defined() ? leaf.grad() : at::zeros_like(leaf); }
@@ -198,10 +210,18 @@ std::vector<std::pair<std::int32_t, std::vector<at::Tensor>>> stage_parameters(s
   return out;
 }
 
-Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Action> actions,
-                            std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets, std::int64_t mean_over) {
-  auto host = host_or_throw(id);
+namespace {
+
+// Runs one step's actions on the stages `host` holds: every forward and backward, no optimizer step. `hooks` (may be
+// null) hears when a stage's gradients are complete: after its last backward, a B or a W, counted rather than
+// found by position because the loop below reorders Ws and overlapped pairs at run time.
+Task<WorkerReport> run_actions(std::shared_ptr<Host> host, std::int64_t step, std::vector<Action> actions,
+                               std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets, std::int64_t mean_over,
+                               const StageHooks* hooks) {
   host->forget_before(step);
+  std::map<int, int> backwards_left;  // per stage: the Bs and Ws still to run
+  for (const auto& a : actions)
+    if (a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardWeight) ++backwards_left[a.stage];
   const int last = static_cast<int>(host->placement.stage_ranks.size()) - 1;
   WorkerReport report;
   report.rank = host->rank;
@@ -335,6 +355,12 @@ Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Act
     }
     record.end_ns = now_ns();
     report.records.push_back(record);
+    if (hooks) {
+      if ((a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardWeight) && --backwards_left[a.stage] == 0 &&
+          hooks->stage_backward_done)
+        hooks->stage_backward_done(a.stage);
+      if (hooks->after_action) hooks->after_action(a);
+    }
     if (trace::enabled()) [[unlikely]] {
       trace::detail::record({.kind = trace::detail::Kind::pipeline_action,
                              .t0 = record.start_ns,
@@ -343,10 +369,33 @@ Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Act
     }
   }
   co_await when_all(std::move(sends));
-  for (auto& [s, st] : host->stages)
-    if (st.optimizer) st.optimizer->step();
   report.peak_activation_bytes = host_peak_bytes() - baseline;
   co_return report;
+}
+
+}  // namespace
+
+Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Action> actions,
+                            std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets, std::int64_t mean_over) {
+  auto host = host_or_throw(id);
+  WorkerReport report = co_await run_actions(host, step, std::move(actions), std::move(inputs), std::move(targets),
+                                             mean_over, nullptr);
+  for (auto& [s, st] : host->stages)
+    if (st.optimizer) st.optimizer->step();
+  co_return report;
+}
+
+Task<WorkerReport> run_local_step(std::uint64_t id, std::int64_t attempt, std::vector<Action> actions,
+                                  std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets,
+                                  std::int64_t mean_over, const StageHooks& hooks) {
+  return run_actions(host_or_throw(id), attempt, std::move(actions), std::move(inputs), std::move(targets), mean_over,
+                     &hooks);
+}
+
+std::vector<LocalStage> local_stages(std::uint64_t id) {
+  std::vector<LocalStage> out;
+  for (auto& [s, st] : host_or_throw(id)->stages) out.push_back({s, st.layers, st.optimizer.get()});
+  return out;
 }
 
 std::uint64_t next_pipeline_id() {

@@ -278,11 +278,17 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, de
   if (!registering) {
     // A claim is checked against the world table's keys: until we have the table it waits with what follows it.
     if (world.park_if_unknown(conn, msg)) return;
+    // A rank that rejoined says so in every Hello it sends; only the first from its incarnation replaces a
+    // predecessor here. A later one (a second connection, or one dialed after this process learnt the incarnation from
+    // the world table) is an ordinary claim: taking it as a replacement would close the live connection to the same
+    // process, and the calls on it.
+    const bool new_incarnation = hello.incarnation > identities.get(info.rank).incarnation;
     if (auto unproven = unproven_claim(hello)) return refuse_claim(conn, info, *unproven);
     if (world.known() && workers[info.rank].name != info.name)
       return refuse(
           conn, "rank " + std::to_string(info.rank) + " is '" + workers[info.rank].name + "', not '" + info.name + "'");
-    if (hello.rejoining && world.known()) return admit_rejoined(conn, hello, answer, /*registration=*/false);
+    if (hello.rejoining && new_incarnation && world.known())
+      return admit_rejoined(conn, hello, answer, /*registration=*/false);
     if (auto refusal = peers->claim(info.rank, conn)) return refuse_claim(conn, info, *refusal);
     conn->peer_limits = theirs;
     offer_same_host(conn, hello, answer);

@@ -121,6 +121,12 @@ class GradientSync {
   /// Broadcasts `module`'s parameters and buffers from rank 0 (collective: every rank constructs one), builds the
   /// buckets and hooks every parameter's gradient accumulator. `module` must outlive it.
   GradientSync(torch::nn::Module& module, c10::intrusive_ptr<c10d::ProcessGroup> group, DdpOptions options);
+  /// The tag of the constructor below.
+  struct Manual {};
+  /// For gradients made by many backward passes that together are one (a pipeline stage's micro-batches, zero
+  /// bubble's weight passes): no hook on the accumulators and no broadcast (the caller keeps the ranks' models equal);
+  /// the caller says when the gradients are complete with launch_all() and takes the averages with finish_launched().
+  GradientSync(torch::nn::Module& module, c10::intrusive_ptr<c10d::ProcessGroup> group, DdpOptions options, Manual);
   ~GradientSync();
   GradientSync(const GradientSync&) = delete;
   GradientSync& operator=(const GradientSync&) = delete;
@@ -136,6 +142,11 @@ class GradientSync {
   /// Buckets whose allreduce started from a gradient hook, that is, while the last synchronised backward still ran
   /// (the rest started in the end-of-backward callback). The overlap, observable without a clock.
   size_t buckets_launched_during_last_backward() const;
+  /// Manual mode: starts every bucket's allreduce, in bucket order, from the gradients as they are now (none: zero).
+  void launch_all();
+  /// Manual mode: waits for the buckets launch_all() started and puts the averages into `.grad`. Throws, as backward
+  /// does, if a collective failed.
+  void finish_launched();
 
   /// @cond INTERNAL
   struct State;

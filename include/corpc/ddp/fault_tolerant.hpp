@@ -75,7 +75,12 @@ struct QuorumOptions {
   /// The trainers: the members of the first quorum, waited for up to `startup_timeout`. Empty: every RPC rank but
   /// the coordinator's.
   std::vector<int> replicas;
-  /// A quorum needs at least this many members; below it the trainers wait (their request's own timeout bounds it).
+  /// Ranks that take part only together, one list per replica, position by position (the workers of a pipeline
+  /// replica: corpc/ddp/pipeline_replicas.hpp). A quorum then has whole replicas only: the requests of a replica with
+  /// a rank missing wait for a later round, a member recovers from one at its own position, and when a step fails
+  /// the members are told at once. Empty: every rank is a replica of its own. Sets `replicas` when that is empty.
+  std::vector<std::vector<int>> replica_groups;
+  /// A quorum needs at least this many replicas; below it the trainers wait (their request's own timeout bounds it).
   int min_replicas = 1;
   /// How long a quorum, once one member asks, waits for the other members of the last quorum (and a commit vote for
   /// the other members' votes) before it goes on without them.

@@ -119,6 +119,22 @@ void host_stages(const StagePlacement& placement, torch::nn::Sequential model, L
 // mean_over: the batch size when the loss is a mean (each micro-batch's loss is scaled by its share), 0 for a sum.
 Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Action> actions,
                             std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets, std::int64_t mean_over);
+// A worker's own step over the stages it hosts for `id` (pipeline replicas run one on every worker, with no caller):
+// the actions of `attempt` (the mailbox's key: a retried step gets a new one), without the optimizer step.
+struct StageHooks {
+  std::function<void(int stage)> stage_backward_done;    // the stage's gradients of this step are complete
+  std::function<void(const Action& done)> after_action;  // after each action, and its stage_backward_done
+};
+Task<WorkerReport> run_local_step(std::uint64_t id, std::int64_t attempt, std::vector<Action> actions,
+                                  std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets,
+                                  std::int64_t mean_over, const StageHooks& hooks);
+// The stages this process hosts for `id`, in stage order; the optimizer is null without a factory.
+struct LocalStage {
+  int stage = 0;
+  torch::nn::Sequential layers;
+  torch::optim::Optimizer* optimizer = nullptr;
+};
+std::vector<LocalStage> local_stages(std::uint64_t id);
 void deliver(std::uint64_t id, std::int64_t step, std::int32_t stage, std::int32_t micro, bool gradient,
              at::Tensor value);
 void abort_step(std::uint64_t id, std::int64_t step, std::string reason);

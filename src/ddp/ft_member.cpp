@@ -1,0 +1,154 @@
+// A fault-tolerant trainer's part in the quorum (see ft_member.hpp): the quorum request, the vote, and the state a
+// member serves to, and loads from, another.
+#include "ddp/ft_member.hpp"
+
+#include <cstring>
+#include <sstream>
+
+#include <torch/serialize.h>
+
+#include "corpc/rpc/call.hpp"
+#include "corpc/rpc/errors.hpp"
+#include "corpc/rpc/runtime.hpp"
+#include "ddp/fault_tolerant_calls.hpp"
+
+namespace corpc::ddp::ft_detail {
+
+namespace {
+std::mutex g_member_mutex;
+std::weak_ptr<Member> g_member;
+}  // namespace
+
+void register_member(const std::shared_ptr<Member>& member) {
+  std::lock_guard lock(g_member_mutex);
+  if (g_member.lock()) throw UsageError("a fault-tolerant trainer trains in this process already");
+  g_member = member;
+}
+
+Member::Member(std::vector<Part> parts, FaultTolerantOptions options)
+    : parts_(std::move(parts)), options_(std::move(options)) {
+  auto& rt = Runtime::get();
+  rank_ = rt.rank();
+  has_state_ = !rt.options().rejoin;
+}
+
+std::vector<at::Tensor> Member::tensors() const {
+  std::vector<at::Tensor> all;
+  for (const auto& part : parts_) {
+    for (auto& p : part.module->parameters()) all.push_back(p);
+    for (auto& b : part.module->buffers()) all.push_back(b);
+  }
+  return all;
+}
+
+// What a member that recovers from us loads: parameters and buffers, each optimizer's archive, the step counter.
+std::vector<at::Tensor> Member::take_state() const {
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> out;
+  for (const auto& t : tensors()) out.push_back(t.detach().clone());
+  for (const auto& part : parts_) {
+    torch::serialize::OutputArchive archive;
+    part.optimizer->save(archive);
+    std::ostringstream bytes;
+    archive.save_to(bytes);
+    const std::string b = bytes.str();
+    out.push_back(at::empty({static_cast<std::int64_t>(b.size())}, at::kByte));
+    std::memcpy(out.back().data_ptr(), b.data(), b.size());
+  }
+  out.push_back(at::tensor({committed_}, at::kLong));
+  return out;
+}
+
+void Member::load_state(const std::vector<at::Tensor>& in) {
+  auto mine = tensors();
+  const size_t extra = parts_.size() + 1;
+  if (in.size() != mine.size() + extra)
+    throw UsageError("fault-tolerant training: the donor's state has " + std::to_string(in.size() - extra) +
+                     " tensors, this model " + std::to_string(mine.size()) + ": the trainers run different models");
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < mine.size(); ++i) mine[i].detach().copy_(in[i]);
+  for (size_t k = 0; k < parts_.size(); ++k) {
+    const auto& bytes = in[mine.size() + k];
+    std::istringstream stream(std::string(static_cast<const char*>(bytes.data_ptr()), bytes.numel()));
+    torch::serialize::InputArchive archive;
+    archive.load_from(stream);
+    parts_[k].optimizer->load(archive);
+  }
+  committed_ = in.back().item<std::int64_t>();
+}
+
+void Member::serve_from(std::int64_t at_epoch) {
+  std::vector<std::pair<Promise<std::vector<at::Tensor>>, bool>> answers;  // (reply, now or refused)
+  {
+    std::lock_guard lock(snapshot_mutex_);
+    snapshot_ = take_state();
+    snapshot_epoch_ = at_epoch;
+    for (auto& [e, p] : early_requests_) answers.emplace_back(std::move(p), e == at_epoch);
+    early_requests_.clear();
+  }
+  for (auto& [p, now] : answers) {
+    if (now) {
+      p.set_value(snapshot_);
+    } else {
+      p.set_exception(std::make_exception_ptr(
+          ProtocolError("fault-tolerant training: the donor's state of that epoch is no longer there")));
+    }
+  }
+}
+
+Future<std::vector<at::Tensor>> Member::state_of(std::int64_t at_epoch) {
+  std::lock_guard lock(snapshot_mutex_);
+  if (snapshot_epoch_ == at_epoch) return make_ready_future(std::vector<at::Tensor>(snapshot_));
+  if (snapshot_epoch_ > at_epoch)
+    return make_exceptional_future<std::vector<at::Tensor>>(std::make_exception_ptr(
+        ProtocolError("fault-tolerant training: the donor has moved past epoch " + std::to_string(at_epoch))));
+  Promise<std::vector<at::Tensor>> p;
+  auto f = p.get_future();
+  early_requests_.emplace_back(at_epoch, std::move(p));
+  return f;
+}
+
+Quorum Member::ask_quorum(std::vector<int>& serve_to) {
+  auto [e, step, members, from, serve] = rpc_sync<&quorum_request>(
+      options_.coordinator_rank, with_timeout(options_.quorum_timeout), rank_, committed_, has_state_, failed_last_);
+  serve_to = std::move(serve);
+  Quorum q;
+  q.epoch = e;
+  q.step = step;
+  q.members = std::move(members);
+  q.recover_from = from;
+  return q;
+}
+
+bool Member::enter_epoch(const Quorum& q, const std::vector<int>& serve_to) {
+  if (!serve_to.empty()) serve_from(q.epoch);
+  if (q.recover_from < 0) return false;
+  load_state(rpc_sync<&state_request>(q.recover_from, with_timeout(options_.collective_timeout), q.epoch));
+  has_state_ = true;
+  if (options_.on_recovered) options_.on_recovered(q);
+  return true;
+}
+
+bool Member::vote(const Quorum& q, bool ok) {
+  const bool commit = rpc_sync<&commit_request>(options_.coordinator_rank, with_timeout(options_.quorum_timeout), rank_,
+                                                q.epoch, q.step, ok);
+  failed_last_ = !commit;
+  if (commit) committed_ = q.step + 1;
+  return commit;
+}
+
+Future<std::vector<at::Tensor>> state_request(std::int64_t epoch) {
+  std::shared_ptr<Member> member;
+  {
+    std::lock_guard lock(g_member_mutex);
+    member = g_member.lock();
+  }
+  if (!member)
+    return make_exceptional_future<std::vector<at::Tensor>>(
+        std::make_exception_ptr(UsageError("no fault-tolerant trainer trains on this worker")));
+  return member->state_of(epoch);
+}
+
+}  // namespace corpc::ddp::ft_detail
+
+CORPC_IO_THREAD_FUNCTION(&corpc::ddp::ft_detail::state_request);

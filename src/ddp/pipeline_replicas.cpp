@@ -1,0 +1,383 @@
+// Pipeline replicas (see corpc/ddp/pipeline_replicas.hpp): one worker's loop. Each attempt at a step asks for a
+// quorum of whole replicas, recovers and builds a Gloo group per stage when the epoch changed, runs this worker's
+// actions (pipeline::detail::run_local_step) with each stage's averaging started by the stage's last backward, votes,
+// and steps the optimizers once the coordinator committed the step.
+#include "corpc/ddp/pipeline_replicas.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <string>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include "corpc/core/sync_wait.hpp"
+#include "corpc/ddp/rpc_store.hpp"
+#include "corpc/rpc/call.hpp"
+#include "corpc/rpc/errors.hpp"
+#include "corpc/rpc/runtime.hpp"
+#include "ddp/fault_tolerant_calls.hpp"
+#include "ddp/ft_member.hpp"
+#include "ddp/process_group.hpp"
+
+namespace corpc::ddp {
+
+namespace pp_detail {
+// A restarted worker calls each of its replica mates once, so that they take its rank back (RpcOptions::rejoin): until
+// the new incarnation has connected to a peer, that peer's calls to the rank fail.
+void hello() {}
+}  // namespace pp_detail
+
+std::vector<std::vector<int>> ReplicaLayout::replica_groups() const {
+  std::vector<std::vector<int>> out(static_cast<size_t>(replicas));
+  for (int r = 0; r < replicas; ++r)
+    for (int p = 0; p < workers_per_replica; ++p) out[static_cast<size_t>(r)].push_back(rank(r, p));
+  return out;
+}
+
+namespace {
+
+int stages_per_worker(const PipelineReplicaOptions& o) {
+  return o.stages_per_worker > 0 ? o.stages_per_worker : pipeline::min_stages_per_worker(o.schedule);
+}
+
+}  // namespace
+
+ReplicaLayout layout_of(const PipelineReplicaOptions& o) {
+  if (o.replicas < 1) throw UsageError("PipelineReplicaOptions::replicas must be at least 1");
+  const int stages = static_cast<int>(o.balance.size()), v = stages_per_worker(o);
+  if (stages < 1 || stages % v != 0)
+    throw UsageError(std::string(pipeline::to_string(o.schedule)) + " with " + std::to_string(v) +
+                     " stages per worker does not fit " + std::to_string(stages) + " stages");
+  ReplicaLayout layout;
+  layout.replicas = o.replicas;
+  layout.workers_per_replica = stages / v;
+  layout.first_rank = o.first_rank;
+  return layout;
+}
+
+struct PipelineReplicas::State {
+  PipelineReplicaOptions options;
+  ReplicaLayout layout;
+  int rank = -1, replica = -1, position = -1;
+  std::uint64_t host_id = 0;
+  std::vector<pipeline::Action> actions;  // this worker's, every step
+  std::vector<pipeline::detail::LocalStage> stages;
+  bool has_first = false, has_last = false;
+  std::shared_ptr<ft_detail::Member> member;  // null without fault tolerance
+
+  // A group and its averaging per stage held (none while this stage's replica is the only member).
+  struct Averaging {
+    c10::intrusive_ptr<c10d::ProcessGroup> group;
+    std::unique_ptr<GradientSync> sync;
+    bool launched = false;
+  };
+  std::vector<Averaging> averaging;  // parallel to `stages`
+  std::int64_t epoch = -1;           // of `averaging`
+  std::int64_t plain_steps = 0;      // without fault tolerance
+
+  // Without fault tolerance: a lost replica mate or stage peer fails the attempt running (or the next one).
+  std::mutex failure_mutex;
+  std::int64_t running = -1;
+  std::string lost;
+
+  // A restarted worker's replica mates it could not call yet (pp_detail::hello). In a quorum they are sure to be up:
+  // two mates restarted together may not have reached each other before.
+  std::vector<int> to_greet;
+  void greet_mates() {
+    while (!to_greet.empty()) {
+      rpc_sync<&pp_detail::hello>(to_greet.back(), with_timeout(options.ft.collective_timeout));
+      to_greet.pop_back();
+    }
+  }
+
+  static std::int64_t attempt_of(std::int64_t epoch, std::int64_t step) { return (epoch << 32) | step; }
+
+  std::vector<int> replicas_of(const std::vector<int>& ranks) const {
+    std::vector<int> out;
+    for (int r : ranks) out.push_back(layout.replica_of(r));
+    std::sort(out.begin(), out.end());
+    out.erase(std::unique(out.begin(), out.end()), out.end());
+    return out;
+  }
+
+  // A Gloo group per stage held, among the workers that hold it in `replicas`; in ascending stage order, which every
+  // member of a stage's group shares (they hold the same stages).
+  void join_epoch(std::int64_t at_epoch, const std::vector<int>& replicas) {
+    averaging.clear();
+    averaging.resize(stages.size());
+    const auto index = std::find(replicas.begin(), replicas.end(), replica) - replicas.begin();
+    if (replicas.size() > 1) {
+      const auto& ft = options.ft;
+      auto base = c10::make_intrusive<RpcStore>(ft.coordinator_rank, ft.collective_timeout);
+      for (size_t i = 0; i < stages.size(); ++i) {
+        auto store = c10::make_intrusive<c10d::PrefixStore>(
+            "corpc/pp/epoch/" + std::to_string(at_epoch) + "/stage/" + std::to_string(stages[i].stage) + "/", base);
+        averaging[i].group = detail::gloo_group(store, static_cast<int>(index), static_cast<int>(replicas.size()),
+                                                ft.collective_timeout, /*loopback=*/true);
+        averaging[i].sync =
+            std::make_unique<GradientSync>(*stages[i].layers, averaging[i].group, ft.ddp, GradientSync::Manual{});
+      }
+    }
+    epoch = at_epoch;
+  }
+
+  void launch(size_t i) {
+    auto& a = averaging[i];
+    if (a.launched || !a.sync) return;
+    a.launched = true;
+    a.sync->launch_all();
+  }
+
+  // One attempt: this worker's actions, and every stage's averaging. Throws the first error.
+  pipeline::WorkerReport run(std::int64_t attempt, std::int64_t step, const ReplicaBatchFn& batch,
+                             std::optional<double>& loss) {
+    const int M = options.micro_batches;
+    std::vector<at::Tensor> inputs, targets;
+    std::int64_t mean_over = 0;
+    if (has_first || has_last) {
+      auto [x, y] = batch(step, replica);
+      if (x.size(0) != y.size(0) || x.size(0) < M)
+        throw UsageError(
+            "PipelineReplicas: a replica's batch needs as many targets as inputs, and at least one per "
+            "micro-batch (" +
+            std::to_string(x.size(0)) + " inputs, " + std::to_string(y.size(0)) + " targets, " + std::to_string(M) +
+            " micro-batches)");
+      if (options.loss_reduction == pipeline::LossReduction::mean) mean_over = x.size(0);
+      if (has_first) inputs = x.chunk(M);
+      if (has_last) targets = y.chunk(M);
+    }
+    for (auto& st : stages)
+      for (auto& p : st.layers->parameters())
+        if (p.grad().defined()) p.mutable_grad().zero_();
+    for (auto& a : averaging) a.launched = false;
+
+    pipeline::detail::StageHooks hooks;
+    if (options.after_action) hooks.after_action = [&](const pipeline::Action& a) { options.after_action(step, a); };
+    hooks.stage_backward_done = [&](int stage) {
+      if (options.before_averaging) options.before_averaging(step, stage);
+      for (size_t i = 0; i < stages.size(); ++i)
+        if (stages[i].stage == stage) launch(i);
+    };
+    {
+      std::lock_guard lock(failure_mutex);
+      if (!lost.empty()) throw ConnectionError(lost);
+      running = attempt;
+    }
+    std::exception_ptr error;
+    pipeline::WorkerReport report;
+    try {
+      report = sync_wait(pipeline::detail::run_local_step(host_id, attempt, actions, std::move(inputs),
+                                                          std::move(targets), mean_over, hooks));
+    } catch (...) {
+      error = std::current_exception();
+    }
+    // Every stage's averaging takes place even after a failure (then with whatever gradients there are): the other
+    // replicas' workers are in it, and would otherwise wait for their collective's timeout.
+    for (size_t i = 0; i < averaging.size(); ++i) {
+      try {
+        launch(i);
+      } catch (...) {
+        if (!error) error = std::current_exception();
+      }
+    }
+    for (auto& a : averaging) {
+      if (!a.launched) continue;
+      try {
+        a.sync->finish_launched();
+      } catch (...) {
+        if (!error) error = std::current_exception();
+      }
+    }
+    {
+      std::lock_guard lock(failure_mutex);
+      running = -1;
+    }
+    if (error) std::rethrow_exception(error);
+    if (has_last) {
+      double sum = 0;
+      for (double l : report.losses) sum += l;
+      loss = sum;
+    }
+    return report;
+  }
+
+  void step_optimizers() {
+    for (auto& st : stages) st.optimizer->step();
+  }
+
+  ReplicaStepReport plain_step(const ReplicaBatchFn& batch) {
+    ReplicaStepReport report;
+    for (int r = 0; r < layout.replicas; ++r) report.replicas.push_back(r);
+    if (epoch < 0) join_epoch(0, report.replicas);
+    report.worker = run(plain_steps, plain_steps, batch, report.loss);
+    step_optimizers();
+    report.ft.quorum.step = plain_steps++;
+    return report;
+  }
+
+  ReplicaStepReport fault_tolerant_step(const ReplicaBatchFn& batch) {
+    ReplicaStepReport report;
+    for (int attempt = 0;; ++attempt) {
+      std::vector<int> serve_to;
+      Quorum q = member->ask_quorum(serve_to);  // a lost coordinator ends the training here, with its ConnectionError
+      bool ok = true;
+      report.loss.reset();
+      try {
+        if (q.epoch != epoch) {
+          averaging.clear();
+          epoch = -1;
+          if (member->enter_epoch(q, serve_to)) report.ft.recovered = true;
+          greet_mates();
+          join_epoch(q.epoch, replicas_of(q.members));
+        }
+        report.worker = run(attempt_of(q.epoch, q.step), q.step, batch, report.loss);
+      } catch (const std::exception& e) {
+        ok = false;
+        report.ft.last_error = e.what();
+      }
+      if (member->vote(q, ok)) {
+        step_optimizers();
+        report.replicas = replicas_of(q.members);
+        report.ft.quorum = std::move(q);
+        report.ft.retries = attempt;
+        return report;
+      }
+      // Taken by nobody: fresh groups next time (this attempt's gradients are zeroed by the next).
+      averaging.clear();
+      epoch = -1;
+      if (attempt >= options.ft.max_retries)
+        throw RpcError("PipelineReplicas: step " + std::to_string(q.step) + " failed " + std::to_string(attempt + 1) +
+                       " times; the last: " + (report.ft.last_error.empty() ? "not committed" : report.ft.last_error));
+      if (report.ft.last_error.empty()) report.ft.last_error = "step " + std::to_string(q.step) + " was not committed";
+    }
+  }
+};
+
+namespace {
+std::mutex g_replicas_mutex;
+std::weak_ptr<PipelineReplicas::State> g_replicas;
+}  // namespace
+
+PipelineReplicas::PipelineReplicas(torch::nn::Sequential model, pipeline::LossFn loss,
+                                   pipeline::OptimizerFactory make_optimizer, PipelineReplicaOptions options)
+    : state_(std::make_shared<State>()) {
+  auto& s = *state_;
+  auto& rt = Runtime::get();
+  if (!make_optimizer) throw UsageError("PipelineReplicas: a stage needs an optimizer");
+  if (options.micro_batches < 1) throw UsageError("PipelineReplicas: at least one micro-batch");
+  s.layout = layout_of(options);
+  s.rank = rt.rank();
+  const auto& layout = s.layout;
+  if (s.rank < layout.first_rank || s.rank >= layout.first_rank + layout.world())
+    throw UsageError("PipelineReplicas: rank " + std::to_string(s.rank) + " is not one of the workers (ranks " +
+                     std::to_string(layout.first_rank) + ".." + std::to_string(layout.first_rank + layout.world() - 1) +
+                     ")");
+  if (layout.first_rank + layout.world() > rt.world_size())
+    throw UsageError("PipelineReplicas: " + std::to_string(layout.world()) + " workers from rank " +
+                     std::to_string(layout.first_rank) + " need " + std::to_string(layout.first_rank + layout.world()) +
+                     " ranks; the job has " + std::to_string(rt.world_size()));
+  s.replica = layout.replica_of(s.rank);
+  s.position = layout.position_of(s.rank);
+  const int stages = static_cast<int>(options.balance.size());
+  const int W = layout.workers_per_replica;
+  const auto where = pipeline::stage_workers(pipeline::placement_of(options.schedule), W, stages);
+  s.actions = pipeline::make_schedule(options.schedule, W, stages / W, options.micro_batches)[s.position];
+
+  pipeline::StagePlacement placement;
+  // Deterministic, so that a restarted worker's mailbox is the one its mates send to.
+  placement.pipeline_id = (std::uint64_t{1} << 63) | static_cast<std::uint64_t>(s.replica);
+  for (int st = 0; st < stages; ++st) {
+    placement.stage_ranks.push_back(layout.rank(s.replica, where[st]));
+    placement.balance.push_back(options.balance[st]);
+    placement.stage_devices.push_back("cpu");
+  }
+  s.host_id = placement.pipeline_id;
+  detail::ignore_sigpipe_unless_handled();  // before any group: see its comment
+  pipeline::detail::host_stages(placement, std::move(model), std::move(loss), std::move(make_optimizer));
+  s.stages = pipeline::detail::local_stages(s.host_id);
+  for (const auto& st : s.stages) {
+    s.has_first = s.has_first || st.stage == 0;
+    s.has_last = s.has_last || st.stage == stages - 1;
+  }
+  s.options = std::move(options);
+  if (s.options.fault_tolerant) {
+    std::vector<ft_detail::Member::Part> parts;
+    for (auto& st : s.stages) parts.push_back({st.layers.ptr().get(), st.optimizer});
+    s.member = std::make_shared<ft_detail::Member>(std::move(parts), s.options.ft);
+    ft_detail::register_member(s.member);
+  } else {
+    std::weak_ptr<State> weak = state_;
+    rt.add_peer_failure_listener([weak](int rank, const std::string& why) {
+      auto self = weak.lock();
+      if (!self) return;
+      const auto& l = self->layout;
+      if (rank < l.first_rank || rank >= l.first_rank + l.world()) return;
+      if (l.replica_of(rank) != self->replica && l.position_of(rank) != self->position) return;  // not a peer of ours
+      std::int64_t running;
+      {
+        std::lock_guard lock(self->failure_mutex);
+        self->lost = "PipelineReplicas: worker " + std::to_string(rank) + " was lost: " + why;
+        running = self->running;
+      }
+      if (running >= 0) pipeline::detail::abort_step(self->host_id, running, self->lost);
+    });
+  }
+  {
+    std::lock_guard lock(g_replicas_mutex);
+    g_replicas = state_;
+  }
+  if (rt.options().rejoin) {
+    // Now, before this worker asks for a quorum, so that a mate's first send to it finds it taken back; a mate that
+    // is itself restarting is called again once both are in a quorum (greet_mates).
+    for (int p = 0; p < layout.workers_per_replica; ++p) {
+      if (p == s.position) continue;
+      try {
+        rpc_sync<&pp_detail::hello>(layout.rank(s.replica, p), with_timeout(s.options.ft.collective_timeout));
+      } catch (const std::exception&) {
+        s.to_greet.push_back(layout.rank(s.replica, p));
+      }
+    }
+  }
+}
+
+PipelineReplicas::~PipelineReplicas() {
+  state_->averaging.clear();
+  pipeline::detail::drop_stages(state_->host_id);
+}
+
+ReplicaStepReport PipelineReplicas::step(const ReplicaBatchFn& batch) {
+  return state_->member ? state_->fault_tolerant_step(batch) : state_->plain_step(batch);
+}
+
+std::int64_t PipelineReplicas::committed_steps() const {
+  return state_->member ? state_->member->committed() : state_->plain_steps;
+}
+const ReplicaLayout& PipelineReplicas::layout() const { return state_->layout; }
+int PipelineReplicas::replica() const { return state_->replica; }
+int PipelineReplicas::position() const { return state_->position; }
+
+std::vector<ReplicaStage> PipelineReplicas::stages() const {
+  std::vector<ReplicaStage> out;
+  for (const auto& st : state_->stages) out.push_back({st.stage, st.layers, st.optimizer});
+  return out;
+}
+
+namespace ft_detail {
+
+void abort_attempt(std::int64_t epoch, std::int64_t step, std::string why) {
+  std::shared_ptr<PipelineReplicas::State> replicas;
+  {
+    std::lock_guard lock(g_replicas_mutex);
+    replicas = g_replicas.lock();
+  }
+  if (replicas && replicas->member)
+    pipeline::detail::abort_step(replicas->host_id, PipelineReplicas::State::attempt_of(epoch, step),
+                                 "PipelineReplicas: step " + std::to_string(step) + " is taken by nobody: " + why);
+}
+
+}  // namespace ft_detail
+}  // namespace corpc::ddp
+
+CORPC_IO_THREAD_FUNCTION(&corpc::ddp::pp_detail::hello);
+CORPC_IO_THREAD_FUNCTION(&corpc::ddp::ft_detail::abort_attempt);

@@ -1,0 +1,437 @@
+// Pipeline replicas (corpc/ddp/pipeline_replicas.hpp) with real processes: a coordinator (rank 0) and R replicas of a
+// K-stage pipeline. Without faults every schedule's result must equal the whole model trained on the whole batch in
+// one process; with workers SIGKILLed (restarted in place by the launcher) or SIGSTOPped mid-step, every step must be
+// committed once with one list of replicas, every replica's stages bit for bit alike at the end, and equal to one
+// process replaying the logged steps (each step's loss the mean over the replicas that took part).
+#include <doctest/doctest.h>
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <thread>
+
+#include <torch/torch.h>
+
+#include "corpc/ddp/pipeline_replicas.hpp"
+#include "corpc/rpc/call.hpp"
+#include "corpc/rpc/runtime.hpp"
+#include "stop_process.hpp"
+#include "support.hpp"
+
+namespace test_pipeline_replicas {  // this file's names, apart from the files it shares an executable with
+
+using namespace corpc;
+using namespace corpc::test;
+using namespace corpc::ddp;
+using namespace corpc::pipeline;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr int64_t kWidth = 16;
+constexpr int kLayers = 8;
+constexpr double kLr = 0.05;
+constexpr int64_t kBatch = 8;  // per replica
+
+int pid_of() { return static_cast<int>(::getpid()); }
+
+// In a worker: the replicas of the last step it saw committed.
+std::vector<int> g_last_replicas;
+
+// On the coordinator's rank: the ranks waiting to join (see Scenario::gates).
+QuorumCoordinator* g_coordinator = nullptr;
+std::vector<int> waiting_ranks() { return g_coordinator ? g_coordinator->stats().waiting : std::vector<int>{}; }
+bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
+
+torch::nn::Sequential make_model() {
+  torch::manual_seed(0);
+  torch::nn::Sequential m;
+  m->push_back(torch::nn::Linear(8, kWidth));
+  for (int i = 1; i < kLayers - 1; ++i) {
+    if (i % 2 == 1) m->push_back(torch::nn::Tanh());
+    else m->push_back(torch::nn::Linear(kWidth, kWidth));
+  }
+  m->push_back(torch::nn::Linear(kWidth, 1));
+  return m;
+}
+
+at::Tensor mse(const at::Tensor& out, const at::Tensor& target) { return torch::mse_loss(out, target); }
+
+std::unique_ptr<torch::optim::Optimizer> make_sgd(std::vector<at::Tensor> params) {
+  return std::make_unique<torch::optim::SGD>(std::move(params), torch::optim::SGDOptions(kLr).momentum(0.9));
+}
+
+std::pair<at::Tensor, at::Tensor> batch(int64_t step, int replica) {
+  auto g = at::detail::createCPUGenerator(static_cast<uint64_t>(step * 1000 + replica));
+  return {at::randn({kBatch, 8}, g), at::randn({kBatch, 1}, g)};
+}
+
+// The optimizer's state of `p`: keyed by its TensorImpl's address, written out (libtorch 1.13) or as is (2.x).
+template <class Map>
+auto find_state(Map& state, const at::Tensor& p) {
+  if constexpr (std::is_same_v<typename Map::key_type, std::string>) {
+    std::ostringstream key;
+    key << static_cast<void*>(p.unsafeGetTensorImpl());
+    return state.find(key.str());
+  } else {
+    return state.find(p.unsafeGetTensorImpl());
+  }
+}
+
+// Parameters, then each parameter's momentum buffer.
+std::vector<at::Tensor> state_of(const std::vector<at::Tensor>& params, torch::optim::Optimizer& opt) {
+  std::vector<at::Tensor> out;
+  for (auto& p : params) out.push_back(p.detach().clone());
+  for (auto& p : params) {
+    auto it = find_state(opt.state(), p);
+    out.push_back(it == opt.state().end()
+                      ? at::Tensor()
+                      : static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer().clone());
+  }
+  return out;
+}
+
+struct Scenario {
+  PipelineReplicaOptions options = [] {
+    PipelineReplicaOptions o;
+    o.replicas = 2;
+    o.balance = {4, 4};
+    o.micro_batches = 4;
+    o.ft.collective_timeout = 3s * time_scale();
+    o.ft.quorum_timeout = 60s;
+    return o;
+  }();
+  int steps = 6;
+  QuorumOptions quorum = [] {
+    QuorumOptions q;
+    q.join_timeout = 1500ms * time_scale();
+    return q;
+  }();
+  RpcOptions rpc = quick_options();
+  // After each action of a worker's attempt at `step`.
+  std::function<void(int rank, int incarnation, int64_t step, const Action& a)> after_action;
+  // (step, rank): before that step, the workers wait until `rank`, if its replica missed the last step, waits to join.
+  // Steps take milliseconds and a replacement's start longer: without this the others could finish before it is back.
+  std::vector<std::pair<int64_t, int>> gates;
+  int max_incarnations = 3;
+};
+
+std::string file_in(const std::string& dir, const std::string& what, int rank) {
+  return dir + "/" + what + std::to_string(rank);
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+void train(const Scenario& sc, const std::string& dir, int rank, int incarnation, int world) {
+  RpcOptions o = sc.rpc;
+  o.rejoin = incarnation > 0;
+  init_rpc(worker_name(rank), rank, world, o);
+  PipelineReplicaOptions po = sc.options;
+  if (sc.after_action)
+    po.after_action = [&](int64_t step, const Action& a) { sc.after_action(rank, incarnation, step, a); };
+  PipelineReplicas pp(make_model(), &mse, &make_sgd, po);
+  std::ofstream log(file_in(dir, "log", rank), std::ios::app);
+  ReplicaStepReport report;
+  // Past the last step until every replica is back (see "Finishing" in corpc/ddp/fault_tolerant.hpp); slowly then.
+  while (pp.committed_steps() < sc.steps || static_cast<int>(report.replicas.size()) < sc.options.replicas) {
+    if (pp.committed_steps() >= sc.steps) std::this_thread::sleep_for(20ms);
+    for (auto [step, joiner] : sc.gates)
+      if (pp.committed_steps() == step && !contains(g_last_replicas, pp.layout().replica_of(joiner)))
+        while (!contains(rpc_sync<&waiting_ranks>(0), joiner)) std::this_thread::sleep_for(5ms);
+    report = pp.step(batch);
+    g_last_replicas = report.replicas;
+    log << report.ft.quorum.step << " :";
+    for (int r : report.replicas) log << ' ' << r;
+    if (report.loss) log << " loss=" << *report.loss;
+    log << (report.ft.recovered ? " recovered" : "") << (report.ft.retries > 0 ? " retried" : "") << '\n';
+    log.flush();
+  }
+  for (auto& st : pp.stages())
+    torch::save(state_of(st.layers->parameters(), *st.optimizer),
+                file_in(dir, "final" + std::to_string(st.stage) + "_", rank));
+  shutdown(true);
+}
+
+struct Step {
+  std::vector<int> replicas;
+  std::map<int, double> losses;  // by replica
+};
+
+struct Outcome {
+  std::map<int64_t, Step> steps;
+  std::vector<std::string> logs;  // by rank
+  bool logged(int rank, int64_t step, const std::string& word) const {
+    std::istringstream in(logs[rank]);
+    std::string line;
+    while (std::getline(in, line))
+      if (line.rfind(std::to_string(step) + " ", 0) == 0 && line.find(word) != std::string::npos) return true;
+    return false;
+  }
+};
+
+// Runs the scenario, then checks: every step committed once with one list of replicas, the stages of every replica
+// bit for bit alike, and all of it equal to one process that replays the logged steps.
+Outcome run_scenario(const Scenario& sc) {
+  char tmpl[] = "/tmp/corpc-pp-XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl);
+  const ReplicaLayout layout = layout_of(sc.options);
+  const int world = 1 + layout.world();
+  launch_processes(
+      world,
+      [&](int rank) {
+        if (rank == 0) {
+          init_rpc(worker_name(0), 0, world, sc.rpc);
+          {
+            QuorumOptions q = sc.quorum;
+            q.replica_groups = layout.replica_groups();
+            QuorumCoordinator coordinator(q);
+            g_coordinator = &coordinator;
+            shutdown(true);
+            g_coordinator = nullptr;
+          }
+          return;
+        }
+        try {
+          train(sc, dir, rank, rank_restart_count(), world);
+        } catch (const std::exception& e) {
+          std::ofstream(file_in(dir, "error", rank), std::ios::app) << e.what() << '\n';
+          throw;
+        }
+      },
+      [&] {
+        LaunchOptions lo = launch_options(120s);
+        lo.max_rank_restarts = sc.max_incarnations - 1;
+        return lo;
+      }());
+  Outcome out;
+  out.logs.resize(static_cast<size_t>(world));
+  for (int r = 1; r < world; ++r) {
+    out.logs[r] = read_file(file_in(dir, "log", r));
+    INFO("worker " << r << ":\n" << out.logs[r]);
+    CHECK(read_file(file_in(dir, "error", r)) == "");
+    std::istringstream in(out.logs[r]);
+    std::string line;
+    while (std::getline(in, line)) {
+      std::istringstream words(line);
+      int64_t step;
+      std::string w;
+      words >> step >> w;
+      Step s;
+      while (words >> w) {
+        if (std::isdigit(static_cast<unsigned char>(w[0]))) s.replicas.push_back(std::stoi(w));
+        if (w.rfind("loss=", 0) == 0) s.losses[layout.replica_of(r)] = std::stod(w.substr(5));
+      }
+      auto [it, fresh] = out.steps.emplace(step, s);
+      CHECK(it->second.replicas == s.replicas);  // one list of replicas per step, wherever it was logged
+      for (auto [replica, loss] : s.losses) it->second.losses[replica] = loss;
+    }
+  }
+  REQUIRE(static_cast<int>(out.steps.size()) >= sc.steps);
+  CHECK(out.steps.rbegin()->first + 1 == static_cast<int64_t>(out.steps.size()));  // 0..n-1, each once
+  // The replay and the comparisons run in a rank of their own: this process must not start threads (it forks ranks).
+  launch_processes(
+      1,
+      [&](int) {
+        auto model = make_model();
+        torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(kLr).momentum(0.9));
+        for (const auto& [step, s] : out.steps) {
+          opt.zero_grad();
+          double total = 0;
+          for (int r : s.replicas) {
+            auto [x, y] = batch(step, r);
+            auto loss = mse(model->forward(x), y) / static_cast<double>(s.replicas.size());
+            total += loss.item<double>();
+            loss.backward();
+          }
+          double logged = 0;
+          for (int r : s.replicas) logged += s.losses.at(r) / static_cast<double>(s.replicas.size());
+          if (std::abs(logged - total) > 1e-4 * std::abs(total) + 1e-6)
+            throw std::runtime_error("step " + std::to_string(step) + ": loss " + std::to_string(logged) +
+                                     ", one process " + std::to_string(total));
+          opt.step();
+        }
+        // The whole model's parameters are its stages' in order: compare stage by stage, every replica.
+        const auto params = model->parameters();
+        size_t first = 0;
+        for (int stage = 0; stage < static_cast<int>(sc.options.balance.size()); ++stage) {
+          torch::nn::Sequential probe = make_model();
+          size_t layer = 0, count = 0;
+          for (int s = 0; s < stage; ++s) layer += static_cast<size_t>(sc.options.balance[s]);
+          for (size_t l = layer; l < layer + static_cast<size_t>(sc.options.balance[stage]); ++l)
+            count += probe[l]->parameters().size();
+          const auto where = stage_workers(placement_of(sc.options.schedule), layout.workers_per_replica,
+                                           static_cast<int>(sc.options.balance.size()));
+          std::vector<at::Tensor> reference(params.begin() + static_cast<std::ptrdiff_t>(first),
+                                            params.begin() + static_cast<std::ptrdiff_t>(first + count));
+          reference = state_of(reference, opt);
+          std::vector<at::Tensor> replica0;
+          for (int r = 0; r < layout.replicas; ++r) {
+            std::vector<at::Tensor> s;
+            torch::load(s, file_in(dir, "final" + std::to_string(stage) + "_", layout.rank(r, where[stage])));
+            if (r == 0) replica0 = s;
+            for (size_t i = 0; i < s.size(); ++i)
+              if (!torch::equal(s[i], replica0[i]))
+                throw std::runtime_error("stage " + std::to_string(stage) + ": replica " + std::to_string(r) +
+                                         " differs from replica 0 in tensor " + std::to_string(i));
+          }
+          for (size_t i = 0; i < reference.size(); ++i)
+            if (!torch::allclose(replica0[i], reference[i], 1e-4, 1e-6))
+              throw std::runtime_error("stage " + std::to_string(stage) + " tensor " + std::to_string(i) +
+                                       " differs from one process by up to " +
+                                       std::to_string((replica0[i] - reference[i]).abs().max().item<double>()));
+          first += count;
+        }
+      },
+      launch_options(60s));
+  std::filesystem::remove_all(dir);
+  return out;
+}
+
+Scenario with(Schedule schedule, std::vector<int> balance) {
+  Scenario sc;
+  sc.options.schedule = schedule;
+  sc.options.balance = std::move(balance);
+  return sc;
+}
+
+bool all_replicas(const Step& s) { return s.replicas == std::vector<int>{0, 1}; }
+
+}  // namespace
+
+TEST_CASE("pipeline replicas without faults equal the whole model on the whole batch in one process") {
+  struct Case {
+    Schedule schedule;
+    std::vector<int> balance;
+  };
+  for (const auto& c : {Case{Schedule::OneFOneB, {4, 4}}, Case{Schedule::OneFOneB, {2, 2, 2, 2}},
+                        Case{Schedule::Interleaved1F1B, {4, 4}}, Case{Schedule::Interleaved1F1B, {2, 2, 2, 2}},
+                        Case{Schedule::ZBVZeroBubble, {4, 4}}, Case{Schedule::ZBVZeroBubble, {2, 2, 2, 2}}}) {
+    INFO(std::string(to_string(c.schedule)) << " with " << c.balance.size() << " stages");
+    auto out = run_scenario(with(c.schedule, c.balance));
+    for (const auto& [step, s] : out.steps) CHECK(all_replicas(s));
+  }
+}
+
+TEST_CASE("pipeline replicas without fault tolerance (fixed groups, no quorum) train the same") {
+  auto sc = with(Schedule::OneFOneB, {4, 4});
+  sc.options.fault_tolerant = false;
+  auto out = run_scenario(sc);
+  CHECK(out.steps.size() == 6);
+}
+
+TEST_CASE("a stage worker SIGKILLed after a forward: the other replica retries the step alone, the replica rejoins") {
+  auto sc = with(Schedule::OneFOneB, {4, 4});
+  sc.steps = 8;
+  // Rank 4: replica 1's last stage, after its first forward of step 3.
+  sc.after_action = [](int rank, int incarnation, int64_t step, const Action& a) {
+    if (rank == 4 && incarnation == 0 && step == 3 && a.kind == ActionKind::Forward) ::raise(SIGKILL);
+  };
+  sc.gates = {{6, 4}};
+  auto out = run_scenario(sc);
+  CHECK(all_replicas(out.steps.at(2)));
+  CHECK(out.steps.at(3).replicas == std::vector<int>{0});
+  CHECK(out.logged(1, 3, "retried"));
+  CHECK(out.logged(3, 3, "retried"));
+  CHECK(out.logs[4].find("recovered") != std::string::npos);
+  CHECK(out.logs[2].find("recovered") != std::string::npos);  // its live mate missed steps too
+  CHECK(all_replicas(out.steps.rbegin()->second));
+}
+
+TEST_CASE("a stage worker SIGKILLed during the gradient averaging: nobody applies that step, then it is retried") {
+  auto sc = with(Schedule::OneFOneB, {4, 4});
+  sc.steps = 8;
+  // Rank 2: replica 1's first stage, right after its last backward started the stage's averaging.
+  sc.after_action = [](int rank, int incarnation, int64_t step, const Action& a) {
+    if (rank == 2 && incarnation == 0 && step == 4 && a.kind == ActionKind::Backward && a.micro == 3) ::raise(SIGKILL);
+  };
+  sc.gates = {{7, 2}};
+  auto out = run_scenario(sc);
+  CHECK(all_replicas(out.steps.at(3)));
+  CHECK(out.steps.at(4).replicas == std::vector<int>{0});
+  CHECK(out.logged(1, 4, "retried"));
+  CHECK(out.logs[2].find("recovered") != std::string::npos);
+  CHECK(all_replicas(out.steps.rbegin()->second));
+}
+
+TEST_CASE("a stage worker stopped past the join timeout: its replica is left out, then recovers and rejoins") {
+  auto sc = with(Schedule::OneFOneB, {4, 4});
+  sc.steps = 10;
+  // Rank 1 (replica 0) stops rank 4 (replica 1's last stage) during step 3, and lets it go at step 6.
+  static pid_t stopped = 0;
+  sc.after_action = [](int rank, int, int64_t step, const Action& a) {
+    if (rank != 1 || a.kind != ActionKind::Forward || a.micro != 0) return;
+    if (step == 3 && stopped == 0) {
+      stopped = rpc_sync<&pid_of>(4);
+      ::kill(stopped, SIGSTOP);
+      wait_until_stopped(stopped);
+    }
+    if (step == 6 && stopped > 0) {
+      ::kill(stopped, SIGCONT);
+      stopped = -1;
+    }
+  };
+  sc.gates = {{8, 4}};
+  auto out = run_scenario(sc);
+  CHECK(out.steps.at(4).replicas == std::vector<int>{0});
+  CHECK(out.steps.at(5).replicas == std::vector<int>{0});
+  CHECK(out.logs[4].find("recovered") != std::string::npos);  // told it was behind: it loaded replica 0's stage
+  CHECK(all_replicas(out.steps.rbegin()->second));
+}
+
+TEST_CASE("two workers of one replica lost in the same step: both restarted workers recover their own stages") {
+  auto sc = with(Schedule::OneFOneB, {4, 4});
+  sc.steps = 8;
+  sc.after_action = [](int rank, int incarnation, int64_t step, const Action& a) {
+    if ((rank == 2 || rank == 4) && incarnation == 0 && step == 3 && a.kind == ActionKind::Forward && a.micro == 1)
+      ::raise(SIGKILL);
+  };
+  sc.gates = {{6, 2}, {6, 4}};
+  auto out = run_scenario(sc);
+  CHECK(out.steps.at(3).replicas == std::vector<int>{0});
+  CHECK(out.logs[2].find("recovered") != std::string::npos);
+  CHECK(out.logs[4].find("recovered") != std::string::npos);
+  CHECK(all_replicas(out.steps.rbegin()->second));
+}
+
+TEST_CASE("a worker of each replica lost in different steps: each replica recovers from the other") {
+  auto sc = with(Schedule::OneFOneB, {4, 4});
+  sc.steps = 12;
+  // Replica 1's last stage at step 2; replica 0's first stage at step 8, or the first step after it that follows a
+  // step of both replicas (a replica recovers only from a live one).
+  sc.after_action = [](int rank, int incarnation, int64_t step, const Action& a) {
+    if (incarnation != 0 || a.kind != ActionKind::Forward || a.micro != 1) return;
+    if (rank == 4 && step == 2) ::raise(SIGKILL);
+    if (rank == 1 && step >= 8 && g_last_replicas == std::vector<int>{0, 1}) ::raise(SIGKILL);
+  };
+  sc.gates = {{6, 4}, {10, 1}};
+  auto out = run_scenario(sc);
+  CHECK(out.steps.at(2).replicas == std::vector<int>{0});
+  CHECK(out.logs[4].find("recovered") != std::string::npos);
+  CHECK(out.logs[1].find("recovered") != std::string::npos);
+  bool replica0_left_out = false;
+  for (const auto& [step, s] : out.steps) replica0_left_out = replica0_left_out || s.replicas == std::vector<int>{1};
+  CHECK(replica0_left_out);
+  CHECK(all_replicas(out.steps.rbegin()->second));
+}
+
+TEST_CASE("ZBV replicas (one worker each): a lost worker's replica rejoins, equal to one process") {
+  auto sc = with(Schedule::ZBVZeroBubble, {4, 4});
+  sc.steps = 8;
+  sc.after_action = [](int rank, int incarnation, int64_t step, const Action& a) {
+    if (rank == 2 && incarnation == 0 && step == 3 && a.kind == ActionKind::Forward && a.stage == 1) ::raise(SIGKILL);
+  };
+  sc.gates = {{6, 2}};
+  auto out = run_scenario(sc);
+  CHECK(out.steps.at(3).replicas == std::vector<int>{0});
+  CHECK(out.logs[2].find("recovered") != std::string::npos);
+  CHECK(all_replicas(out.steps.rbegin()->second));
+}
+
+}  // namespace test_pipeline_replicas
