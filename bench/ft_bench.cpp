@@ -31,22 +31,13 @@
 // The launcher's warnings (each restart) go to stderr; the ranks log errors only (CORPC_LOG=error unless set).
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
-#include <fstream>
-#include <limits>
-#include <map>
-#include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -57,11 +48,16 @@
 #include <corpc/ddp/fault_tolerant.hpp>
 
 #include "bench_util.hpp"
+#include "ft_events.hpp"
 
 namespace {
 
 namespace fs = std::filesystem;
-using Clock = std::chrono::steady_clock;
+using corpc::bench::cell;
+using corpc::bench::Event;
+using corpc::bench::EventLog;
+using corpc::bench::Kill;  // Kill::worker: the trainer (0-based)
+using corpc::bench::now_ns;
 
 struct Config {
   std::int64_t steps = 500;
@@ -79,11 +75,7 @@ struct Config {
 
 // The steps at whose start a trainer dies, in order; the i-th kill is trainer i % N's (0-based trainer index).
 std::vector<std::int64_t> kill_steps(const Config& c) {
-  std::vector<std::int64_t> steps;
-  if (c.kill_every <= 0) return steps;
-  for (std::int64_t s = c.kill_offset; s < c.steps; s += c.kill_every)
-    if (s > 0) steps.push_back(s);
-  return steps;
+  return corpc::bench::kill_steps(c.steps, c.kill_every, c.kill_offset);
 }
 
 // The index of the kill at `step`, or -1.
@@ -98,31 +90,6 @@ int victim(const Config& c, std::int64_t step) {
   const int k = kill_index(c, step);
   return k < 0 ? -1 : k % c.trainers;
 }
-
-using corpc::bench::now_ns;
-
-// One process's timestamps: "<event> <step> <t_ns>" lines appended to <dir>/<rank>.<pid>, one write each (a
-// SIGKILL loses nothing written before it).
-class EventLog {
- public:
-  EventLog(const std::string& dir, int rank) {
-    const std::string path = dir + "/" + std::to_string(rank) + "." + std::to_string(::getpid());
-    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-    if (fd_ < 0) throw std::runtime_error("ft_bench: cannot open " + path);
-  }
-  ~EventLog() { ::close(fd_); }
-  EventLog(const EventLog&) = delete;
-  EventLog& operator=(const EventLog&) = delete;
-  void operator()(const char* event, std::int64_t step) const {
-    char line[128];
-    const int n = std::snprintf(line, sizeof line, "%s %lld %lld\n", event, static_cast<long long>(step),
-                                static_cast<long long>(now_ns()));
-    if (::write(fd_, line, static_cast<std::size_t>(n)) != n) std::perror("ft_bench: write");
-  }
-
- private:
-  int fd_ = -1;
-};
 
 torch::nn::Sequential make_model() {
   torch::manual_seed(0);
@@ -146,7 +113,7 @@ void single_threaded() {
 // ---- ft: rank 0 coordinates, ranks 1..N train ----
 
 void ft_rank(const Config& c, const std::string& dir, int rank) {
-  EventLog log(dir, rank);
+  EventLog log(dir, rank, "ft_bench");
   log("start", -1);
   single_threaded();
   corpc::RpcOptions options;  // a restarted rank rejoins (CORPC_REJOIN=1)
@@ -156,11 +123,7 @@ void ft_rank(const Config& c, const std::string& dir, int rank) {
     corpc::ddp::QuorumCoordinator coordinator;
     log("ready", 0);
     corpc::shutdown();
-    const auto s = coordinator.stats();
-    log("stat-commits", s.commits);
-    log("stat-aborted", s.aborted_steps);
-    log("stat-recoveries", s.recoveries);
-    log("stat-last-epoch", s.epoch);
+    corpc::bench::log_stats(log, coordinator.stats());
     return;
   }
   const int trainer = rank - 1;
@@ -207,28 +170,18 @@ std::int64_t last_checkpoint(const std::string& dir) {
   return last;
 }
 
-struct Kill {
-  std::int64_t step;
-  int trainer;  // 0-based
-};
-
 // The kills a restart run makes: those of the ft run before it in the same repeat if there was one (its "kills"
 // file: ft skips a kill whose victim has no live peer to recover from, so both lose the same ranks at the same
 // steps), else the plan.
 std::vector<Kill> restart_kills(const Config& c, const std::string& dir) {
+  if (auto made = corpc::bench::read_kills(dir + "/kills")) return *made;
   std::vector<Kill> kills;
-  std::ifstream in(dir + "/kills");
-  if (in) {
-    Kill k{};
-    while (in >> k.step >> k.trainer) kills.push_back(k);
-    return kills;
-  }
   for (std::int64_t s : kill_steps(c)) kills.push_back({s, victim(c, s)});
   return kills;
 }
 
 void restart_rank(const Config& c, const std::string& dir, int rank, int restart) {
-  EventLog log(dir, rank);
+  EventLog log(dir, rank, "ft_bench");
   log("start", restart);
   const auto kills = restart_kills(c, dir);
   single_threaded();
@@ -243,7 +196,7 @@ void restart_rank(const Config& c, const std::string& dir, int rank, int restart
   log("ready", step);
   for (; step < c.steps; ++step) {
     // The i-th kill happens in the i-th attempt: the attempts after it redo its step without dying.
-    if (restart < static_cast<int>(kills.size()) && kills[restart].step == step && kills[restart].trainer == rank) {
+    if (restart < static_cast<int>(kills.size()) && kills[restart].step == step && kills[restart].worker == rank) {
       log("kill", step);
       ::raise(SIGKILL);
     }
@@ -261,14 +214,6 @@ void restart_rank(const Config& c, const std::string& dir, int rank, int restart
 }
 
 // ---- reading the timestamps ----
-
-struct Event {
-  int rank;
-  int process;  // index into Run::process_start
-  std::string name;
-  std::int64_t step;
-  std::int64_t t;
-};
 
 struct Result {
   std::string mode;
@@ -292,66 +237,19 @@ struct Result {
   std::vector<Kill> kill_list;  // the kills that happened
 };
 
-std::vector<Event> read_events(const std::string& dir, std::vector<std::int64_t>& process_start) {
-  std::vector<Event> events;
-  for (const auto& entry : fs::directory_iterator(dir)) {
-    const std::string name = entry.path().filename().string();
-    const auto dot = name.find('.');
-    if (name.rfind("ckpt-", 0) == 0 || dot == std::string::npos) continue;
-    const int rank = std::stoi(name.substr(0, dot));
-    const int process = static_cast<int>(process_start.size());
-    process_start.push_back(std::numeric_limits<std::int64_t>::max());
-    std::ifstream in(entry.path());
-    Event e{rank, process, "", 0, 0};
-    while (in >> e.name >> e.step >> e.t) {
-      if (e.name == "start") process_start[process] = e.t;
-      events.push_back(e);
-    }
-  }
-  std::sort(events.begin(), events.end(), [](const Event& a, const Event& b) { return a.t < b.t; });
-  return events;
-}
-
-double mean_ms(const std::vector<double>& v) {
-  if (v.empty()) return -1;
-  double s = 0;
-  for (double x : v) s += x;
-  return s / static_cast<double>(v.size());
-}
-
 Result analyse(const Config& c, const std::string& mode, const std::string& dir, std::int64_t t0, std::int64_t t1) {
   Result r;
   r.launch_s = static_cast<double>(t1 - t0) / 1e9;
-  std::vector<std::int64_t> process_start;
-  const auto events = read_events(dir, process_start);
-  std::map<std::int64_t, std::int64_t> first_commit;  // step → its first commit anywhere
-  std::vector<const Event*> kills;
-  std::int64_t max_step = -1;
-  for (const auto& e : events) {
-    if (e.name == "commit") {
-      first_commit.emplace(e.step, e.t);
-      max_step = std::max(max_step, e.step);
-    }
-    if (e.name == "kill") kills.push_back(&e);
-    if (e.name == "retry") ++r.retries;
-    if (e.name == "recovered") ++r.recoveries;
-    if (e.name.rfind("stat-", 0) == 0) {
-      if (!r.coordinator.empty()) r.coordinator += ", ";
-      r.coordinator += e.name.substr(5) + " " + std::to_string(e.step);
-    }
-  }
-  r.kills = static_cast<int>(kills.size());
+  const auto run = corpc::bench::read_events(dir);
+  const auto tally = corpc::bench::tally(run, c.steps);
+  r.retries = tally.retries;
+  r.recoveries = tally.recoveries;
+  r.coordinator = tally.coordinator;
+  r.kills = static_cast<int>(tally.kills.size());
   // Trainer t is RPC rank t + 1 under ft (rank 0 coordinates), DDP rank t under restart.
-  for (const Event* k : kills) r.kill_list.push_back({k->step, mode == "ft" ? k->rank - 1 : k->rank});
-  r.extra_steps = std::max<std::int64_t>(0, max_step + 1 - c.steps);
-  // The job's end: the last step's commit after the last kill (a restarted group commits steps again).
-  const std::int64_t last_kill_t = kills.empty() ? 0 : kills.back()->t;
-  std::optional<std::int64_t> end;
-  for (const auto& e : events)
-    if (e.name == "commit" && e.step == c.steps - 1 && e.t > last_kill_t) {
-      end = e.t;
-      break;
-    }
+  for (const Event* k : tally.kills) r.kill_list.push_back({k->step, mode == "ft" ? k->rank - 1 : k->rank});
+  r.extra_steps = tally.extra_steps;
+  const auto end = corpc::bench::job_end(run, tally, c.steps);
   if (!end) {
     r.failed = true;
     r.error = "step " + std::to_string(c.steps - 1) + " was never committed";
@@ -360,33 +258,25 @@ Result analyse(const Config& c, const std::string& mode, const std::string& dir,
   r.wall_s = static_cast<double>(*end - t0) / 1e9;
   r.goodput = static_cast<double>(c.steps) / r.wall_s;
   // Steps/s before the first kill, from the first commit of each step (after a few warm-up steps).
-  const std::int64_t until = kills.empty() ? c.steps - 1 : kills.front()->step - 1;
-  const std::int64_t from = std::min<std::int64_t>(5, until / 2);
-  if (until > from && first_commit.count(from) && first_commit.count(until))
-    r.pre_kill_rate =
-        static_cast<double>(until - from) / (static_cast<double>(first_commit[until] - first_commit[from]) / 1e9);
+  if (const auto span = corpc::bench::steady_span(tally, c.steps, 5))
+    r.pre_kill_rate = static_cast<double>(span->steps) / (static_cast<double>(span->ns) / 1e9);
 
   std::vector<double> next, replacement, killed, ready;
-  for (const Event* k : kills) {
-    std::optional<std::int64_t> t_next, t_replacement, t_killed, t_ready;
-    std::int64_t next_step = k->step;
-    for (const auto& e : events) {
-      if (e.t <= k->t) continue;
-      const bool new_process = process_start[e.process] > k->t;
-      if (e.name == "commit") {
-        // The survivors' next step (a straggler's commit of the step before the kill does not count), or the
-        // restarted group's first.
-        if (!t_next && (e.step >= k->step || new_process)) {
-          t_next = e.t;
-          next_step = e.step;
-        }
-        if (!t_replacement && e.rank == k->rank) t_replacement = e.t;
-        if (!t_killed && e.step == k->step) t_killed = e.t;
-      }
-      if (e.name == "ready" && e.rank == k->rank && new_process && !t_ready) t_ready = e.t;
-    }
-    auto ms = [&](std::optional<std::int64_t> t, std::vector<double>& into) {
-      if (t) into.push_back(static_cast<double>(*t - k->t) / 1e6);
+  for (const Event* k : tally.kills) {
+    using corpc::bench::first_after;
+    // The survivors' next step (a straggler's commit of the step before the kill does not count), or the restarted
+    // group's first.
+    const Event* t_next = first_after(
+        run, *k, [&](const Event& e, bool fresh) { return e.name == "commit" && (e.step >= k->step || fresh); });
+    const Event* t_replacement =
+        first_after(run, *k, [&](const Event& e, bool) { return e.name == "commit" && e.rank == k->rank; });
+    const Event* t_killed =
+        first_after(run, *k, [&](const Event& e, bool) { return e.name == "commit" && e.step == k->step; });
+    const Event* t_ready = first_after(
+        run, *k, [&](const Event& e, bool fresh) { return e.name == "ready" && e.rank == k->rank && fresh; });
+    const std::int64_t next_step = t_next ? t_next->step : k->step;
+    auto ms = [&](const Event* e, std::vector<double>& into) {
+      if (e) into.push_back(corpc::bench::ms_since(*k, *e));
     };
     ms(t_next, next);
     ms(t_replacement, replacement);
@@ -394,9 +284,7 @@ Result analyse(const Config& c, const std::string& mode, const std::string& dir,
     ms(t_ready, ready);
     r.redone += std::max<std::int64_t>(0, k->step - next_step);
     if (c.verbose) {
-      auto text = [&](std::optional<std::int64_t> t) {
-        return t ? std::to_string((*t - k->t) / 1'000'000) + " ms" : std::string("never");
-      };
+      auto text = [&](const Event* e) { return corpc::bench::ms_since_text(*k, e); };
       std::printf(
           "#   kill of rank %d at step %lld: next commit (step %lld) %s, rank's new process ready %s, "
           "its first commit %s, step %lld committed %s\n",
@@ -404,18 +292,11 @@ Result analyse(const Config& c, const std::string& mode, const std::string& dir,
           text(t_ready).c_str(), text(t_replacement).c_str(), static_cast<long long>(k->step), text(t_killed).c_str());
     }
   }
-  r.to_next_commit_ms = mean_ms(next);
-  r.to_replacement_ms = mean_ms(replacement);
-  r.to_killed_step_ms = mean_ms(killed);
-  r.to_ready_ms = mean_ms(ready);
+  r.to_next_commit_ms = corpc::bench::mean_or_none(next);
+  r.to_replacement_ms = corpc::bench::mean_or_none(replacement);
+  r.to_killed_step_ms = corpc::bench::mean_or_none(killed);
+  r.to_ready_ms = corpc::bench::mean_or_none(ready);
   return r;
-}
-
-std::string cell(double v, const char* format) {
-  if (v < 0) return "-";
-  char buf[64];
-  std::snprintf(buf, sizeof buf, format, v);
-  return buf;
 }
 
 }  // namespace
@@ -458,17 +339,11 @@ int main(int argc, char** argv) {
   }
 
   // Every rank runs main again up to its own launch (StartMethod::spawn): only the caller makes the directory, reads
-  // the timestamps and prints; a rank finds the directory in the environment it inherited.
+  // the timestamps and prints.
   const bool caller = !corpc::launched_rank();
-  std::string base;
+  const std::string base = corpc::bench::run_base(caller, "ft_bench", "CORPC_FT_BENCH_DIR");
+  if (base.empty()) return 1;
   if (caller) {
-    char templ[] = "/tmp/corpc_ft_bench.XXXXXX";
-    if (!::mkdtemp(templ)) {
-      std::perror("ft_bench: mkdtemp");
-      return 1;
-    }
-    base = templ;
-    ::setenv("CORPC_FT_BENCH_DIR", base.c_str(), 1);
     corpc::bench::print_machine();
     const auto ks = kill_steps(c);
     std::string kill_text;
@@ -482,13 +357,6 @@ int main(int argc, char** argv) {
         c.trainers, static_cast<long long>(c.batch), static_cast<long long>(c.steps), kill_text.c_str(),
         static_cast<long long>(c.checkpoint_every));
     std::fflush(stdout);
-  } else {
-    const char* b = std::getenv("CORPC_FT_BENCH_DIR");
-    if (!b) return 1;
-    base = b;
-    // A rank replays the caller's earlier launches, and launch_with_restarts would log each of their failed attempts
-    // again in every rank of every later attempt: ranks log errors only unless CORPC_LOG says otherwise.
-    if (!std::getenv("CORPC_LOG")) ::setenv("CORPC_LOG", "error", 1);
   }
   const int kills = static_cast<int>(kill_steps(c).size());
   std::vector<std::string> modes;
@@ -503,10 +371,8 @@ int main(int argc, char** argv) {
       if (caller) {
         fs::create_directory(dir);
         if (mode == "restart" && !results.empty() && results.back().mode == "ft" && results.back().repeat == repeat &&
-            !results.back().failed) {
-          std::ofstream out(dir + "/kills");
-          for (const Kill& k : results.back().kill_list) out << k.step << ' ' << k.trainer << '\n';
-        }
+            !results.back().failed)
+          corpc::bench::write_kills(dir + "/kills", results.back().kill_list);
       }
       corpc::LaunchOptions options;
       options.timeout = std::chrono::seconds(c.timeout_s);
@@ -585,12 +451,7 @@ int main(int argc, char** argv) {
   }
   if (ft_n > 0 && restart_n > 0 && c.repeats > 1)
     std::printf("goodput ft / restart, mean goodputs: %.2f\n", (ft_sum / ft_n) / (restart_sum / restart_n));
-  if (c.keep) {
-    std::printf("# timestamps kept in %s\n", base.c_str());
-  } else {
-    std::error_code ignored;
-    fs::remove_all(base, ignored);
-  }
+  corpc::bench::keep_or_remove(base, c.keep, "timestamps");
   for (const auto& r : results)
     if (r.failed) return 1;
   return 0;

@@ -47,13 +47,10 @@
 #include <csignal>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <limits>
 #include <map>
 #include <memory>
-#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -65,11 +62,17 @@
 #include <corpc/ddp/pipeline_replicas.hpp>
 
 #include "bench_util.hpp"
+#include "ft_events.hpp"
 
 namespace {
 
 namespace fs = std::filesystem;
-using corpc::bench::median;
+using corpc::bench::cell;
+using corpc::bench::Event;
+using corpc::bench::EventLog;
+using corpc::bench::Kill;  // Kill::worker: the worker's RPC rank
+using corpc::bench::max_or_none;
+using corpc::bench::median_or_none;
 using corpc::bench::now_ns;
 
 constexpr int kReplicas = 2;  // R
@@ -94,17 +97,11 @@ struct Config {
   bool keep = false;
 };
 
-struct Kill {
-  std::int64_t step;
-  int rank;  // the worker's RPC rank
-};
-
 // The planned kills, in order: the i-th at step offset + i·K, worker 1 + i mod 4.
 std::vector<Kill> planned_kills(const Config& c) {
   std::vector<Kill> kills;
-  if (c.kill_every <= 0) return kills;
-  for (std::int64_t s = c.kill_offset; s < c.steps; s += c.kill_every)
-    if (s > 0) kills.push_back({s, 1 + static_cast<int>(kills.size()) % kWorkers});
+  for (std::int64_t s : corpc::bench::kill_steps(c.steps, c.kill_every, c.kill_offset))
+    kills.push_back({s, 1 + static_cast<int>(kills.size()) % kWorkers});
   return kills;
 }
 
@@ -146,29 +143,6 @@ corpc::ddp::PipelineReplicaOptions replica_options(const Config& c, const std::s
   return o;
 }
 
-// One process's timestamps: "<event> <step> <t_ns>" lines appended to <dir>/log/<rank>.<pid>, one write each (a
-// SIGKILL loses nothing written before it).
-class EventLog {
- public:
-  EventLog(const std::string& dir, int rank) {
-    const std::string path = dir + "/log/" + std::to_string(rank) + "." + std::to_string(::getpid());
-    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-    if (fd_ < 0) throw std::runtime_error("pp_ft_bench: cannot open " + path);
-  }
-  ~EventLog() { ::close(fd_); }
-  EventLog(const EventLog&) = delete;
-  EventLog& operator=(const EventLog&) = delete;
-  void operator()(const char* event, std::int64_t step) const {
-    char line[128];
-    const int n = std::snprintf(line, sizeof line, "%s %lld %lld\n", event, static_cast<long long>(step),
-                                static_cast<long long>(now_ns()));
-    if (::write(fd_, line, static_cast<std::size_t>(n)) != n) std::perror("pp_ft_bench: write");
-  }
-
- private:
-  int fd_ = -1;
-};
-
 // Whether kill `i` is still to happen; claim_kill takes it (true for one process only, ever, in this run's
 // directory), so that a restarted job, or a replacement that reaches the step again, does not repeat it.
 std::string kill_marker(const std::string& dir, std::size_t i) { return dir + "/marks/kill-" + std::to_string(i); }
@@ -184,15 +158,8 @@ bool claim_kill(const std::string& dir, std::size_t i) {
 // the launch), else the plan's; plain and ft0 none.
 std::vector<Kill> run_kills(const Config& c, const std::string& mode, const std::string& dir) {
   if (mode == "plain" || mode == "ft0") return {};
-  if (mode == "restart") {
-    std::ifstream in(dir + "/kills");
-    if (in) {
-      std::vector<Kill> kills;
-      Kill k{};
-      while (in >> k.step >> k.rank) kills.push_back(k);
-      return kills;
-    }
-  }
+  if (mode == "restart")
+    if (auto made = corpc::bench::read_kills(dir + "/kills")) return *made;
   return planned_kills(c);
 }
 
@@ -247,7 +214,7 @@ void single_threaded() {
 
 // One rank of one job. `launch`: which launch of the run this is (restart launches the job again after each kill).
 void run_rank(const Config& c, const std::string& mode, const std::string& dir, int rank, int launch) {
-  EventLog log(dir, rank);
+  EventLog log(dir + "/log", rank, "pp_ft_bench");
   log("start", launch);
   single_threaded();
   const auto options0 = replica_options(c, mode);
@@ -264,11 +231,7 @@ void run_rank(const Config& c, const std::string& mode, const std::string& dir, 
     quorum.replica_groups = layout.replica_groups();  // a quorum takes whole replicas
     corpc::ddp::QuorumCoordinator coordinator(quorum);
     corpc::shutdown();
-    const auto s = coordinator.stats();
-    log("stat-commits", s.commits);
-    log("stat-aborted", s.aborted_steps);
-    log("stat-recoveries", s.recoveries);
-    log("stat-last-epoch", s.epoch);
+    corpc::bench::log_stats(log, coordinator.stats());
     return;
   }
 
@@ -300,7 +263,7 @@ void run_rank(const Config& c, const std::string& mode, const std::string& dir, 
     // so that few steps are taken while its worker starts.
     if (running >= c.steps) std::this_thread::sleep_for(std::chrono::milliseconds(20));
     for (std::size_t i = 0; i < kills.size(); ++i) {
-      if (kills[i].rank != rank || !kill_pending(dir, i)) continue;
+      if (kills[i].worker != rank || !kill_pending(dir, i)) continue;
       if (mode == "restart") {
         if (kills[i].step == running) armed = static_cast<int>(i);
       } else {
@@ -329,14 +292,6 @@ void run_rank(const Config& c, const std::string& mode, const std::string& dir, 
 
 // ---- reading the timestamps ----
 
-struct Event {
-  int rank;
-  int process;  // index into the process start times
-  std::string name;
-  std::int64_t step;
-  std::int64_t t;
-};
-
 struct Result {
   int round = 0;
   std::string mode;
@@ -355,55 +310,15 @@ struct Result {
   std::string coordinator;
 };
 
-std::vector<Event> read_events(const std::string& dir, std::vector<std::int64_t>& process_start) {
-  std::vector<Event> events;
-  for (const auto& entry : fs::directory_iterator(dir + "/log")) {
-    const std::string name = entry.path().filename().string();
-    const auto dot = name.find('.');
-    if (dot == std::string::npos) continue;
-    const int rank = std::stoi(name.substr(0, dot));
-    const int process = static_cast<int>(process_start.size());
-    process_start.push_back(std::numeric_limits<std::int64_t>::max());
-    std::ifstream in(entry.path());
-    Event e{rank, process, "", 0, 0};
-    while (in >> e.name >> e.step >> e.t) {
-      if (e.name == "start") process_start[process] = e.t;
-      events.push_back(e);
-    }
-  }
-  std::sort(events.begin(), events.end(), [](const Event& a, const Event& b) { return a.t < b.t; });
-  return events;
-}
-
 void analyse(const Config& c, const std::string& dir, std::int64_t t0, Result& r) {
-  std::vector<std::int64_t> process_start;
-  const auto events = read_events(dir, process_start);
-  std::map<std::int64_t, std::int64_t> first_commit;  // step → its first commit anywhere
-  std::vector<const Event*> kills;
-  std::int64_t max_step = -1;
-  for (const auto& e : events) {
-    if (e.name == "commit") {
-      first_commit.emplace(e.step, e.t);
-      max_step = std::max(max_step, e.step);
-    }
-    if (e.name == "kill") kills.push_back(&e);
-    if (e.name == "retry") ++r.retries;
-    if (e.name == "recovered") ++r.recoveries;
-    if (e.name.rfind("stat-", 0) == 0) {
-      if (!r.coordinator.empty()) r.coordinator += ", ";
-      r.coordinator += e.name.substr(5) + " " + std::to_string(e.step);
-    }
-  }
-  for (const Event* k : kills) r.kills.push_back({k->step, k->rank});
-  r.extra_steps = std::max<std::int64_t>(0, max_step + 1 - c.steps);
-  // The job's end: the last step's commit after the last kill (a restarted job commits steps again).
-  const std::int64_t last_kill_t = kills.empty() ? 0 : kills.back()->t;
-  std::optional<std::int64_t> end;
-  for (const auto& e : events)
-    if (e.name == "commit" && e.step == c.steps - 1 && e.t > last_kill_t) {
-      end = e.t;
-      break;
-    }
+  const auto run = corpc::bench::read_events(dir + "/log");
+  const auto tally = corpc::bench::tally(run, c.steps);
+  r.retries = tally.retries;
+  r.recoveries = tally.recoveries;
+  r.coordinator = tally.coordinator;
+  for (const Event* k : tally.kills) r.kills.push_back({k->step, k->rank});
+  r.extra_steps = tally.extra_steps;
+  const auto end = corpc::bench::job_end(run, tally, c.steps);
   if (!end) {
     r.failed = true;
     r.error = "step " + std::to_string(c.steps - 1) + " was never committed";
@@ -411,32 +326,24 @@ void analyse(const Config& c, const std::string& dir, std::int64_t t0, Result& r
   }
   r.wall_s = static_cast<double>(*end - t0) / 1e9;
   r.goodput = static_cast<double>(c.steps) / r.wall_s;
-  const std::int64_t until = kills.empty() ? c.steps - 1 : kills.front()->step - 1;
-  const std::int64_t from = std::min<std::int64_t>(kWarmup, until / 2);
-  if (until > from && first_commit.count(from) && first_commit.count(until))
-    r.step_ms = static_cast<double>(first_commit[until] - first_commit[from]) / 1e6 / static_cast<double>(until - from);
+  if (const auto span = corpc::bench::steady_span(tally, c.steps, kWarmup))
+    r.step_ms = static_cast<double>(span->ns) / 1e6 / static_cast<double>(span->steps);
 
-  for (const Event* k : kills) {
-    std::optional<std::int64_t> t_next, t_replacement;
-    std::int64_t next_step = k->step;
-    for (const auto& e : events) {
-      if (e.t <= k->t || e.name != "commit") continue;
-      const bool new_process = process_start[e.process] > k->t;
-      // ft: a survivor's commit of the killed step or a later one (a straggler's commit of the step before does not
-      // count); restart: the restarted job's first.
-      if (!t_next && (r.mode == "restart" ? new_process : !new_process && e.step >= k->step)) {
-        t_next = e.t;
-        next_step = e.step;
-      }
-      if (!t_replacement && new_process && e.rank == k->rank) t_replacement = e.t;
-    }
-    if (t_next) r.to_next_commit_ms.push_back(static_cast<double>(*t_next - k->t) / 1e6);
-    if (t_replacement) r.to_replacement_ms.push_back(static_cast<double>(*t_replacement - k->t) / 1e6);
+  for (const Event* k : tally.kills) {
+    using corpc::bench::first_after;
+    // ft: a survivor's commit of the killed step or a later one (a straggler's commit of the step before does not
+    // count); restart: the restarted job's first.
+    const Event* t_next = first_after(run, *k, [&](const Event& e, bool fresh) {
+      return e.name == "commit" && (r.mode == "restart" ? fresh : !fresh && e.step >= k->step);
+    });
+    const Event* t_replacement = first_after(
+        run, *k, [&](const Event& e, bool fresh) { return e.name == "commit" && fresh && e.rank == k->rank; });
+    const std::int64_t next_step = t_next ? t_next->step : k->step;
+    if (t_next) r.to_next_commit_ms.push_back(corpc::bench::ms_since(*k, *t_next));
+    if (t_replacement) r.to_replacement_ms.push_back(corpc::bench::ms_since(*k, *t_replacement));
     r.redone += std::max<std::int64_t>(0, k->step - next_step);
     if (c.verbose) {
-      auto text = [&](std::optional<std::int64_t> t) {
-        return t ? std::to_string((*t - k->t) / 1'000'000) + " ms" : std::string("never");
-      };
+      auto text = [&](const Event* e) { return corpc::bench::ms_since_text(*k, e); };
       std::printf("#   kill of worker %d at step %lld: next commit (step %lld) %s, its replacement's first commit %s\n",
                   k->rank, static_cast<long long>(k->step), static_cast<long long>(next_step), text(t_next).c_str(),
                   text(t_replacement).c_str());
@@ -445,16 +352,6 @@ void analyse(const Config& c, const std::string& dir, std::int64_t t0, Result& r
 }
 
 // ---- output ----
-
-std::string cell(double v, const char* format) {
-  if (v < 0) return "-";
-  char buf[64];
-  std::snprintf(buf, sizeof buf, format, v);
-  return buf;
-}
-
-double max_of(const std::vector<double>& v) { return v.empty() ? -1 : *std::max_element(v.begin(), v.end()); }
-double median_or_none(const std::vector<double>& v) { return v.empty() ? -1 : median(v); }
 
 std::string json_number(double v) {
   if (v < 0) return "null";
@@ -511,7 +408,7 @@ Summary summarise(const std::vector<Result>& results, const std::string& mode) {
   s.goodput = median_or_none(goodput);
   s.step_ms = median_or_none(step);
   s.to_next_commit_ms = median_or_none(next);
-  s.to_next_max = max_of(next);
+  s.to_next_max = max_or_none(next);
   s.to_replacement_ms = median_or_none(replacement);
   return s;
 }
@@ -535,7 +432,8 @@ void write_json(const Config& c, const std::vector<Result>& results, const std::
     std::string kills = "[";
     for (std::size_t k = 0; k < r.kills.size(); ++k) {
       if (k > 0) kills += ", ";
-      kills += "{\"step\": " + std::to_string(r.kills[k].step) + ", \"rank\": " + std::to_string(r.kills[k].rank) + "}";
+      kills +=
+          "{\"step\": " + std::to_string(r.kills[k].step) + ", \"rank\": " + std::to_string(r.kills[k].worker) + "}";
     }
     kills += "]";
     s += std::string(i ? "," : "") + "\n    {\"round\": " + std::to_string(r.round) + ", \"mode\": \"" + r.mode +
@@ -619,23 +517,17 @@ int main(int argc, char** argv) {
   }
 
   // Every rank runs main again up to its own launch (StartMethod::spawn): only the caller makes the directories, reads
-  // the timestamps and prints; a rank finds the base directory in the environment it inherited. What decides which
-  // launch comes next (the flags, earlier launches' outcomes, which a rank replays) is the same in both.
+  // the timestamps and prints. What decides which launch comes next (the flags, earlier launches' outcomes, which a
+  // rank replays) is the same in both.
   const bool caller = !corpc::launched_rank();
-  std::string base;
+  const std::string base = corpc::bench::run_base(caller, "pp_ft_bench", "CORPC_PP_FT_BENCH_DIR");
+  if (base.empty()) return 1;
   if (caller) {
-    char templ[] = "/tmp/corpc_pp_ft_bench.XXXXXX";
-    if (!::mkdtemp(templ)) {
-      std::perror("pp_ft_bench: mkdtemp");
-      return 1;
-    }
-    base = templ;
-    ::setenv("CORPC_PP_FT_BENCH_DIR", base.c_str(), 1);
     corpc::bench::print_machine();
     std::string kill_text;
     for (const auto& k : planned_kills(c)) {
       if (!kill_text.empty()) kill_text += ", ";
-      kill_text += std::to_string(k.step) + ": worker " + std::to_string(k.rank);
+      kill_text += std::to_string(k.step) + ": worker " + std::to_string(k.worker);
     }
     std::printf(
         "# %d replicas × %d stages (1F1B), MLP %d × %d, %lld rows per replica in %d micro-batches, %lld steps; "
@@ -643,12 +535,6 @@ int main(int argc, char** argv) {
         kReplicas, kStages, kLayers, kWidth, static_cast<long long>(c.rows), c.micro_batches,
         static_cast<long long>(c.steps), kill_text.c_str(), static_cast<long long>(c.checkpoint_every));
     std::fflush(stdout);
-  } else {
-    const char* b = std::getenv("CORPC_PP_FT_BENCH_DIR");
-    if (!b) return 1;
-    base = b;
-    // A rank replays the caller's earlier launches: ranks log errors only unless CORPC_LOG says otherwise.
-    if (!std::getenv("CORPC_LOG")) ::setenv("CORPC_LOG", "error", 1);
   }
   const int planned = static_cast<int>(planned_kills(c).size());
 
@@ -662,10 +548,7 @@ int main(int argc, char** argv) {
         // restart makes the kills of this round's ft run, if it ran.
         if (mode == "restart")
           for (const auto& r : results)
-            if (r.round == round && r.mode == "ft" && !r.failed) {
-              std::ofstream out(dir + "/kills");
-              for (const Kill& k : r.kills) out << k.step << ' ' << k.rank << '\n';
-            }
+            if (r.round == round && r.mode == "ft" && !r.failed) corpc::bench::write_kills(dir + "/kills", r.kills);
       }
       const int kills = mode == "ft" || mode == "restart" ? planned : 0;
       corpc::LaunchOptions options;
@@ -724,11 +607,12 @@ int main(int argc, char** argv) {
       std::printf("| %d | %s | %d | failed | | | | | | | |\n", r.round, r.mode.c_str(), r.launches);
       continue;
     }
-    std::printf(
-        "| %d | %s | %d | %zu | %s | %s / %s | %s | %lld | %lld | %.2f | %.1f |\n", r.round, r.mode.c_str(), r.launches,
-        r.kills.size(), cell(r.step_ms, "%.2f").c_str(), cell(median_or_none(r.to_next_commit_ms), "%.0f").c_str(),
-        cell(max_of(r.to_next_commit_ms), "%.0f").c_str(), cell(median_or_none(r.to_replacement_ms), "%.0f").c_str(),
-        static_cast<long long>(r.redone), static_cast<long long>(r.retries), r.wall_s, r.goodput);
+    std::printf("| %d | %s | %d | %zu | %s | %s / %s | %s | %lld | %lld | %.2f | %.1f |\n", r.round, r.mode.c_str(),
+                r.launches, r.kills.size(), cell(r.step_ms, "%.2f").c_str(),
+                cell(median_or_none(r.to_next_commit_ms), "%.0f").c_str(),
+                cell(max_or_none(r.to_next_commit_ms), "%.0f").c_str(),
+                cell(median_or_none(r.to_replacement_ms), "%.0f").c_str(), static_cast<long long>(r.redone),
+                static_cast<long long>(r.retries), r.wall_s, r.goodput);
   }
   for (const auto& r : results)
     if (!r.failed && r.mode == "ft")
@@ -777,12 +661,7 @@ int main(int argc, char** argv) {
     write_json(c, results, summary, goodput_ratio, step_ratio);
     std::printf("wrote %s\n", c.json.c_str());
   }
-  if (c.keep) {
-    std::printf("# timestamps and checkpoints kept in %s\n", base.c_str());
-  } else {
-    std::error_code ignored;
-    fs::remove_all(base, ignored);
-  }
+  corpc::bench::keep_or_remove(base, c.keep, "timestamps and checkpoints");
   for (const auto& r : results)
     if (r.failed) return 1;
   return 0;

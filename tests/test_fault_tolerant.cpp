@@ -21,6 +21,7 @@
 #include "corpc/ddp/fault_tolerant.hpp"
 #include "corpc/rpc/call.hpp"
 #include "corpc/rpc/runtime.hpp"
+#include "ft_support.hpp"
 #include "support.hpp"
 
 namespace test_fault_tolerant {  // this file's names, apart from the files it shares an executable with
@@ -55,31 +56,6 @@ torch::optim::SGD make_optimizer(torch::nn::Sequential& m, double lr = 0.05) {
   return torch::optim::SGD(m->parameters(), torch::optim::SGDOptions(lr).momentum(0.9));
 }
 
-// The optimizer's state of `p`: keyed by its TensorImpl's address, written out (libtorch 1.13) or as is (2.x).
-template <class Map>
-auto find_state(Map& state, const at::Tensor& p) {
-  if constexpr (std::is_same_v<typename Map::key_type, std::string>) {
-    std::ostringstream key;
-    key << static_cast<void*>(p.unsafeGetTensorImpl());
-    return state.find(key.str());
-  } else {
-    return state.find(p.unsafeGetTensorImpl());
-  }
-}
-
-// Parameters, then each parameter's momentum buffer.
-std::vector<at::Tensor> state_of(torch::nn::Sequential& m, torch::optim::SGD& opt) {
-  std::vector<at::Tensor> out;
-  for (auto& p : m->parameters()) out.push_back(p.detach().clone());
-  for (auto& p : m->parameters()) {
-    auto it = find_state(opt.state(), p);
-    out.push_back(it == opt.state().end()
-                      ? at::Tensor()
-                      : static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer().clone());
-  }
-  return out;
-}
-
 struct Scenario {
   int steps = 10;
   int64_t width = 16;
@@ -96,15 +72,6 @@ struct Scenario {
   std::function<void(int rank, int incarnation, int64_t step)> on_recovered;
   int max_incarnations = 3;
 };
-
-std::string file_in(const std::string& dir, const std::string& what, int rank) {
-  return dir + "/" + what + std::to_string(rank);
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
 
 void train(const Scenario& sc, const std::string& dir, int rank, int incarnation) {
   RpcOptions o = sc.rpc;
@@ -133,7 +100,7 @@ void train(const Scenario& sc, const std::string& dir, int rank, int incarnation
     log << (report.recovered ? " recovered" : "") << (report.retries > 0 ? " retried" : "") << '\n';
     log.flush();
   }
-  torch::save(state_of(model, opt), file_in(dir, "final", rank));
+  torch::save(sgd_state_of(model->parameters(), opt), file_in(dir, "final", rank));
   shutdown(true);
 }
 
@@ -174,11 +141,7 @@ struct Outcome {
   std::vector<std::string> logs;              // by rank: the lines "step members... [recovered] [retried]"
   // Whether `rank` logged `step` with `word` (recovered, retried).
   bool logged(int rank, int64_t step, const std::string& word) const {
-    std::istringstream in(logs[rank]);
-    std::string line;
-    while (std::getline(in, line))
-      if (line.rfind(std::to_string(step) + " ", 0) == 0 && line.find(word) != std::string::npos) return true;
-    return false;
+    return corpc::test::logged(logs[rank], step, word);
   }
 };
 
@@ -238,7 +201,7 @@ Outcome run_scenario(const Scenario& sc) {
           }
           opt.step();
         }
-        auto reference = state_of(model, opt);
+        auto reference = sgd_state_of(model->parameters(), opt);
         for (size_t i = 0; i < reference.size(); ++i)
           if (!torch::allclose(finals[0][i], reference[i], 1e-5, 1e-6))
             throw std::runtime_error("tensor " + std::to_string(i) + " differs from the replay by up to " +

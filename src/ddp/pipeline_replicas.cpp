@@ -12,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "corpc/core/sync_wait.hpp"
+#include "corpc/core/trace.hpp"
 #include "corpc/ddp/rpc_store.hpp"
 #include "corpc/rpc/call.hpp"
 #include "corpc/rpc/errors.hpp"
@@ -71,6 +72,7 @@ struct PipelineReplicas::State {
     c10::intrusive_ptr<c10d::ProcessGroup> group;
     std::unique_ptr<GradientSync> sync;
     bool launched = false;
+    std::int64_t started_ns = 0, finished_ns = 0;
   };
   std::vector<Averaging> averaging;  // parallel to `stages`
   std::int64_t epoch = -1;           // of `averaging`
@@ -126,12 +128,12 @@ struct PipelineReplicas::State {
     auto& a = averaging[i];
     if (a.launched || !a.sync) return;
     a.launched = true;
+    a.started_ns = trace::now_ns();
     a.sync->launch_all();
   }
 
   // One attempt: this worker's actions, and every stage's averaging. Throws the first error.
-  pipeline::WorkerReport run(std::int64_t attempt, std::int64_t step, const ReplicaBatchFn& batch,
-                             std::optional<double>& loss) {
+  void run(std::int64_t attempt, std::int64_t step, const ReplicaBatchFn& batch, ReplicaStepReport& out) {
     const int M = options.micro_batches;
     std::vector<at::Tensor> inputs, targets;
     std::int64_t mean_over = 0;
@@ -185,6 +187,7 @@ struct PipelineReplicas::State {
       if (!a.launched) continue;
       try {
         a.sync->finish_launched();
+        a.finished_ns = trace::now_ns();
       } catch (...) {
         if (!error) error = std::current_exception();
       }
@@ -197,9 +200,13 @@ struct PipelineReplicas::State {
     if (has_last) {
       double sum = 0;
       for (double l : report.losses) sum += l;
-      loss = sum;
+      out.loss = sum;
     }
-    return report;
+    out.worker = std::move(report);
+    out.averaging.clear();
+    for (size_t i = 0; i < averaging.size(); ++i)
+      if (averaging[i].sync)
+        out.averaging.push_back({stages[i].stage, averaging[i].started_ns, averaging[i].finished_ns});
   }
 
   void step_optimizers() {
@@ -210,7 +217,7 @@ struct PipelineReplicas::State {
     ReplicaStepReport report;
     for (int r = 0; r < layout.replicas; ++r) report.replicas.push_back(r);
     if (epoch < 0) join_epoch(0, report.replicas);
-    report.worker = run(plain_steps, plain_steps, batch, report.loss);
+    run(plain_steps, plain_steps, batch, report);
     step_optimizers();
     report.ft.quorum.step = plain_steps++;
     return report;
@@ -231,7 +238,7 @@ struct PipelineReplicas::State {
           greet_mates();
           join_epoch(q.epoch, replicas_of(q.members));
         }
-        report.worker = run(attempt_of(q.epoch, q.step), q.step, batch, report.loss);
+        run(attempt_of(q.epoch, q.step), q.step, batch, report);
       } catch (const std::exception& e) {
         ok = false;
         report.ft.last_error = e.what();

@@ -114,6 +114,15 @@ struct ReplicaStepReport {
   std::vector<int> replicas;      ///< the replicas that took part in the committed step
   std::optional<double> loss;     ///< this replica's loss, on the worker of the last stage
   pipeline::WorkerReport worker;  ///< this worker's actions in the committed attempt (timeline.hpp)
+  /// One stage's averaging over the replicas, on the clock of `worker`'s records (trace::now_ns).
+  struct Averaging {
+    int stage = 0;
+    std::int64_t started_ns = 0;   ///< when it started: the stage's last backward was done
+    std::int64_t finished_ns = 0;  ///< when the averages were in the stage's gradients
+  };
+  /// The averaging of each stage this worker holds, in the committed attempt (none while one replica trains alone).
+  /// One that started before `worker`'s last action ended overlapped this worker's other work.
+  std::vector<Averaging> averaging;
 };
 
 /// One stage this worker holds.

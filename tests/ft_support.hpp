@@ -1,0 +1,60 @@
+// What the fault-tolerance tests (test_fault_tolerant.cpp, test_pipeline_replicas.cpp) share: the files their ranks
+// write for the test process to read after the launch, and a model's state to compare bit for bit.
+#pragma once
+
+#include <cstdint>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <torch/torch.h>
+
+namespace corpc::test {
+
+inline std::string file_in(const std::string& dir, const std::string& what, int rank) {
+  return dir + "/" + what + std::to_string(rank);
+}
+
+inline std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// Whether a rank's log (lines that start with the step) has `word` on the line of `step`.
+inline bool logged(const std::string& log, std::int64_t step, const std::string& word) {
+  std::istringstream in(log);
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind(std::to_string(step) + " ", 0) == 0 && line.find(word) != std::string::npos) return true;
+  return false;
+}
+
+// The optimizer's state of `p`: keyed by its TensorImpl's address, written out (libtorch 1.13) or as is (2.x).
+template <class Map>
+auto find_state(Map& state, const at::Tensor& p) {
+  if constexpr (std::is_same_v<typename Map::key_type, std::string>) {
+    std::ostringstream key;
+    key << static_cast<void*>(p.unsafeGetTensorImpl());
+    return state.find(key.str());
+  } else {
+    return state.find(p.unsafeGetTensorImpl());
+  }
+}
+
+// Copies of `params`, then of each one's SGD momentum buffer (undefined before the first step).
+inline std::vector<at::Tensor> sgd_state_of(const std::vector<at::Tensor>& params, torch::optim::Optimizer& opt) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : params) out.push_back(p.detach().clone());
+  for (const auto& p : params) {
+    auto it = find_state(opt.state(), p);
+    out.push_back(it == opt.state().end()
+                      ? at::Tensor()
+                      : static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer().clone());
+  }
+  return out;
+}
+
+}  // namespace corpc::test
