@@ -116,7 +116,7 @@ struct ReplicaStepReport {
   pipeline::WorkerReport worker;  ///< this worker's actions in the committed attempt (timeline.hpp)
   /// One stage's averaging over the replicas, on the clock of `worker`'s records (trace::now_ns).
   struct Averaging {
-    int stage = 0;
+    int stage = 0;  ///< the stage
     std::int64_t started_ns = 0;   ///< when it started: the stage's last backward was done
     std::int64_t finished_ns = 0;  ///< when the averages were in the stage's gradients
   };
