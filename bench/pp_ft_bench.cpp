@@ -256,6 +256,11 @@ void run_rank(const Config& c, const std::string& mode, const std::string& dir, 
   const auto share = [&](std::int64_t step, int replica) { return batch(c, offset + step, replica); };
 
   corpc::ddp::ReplicaStepReport report;
+  // --verbose: where a steady step's time goes on this worker (steps 10 .. --steps, no faults): its own actions (first
+  // start to last end), the averaging after its last action, and the rest of the step() call (the quorum and the
+  // vote with fault tolerance; the optimizer step in both).
+  double phase_wall = 0, phase_actions = 0, phase_tail = 0;
+  std::int64_t phase_steps = 0;
   for (;;) {
     const std::int64_t running = pp.committed_steps() + offset;  // the step to run
     if (running >= c.steps && (!options.fault_tolerant || report.replicas.size() == kReplicas)) break;
@@ -275,8 +280,19 @@ void run_rank(const Config& c, const std::string& mode, const std::string& dir, 
           armed = static_cast<int>(i);
       }
     }
+    const auto t0 = std::chrono::steady_clock::now();
     report = pp.step(share);
+    const double wall_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     armed = -1;
+    if (c.verbose && running >= 10 && running < c.steps && report.ft.retries == 0 && !report.worker.records.empty()) {
+      std::int64_t first = INT64_MAX, last = 0, averaged = 0;
+      for (const auto& r : report.worker.records) first = std::min(first, r.start_ns), last = std::max(last, r.end_ns);
+      for (const auto& a : report.averaging) averaged = std::max(averaged, a.finished_ns);
+      phase_wall += wall_ms;
+      phase_actions += static_cast<double>(last - first) / 1e6;
+      phase_tail += static_cast<double>(std::max<std::int64_t>(0, averaged - last)) / 1e6;
+      ++phase_steps;
+    }
     const std::int64_t step = options.fault_tolerant ? report.ft.quorum.step : running;
     if (report.ft.recovered) log("recovered", step);
     for (int i = 0; i < report.ft.retries; ++i) log("retry", step);
@@ -287,6 +303,12 @@ void run_rank(const Config& c, const std::string& mode, const std::string& dir, 
     }
   }
   log("done", pp.committed_steps() + offset);
+  if (c.verbose && phase_steps > 0) {
+    const double n = static_cast<double>(phase_steps);
+    std::fprintf(stderr, "# %s worker %d, per steady step (%lld): step() %.2f ms = actions %.2f + averaging after them "
+                 "%.2f + the rest %.2f\n", mode.c_str(), rank, static_cast<long long>(phase_steps), phase_wall / n,
+                 phase_actions / n, phase_tail / n, (phase_wall - phase_actions - phase_tail) / n);
+  }
   corpc::shutdown();
 }
 
