@@ -27,12 +27,6 @@ Future<QuorumAnswer> quorum_request(int rank, std::int64_t committed, bool has_s
 // any voted false, died, or did not vote within the join timeout (the step is then taken by nobody).
 Future<bool> commit_request(int rank, std::int64_t epoch, std::int64_t step, bool ok);
 
-// The vote, and, if the step is committed, this rank's request for the next step's quorum (`step` + 1 steps committed,
-// with state, not failed), made by the coordinator the moment it commits: one request a step instead of two.
-// (false, {}) if the step was not committed.
-using VoteAnswer = std::tuple<bool, QuorumAnswer>;
-Future<VoteAnswer> commit_and_ask(int rank, std::int64_t epoch, std::int64_t step, bool ok);
-
 // Asked of a donor by a member that recovers: the donor's state at the boundary of `epoch`'s first step (parameters,
 // buffers, the optimizer's archive as bytes, the step counter), once the donor has taken it.
 Future<std::vector<at::Tensor>> state_request(std::int64_t epoch);

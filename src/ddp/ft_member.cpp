@@ -108,9 +108,9 @@ Future<std::vector<at::Tensor>> Member::state_of(std::int64_t at_epoch) {
   return f;
 }
 
-namespace {
-Quorum quorum_of(QuorumAnswer answer, std::vector<int>& serve_to) {
-  auto& [e, step, members, from, serve] = answer;
+Quorum Member::ask_quorum(std::vector<int>& serve_to) {
+  auto [e, step, members, from, serve] = rpc_sync<&quorum_request>(
+      options_.coordinator_rank, with_timeout(options_.quorum_timeout), rank_, committed_, has_state_, failed_last_);
   serve_to = std::move(serve);
   Quorum q;
   q.epoch = e;
@@ -118,13 +118,6 @@ Quorum quorum_of(QuorumAnswer answer, std::vector<int>& serve_to) {
   q.members = std::move(members);
   q.recover_from = from;
   return q;
-}
-}  // namespace
-
-Quorum Member::ask_quorum(std::vector<int>& serve_to) {
-  return quorum_of(rpc_sync<&quorum_request>(options_.coordinator_rank, with_timeout(options_.quorum_timeout), rank_,
-                                             committed_, has_state_, failed_last_),
-                   serve_to);
 }
 
 bool Member::enter_epoch(const Quorum& q, const std::vector<int>& serve_to) {
@@ -142,17 +135,6 @@ bool Member::vote(const Quorum& q, bool ok) {
   failed_last_ = !commit;
   if (commit) committed_ = q.step + 1;
   return commit;
-}
-
-bool Member::vote_and_ask(const Quorum& q, bool ok, std::optional<Quorum>& next, std::vector<int>& serve_to) {
-  auto [commit, answer] = rpc_sync<&commit_and_ask>(options_.coordinator_rank, with_timeout(options_.quorum_timeout),
-                                                    rank_, q.epoch, q.step, ok);
-  failed_last_ = !commit;
-  next.reset();
-  if (!commit) return false;
-  committed_ = q.step + 1;
-  next = quorum_of(std::move(answer), serve_to);
-  return true;
 }
 
 Future<std::vector<at::Tensor>> state_request(std::int64_t epoch) {

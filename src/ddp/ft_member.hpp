@@ -6,7 +6,6 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <utility>
 #include <vector>
 
@@ -38,9 +37,6 @@ class Member {
   bool enter_epoch(const Quorum& q, const std::vector<int>& serve_to);
   // The vote on `q`'s step (true: committed everywhere). Committed: the step counts from now on.
   bool vote(const Quorum& q, bool ok);
-  // As vote(), and, committed, the next step's quorum in the same request (ft_detail::commit_and_ask) into `next`
-  // and `serve_to`.
-  bool vote_and_ask(const Quorum& q, bool ok, std::optional<Quorum>& next, std::vector<int>& serve_to);
 
   // Asked by a recovering member (ft_detail::state_request).
   Future<std::vector<at::Tensor>> state_of(std::int64_t at_epoch);

@@ -74,11 +74,9 @@ struct PipelineReplicas::State {
     bool launched = false;
     std::int64_t started_ns = 0, finished_ns = 0;
   };
-  std::vector<Averaging> averaging;   // parallel to `stages`
-  std::int64_t epoch = -1;            // of `averaging`
-  std::int64_t plain_steps = 0;       // without fault tolerance
-  std::optional<Quorum> next_quorum;  // the next step's, answered with the last commit
-  std::vector<int> next_serve_to;
+  std::vector<Averaging> averaging;  // parallel to `stages`
+  std::int64_t epoch = -1;           // of `averaging`
+  std::int64_t plain_steps = 0;      // without fault tolerance
 
   // Without fault tolerance: a lost replica mate or stage peer fails the attempt running (or the next one).
   std::mutex failure_mutex;
@@ -228,12 +226,8 @@ struct PipelineReplicas::State {
   ReplicaStepReport fault_tolerant_step(const ReplicaBatchFn& batch) {
     ReplicaStepReport report;
     for (int attempt = 0;; ++attempt) {
-      // The quorum came with the last step's commit, or is asked for now (a lost coordinator ends the training here,
-      // with its ConnectionError).
-      std::vector<int> serve_to = std::move(next_serve_to);
-      Quorum q = next_quorum ? std::move(*next_quorum) : member->ask_quorum(serve_to);
-      next_quorum.reset();
-      next_serve_to.clear();
+      std::vector<int> serve_to;
+      Quorum q = member->ask_quorum(serve_to);  // a lost coordinator ends the training here, with its ConnectionError
       bool ok = true;
       report.loss.reset();
       try {
@@ -249,7 +243,7 @@ struct PipelineReplicas::State {
         ok = false;
         report.ft.last_error = e.what();
       }
-      if (member->vote_and_ask(q, ok, next_quorum, next_serve_to)) {
+      if (member->vote(q, ok)) {
         step_optimizers();
         report.replicas = replicas_of(q.members);
         report.ft.quorum = std::move(q);

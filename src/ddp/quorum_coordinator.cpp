@@ -22,7 +22,6 @@ namespace corpc::ddp {
 
 using Clock = std::chrono::steady_clock;
 using ft_detail::QuorumAnswer;
-using ft_detail::VoteAnswer;
 
 struct QuorumCoordinator::State {
   QuorumOptions options;
@@ -54,8 +53,6 @@ struct QuorumCoordinator::State {
     bool has_state;
     bool failed;
     Promise<QuorumAnswer> reply;
-    // Asked by the coordinator for a voter whose step committed (commit_and_ask): the answer completes that vote.
-    std::shared_ptr<Promise<VoteAnswer>> with_vote;
   };
   std::map<int, Ask> round;  // the open round's requests, by rank
   // Set when the first expected rank asks (or the first rank at all, when none is expected): a rank that joins waits
@@ -67,7 +64,6 @@ struct QuorumCoordinator::State {
   struct Vote {
     std::set<int> yes;
     std::vector<Promise<bool>> waiting;
-    std::vector<std::pair<int, std::shared_ptr<Promise<VoteAnswer>>>> asking;  // commit_and_ask's voters
     Clock::time_point deadline;
   };
   std::map<StepKey, Vote> votes;    // open
@@ -84,14 +80,10 @@ struct QuorumCoordinator::State {
       std::string why;
     };
     std::vector<Abort> aborts;  // replica groups: members told at once that their attempt is taken by nobody
-    std::vector<std::pair<std::shared_ptr<Promise<VoteAnswer>>, VoteAnswer>> vote_answers;
-    std::vector<std::pair<std::shared_ptr<Promise<VoteAnswer>>, std::exception_ptr>> vote_refusals;
     void send() {
       for (auto& [p, a] : quorums) p.set_value(std::move(a));
       for (auto& [p, v] : votes) p.set_value(v);
       for (auto& [p, e] : refusals) p.set_exception(e);
-      for (auto& [p, a] : vote_answers) p->set_value(std::move(a));
-      for (auto& [p, e] : vote_refusals) p->set_exception(e);
       for (auto& a : aborts) {
         try {  // best effort: a member that misses it fails its step by its own timeouts
           (void)rpc_async<&ft_detail::abort_attempt>(a.rank, a.epoch, a.step, a.why);
@@ -100,16 +92,6 @@ struct QuorumCoordinator::State {
       }
     }
   };
-
-  // An ask's answer, or its refusal: to its own request, or (commit_and_ask) with the vote it came with.
-  static void answer(Ask& a, QuorumAnswer q, Replies& out) {
-    if (a.with_vote) out.vote_answers.emplace_back(std::move(a.with_vote), VoteAnswer{true, std::move(q)});
-    else out.quorums.emplace_back(std::move(a.reply), std::move(q));
-  }
-  static void refuse(Ask& a, std::exception_ptr e, Replies& out) {
-    if (a.with_vote) out.vote_refusals.emplace_back(std::move(a.with_vote), std::move(e));
-    else out.refusals.emplace_back(std::move(a.reply), std::move(e));
-  }
 
   // Closes the open round if it may: every expected rank has asked or the deadline passed, and enough replicas are
   // complete. Only whole replicas become members; the asks of a replica that misses a rank are held for a later round.
@@ -167,7 +149,8 @@ struct QuorumCoordinator::State {
     if (!missing.empty()) {
       // Refused, rather than restarting history.
       for (int r : now_members) {
-        refuse(round.at(r), std::make_exception_ptr(RpcError("fault-tolerant training: " + missing)), out);
+        out.refusals.emplace_back(std::move(round.at(r).reply),
+                                  std::make_exception_ptr(RpcError("fault-tolerant training: " + missing)));
         round.erase(r);
       }
       round_deadline.reset();
@@ -188,7 +171,8 @@ struct QuorumCoordinator::State {
       if (auto d = donor.find(position); d != donor.end() && d->second == r)
         for (int b : behind)
           if (place_of(b).second == position) serve.push_back(b);
-      answer(round.at(r), QuorumAnswer{epoch, step, members, recovers ? donor.at(position) : -1, serve}, out);
+      out.quorums.emplace_back(std::move(round.at(r).reply),
+                               QuorumAnswer{epoch, step, members, recovers ? donor.at(position) : -1, serve});
       round.erase(r);
     }
     round_deadline.reset();
@@ -212,33 +196,12 @@ struct QuorumCoordinator::State {
         if (it == votes.end() || it->second.yes.count(m) == 0) not_yes.push_back(m);
       abort_members_locked(not_yes, "step " + std::to_string(key.second) + " was voted down", out);
     }
-    std::vector<std::pair<int, std::shared_ptr<Promise<VoteAnswer>>>> asking;
     if (it != votes.end()) {
       for (auto& p : it->second.waiting) out.votes.emplace_back(std::move(p), outcome);
-      asking = std::move(it->second.asking);
       votes.erase(it);
     }
     if (decided.emplace(key, outcome).second) ++(outcome ? stats.commits : stats.aborted_steps);
     if (outcome) global_step = std::max(global_step, key.second + 1);
-    for (auto& [rank, p] : asking) {
-      if (outcome) ask_with_vote_locked(rank, key.second + 1, std::move(p), out);
-      else out.vote_answers.emplace_back(std::move(p), VoteAnswer{false, QuorumAnswer{}});
-    }
-  }
-
-  // A committed voter's request for the next step's quorum, made here (commit_and_ask): as ask() would have it.
-  void ask_with_vote_locked(int rank, std::int64_t committed, std::shared_ptr<Promise<VoteAnswer>> with_vote,
-                            Replies& out) {
-    const auto now = Clock::now();
-    if (!round_deadline && (expected.count(rank) != 0 || expected.empty()))
-      round_deadline = now + (started ? options.join_timeout : options.startup_timeout);
-    if (auto old = round.find(rank); old != round.end()) {
-      refuse(old->second, std::make_exception_ptr(UsageError("superseded by a newer quorum request")), out);
-      round.erase(old);
-    }
-    Ask a{committed, /*has_state=*/true, /*failed=*/false, Promise<QuorumAnswer>(), std::move(with_vote)};
-    round.emplace(rank, std::move(a));
-    close_round_if_ready_locked(now, out);
   }
 
   void expire_locked(Clock::time_point now, Replies& out) {
@@ -258,10 +221,11 @@ struct QuorumCoordinator::State {
       if (!round_deadline && (expected.count(rank) != 0 || expected.empty()))
         round_deadline = now + (started ? options.join_timeout : options.startup_timeout);
       if (auto old = round.find(rank); old != round.end()) {  // asked again (its first request's caller gave up)
-        refuse(old->second, std::make_exception_ptr(UsageError("superseded by a newer quorum request")), out);
+        out.refusals.emplace_back(std::move(old->second.reply),
+                                  std::make_exception_ptr(UsageError("superseded by a newer quorum request")));
         round.erase(old);
       }
-      Ask a{committed, has_state, failed, Promise<QuorumAnswer>(), nullptr};
+      Ask a{committed, has_state, failed, Promise<QuorumAnswer>()};
       answer = a.reply.get_future();
       round.emplace(rank, std::move(a));
       close_round_if_ready_locked(now, out);
@@ -298,37 +262,6 @@ struct QuorumCoordinator::State {
     return outcome;
   }
 
-  // As vote(), and once the step is committed, this rank's request for the next step's quorum (commit_and_ask).
-  Future<VoteAnswer> vote_and_ask(int rank, std::int64_t at_epoch, std::int64_t step, bool ok) {
-    Replies out;
-    auto reply = std::make_shared<Promise<VoteAnswer>>();
-    auto result = reply->get_future();
-    {
-      std::lock_guard lock(mutex);
-      const StepKey key{at_epoch, step};
-      std::optional<bool> known;  // the outcome, when it is decided already
-      if (auto d = decided.find(key); d != decided.end()) {
-        known = d->second;
-      } else if (at_epoch != epoch || std::find(members.begin(), members.end(), rank) == members.end()) {
-        known = false;  // a step of a quorum that has moved on
-      } else if (!ok || at_epoch == broken_epoch) {
-        decide_locked(key, false, out);
-        known = false;
-      } else {
-        auto [it, fresh] = votes.try_emplace(key);
-        if (fresh) it->second.deadline = Clock::now() + options.join_timeout;
-        it->second.yes.insert(rank);
-        it->second.asking.emplace_back(rank, reply);
-        if (it->second.yes.size() == members.size()) decide_locked(key, true, out);
-      }
-      if (known && *known) ask_with_vote_locked(rank, step + 1, reply, out);
-      else if (known) out.vote_answers.emplace_back(reply, VoteAnswer{false, QuorumAnswer{}});
-    }
-    wake.notify_all();
-    out.send();
-    return result;
-  }
-
   // A rank died: no round waits for it, a vote of its epoch fails, and a request it left is dropped.
   void lost(int rank, const std::string& why) {
     Replies out;
@@ -337,7 +270,7 @@ struct QuorumCoordinator::State {
       expected.erase(rank);
       if (!round.empty() && !round_deadline) round_deadline = Clock::now() + options.join_timeout;
       if (auto a = round.find(rank); a != round.end()) {
-        refuse(a->second, std::make_exception_ptr(ConnectionError(why)), out);
+        out.refusals.emplace_back(std::move(a->second.reply), std::make_exception_ptr(ConnectionError(why)));
         round.erase(a);
       }
       if (std::find(members.begin(), members.end(), rank) != members.end()) {
@@ -454,12 +387,11 @@ QuorumCoordinator::~QuorumCoordinator() {
   {
     std::lock_guard lock(state_->mutex);
     for (auto& [r, a] : state_->round)
-      State::refuse(a, std::make_exception_ptr(ShutdownError("the quorum coordinator has stopped")), out);
+      out.refusals.emplace_back(std::move(a.reply),
+                                std::make_exception_ptr(ShutdownError("the quorum coordinator has stopped")));
     state_->round.clear();
-    for (auto& [key, v] : state_->votes) {
+    for (auto& [key, v] : state_->votes)
       for (auto& p : v.waiting) out.votes.emplace_back(std::move(p), false);
-      for (auto& [r, p] : v.asking) out.vote_answers.emplace_back(std::move(p), VoteAnswer{false, QuorumAnswer{}});
-    }
     state_->votes.clear();
   }
   out.send();
@@ -483,14 +415,8 @@ Future<bool> commit_request(int rank, std::int64_t epoch, std::int64_t step, boo
   return with_coordinator<bool>([=](QuorumCoordinator::State& s) { return s.vote(rank, epoch, step, ok); });
 }
 
-Future<VoteAnswer> commit_and_ask(int rank, std::int64_t epoch, std::int64_t step, bool ok) {
-  return with_coordinator<VoteAnswer>(
-      [=](QuorumCoordinator::State& s) { return s.vote_and_ask(rank, epoch, step, ok); });
-}
-
 }  // namespace ft_detail
 }  // namespace corpc::ddp
 
 CORPC_IO_THREAD_FUNCTION(&corpc::ddp::ft_detail::quorum_request);
 CORPC_IO_THREAD_FUNCTION(&corpc::ddp::ft_detail::commit_request);
-CORPC_IO_THREAD_FUNCTION(&corpc::ddp::ft_detail::commit_and_ask);
