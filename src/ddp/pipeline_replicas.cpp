@@ -5,7 +5,6 @@
 #include "corpc/ddp/pipeline_replicas.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <mutex>
 #include <string>
 
@@ -124,6 +123,12 @@ struct PipelineReplicas::State {
     epoch = at_epoch;
   }
 
+  // Off the epoch's groups (a failed attempt, or a new epoch): the next attempt builds fresh ones.
+  void leave_epoch() {
+    averaging.clear();
+    epoch = -1;
+  }
+
   void launch(size_t i) {
     auto& a = averaging[i];
     if (a.launched || !a.sync) return;
@@ -232,8 +237,7 @@ struct PipelineReplicas::State {
       report.loss.reset();
       try {
         if (q.epoch != epoch) {
-          averaging.clear();
-          epoch = -1;
+          leave_epoch();
           if (member->enter_epoch(q, serve_to)) report.ft.recovered = true;
           greet_mates();
           join_epoch(q.epoch, replicas_of(q.members));
@@ -251,8 +255,7 @@ struct PipelineReplicas::State {
         return report;
       }
       // Taken by nobody: fresh groups next time (this attempt's gradients are zeroed by the next).
-      averaging.clear();
-      epoch = -1;
+      leave_epoch();
       if (attempt >= options.ft.max_retries)
         throw RpcError("PipelineReplicas: step " + std::to_string(q.step) + " failed " + std::to_string(attempt + 1) +
                        " times; the last: " + (report.ft.last_error.empty() ? "not committed" : report.ft.last_error));
