@@ -314,7 +314,8 @@ TEST_CASE("a stage worker SIGKILLed after a forward: the other replica retries t
   CHECK(out.logged(1, 3, "retried"));
   CHECK(out.logged(3, 3, "retried"));
   CHECK(out.logs[4].find("recovered") != std::string::npos);
-  CHECK(out.logs[2].find("recovered") != std::string::npos);  // its live mate missed steps too
+  // Its live mate missed steps too when replica 0 ran step 3 alone (the replacement may be back for the retry).
+  if (out.steps.at(3).replicas == std::vector<int>{0}) CHECK(out.logs[2].find("recovered") != std::string::npos);
   CHECK(all_replicas(out.steps.rbegin()->second));
 }
 
