@@ -14,6 +14,10 @@
 #include "../src/transport/auth.hpp"
 #include "corpc/rpc/worker_info.hpp"
 #include "../src/transport/frames.hpp"
+#include "../src/transport/frame_seal.hpp"
+
+#include <map>
+#include <memory>
 
 namespace corpc {
 // The Hello a dialing worker sends first (src/rpc/rendezvous.cpp), for tests that impersonate one.
@@ -22,9 +26,45 @@ detail::Message hello_message(const WorkerInfo& self, int world_size, bool rende
 
 namespace corpc::test {
 
+// How the raw connections this process opened seal the frames they send (src/transport/frame_seal.hpp), by descriptor:
+// a peer that knows the secret seals its frames as a worker does, or it is refused for that before anything it says
+// is read. No entry: the connection's frames are not sealed (no secret, TLS, or not authenticated).
+inline std::map<int, std::shared_ptr<detail::FrameSeal>>& raw_seals() {
+  static std::map<int, std::shared_ptr<detail::FrameSeal>> seals;
+  return seals;
+}
+inline void forget_seal(const asio::ip::tcp::socket& s) { raw_seals().erase(const_cast<asio::ip::tcp::socket&>(s).native_handle()); }
+inline bool is_sealed(asio::ip::tcp::socket& s) { return raw_seals().count(s.native_handle()) > 0; }
+
+// `bytes` (frames back to back; the last may be cut short) as `s` sends them: each whole frame followed by its tag
+// when the connection seals its frames. What is cut short goes as it is (its tag would follow its last byte).
+inline std::string sealed(asio::ip::tcp::socket& s, const std::string& bytes) {
+  auto found = raw_seals().find(s.native_handle());
+  if (found == raw_seals().end()) return bytes;
+  detail::FrameSeal& seal = *found->second;
+  std::string out;
+  std::size_t at = 0;
+  while (bytes.size() - at >= sizeof(detail::FrameHeader)) {
+    detail::FrameHeader h;
+    std::memcpy(&h, bytes.data() + at, sizeof h);
+    const std::uint64_t on_socket = (h.flags & detail::kFlagShm) ? 0 : h.tensor_bytes;
+    const std::uint64_t len = sizeof h + std::uint64_t{h.meta_len} + h.body_len + on_socket;
+    if (bytes.size() - at < len) break;
+    seal.begin();
+    seal.add(bytes.data() + at, len);
+    const auto tag = seal.tag();
+    out.append(bytes, at, len);
+    out.append(reinterpret_cast<const char*>(tag.data()), tag.size());
+    at += len;
+  }
+  out.append(bytes, at, std::string::npos);
+  return out;
+}
+
 inline asio::ip::tcp::socket raw_socket(asio::io_context& io, const WorkerInfo& target) {
   asio::ip::tcp::socket s(io);
   s.connect({asio::ip::make_address(target.host), target.port});
+  forget_seal(s);
   return s;
 }
 
@@ -45,6 +85,7 @@ inline asio::ip::tcp::socket raw_local_socket(asio::io_context& io, const std::s
   unix_socket.connect(asio::local::stream_protocol::endpoint(std::string(1, '\0') + name));
   asio::ip::tcp::socket s(io);
   s.assign(asio::ip::tcp::v4(), unix_socket.release());
+  forget_seal(s);
   return s;
 }
 
@@ -71,7 +112,10 @@ inline detail::Transport authenticated_transport(asio::io_context& io, const Wor
 inline asio::ip::tcp::socket authenticated_socket(asio::io_context& io, asio::ip::tcp::socket s,
                                                   std::string secret = detail::secret_from_environment()) {
   detail::AuthConfig config{std::move(secret), std::chrono::seconds(10), nullptr};
-  return std::move(authenticated_transport(io, std::move(s), config).socket());
+  detail::Transport t = authenticated_transport(io, std::move(s), config);
+  if (!t.session_keys().send_key.empty())
+    raw_seals()[t.socket().native_handle()] = std::make_shared<detail::FrameSeal>(t.session_keys().send_key);
+  return std::move(t.socket());
 }
 inline asio::ip::tcp::socket authenticated_socket(asio::io_context& io, const WorkerInfo& target,
                                                   std::string secret = detail::secret_from_environment()) {
@@ -83,7 +127,8 @@ inline asio::ip::tcp::socket authenticated_socket(asio::io_context& io, const Wo
 inline asio::error_code write_raw_hello(asio::ip::tcp::socket& s, const WorkerInfo& who, int world_size) {
   detail::OutFrame f = detail::prepare(hello_message(who, world_size, false, WireLimits{}));
   asio::error_code ec;
-  asio::write(s, std::array<asio::const_buffer, 2>{asio::buffer(&f.head, sizeof f.head), asio::buffer(f.body)}, ec);
+  asio::write(s, asio::buffer(sealed(s, std::string(reinterpret_cast<const char*>(&f.head), sizeof f.head) + f.body)),
+              ec);
   return ec;
 }
 

@@ -112,7 +112,10 @@ bool read_within(asio::io_context& io, asio::ip::tcp::socket& s, void* p, std::s
 std::optional<corpc::detail::FrameHeader> next_frame(asio::io_context& io, asio::ip::tcp::socket& s) {
   corpc::detail::FrameHeader h;
   if (!read_within(io, s, &h, sizeof h)) return std::nullopt;
-  std::string payload(std::size_t{h.meta_len} + h.body_len + h.tensor_bytes, '\0');
+  // A sealed connection's frames are followed by their tag (src/transport/frame_seal.hpp): read and dropped here.
+  std::string payload(std::size_t{h.meta_len} + h.body_len + h.tensor_bytes +
+                          (is_sealed(s) ? corpc::detail::FrameSeal::kTagBytes : 0),
+                      '\0');
   if (!read_within(io, s, payload.data(), payload.size())) return std::nullopt;
   return h;
 }
@@ -357,7 +360,7 @@ TEST_CASE("replies are accepted only from the connection that carried the reques
       }
     }
     asio::error_code ec;
-    asio::write(s, asio::buffer(bytes), ec);
+    asio::write(s, asio::buffer(sealed(s, bytes)), ec);
     EXPECT(hung_up(s));
     EXPECT(!slow.done());
     rpc_sync<&release>(1);
@@ -437,7 +440,7 @@ TEST_CASE("a second connection claiming a connected rank is refused; the real ra
         unknown.function = 0x5eed;
         corpc::detail::FrameHeader goodbye;
         goodbye.kind = corpc::detail::FrameKind::Goodbye;
-        asio::write(s, asio::buffer(claim(get_worker_info(2), 3, serialized(unknown) + serialized(goodbye))));
+        asio::write(s, asio::buffer(sealed(s, claim(get_worker_info(2), 3, serialized(unknown) + serialized(goodbye)))));
         expect_claim_refused(io, s);
         s.close();
         EXPECT(rpc_sync<&is_alive_here>(1, 2));                  // worker1 still counts the real worker2 alive ...
@@ -458,7 +461,7 @@ TEST_CASE("a claim for a live rank that has not dialled yet, as itself or as its
         for (const bool rejoining : {false, true}) {
           asio::io_context io;  // one per connection: the helpers run it until they are done
           auto s = authenticated_socket(io, get_worker_info(1));
-          asio::write(s, asio::buffer(unproven_hello(get_worker_info(2), 3, false, rejoining)));
+          asio::write(s, asio::buffer(sealed(s, unproven_hello(get_worker_info(2), 3, false, rejoining))));
           expect_claim_refused(io, s);
           s.close();
         }
@@ -493,7 +496,7 @@ TEST_CASE("a dead rank's replacement is taken only with the launcher's credentia
           while (rpc_sync<&is_alive_here>(0, 1)) std::this_thread::sleep_for(10ms);
           asio::io_context io;
           auto s = authenticated_socket(io, get_worker_info(0));
-          asio::write(s, asio::buffer(unproven_hello(get_worker_info(1), 3, true, true)));
+          asio::write(s, asio::buffer(sealed(s, unproven_hello(get_worker_info(1), 3, true, true))));
           expect_claim_refused(io, s);
           s.close();
           std::ofstream(forged_flag()) << "refused\n";
@@ -529,7 +532,7 @@ TEST_CASE("replies forged on a claimed rank's behalf close only the claimant; th
           h.body_len = static_cast<std::uint32_t>(forged.body.size());
           replies += serialized(h, forged.body);
         }
-        asio::write(s, asio::buffer(claim(get_worker_info(1), 2, replies)));
+        asio::write(s, asio::buffer(sealed(s, claim(get_worker_info(1), 2, replies))));
         expect_claim_refused(io, s);
         s.close();
         EXPECT(Runtime::get().is_alive(1));
@@ -607,7 +610,7 @@ TEST_CASE("a peer announcing a large frame and sending nothing commits no memory
         h.kind = corpc::detail::FrameKind::Request;
         h.id = 1;
         h.body_len = kBody;
-        asio::write(body_only, asio::buffer(serialized(h)));
+        asio::write(body_only, asio::buffer(sealed(body_only, serialized(h))));
         auto meta_only = authenticated_socket(io, get_worker_info(1));
         h = corpc::detail::FrameHeader{};
         h.kind = corpc::detail::FrameKind::Request;
@@ -615,7 +618,7 @@ TEST_CASE("a peer announcing a large frame and sending nothing commits no memory
         h.num_tensors = 1;
         h.meta_len = kMeta;
         h.tensor_bytes = 4;
-        asio::write(meta_only, asio::buffer(serialized(h)));
+        asio::write(meta_only, asio::buffer(sealed(meta_only, serialized(h))));
         auto data_only = authenticated_socket(io, get_worker_info(1));
         corpc::detail::Message m;
         m.head.id = 1;

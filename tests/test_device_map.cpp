@@ -617,7 +617,7 @@ bool worker1_hangs_up_on(corpc::detail::FrameHeader h, const std::string& meta, 
   bytes += meta;
   bytes += body;
   asio::error_code ec;
-  asio::write(s, asio::buffer(bytes), ec);
+  asio::write(s, asio::buffer(sealed(s, bytes)), ec);
   return hung_up(s);
 }
 }  // namespace

@@ -479,7 +479,7 @@ TEST_CASE("malformed frames close only the offending connection") {
     // A peer that knows this run's secret and then sends garbage: the frame layer must cope.
     auto send_raw = [&](const std::string& bytes) {
       auto s = authenticated_socket(io, target);
-      asio::write(s, asio::buffer(bytes));
+      asio::write(s, asio::buffer(sealed(s, bytes)));
       EXPECT(hung_up(s));  // the worker hangs up on us instead of allocating or crashing
     };
     send_raw("GET / HTTP/1.1\r\n\r\nxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx");

@@ -48,6 +48,7 @@ RpcOptions with_environment(RpcOptions options) {
       options.tls = std::move(tls);
     }
   }
+  if (options.seal_frames == defaults.seal_frames && switched_off("CORPC_SEAL_FRAMES")) options.seal_frames = false;
   if (options.trace_path.empty()) options.trace_path = env_or_empty("CORPC_TRACE");
   if (options.same_host_socket == defaults.same_host_socket && switched_off("CORPC_SAME_HOST_SOCKET"))
     options.same_host_socket = false;

@@ -91,6 +91,29 @@ class PeerTable {
     admitted();
     return {std::nullopt, std::move(old)};
   }
+  // Rank 0 says that a new incarnation of `rank` took it over and listens at `at`: the rank is alive again here, and
+  // what we held of its predecessor is forgotten. Returns the predecessor's connections (ours, and the one that spoke
+  // for it), to be closed: they no longer count for the rank.
+  std::vector<ConnectionPtr> replaced(int rank, Address at) {
+    std::lock_guard lock(mutex_);
+    std::vector<ConnectionPtr> old;
+    if (closing_ || rank < 0 || rank >= size()) return old;
+    dead_[rank].clear();
+    farewells_[rank].clear();
+    moved_[rank] = std::move(at);
+    if (outgoing_[rank]) old.push_back(std::exchange(outgoing_[rank], nullptr));
+    if (auto held = holders_.find(rank); held != holders_.end()) {
+      old.push_back(held->second);
+      holders_.erase(held);
+    }
+    return old;
+  }
+  // The connection that speaks for `rank` (null if none): on rank 0, the one the rank registered through.
+  ConnectionPtr speaker(int rank) const {
+    std::lock_guard lock(mutex_);
+    auto held = holders_.find(rank);
+    return held == holders_.end() ? nullptr : held->second;
+  }
   // Installs our connection to `rank` (the rendezvous's dial to rank 0).
   void set_outgoing(int rank, ConnectionPtr conn) {
     std::lock_guard lock(mutex_);
@@ -146,9 +169,13 @@ class PeerTable {
   Loss remove(const ConnectionPtr& conn) {
     std::lock_guard lock(mutex_);
     const int rank = conn->peer_rank;
-    Loss loss{closing_, conn->outgoing};
+    Loss loss{closing_, false};
     incoming_.erase(conn);
-    if (rank >= 0 && rank < size() && outgoing_[rank] == conn) outgoing_[rank] = nullptr;
+    // Ours counts while it is still our connection to the rank: not once a new incarnation took the rank over.
+    if (rank >= 0 && rank < size() && outgoing_[rank] == conn) {
+      outgoing_[rank] = nullptr;
+      loss.speaks_for_rank = true;
+    }
     if (auto held = holders_.find(rank); held != holders_.end() && held->second == conn) {
       holders_.erase(held);
       loss.speaks_for_rank = true;

@@ -58,10 +58,13 @@ std::shared_ptr<detail::Connection> Runtime::Impl::connection_to(int rank) {
         if (theirs && !theirs->host.empty() && theirs->host == detail::same_host_identity())
           local_socket = theirs->socket;
       }
-      c = detail::dial_tcp_connection(pick_io(), rank, host, port, std::move(local_socket), connection_settings(),
-                                      frame_handler(), close_handler(), auth);
-      // Every dialed connection starts with who we are and what we accept.
-      c->send(detail::prepare(hello_message(our_hello(false, rank))));
+      // Every dialed connection starts with who we are and what we accept, signed for this connection; what we send
+      // after it waits for the answer to prove that the peer is the rank we dialled (on_hello).
+      c = detail::dial_tcp_connection(
+          pick_io(), rank, host, port, std::move(local_socket), connection_settings(), frame_handler(),
+          close_handler(), auth, [this, rank](const std::string& transcript) {
+            return detail::prepare(hello_message(our_hello(false, rank, transcript)));
+          });
     }
     return c;
   });
@@ -104,11 +107,14 @@ void Runtime::Impl::on_close(const std::shared_ptr<detail::Connection>& conn, co
   }
   // The death is recorded before anyone learns of it through a failed call: a caller woken by that failure (e.g.
   // shutdown() on a worker whose master died) must find the rank already dead.
-  if (world.known() && rank >= 0 && loss.speaks_for_rank && !was_closing) mark_dead(rank, reason);
+  // An answer we refused (an impostor at the rank's address) says nothing of the rank itself.
+  const bool impostor = conn->outgoing && conn->hello_refused;
+  if (world.known() && rank >= 0 && loss.speaks_for_rank && !was_closing && !impostor) mark_dead(rank, reason);
   // Our requests on this connection cannot be answered any more, whatever the reason.
+  const std::string who = "worker '" + name_of(rank) + "' (rank " + std::to_string(rank) + ")";
   auto error = was_closing ? std::make_exception_ptr(ShutdownError("corpc runtime shut down"))
-                           : std::make_exception_ptr(ConnectionError("worker '" + name_of(rank) + "' (rank " +
-                                                                     std::to_string(rank) + ") is gone: " + reason));
+               : impostor  ? std::make_exception_ptr(ConnectionError("cannot reach " + who + ": " + reason))
+                           : std::make_exception_ptr(ConnectionError(who + " is gone: " + reason));
   detail::CallEngine::of(*conn).closed(error);
   if (!world.known()) {
     if (self.rank == 0) {

@@ -40,7 +40,8 @@ detail::Message hello_message(const WorkerInfo& self, int world_size, bool rende
       detail::kProtocolVersion, self, world_size, rendezvous, limits, {}, {}, {}, {}, false, false, {}, 0, {}, {}, {}});
 }
 
-detail::Hello Runtime::Impl::our_hello(bool registering, int to_rank) const {
+detail::Hello Runtime::Impl::our_hello(bool registering, int to_rank, const std::string& transcript,
+                                      detail::HelloSide side) const {
   detail::Hello h;
   {
     std::lock_guard lock(self_host_mutex);
@@ -60,13 +61,14 @@ detail::Hello Runtime::Impl::our_hello(bool registering, int to_rank) const {
   if (registering) {
     if (!rank_proofs.credential.empty()) h.proof = detail::credential_proof(rank_proofs.credential, h.public_key);
   } else if (to_rank >= 0) {
-    h.proof = rank_key->sign(detail::hello_statement(self.rank, h.incarnation, to_rank));
+    h.proof = rank_key->sign(detail::hello_statement(side, self.rank, h.incarnation, to_rank, transcript));
     h.certificate = certificate;
   }
   return h;
 }
 
-std::optional<std::string> Runtime::Impl::unproven_claim(const detail::Hello& hello) {
+std::optional<std::string> Runtime::Impl::unproven_claim(const detail::Hello& hello, detail::HelloSide side,
+                                                         const std::string& transcript) {
   const int rank = hello.self.rank;
   const std::string who = "rank " + std::to_string(rank);
   const auto known = identities.get(rank);
@@ -83,8 +85,9 @@ std::optional<std::string> Runtime::Impl::unproven_claim(const detail::Hello& he
     key = hello.public_key;
   }
   if (key.empty() || hello.public_key != key) return fmt::format("its key is not the one {} registered with", who);
-  if (!detail::verify_signature(key, detail::hello_statement(rank, hello.incarnation, self.rank), hello.proof))
-    return fmt::format("it cannot prove it is {} (no valid signature of {}'s key)", who, who);
+  if (!detail::verify_signature(key, detail::hello_statement(side, rank, hello.incarnation, self.rank, transcript),
+                                hello.proof))
+    return fmt::format("it cannot prove it is {} (no valid signature of {}'s key for this connection)", who, who);
   if (hello.incarnation > known.incarnation) identities.advance(rank, {hello.incarnation, key});
   return std::nullopt;
 }
@@ -250,6 +253,19 @@ void Runtime::Impl::refuse_claim(const std::shared_ptr<detail::Connection>& conn
   refuse(conn, why);
 }
 
+// An answer to our Hello that does not prove it comes from the rank we dialled: the connection closes before anything
+// of ours but the Hello went out; the calls that waited on it fail with the reason. The rank is not marked dead: an
+// impostor at its address says nothing of the rank itself.
+void Runtime::Impl::refuse_answer(const std::shared_ptr<detail::Connection>& conn, const WorkerInfo& claimed,
+                                  const std::string& why) {
+  const std::string text =
+      fmt::format("the peer at {} answered as worker '{}' (rank {}) and {}", conn->remote_address, name_of(claimed.rank),
+                  claimed.rank, why);
+  refused_hellos.refused(conn->io(), self.name, "refused " + text + "; its connection is closed");
+  conn->hello_refused = true;
+  conn->close(text);
+}
+
 void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {
   detail::Hello hello;
   try {
@@ -263,18 +279,26 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, de
   const WireLimits& theirs = hello.limits;
   if (!conn->outgoing && conn->peer_rank >= 0) return conn->close("protocol error: a second hello on one connection");
   if (conn->outgoing) {
-    // The answer to our own Hello: what the peer accepts. Until it arrives we assume our own limits.
+    // The answer to our own Hello: who the peer is and what it accepts. Until it arrives we assume our own limits.
     if (info.rank != conn->peer_rank)
       return conn->close("protocol error: hello from rank " + std::to_string(info.rank));
+    // A dial to a rank (not the registration with rank 0, which is answered before anyone's key is known) reaches
+    // whoever listens at its address now: after the rank died, any process. Nothing of ours follows our Hello until
+    // the answer proves, for this connection, that it comes from the rank we dialled.
+    if (world.known()) {
+      if (auto unproven = unproven_claim(hello, detail::HelloSide::acceptor, conn->handshake_transcript()))
+        return refuse_answer(conn, info, *unproven);
+    }
     conn->peer_limits = theirs;
     dial_same_host(conn, hello);
+    conn->release_sends();
     return;
   }
   if (their_world != world_size)
     return refuse(conn, "world size " + std::to_string(their_world) + " != " + std::to_string(world_size));
   if (info.rank < 0 || info.rank >= world_size || info.rank == self.rank)
     return refuse(conn, "invalid rank " + std::to_string(info.rank));
-  auto answer = our_hello(false);
+  auto answer = our_hello(false, info.rank, conn->handshake_transcript(), detail::HelloSide::acceptor);
   if (!registering) {
     // A claim is checked against the world table's keys: until we have the table it waits with what follows it.
     if (world.park_if_unknown(conn, msg)) return;
@@ -283,7 +307,8 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, de
     // the world table) is an ordinary claim: taking it as a replacement would close the live connection to the same
     // process, and the calls on it.
     const bool new_incarnation = hello.incarnation > identities.get(info.rank).incarnation;
-    if (auto unproven = unproven_claim(hello)) return refuse_claim(conn, info, *unproven);
+    if (auto unproven = unproven_claim(hello, detail::HelloSide::dialer, conn->handshake_transcript()))
+      return refuse_claim(conn, info, *unproven);
     if (world.known() && workers[info.rank].name != info.name)
       return refuse(
           conn, "rank " + std::to_string(info.rank) + " is '" + workers[info.rank].name + "', not '" + info.name + "'");
@@ -374,7 +399,18 @@ void Runtime::Impl::admit_rejoined(const std::shared_ptr<detail::Connection>& co
   w.put(configs);
   w.put(peers->current_local_addresses(local_addresses));
   w.put(identities.all());
-  // What the new incarnation shows its peers: they hold the earlier incarnation's key.
+  // Every other live rank takes the new incarnation's key and addresses from this table at once (on_world_update),
+  // so that none dials its predecessor's address, where any process may listen now, or waits to be dialled first.
+  detail::Message update = table;
+  Writer(update.body).put(std::string());
+  for (int r = 1; r < world_size; ++r) {
+    if (r == rank) continue;
+    if (auto speaker = peers->speaker(r)) {
+      detail::Message copy = update;
+      speaker->send(detail::prepare(std::move(copy)));
+    }
+  }
+  // What the new incarnation shows its peers that have not taken the update yet: rank 0's word for its key.
   w.put(rank_key->sign(detail::certificate_statement(rank, hello.incarnation, hello.public_key)));
   conn->send(detail::prepare(std::move(table)));
 }
@@ -400,29 +436,76 @@ void Runtime::Impl::publish_world_if_complete() {
   on_world(std::move(table));
 }
 
-void Runtime::Impl::on_world(detail::Message&& msg) {
-  if (!world.first_table()) return;
-  std::vector<WorkerInfo> table;
+namespace {
+
+// A world table as rank 0 sends it (publish_world_if_complete, admit_rejoined).
+struct WorldTable {
+  std::vector<WorkerInfo> workers;
   std::vector<detail::DeviceConfig> configs;
   std::vector<detail::LocalAddress> locals;
   std::vector<detail::RankIdentity> keys;
-  std::string our_certificate;
+  std::string certificate;  // rank 0's for the receiver's incarnation, if it replaced a rank; else empty
+};
+
+// Throws ProtocolError if `msg` is malformed or not a table of `world_size` ranks.
+WorldTable decode_world(const detail::Message& msg, int world_size) {
+  WorldTable t;
   try {
     Reader r(msg.body.data(), msg.body.size());
-    table = r.get<std::vector<WorkerInfo>>();
-    for (const auto& c : r.get<std::vector<std::string>>()) configs.push_back(detail::decode_device_config(c));
-    locals = r.get<std::vector<detail::LocalAddress>>();
-    keys = r.get<std::vector<detail::RankIdentity>>();
-    our_certificate = r.get<std::string>();
+    t.workers = r.get<std::vector<WorkerInfo>>();
+    for (const auto& c : r.get<std::vector<std::string>>()) t.configs.push_back(detail::decode_device_config(c));
+    t.locals = r.get<std::vector<detail::LocalAddress>>();
+    t.keys = r.get<std::vector<detail::RankIdentity>>();
+    t.certificate = r.get<std::string>();
   } catch (const ProtocolError& e) {
-    world_ready.set_exception(ProtocolError(std::string("malformed world table: ") + e.what()));
+    throw ProtocolError(std::string("malformed world table: ") + e.what());
+  }
+  if (static_cast<int>(t.workers.size()) != world_size || static_cast<int>(t.configs.size()) != world_size ||
+      static_cast<int>(t.locals.size()) != world_size || static_cast<int>(t.keys.size()) != world_size)
+    throw ProtocolError("world table of the wrong size");
+  return t;
+}
+
+}  // namespace
+
+// A table rank 0 sends after the first: a rank was replaced. Each newer incarnation in it is taken, with where it
+// listens; whatever this worker held of its predecessor is let go. Nothing else in it changes anything here.
+void Runtime::Impl::on_world_update(detail::Message&& msg) {
+  if (!world.known()) return;
+  WorldTable t;
+  try {
+    t = decode_world(msg, world_size);
+  } catch (const ProtocolError& e) {
+    detail::log(detail::LogLevel::warn, self.name, "rendezvous", "ignored an update of the world table: {}", e.what());
     return;
   }
-  if (static_cast<int>(table.size()) != world_size || static_cast<int>(configs.size()) != world_size ||
-      static_cast<int>(locals.size()) != world_size || static_cast<int>(keys.size()) != world_size) {
-    world_ready.set_exception(ProtocolError("world table of the wrong size"));
+  for (int r = 0; r < world_size; ++r) {
+    if (r == self.rank || r == 0 || t.keys[r].public_key.empty()) continue;
+    if (t.keys[r].incarnation <= identities.get(r).incarnation) continue;
+    if (!identities.advance(r, t.keys[r])) continue;
+    const auto old = peers->replaced(r, {t.workers[r].host, t.workers[r].port, t.locals[r]});
+    activity->forget_peer(r);
+    for (const auto& c : old) c->close("worker '" + t.workers[r].name + "' was replaced by a new incarnation");
+    detail::log(detail::LogLevel::info, self.name, "rendezvous",
+                "worker '{}' (rank {}) was replaced by incarnation {}, at {}:{} (rank 0's word)", t.workers[r].name, r,
+                t.keys[r].incarnation, t.workers[r].host, t.workers[r].port);
+  }
+}
+
+void Runtime::Impl::on_world(detail::Message&& msg) {
+  if (!world.first_table()) return on_world_update(std::move(msg));
+  WorldTable t;
+  try {
+    t = decode_world(msg, world_size);
+  } catch (const ProtocolError& e) {
+    world_ready.set_exception(e);
     return;
   }
+  std::vector<WorkerInfo> table = std::move(t.workers);
+  std::vector<detail::DeviceConfig> configs = std::move(t.configs);
+  std::vector<detail::LocalAddress> locals = std::move(t.locals);
+  std::vector<detail::RankIdentity> keys = std::move(t.keys);
+  std::string our_certificate = std::move(t.certificate);
   for (int r = 0; r < world_size; ++r) {
     if (table[r].rank != r) return void(world_ready.set_exception(ProtocolError("world table out of order")));
     rank_by_name[table[r].name] = r;

@@ -196,6 +196,7 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   impl->init_flow_control();
   impl->auth.secret = options.secret;
   impl->auth.timeout = options.handshake_timeout;
+  impl->auth.seal_frames = options.seal_frames;
   const auto& tls = options.tls;
   if (tls) {
     impl->auth.tls = detail::make_tls_context(*tls);

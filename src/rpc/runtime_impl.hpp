@@ -213,7 +213,10 @@ struct Runtime::Impl {
   void refuse(const std::shared_ptr<detail::Connection>& conn, const std::string& why);
   // Refuses a Hello that claimed `claimed`, whose rank is taken (`why`), and says so in our log.
   void refuse_claim(const std::shared_ptr<detail::Connection>& conn, const WorkerInfo& claimed, const std::string& why);
+  // Refuses the answer to our Hello on `conn`, which claimed `claimed` and did not prove it (`why`).
+  void refuse_answer(const std::shared_ptr<detail::Connection>& conn, const WorkerInfo& claimed, const std::string& why);
   void on_world(detail::Message&& msg);
+  void on_world_update(detail::Message&& msg);  // a later table from rank 0: the ranks replaced since
   void route_rendezvous();
   void publish_world_if_complete();
   // Takes `hello`'s sender as the new incarnation of its rank (RpcOptions::rejoin); `registration`: on rank 0, which
@@ -221,11 +224,14 @@ struct Runtime::Impl {
   // while the predecessor's connection is not yet seen closed.
   void admit_rejoined(const std::shared_ptr<detail::Connection>& conn, detail::Hello& hello, detail::Hello& answer,
                       bool registration, std::optional<detail::Clock::time_point> deadline = std::nullopt);
-  // `to_rank`: the rank a dialed Hello goes to (it is signed for that rank); -1 for an answer.
-  detail::Hello our_hello(bool registering, int to_rank = -1) const;
-  // Why a Hello's claim of its rank and incarnation is not proven, or nullopt (rank_identity.hpp); a newer incarnation
-  // with rank 0's certificate is taken into `identities`.
-  std::optional<std::string> unproven_claim(const detail::Hello& hello);
+  // `to_rank`: the rank the Hello goes to, `side` and `transcript` (the connection's) what it is signed for
+  // (rank_identity.hpp); a registration (to rank 0) carries the launcher's credential instead.
+  detail::Hello our_hello(bool registering, int to_rank = -1, const std::string& transcript = {},
+                          detail::HelloSide side = detail::HelloSide::dialer) const;
+  // Why a Hello's claim of its rank and incarnation is not proven for `transcript` as `side`'s, or nullopt
+  // (rank_identity.hpp); a newer incarnation with rank 0's certificate is taken into `identities`.
+  std::optional<std::string> unproven_claim(const detail::Hello& hello, detail::HelloSide side,
+                                            const std::string& transcript);
   // Rank 0: why a registration's claim is not proven (the launcher's credential), or nullopt.
   std::optional<std::string> unproven_registration(const detail::Hello& hello, bool replacing) const;
 

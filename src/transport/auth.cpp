@@ -46,6 +46,30 @@ Mac mac(const std::string& secret, const char* label, const Nonce& first, const 
 
 bool same(const Mac& a, const Mac& b) { return CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0; }
 
+std::string bytes_of(const Nonce& n) { return std::string(reinterpret_cast<const char*>(n.data()), n.size()); }
+
+// What the exchange leaves on the transport: the transcript (the dialer's nonce, the acceptor's, the TLS binding) and,
+// without TLS, a key per direction for sealing frames, derived from the secret over the transcript: only the two ends
+// know the secret, and no other connection has the same nonces.
+// `seal`: with a secret, without TLS, as both ends agreed.
+SessionKeys session_keys(const std::string& secret, const Nonce& dialer, const Nonce& acceptor,
+                         const std::string& binding, bool seal, AuthRole role) {
+  SessionKeys keys;
+  keys.transcript = bytes_of(dialer) + bytes_of(acceptor) + binding;
+  if (seal) {
+    auto derive = [&](const char* label) {
+      const Mac m = mac(secret, label, dialer, acceptor, binding);
+      return std::string(reinterpret_cast<const char*>(m.data()), m.size());
+    };
+    std::string from_dialer = derive("corpc frames from the dialer");
+    std::string from_acceptor = derive("corpc frames from the acceptor");
+    const bool dialing = role == AuthRole::dialer;
+    keys.send_key = dialing ? from_dialer : from_acceptor;
+    keys.receive_key = dialing ? from_acceptor : from_dialer;
+  }
+  return keys;
+}
+
 }  // namespace
 
 // g++ 16 at -O1 inlines this coroutine frame's class-specific operator delete (Asio's awaitable_frame_base, which
@@ -75,8 +99,13 @@ asio::awaitable<void> authenticate(Transport& socket, const AuthConfig& config, 
     if (config.tls) co_await socket.start_tls(*config.tls, role);
     tls_up = true;
     const std::string binding = socket.channel_binding();
+    // Whether frames are sealed is part of what both sides prove: ends that disagree fail here, not on a frame.
+    const bool sealing = config.seal_frames && !config.tls;
+    const char* const acceptor_label = sealing ? "acceptor" : "acceptor, frames unsealed";
+    const char* const dialer_label = sealing ? "dialer" : "dialer, frames unsealed";
     if (config.secret.empty()) {
-      // TLS alone: the certificates authenticate the peers.
+      // TLS alone: the certificates authenticate the peers, and the session's binding is the transcript.
+      socket.set_session_keys(SessionKeys{binding, {}, {}});
     } else if (role == AuthRole::acceptor) {
       std::array<unsigned char, 4 + 16> challenge;
       co_await asio::async_read(socket, asio::buffer(challenge), asio::use_awaitable);
@@ -90,7 +119,7 @@ asio::awaitable<void> authenticate(Transport& socket, const AuthConfig& config, 
       Nonce theirs;
       std::memcpy(theirs.data(), challenge.data() + 4, 16);
       const Nonce mine = fresh_nonce();
-      const Mac proof = mac(config.secret, "acceptor", theirs, mine, binding);
+      const Mac proof = mac(config.secret, acceptor_label, theirs, mine, binding);
       std::array<unsigned char, 4 + 16 + 32> out;
       std::memcpy(out.data(), kTag, 4);
       std::memcpy(out.data() + 4, mine.data(), 16);
@@ -98,7 +127,8 @@ asio::awaitable<void> authenticate(Transport& socket, const AuthConfig& config, 
       co_await asio::async_write(socket, asio::buffer(out), asio::use_awaitable);
       Mac got;
       co_await asio::async_read(socket, asio::buffer(got), asio::use_awaitable);
-      if (!same(got, mac(config.secret, "dialer", mine, theirs, binding))) throw ConnectionError("wrong secret");
+      if (!same(got, mac(config.secret, dialer_label, mine, theirs, binding))) throw ConnectionError("wrong secret");
+      socket.set_session_keys(session_keys(config.secret, theirs, mine, binding, sealing, role));
     } else {
       const Nonce mine = fresh_nonce();
       std::array<unsigned char, 4 + 16> challenge;
@@ -122,14 +152,17 @@ asio::awaitable<void> authenticate(Transport& socket, const AuthConfig& config, 
       Mac got;
       std::memcpy(theirs.data(), answer.data() + 4, 16);
       std::memcpy(got.data(), answer.data() + 20, 32);
-      if (!same(got, mac(config.secret, "acceptor", mine, theirs, binding))) {
+      if (!same(got, mac(config.secret, acceptor_label, mine, theirs, binding))) {
         // A proof that cannot match, so that the acceptor too learns (and logs) that the secrets differ.
         const Mac refusal{};
         asio::error_code ignored;
         co_await asio::async_write(socket, asio::buffer(refusal), asio::redirect_error(asio::use_awaitable, ignored));
-        throw ConnectionError("the peer does not know our secret (is the same CORPC_SECRET set on every rank?)");
+        throw ConnectionError(
+            "the peer does not know our secret (is the same CORPC_SECRET set on every rank? and the same "
+            "CORPC_SEAL_FRAMES?)");
       }
-      const Mac proof = mac(config.secret, "dialer", theirs, mine, binding);
+      const Mac proof = mac(config.secret, dialer_label, theirs, mine, binding);
+      socket.set_session_keys(session_keys(config.secret, mine, theirs, binding, sealing, role));
       if (last_message) {
         last_message->assign(reinterpret_cast<const char*>(proof.data()), proof.size());
       } else {

@@ -11,6 +11,10 @@
 // The acceptor proves itself first, and the dialer checks that proof before it sends anything else.
 // With TLS (RpcOptions::tls) the TLS handshake comes first, the exchange runs inside it, and both MACs also cover
 // the session's exported keying material: a relay that terminates TLS on each side cannot pass it on.
+// What it leaves on the transport (stream.hpp's SessionKeys): the transcript (both nonces and the TLS binding), which
+// the rendezvous Hellos sign so that they prove nothing on another connection; and, with a secret and without TLS,
+// a key per direction derived from the secret over the transcript, which seals every frame (frame_seal.hpp): a relay
+// that passes the exchange on between the real ends, as it can, still cannot change what follows.
 // Nothing identifying (names, ranks, world size) is sent before this succeeds. With an empty secret nothing is
 // exchanged: the job is open to any process that can reach its ports (the runtime says so at start-up).
 #pragma once
@@ -29,6 +33,9 @@ struct AuthConfig {
   std::string secret;                       // empty: no authentication
   std::chrono::milliseconds timeout{5000};  // the whole handshake; a silent peer is dropped after it
   std::shared_ptr<asio::ssl::context> tls;  // null: plain TCP
+  // With a secret and without TLS: derive keys that seal every frame (frame_seal.hpp). Both ends must agree: it is
+  // part of what each side proves, so a mismatch fails the handshake.
+  bool seal_frames = true;
 };
 
 // What authenticate throws when the handshake stalled or broke off rather than being refused: the peer did not answer

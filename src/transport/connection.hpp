@@ -111,6 +111,13 @@ class Connection : public std::enable_shared_from_this<Connection> {
   virtual void close_when_flushed() = 0;
 
   asio::io_context& io() noexcept { return io_; }
+  // What this connection's handshake established that no other connection shares (stream.hpp's SessionKeys); empty
+  // for a connection that had none. Fixed once frames flow.
+  virtual std::string handshake_transcript() const { return {}; }
+  // Until release_sends(), frames sent are queued behind those sent before hold_sends() (a dialer's Hello): the peer
+  // sees nothing more of ours until its answer has proved who it is. Any thread; ignored where there is no peer.
+  virtual void hold_sends() {}
+  virtual void release_sends() {}
   // The upper layer's state (ConnectionSettings::make_session); null if none was asked for.
   ConnectionSession* session() const noexcept { return session_.get(); }
 
@@ -179,14 +186,19 @@ std::shared_ptr<Connection> make_tcp_connection(Transport transport, const Conne
                                                 FrameHandler on_frame, CloseHandler on_close,
                                                 std::string remote_address = {});
 
+// The first frame a dialer sends, made for the connection's handshake transcript (SessionKeys::transcript) once the
+// handshake is done, on the connection's I/O thread.
+using FirstFrame = std::function<OutFrame(const std::string& transcript)>;
+
 // Dials host:port and authenticates (TLS and the secret, as `auth` says); queued frames wait for both. A failure to
 // connect or authenticate closes it with the reason. `local_socket`, if not empty, names the peer's abstract Unix
 // socket (without the leading NUL): tried first, on every attempt, with TCP when it cannot be connected to.
 // `peer_rank` is set before dialing starts, so that a connect that fails at once is still attributed to its peer.
+// With `first`, that frame goes out first and every frame sent before release_sends() is held.
 std::shared_ptr<Connection> dial_tcp_connection(asio::io_context& io, int peer_rank, std::string host,
                                                 std::uint16_t port, std::string local_socket,
                                                 const ConnectionSettings& settings, FrameHandler on_frame,
-                                                CloseHandler on_close, AuthConfig auth);
+                                                CloseHandler on_close, AuthConfig auth, FirstFrame first = {});
 
 // Calls to ourselves: each frame comes back to `on_frame` as if received, through a copy of its tensors, so that a
 // self-call has exactly the semantics of a remote one.

@@ -129,11 +129,13 @@ bool credential_proof_matches(std::string_view credential, std::string_view publ
   return proof.size() == expected.size() && CRYPTO_memcmp(proof.data(), expected.data(), expected.size()) == 0;
 }
 
-std::string hello_statement(int rank, std::uint32_t incarnation, int to_rank) {
-  std::string message = "corpc hello";
+std::string hello_statement(HelloSide side, int rank, std::uint32_t incarnation, int to_rank,
+                            std::string_view transcript) {
+  std::string message = side == HelloSide::dialer ? "corpc hello" : "corpc hello answer";
   append_u32(message, static_cast<std::uint32_t>(rank));
   append_u32(message, incarnation);
   append_u32(message, static_cast<std::uint32_t>(to_rank));
+  append_field(message, transcript);
   return message;
 }
 

@@ -9,9 +9,10 @@
 //     handshake and the process's public key, and rank 0 publishes the keys it admitted in the world table;
 //   - rank 0's signature over (r, i, public key) for an incarnation admitted after the world was published: the new
 //     incarnation shows it to peers, which check it against rank 0's key from the table.
-// Every dialer's Hello is signed over the rank and incarnation it claims and the rank it dials: only that peer sees the
-// signature, so it proves nothing anywhere else. The cost is one signature and one verification per connection, none
-// per message.
+// Both Hellos of a connection, the dialer's and the acceptor's answer, are signed over the rank and incarnation each
+// claims, the rank it speaks to and the connection's handshake transcript: a Hello replayed on another connection, or
+// an answer from whoever now listens at a dead rank's address, proves nothing. The cost is one signature and one
+// verification per connection and side, none per message.
 #pragma once
 
 #include <cstdint>
@@ -53,8 +54,12 @@ std::string rank_credential(std::string_view launcher_key, int rank, std::uint32
 std::string credential_proof(std::string_view credential, std::string_view public_key);
 bool credential_proof_matches(std::string_view credential, std::string_view public_key, std::string_view proof);
 
-// What a dialer signs in its Hello: the rank and incarnation it claims, and the rank it dials.
-std::string hello_statement(int rank, std::uint32_t incarnation, int to_rank);
+// What each side of a connection signs in its Hello: the rank and incarnation it claims, the rank it speaks to, and
+// the connection's handshake transcript (stream.hpp's SessionKeys), so that a Hello proves nothing on any other
+// connection, and the dialer's cannot pass for the acceptor's answer or the other way round.
+enum class HelloSide { dialer, acceptor };
+std::string hello_statement(HelloSide side, int rank, std::uint32_t incarnation, int to_rank,
+                            std::string_view transcript);
 // What rank 0 signs for an incarnation it admitted after the world was published.
 std::string certificate_statement(int rank, std::uint32_t incarnation, std::string_view public_key);
 

@@ -23,6 +23,18 @@ namespace corpc::detail {
 
 enum class AuthRole { acceptor, dialer };
 
+// What a connection's handshake (auth.hpp) established, for what is bound to it afterwards.
+struct SessionKeys {
+  // The bytes both ends saw and no other connection shares: the two nonces and the TLS binding (empty when nothing
+  // was exchanged: no secret and no TLS). The rendezvous Hellos sign it, so a Hello proves nothing on another
+  // connection.
+  std::string transcript;
+  // The keys that authenticate every frame this end sends and receives (frame_seal.hpp), derived from the secret and
+  // the transcript; empty when frames are not sealed (no secret, or TLS, whose records carry their own integrity).
+  std::string send_key;
+  std::string receive_key;
+};
+
 // The TLS settings every connection of a runtime shares: TLS 1.3 only, our certificate and key, the CA that peers'
 // certificates must chain to. Throws UsageError naming the file and OpenSSL's reason when one cannot be used.
 std::shared_ptr<asio::ssl::context> make_tls_context(const TlsOptions& options);
@@ -47,6 +59,7 @@ class Transport {
   // an interrupted handshake). Only before the connection is handed to readers and writers.
   void reset() noexcept {
     s_->tls.reset();
+    s_->keys = {};
     asio::error_code ignored;
     s_->socket.close(ignored);
   }
@@ -54,6 +67,10 @@ class Transport {
   // 32 bytes that only the two ends of this TLS session know (RFC 5705 keying material exporter), so that a
   // challenge-response mixed with them cannot be relayed into another session; empty without TLS.
   std::string channel_binding();
+
+  // What the handshake established (set by authenticate; empty before, or without one).
+  const SessionKeys& session_keys() const noexcept { return s_->keys; }
+  void set_session_keys(SessionKeys keys) { s_->keys = std::move(keys); }
 
   template <class MutableBuffers, class Token>
   auto async_read_some(const MutableBuffers& buffers, Token&& token) {
@@ -71,6 +88,7 @@ class Transport {
     explicit State(asio::ip::tcp::socket s) : socket(std::move(s)) {}
     asio::ip::tcp::socket socket;
     std::optional<asio::ssl::stream<asio::ip::tcp::socket&>> tls;
+    SessionKeys keys;
   };
   std::unique_ptr<State> s_;
 };

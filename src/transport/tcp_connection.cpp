@@ -21,6 +21,16 @@ TcpConnection::TcpConnection(Transport t, const ConnectionSettings& settings, Fr
       room_timer_(io()),
       liveness_timer_(io()) {
   peer_limits = limits_;
+  install_seals();  // an accepted transport is authenticated already; a dialed one installs them in connect()
+}
+
+void TcpConnection::install_seals() {
+  const SessionKeys& keys = transport_.session_keys();
+  if (keys.send_key.empty()) return;
+  auto out = std::make_unique<FrameSeal>(keys.send_key);
+  seal_in_ = std::make_unique<FrameSeal>(keys.receive_key);
+  std::lock_guard lock(wmutex_);
+  seal_out_ = std::move(out);
 }
 
 void TcpConnection::start_reading() {

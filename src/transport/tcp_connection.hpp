@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "transport/connection.hpp"
+#include "transport/frame_seal.hpp"
 
 namespace corpc::detail {
 
@@ -62,7 +63,7 @@ class TcpConnection final : public Connection {
 
   // Opening and closing (tcp_connection.cpp, tcp_dial.cpp).
   void start_reading();
-  void dial(std::string host, std::uint16_t port, std::string local_socket, AuthConfig auth);
+  void dial(std::string host, std::uint16_t port, std::string local_socket, AuthConfig auth, FirstFrame first);
   void close(std::string why) override;
   void close_when_flushed() override;
   void attach_shm(std::shared_ptr<ShmChannel> channel) override;
@@ -72,6 +73,9 @@ class TcpConnection final : public Connection {
   std::function<void()> take_shm_set_up();
   std::shared_ptr<CudaIpcLink> cuda_ipc() override;
   std::shared_ptr<CudaIpcLink> cuda_ipc_for_lending() override;
+  std::string handshake_transcript() const override { return transport_.session_keys().transcript; }
+  void hold_sends() override;
+  void release_sends() override;
 
   // Writing (tcp_writer.cpp).
   void send(OutFrame&& f) override;
@@ -94,15 +98,18 @@ class TcpConnection final : public Connection {
 
   // Opening and closing.
   static asio::awaitable<void> connect(std::shared_ptr<TcpConnection> self, std::string host, std::uint16_t port,
-                                       std::string local_socket, AuthConfig auth);
+                                       std::string local_socket, AuthConfig auth, FirstFrame first);
   void fail(const std::string& why);
+  // Frame integrity (frame_seal.hpp), once the transport is authenticated: a no-op without keys.
+  void install_seals();
 
   // Writing.
+  void send_frame(OutFrame&& f, bool released);  // `released`: a held frame, now going out
   bool corked_here() const noexcept {
     return tls_batch.open > 0 && tls_batch.io == &const_cast<TcpConnection*>(this)->io();
   }
   ssize_t write_iov(iovec* iov, int n);
-  void stage(OutFrame& f, std::size_t skip);
+  void stage(OutFrame& f, std::size_t skip, const FrameSeal::Tag* tag);
   void stage_first(const std::string& bytes);  // ahead of everything staged, before anything was written
   void schedule_flush();
   void advance(std::size_t w);
@@ -120,6 +127,8 @@ class TcpConnection final : public Connection {
   asio::awaitable<void> read_growing(std::string& dst, std::size_t len);
   std::vector<at::Tensor> decode_tensors(const FrameHeader& h, const char* meta, std::size_t len, Message& msg);
   asio::awaitable<void> discard(std::uint64_t n);
+  asio::awaitable<void> check_seal();  // reads the frame's tag and checks it (seal_in_ set)
+  [[noreturn]] static void throw_seal_mismatch();
 
   // Flow control.
   asio::awaitable<void> wait_for_room(std::uint64_t need);
@@ -172,12 +181,14 @@ class TcpConnection final : public Connection {
   std::uint64_t written_ = 0, written_checked_ = 0;  // staged writes that made progress
   int silent_checks_ = 0;
 
+  std::unique_ptr<FrameSeal> seal_in_;       // I/O thread: checks the frames we receive (null: not sealed)
   std::shared_ptr<ShmChannel> shm_rx_;       // I/O thread: shm_, once a frame needed it
   std::shared_ptr<CudaIpcLink> ipc_rx_;      // I/O thread: ipc_, once attached
   std::atomic<bool> ipc_attached_{false};    // ipc_ was set (spares senders and readers the lock until then)
   std::atomic<bool> shm_wanted_set_{false};  // shm_wanted_ is not empty (spares the reader the lock otherwise)
 
   std::mutex wmutex_;  // guards everything below, and the socket's descriptor against close while a sender writes
+  std::unique_ptr<FrameSeal> seal_out_;  // tags the frames we send, in wire order (null: not sealed)
   std::shared_ptr<ShmChannel> shm_;   // the same-host channel, once set up
   std::function<void()> shm_wanted_;  // sets shm_ up, until a large message calls for it (taken then)
   std::shared_ptr<CudaIpcLink> ipc_;  // CUDA IPC with the peer, once agreed and attached
@@ -190,6 +201,8 @@ class TcpConnection final : public Connection {
   bool connected_ = false;
   bool closed_ = false;
   bool close_when_flushed_ = false;
+  bool holding_ = false;             // hold_sends() .. release_sends()
+  std::vector<OutFrame> held_;       // sent while holding, in order
 };
 
 }  // namespace corpc::detail

@@ -1,6 +1,7 @@
 // Opening a connection to a peer: to its abstract Unix socket when it is on this host and has one, else over TCP
-// (resolve, connect); then authenticate (TLS and the secret), then read. Frames sent meanwhile are staged, and go out
-// behind the handshake's last message, in one write with it, once start_reading() flushes them. A handshake that
+// (resolve, connect); then authenticate (TLS and the secret), then read. The first frame (the Hello) is made once the
+// handshake's transcript is known, and goes out behind the handshake's last message, in one write with it; frames
+// sent meanwhile are held until the peer's answer has proved who it is (release_sends). A handshake that
 // stalls or breaks off (HandshakeInterrupted: a peer too busy to answer within the timeout, or one that gave up on us
 // for the same reason) is tried again on a fresh socket, up to kDialAttempts in all: nothing of the session has been
 // sent yet, so the staged frames simply wait longer. A refusal (wrong secret, TLS mismatch) or a refused TCP connect
@@ -16,9 +17,11 @@
 
 namespace corpc::detail {
 
-void TcpConnection::dial(std::string host, std::uint16_t port, std::string local_socket, AuthConfig auth) {
+void TcpConnection::dial(std::string host, std::uint16_t port, std::string local_socket, AuthConfig auth,
+                         FirstFrame first) {
   asio::co_spawn(socket_.get_executor(),
-                 connect(self(), std::move(host), port, std::move(local_socket), std::move(auth)), asio::detached);
+                 connect(self(), std::move(host), port, std::move(local_socket), std::move(auth), std::move(first)),
+                 asio::detached);
 }
 
 namespace {
@@ -45,7 +48,7 @@ bool connect_local(asio::ip::tcp::socket& socket, const std::string& name) {
 }  // namespace
 
 asio::awaitable<void> TcpConnection::connect(std::shared_ptr<TcpConnection> self, std::string host, std::uint16_t port,
-                                             std::string local_socket, AuthConfig auth) {
+                                             std::string local_socket, AuthConfig auth, FirstFrame first) {
   for (int attempt = 1;; ++attempt) {
     std::string failure;
     try {
@@ -67,7 +70,11 @@ asio::awaitable<void> TcpConnection::connect(std::shared_ptr<TcpConnection> self
       // Queued frames wait for it; its last message leaves with them.
       std::string proof;
       co_await authenticate(self->transport_, auth, AuthRole::dialer, &proof);
+      self->install_seals();
       self->stage_first(proof);
+      // The first frame is made now, for this connection's transcript, and goes out ahead of whatever was held.
+      if (first) self->send_frame(first(self->transport_.session_keys().transcript), true);
+      else self->release_sends();
       break;
     } catch (const HandshakeInterrupted& e) {
       // fail() runs on this thread: closed_ cannot change under us here.
@@ -89,12 +96,13 @@ asio::awaitable<void> TcpConnection::connect(std::shared_ptr<TcpConnection> self
 std::shared_ptr<Connection> dial_tcp_connection(asio::io_context& io, int peer_rank, std::string host,
                                                 std::uint16_t port, std::string local_socket,
                                                 const ConnectionSettings& settings, FrameHandler on_frame,
-                                                CloseHandler on_close, AuthConfig auth) {
+                                                CloseHandler on_close, AuthConfig auth, FirstFrame first) {
   auto c = std::make_shared<TcpConnection>(Transport(asio::ip::tcp::socket(io)), settings, std::move(on_frame),
                                            std::move(on_close));
   c->peer_rank = peer_rank;
   c->outgoing = true;
-  c->dial(std::move(host), port, std::move(local_socket), std::move(auth));
+  c->hold_sends();  // nothing is sealed or written before the handshake is done (connect)
+  c->dial(std::move(host), port, std::move(local_socket), std::move(auth), std::move(first));
   return c;
 }
 

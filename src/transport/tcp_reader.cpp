@@ -41,6 +41,12 @@ asio::awaitable<void> TcpConnection::read_frames(std::shared_ptr<Connection> bas
     std::memcpy(&msg.head, rbuf_.get() + rbeg_, sizeof(FrameHeader));
     const FrameHeader& h = msg.head;
     validate_header(h, limits_);
+    // Every byte of the frame goes into its tag as it is taken; the frame is acted on only once the tag matches.
+    FrameSeal* const seal = seal_in_.get();
+    if (seal) {
+      seal->begin();
+      seal->add(rbuf_.get() + rbeg_, sizeof(FrameHeader));
+    }
     rbeg_ += sizeof(FrameHeader);
     const std::size_t head_len = std::size_t{h.meta_len} + h.body_len;
     ReceiveCredit credit;
@@ -52,6 +58,7 @@ asio::awaitable<void> TcpConnection::read_frames(std::shared_ptr<Connection> bas
         // The sender checked our announced budget: only a broken peer sends this, and its data is not on the socket.
         if (h.flags & kFlagShm) throw ProtocolError("an oversized request through the same-host channel");
         co_await discard(head_len + h.tensor_bytes);
+        if (seal) co_await check_seal();
         if (closed_) co_return;
         if (tls_batch.open == 0) batch_begin(io());
         delivering_refused_ = true;
@@ -65,6 +72,7 @@ asio::awaitable<void> TcpConnection::read_frames(std::shared_ptr<Connection> bas
     }
     if (h.kind == FrameKind::Ping || h.kind == FrameKind::Pong) {
       if (head_len || h.num_tensors || h.tensor_bytes) throw ProtocolError("a heartbeat with a payload");
+      if (seal) co_await check_seal();
       if (h.kind == FrameKind::Ping) send_heartbeat(FrameKind::Pong);
       continue;
     }
@@ -72,20 +80,34 @@ asio::awaitable<void> TcpConnection::read_frames(std::shared_ptr<Connection> bas
     // connection never overlap, while this I/O thread serves others in between).
     const std::int64_t trace_t0 =
         trace::enabled() && h.tensor_bytes >= trace::kLargeTransferBytes ? trace::now_ns() : 0;
+    const bool socket_data = h.tensor_bytes && !(h.flags & kFlagShm);
+    bool tag_checked = false;
     if (head_len <= kReadBuffer) {
-      while (rend_ - rbeg_ < head_len) co_await read_more();
+      // A sealed frame with no tensor data on the socket has its tag right behind: checked before its metadata is
+      // acted on (a same-host ring's offsets, CUDA IPC handles).
+      const std::size_t tag_len = seal && !socket_data ? FrameSeal::kTagBytes : 0;
+      while (rend_ - rbeg_ < head_len + tag_len) co_await read_more();
       const char* meta = rbuf_.get() + rbeg_;
+      if (seal) seal->add(meta, head_len);
+      if (tag_len) {
+        if (!seal->matches(reinterpret_cast<const unsigned char*>(meta + head_len))) throw_seal_mismatch();
+        tag_checked = true;
+      }
       msg.body.assign(meta + h.meta_len, h.body_len);
       if (h.num_tensors || h.meta_len) msg.tensors = decode_tensors(h, meta, h.meta_len, msg);
-      rbeg_ += head_len;
+      rbeg_ += head_len + tag_len;
     } else {
       // Too large to buffer: straight into its own storage, without a copy through the buffer.
       std::string meta;
       co_await read_growing(meta, h.meta_len);
       co_await read_growing(msg.body, h.body_len);
+      if (seal) {
+        seal->add(meta.data(), meta.size());
+        seal->add(msg.body.data(), msg.body.size());
+      }
       msg.tensors = decode_tensors(h, meta.data(), meta.size(), msg);
     }
-    if (h.tensor_bytes && !(h.flags & kFlagShm)) {
+    if (socket_data) {
       // The peer cannot set a channel up (only the dialer can): a large message from it asks for one here.
       if (h.tensor_bytes >= kShmMinBytes && !shm_rx_) {
         if (auto set_up = take_shm_set_up()) set_up();
@@ -101,7 +123,10 @@ asio::awaitable<void> TcpConnection::read_frames(std::shared_ptr<Connection> bas
         batch_end();
         co_await asio::async_read(transport_, rest, counting_progress(), asio::use_awaitable);
       }
+      if (seal)
+        for (const auto& t : msg.tensors) seal->add(t.data_ptr(), static_cast<std::size_t>(t.nbytes()));
     }
+    if (seal && !tag_checked) co_await check_seal();
     if (trace_t0) [[unlikely]] {
       trace::detail::record({.kind = trace::detail::Kind::tensor_receive,
                              .peer = peer_rank,
@@ -200,10 +225,24 @@ std::vector<at::Tensor> TcpConnection::decode_tensors(const FrameHeader& h, cons
   return tensors;
 }
 
-// Reads and drops `n` bytes (a request refused for its size), through the read buffer.
+// Reads the tag that follows a sealed frame and checks it against what the frame brought: a frame that was altered,
+// replayed, reordered or made by someone without this connection's key ends the connection before it is acted on.
+asio::awaitable<void> TcpConnection::check_seal() {
+  while (rend_ - rbeg_ < FrameSeal::kTagBytes) co_await read_more();
+  if (!seal_in_->matches(reinterpret_cast<const unsigned char*>(rbuf_.get() + rbeg_))) throw_seal_mismatch();
+  rbeg_ += FrameSeal::kTagBytes;
+}
+
+void TcpConnection::throw_seal_mismatch() {
+  throw ProtocolError(
+      "a frame failed its integrity check (changed on the way, or not sent by the peer that authenticated)");
+}
+
+// Reads and drops `n` bytes (a request refused for its size), through the read buffer; they still count for the tag.
 asio::awaitable<void> TcpConnection::discard(std::uint64_t n) {
   for (;;) {
     const std::size_t k = static_cast<std::size_t>(std::min<std::uint64_t>(n, rend_ - rbeg_));
+    if (seal_in_) seal_in_->add(rbuf_.get() + rbeg_, k);
     rbeg_ += k;
     n -= k;
     if (!n) co_return;

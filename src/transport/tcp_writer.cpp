@@ -58,7 +58,30 @@ DispatchBatch::DispatchBatch(asio::io_context& io) { batch_begin(io); }
 DispatchBatch::~DispatchBatch() { flush(); }
 void DispatchBatch::flush() { batch_end(); }
 
-void TcpConnection::send(OutFrame&& f) {
+void TcpConnection::send(OutFrame&& f) { send_frame(std::move(f), false); }
+
+void TcpConnection::hold_sends() {
+  std::lock_guard lock(wmutex_);
+  holding_ = true;
+}
+
+// The held frames go out in the order they were sent; frames sent meanwhile queue behind them until none is left.
+void TcpConnection::release_sends() {
+  for (;;) {
+    std::vector<OutFrame> frames;
+    {
+      std::lock_guard lock(wmutex_);
+      if (held_.empty()) {
+        holding_ = false;
+        return;
+      }
+      frames.swap(held_);
+    }
+    for (auto& f : frames) send_frame(std::move(f), true);
+  }
+}
+
+void TcpConnection::send_frame(OutFrame&& f, bool released) {
   const std::uint64_t tensor_bytes = f.head.tensor_bytes;
   trace::detail::ScopedRecord slice(
       [&] {
@@ -75,6 +98,7 @@ void TcpConnection::send(OutFrame&& f) {
   } shm_set_up;
   std::unique_lock lock(wmutex_);
   if (closed_) return;
+  if (holding_ && !released) return held_.push_back(std::move(f));
   if (f.lent) f.lent->commit();  // in the wire's order now: out until the peer's IpcDone or this connection's loss
   if (tensor_bytes >= kShmMinBytes) {
     if (shm_) shm_send(*shm_, f);  // the data goes through the ring if it has room
@@ -88,14 +112,27 @@ void TcpConnection::send(OutFrame&& f) {
   // next call) then gains nothing by waiting, and staging it would cost a wake-up of the I/O thread for the posted
   // flush, the fallback that staged frames need. Whether TLS is on is read only once connected: until then the
   // dial's I/O thread is setting it up (and nothing is written anyway).
+  // The frame's tag, over exactly what goes on the socket (the tensors that went into the ring do not), taken in
+  // the order frames are written: under the write lock, as the frame is written or staged.
+  FrameSeal::Tag tag;
+  const FrameSeal::Tag* sealed = nullptr;
+  if (seal_out_) {
+    seal_out_->begin();
+    seal_out_->add(&f.head, sizeof f.head);
+    seal_out_->add(f.meta.data(), f.meta.size());
+    seal_out_->add(f.body.data(), f.body.size());
+    for (const auto& t : f.tensors) seal_out_->add(t.data_ptr(), static_cast<std::size_t>(t.nbytes()));
+    tag = seal_out_->tag();
+    sealed = &tag;
+  }
   bool coalesce = false;
   if (tls_batch.io == nullptr && connected_ && !transport_.encrypted()) {
     coalesce = !f.send_now && sender_batch_frames > 0;
     if (sender_batch_frames++ == 0) defer_work();  // the batch ends when this thread blocks or ends its job
   }
-  if (!connected_ || flush_owned_ || corked_here() || f.tensors.size() + 3 > kMaxIov || transport_.encrypted() ||
+  if (!connected_ || flush_owned_ || corked_here() || f.tensors.size() + 4 > kMaxIov || transport_.encrypted() ||
       coalesce) {
-    stage(f, 0);
+    stage(f, 0, sealed);
     // This thread writes it before it blocks (its batch's first frame armed that); the flush posted to the I/O
     // thread covers a thread that never does.
     if (coalesce && !flush_owned_) sender_dirty.push_back(self());
@@ -119,6 +156,7 @@ void TcpConnection::send(OutFrame&& f) {
   add(f.meta.data(), f.meta.size());
   add(f.body.data(), f.body.size());
   for (auto& t : f.tensors) add(t.data_ptr(), static_cast<std::size_t>(t.nbytes()));
+  if (sealed) add(sealed->data(), sealed->size());
   ssize_t w = write_iov(iov, n);
   if (w == static_cast<ssize_t>(total)) return;
   if (w < 0) {
@@ -129,7 +167,7 @@ void TcpConnection::send(OutFrame&& f) {
     }
     w = 0;
   }
-  stage(f, static_cast<std::size_t>(w));
+  stage(f, static_cast<std::size_t>(w), sealed);
   schedule_flush();
 }
 
@@ -144,8 +182,9 @@ ssize_t TcpConnection::write_iov(iovec* iov, int n) {
   return w;
 }
 
-// Appends `f` to the staged output, minus its first `skip` bytes (already written). wmutex_ held.
-void TcpConnection::stage(OutFrame& f, std::size_t skip) {
+// Appends `f` (and its tag, if sealed) to the staged output, minus its first `skip` bytes (already written). wmutex_
+// held.
+void TcpConnection::stage(OutFrame& f, std::size_t skip, const FrameSeal::Tag* tag) {
   auto copy = [&](const void* p, std::size_t len) {
     if (skip >= len) return void(skip -= len);
     const char* c = static_cast<const char*>(p) + skip;
@@ -180,6 +219,7 @@ void TcpConnection::stage(OutFrame& f, std::size_t skip) {
     refer(static_cast<const char*>(t.data_ptr()), static_cast<std::size_t>(t.nbytes()));
     keep_tensors_.push_back(std::move(t));
   }
+  if (tag) copy(tag->data(), tag->size());
 }
 
 // Puts `bytes` ahead of every staged frame (the handshake's last message, while dialing: nothing is written yet).

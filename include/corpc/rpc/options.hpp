@@ -17,8 +17,9 @@
 namespace corpc {
 
 /// The environment fills what a program leaves at its default, never what it set: CORPC_SECRET (secret),
-/// CORPC_TLS_CERT/KEY/CA/VERIFY (tls), CORPC_TRACE (trace_path), CORPC_SAME_HOST_SOCKET=0, CORPC_SAME_HOST_CHANNEL=0
-/// and CORPC_CUDA_IPC=0 (same_host_socket, same_host_channel, cuda_ipc). init_rpc applies it; each field's comment
+/// CORPC_TLS_CERT/KEY/CA/VERIFY (tls), CORPC_SEAL_FRAMES=0 (seal_frames), CORPC_TRACE (trace_path),
+/// CORPC_SAME_HOST_SOCKET=0, CORPC_SAME_HOST_CHANNEL=0 and CORPC_CUDA_IPC=0 (same_host_socket, same_host_channel,
+/// cuda_ipc). init_rpc applies it; each field's comment
 /// says which variable fills it.
 /// How init_rpc starts this process's runtime: rendezvous, threads, timeouts, security, limits and flow control.
 /// Every worker of a job should use compatible values (limits are announced to peers; timeouts are per worker).
@@ -71,6 +72,13 @@ struct RpcOptions {
   /// connection before its calls fail with ConnectionError: a peer that is only busy (hundreds of ranks on a few
   /// cores) is not taken for a dead one.
   std::chrono::milliseconds handshake_timeout{5000};
+  /// Whether every frame of a connection authenticated by the secret carries a tag (AES-256-GCM's GMAC under keys
+  /// that the handshake derives for that connection alone), so that nothing on the path can change, replay, reorder
+  /// or inject a frame: without it a process that relays a connection could rewrite every reply. Costs a few percent
+  /// on small calls and more on large tensors over TCP (docs/benchmarks.md, "Frame integrity"); not needed, and not
+  /// used, under TLS, whose records carry their own. Every rank must agree (a mismatch fails the handshake). Left
+  /// true: CORPC_SEAL_FRAMES=0 turns it off.
+  bool seal_frames = true;
   /// What this worker accepts from peers (announced to them; senders refuse larger messages with
   /// MessageTooLargeError before sending). Larger frames are a ProtocolError and close the connection.
   WireLimits limits;

@@ -23,7 +23,7 @@ namespace corpc::detail {
 inline constexpr std::uint32_t kFrameMagic = 0x43505243;  // "CRPC"
 // Ranks talk only to ranks of the same version; it is also the minor version of corpc (meson.build reads it here).
 // What each version changed: docs/CHANGES.md#wire-protocol-versions.
-inline constexpr std::uint8_t kProtocolVersion = 9;
+inline constexpr std::uint8_t kProtocolVersion = 10;
 
 // What a frame is (FrameHeader::kind).
 enum class FrameKind : std::uint8_t {
