@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -23,20 +24,23 @@ class Member {
     torch::nn::Module* module;
     torch::optim::Optimizer* optimizer;
   };
-  // `parts` must outlive the member. A replacement (RpcOptions::rejoin) starts without state.
-  Member(std::vector<Part> parts, FaultTolerantOptions options);
+  // `parts` must outlive the member. A replacement (RpcOptions::rejoin) starts without state. `replica_groups`: the
+  // replicas this trainer takes part in, as the coordinator must have them (empty: a replica of its own).
+  Member(std::vector<Part> parts, FaultTolerantOptions options, std::vector<std::vector<int>> replica_groups = {});
 
   const FaultTolerantOptions& options() const { return options_; }
   int rank() const { return rank_; }
   std::int64_t committed() const { return committed_; }
 
-  // The coordinator's quorum for the next attempt; `serve_to`: the members that recover from this one.
+  // The coordinator's quorum for the next attempt; `serve_to`: the members that recover from this one. UsageError if
+  // the coordinator's replica groups are not this trainer's.
   Quorum ask_quorum(std::vector<int>& serve_to);
   // At a new epoch: the donor's side (a copy taken now, for the members in `serve_to`), then, if told to, this one's
   // recovery (true if it recovered).
   bool enter_epoch(const Quorum& q, const std::vector<int>& serve_to);
-  // The vote on `q`'s step (true: committed everywhere). Committed: the step counts from now on.
-  bool vote(const Quorum& q, bool ok);
+  // The vote on `q`'s step, with this member's own failure ("": none). True: committed everywhere, and the step
+  // counts from now on; false: `why_not` says why, naming the step, the cause and the worker it concerns.
+  bool vote(const Quorum& q, const std::string& error, std::string& why_not);
 
   // Asked by a recovering member (ft_detail::state_request).
   Future<std::vector<at::Tensor>> state_of(std::int64_t at_epoch);
@@ -49,6 +53,7 @@ class Member {
 
   std::vector<Part> parts_;
   FaultTolerantOptions options_;
+  std::vector<std::vector<int>> replica_groups_;
   int rank_ = -1;
   std::int64_t committed_ = 0;
   bool has_state_ = true;
