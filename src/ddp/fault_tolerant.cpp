@@ -72,10 +72,13 @@ StepReport FaultTolerantGroup::step(const std::function<void(const Quorum&)>& fn
   auto& s = *state_;
   auto& member = *s.member;
   StepReport report;
+  std::string error;  // an attempt's own failure
   for (int attempt = 0;; ++attempt) {
     std::vector<int> serve_to;
     Quorum q = member.ask_quorum(serve_to);  // a lost coordinator ends the training here, with its ConnectionError
-    std::string error;                       // this attempt's own failure
+    if (!member.failure_known_now().empty())
+      report.last_error = ft_detail::attempt_failure(member.failure_known_now(), error);
+    error.clear();
     try {
       if (q.epoch != s.epoch) {
         if (member.enter_epoch(q, serve_to)) report.recovered = true;

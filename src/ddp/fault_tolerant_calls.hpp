@@ -16,8 +16,11 @@
 namespace corpc::ddp::ft_detail {
 
 // A quorum as the coordinator answers it: (epoch, step, members, the member this rank recovers from or -1, the
-// members this rank serves its state to).
-using QuorumAnswer = std::tuple<std::int64_t, std::int64_t, std::vector<int>, int, std::vector<int>>;
+// members this rank serves its state to, and why the last attempt that was not committed failed, as known now: its
+// epoch and reason). The reason may be better than the vote's answer was: a member lost is often seen only after a
+// survivor's failed collective, the loss's consequence, has voted the step down.
+using QuorumAnswer =
+    std::tuple<std::int64_t, std::int64_t, std::vector<int>, int, std::vector<int>, std::int64_t, std::string>;
 
 // Asked by every trainer at the start of each attempt at a step: `committed` steps are in its state (`has_state`:
 // false for a replacement that holds nothing yet); `failed`: its last attempt was not committed. `replica_groups`:

@@ -118,8 +118,9 @@ Quorum Member::ask_quorum(std::vector<int>& serve_to) {
     if (e.type() == "corpc::UsageError") throw UsageError(e.message());
     throw;
   }
-  auto& [e, step, members, from, serve] = answer;
+  auto& [e, step, members, from, serve, failure_epoch, failure] = answer;
   serve_to = std::move(serve);
+  if (failed_last_ && failure_epoch == failed_epoch_) failure_known_now_ = std::move(failure);
   Quorum q;
   q.epoch = e;
   q.step = step;
@@ -142,6 +143,8 @@ bool Member::vote(const Quorum& q, const std::string& error, std::string& why_no
                                                  rank_, q.epoch, q.step, error);
   why_not = std::move(why);
   failed_last_ = !commit;
+  if (!commit) failed_epoch_ = q.epoch;
+  failure_known_now_.clear();
   if (commit) committed_ = q.step + 1;
   return commit;
 }

@@ -41,6 +41,9 @@ class Member {
   // The vote on `q`'s step, with this member's own failure ("": none). True: committed everywhere, and the step
   // counts from now on; false: `why_not` says why, naming the step, the cause and the worker it concerns.
   bool vote(const Quorum& q, const std::string& error, std::string& why_not);
+  // After a failed vote and the next quorum: why that attempt failed as the coordinator knows it now (a member lost
+  // that it had not seen yet when it answered the vote), or "" if it knows no more.
+  const std::string& failure_known_now() const { return failure_known_now_; }
 
   // Asked by a recovering member (ft_detail::state_request).
   Future<std::vector<at::Tensor>> state_of(std::int64_t at_epoch);
@@ -58,6 +61,8 @@ class Member {
   std::int64_t committed_ = 0;
   bool has_state_ = true;
   bool failed_last_ = false;
+  std::int64_t failed_epoch_ = -1;  // of the last attempt that was not committed
+  std::string failure_known_now_;
 
   // The donor's side: the state at the boundary of `snapshot_epoch_`, and requests that came before it was taken.
   std::mutex snapshot_mutex_;

@@ -231,10 +231,13 @@ struct PipelineReplicas::State {
 
   ReplicaStepReport fault_tolerant_step(const ReplicaBatchFn& batch) {
     ReplicaStepReport report;
+    std::string error;  // an attempt's own failure
     for (int attempt = 0;; ++attempt) {
       std::vector<int> serve_to;
       Quorum q = member->ask_quorum(serve_to);  // a lost coordinator ends the training here, with its ConnectionError
-      std::string error;                        // this attempt's own failure
+      if (!member->failure_known_now().empty())
+        report.ft.last_error = ft_detail::attempt_failure(member->failure_known_now(), error);
+      error.clear();
       report.loss.reset();
       try {
         if (q.epoch != epoch) {

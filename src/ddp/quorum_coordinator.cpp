@@ -42,6 +42,11 @@ struct QuorumCoordinator::State {
   std::set<int> expected;         // who a round waits for: the current members still alive (the replicas at first)
   std::int64_t broken_epoch = 0;  // a member of this epoch died: none of its steps can be committed any more
   std::string broken_cause;       // which one, and how
+  // Why the last attempt that was not committed failed (QuorumAnswer): its epoch, its reason, and whether that is a
+  // member's loss, which no later reason replaces.
+  std::int64_t failure_epoch = -1;
+  std::string failure;
+  bool failure_is_loss = false;
   std::int64_t current_step = 0;  // the step of the last quorum answered
   QuorumStats stats;
 
@@ -186,8 +191,9 @@ struct QuorumCoordinator::State {
       if (auto d = donor.find(position); d != donor.end() && d->second == r)
         for (int b : behind)
           if (place_of(b).second == position) serve.push_back(b);
-      out.quorums.emplace_back(std::move(round.at(r).reply),
-                               QuorumAnswer{epoch, step, members, recovers ? donor.at(position) : -1, serve});
+      out.quorums.emplace_back(
+          std::move(round.at(r).reply),
+          QuorumAnswer{epoch, step, members, recovers ? donor.at(position) : -1, serve, failure_epoch, failure});
       round.erase(r);
     }
     round_deadline.reset();
@@ -206,6 +212,11 @@ struct QuorumCoordinator::State {
   // `cause`: why a step is not committed, naming the worker(s) it concerns (worker_text).
   void decide_locked(const StepKey& key, bool outcome, const std::string& cause, Replies& out) {
     const CommitAnswer answer{outcome, outcome ? std::string() : not_committed(key.second, cause)};
+    if (!outcome && !(key.first == failure_epoch && failure_is_loss)) {
+      failure_epoch = key.first;
+      failure = std::get<1>(answer);
+      failure_is_loss = key.first == broken_epoch && cause == broken_cause;
+    }
     auto it = votes.find(key);
     if (!outcome && key.first == epoch && key.second == current_step) {
       std::vector<int> not_yes;
@@ -320,6 +331,11 @@ struct QuorumCoordinator::State {
       if (std::find(members.begin(), members.end(), rank) != members.end()) {
         broken_epoch = epoch;
         broken_cause = worker_text(rank) + " was lost: " + why;
+        if (!(failure_epoch == epoch && failure_is_loss)) {
+          failure_epoch = epoch;
+          failure = not_committed(current_step, broken_cause);
+          failure_is_loss = true;
+        }
         std::vector<int> others;
         for (int m : members)
           if (m != rank) others.push_back(m);
