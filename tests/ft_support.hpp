@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <fstream>
 #include <iterator>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -30,6 +31,26 @@ inline bool logged(const std::string& log, std::int64_t step, const std::string&
   while (std::getline(in, line))
     if (line.rfind(std::to_string(step) + " ", 0) == 0 && line.find(word) != std::string::npos) return true;
   return false;
+}
+
+// Whether `error`, a survivor's reason for an attempt at `step` that was not committed, says so as every such error
+// must: the step, then the cause, naming the worker it concerns by name and RPC rank.
+inline bool names_step_cause_and_worker(const std::string& error, std::int64_t step) {
+  static const std::regex form(
+      "step ([0-9]+) was not committed: worker '[^']+' \\(rank [0-9]+\\)(, worker '[^']+' \\(rank [0-9]+\\))* "
+      "(was lost|failed it|did not vote)");
+  std::smatch m;
+  return std::regex_search(error, m, form) && m[1] == std::to_string(step);
+}
+
+// The reasons a rank logged for its retried attempts ("STEP: REASON" lines): those of `step`.
+inline std::vector<std::string> retry_reasons(const std::string& log, std::int64_t step) {
+  std::vector<std::string> out;
+  std::istringstream in(log);
+  const std::string head = std::to_string(step) + ": ";
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind(head, 0) == 0) out.push_back(line.substr(head.size()));
+  return out;
 }
 
 // The optimizer's state of `p`: keyed by its TensorImpl's address, written out (libtorch 1.13) or as is (2.x).

@@ -85,6 +85,7 @@ void train(const Scenario& sc, const std::string& dir, int rank, int incarnation
   };
   FaultTolerantDdp<torch::nn::Sequential> ft(model, opt, fo);
   std::ofstream log(file_in(dir, "log", rank), std::ios::app);
+  std::ofstream retries(file_in(dir, "retries", rank), std::ios::app);
   while (ft.committed_steps() < sc.steps) {
     auto report = ft.step([&](const Quorum& q) {
       auto [x, y] = batch(q.step, rank);
@@ -99,6 +100,7 @@ void train(const Scenario& sc, const std::string& dir, int rank, int incarnation
     for (int m : report.quorum.members) log << ' ' << m;
     log << (report.recovered ? " recovered" : "") << (report.retries > 0 ? " retried" : "") << '\n';
     log.flush();
+    if (report.retries > 0) retries << report.quorum.step << ": " << report.last_error << std::endl;
   }
   torch::save(sgd_state_of(model->parameters(), opt), file_in(dir, "final", rank));
   shutdown(true);
@@ -139,6 +141,7 @@ std::map<int64_t, std::vector<int>> committed_steps(const std::string& dir) {
 struct Outcome {
   std::map<int64_t, std::vector<int>> steps;  // step -> members
   std::vector<std::string> logs;              // by rank: the lines "step members... [recovered] [retried]"
+  std::vector<std::string> retries;           // by rank: "step: why its last failed attempt failed"
   // Whether `rank` logged `step` with `word` (recovered, retried).
   bool logged(int rank, int64_t step, const std::string& word) const {
     return corpc::test::logged(logs[rank], step, word);
@@ -174,7 +177,11 @@ Outcome run_scenario(const Scenario& sc) {
   for (int r = 1; r <= kTrainers; ++r) CHECK(read_file(file_in(dir, "error", r)) == "");
   Outcome out;
   out.logs.resize(kTrainers + 1);
-  for (int r = 1; r <= kTrainers; ++r) out.logs[r] = read_file(file_in(dir, "log", r));
+  out.retries.resize(kTrainers + 1);
+  for (int r = 1; r <= kTrainers; ++r) {
+    out.logs[r] = read_file(file_in(dir, "log", r));
+    out.retries[r] = read_file(file_in(dir, "retries", r));
+  }
   for (int r = 1; r <= kTrainers; ++r) INFO("trainer " << r << ":\n" << out.logs[r]);
   auto steps = committed_steps(dir);
   out.steps = steps;
@@ -240,6 +247,16 @@ TEST_CASE("a trainer SIGKILLed mid-step: the survivors retry that step without i
   CHECK(out.steps.at(3) == std::vector<int>{1, 2, 3});
   CHECK(out.logged(1, 4, "retried"));  // the survivors ran step 4 again (with or without the replacement yet)
   CHECK(out.logged(3, 4, "retried"));
+  // Each survivor's reason names the step, the cause and the worker: the lost one, or a survivor whose allreduce
+  // the loss cut before the coordinator saw the connection close.
+  for (int r : {1, 3}) {
+    const auto reasons = retry_reasons(out.retries[r], 4);
+    REQUIRE(reasons.size() == 1);
+    INFO(reasons[0]);
+    CHECK(names_step_cause_and_worker(reasons[0], 4));
+    if (reasons[0].find(" was lost: ") != std::string::npos)
+      CHECK(reasons[0].find("step 4 was not committed: worker 'worker2' (rank 2) was lost: ") == 0);
+  }
   CHECK(out.logs[2].find("recovered") != std::string::npos);
   CHECK(out.steps.rbegin()->second == std::vector<int>{1, 2, 3});  // the replacement is back
 }

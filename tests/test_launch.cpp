@@ -7,16 +7,21 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <array>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <sstream>
 #include <thread>
 
 #include "support.hpp"
+#include "transport/rank_identity.hpp"
 
 using namespace corpc;
 using namespace corpc::test;
@@ -124,11 +129,90 @@ void killed_rank_restarts_in_place(StartMethod start) {
   std::filesystem::remove_all(dir);
 }
 
+// Whether this process's memory holds a launcher key that deals `credential` to this start of `rank`: every
+// 64-character window of lowercase hex (a key as the launcher writes it) in every readable mapping, read through
+// /proc/self/mem (a mapping that cannot be read there, such as the vsyscall page, is skipped page by page). A key
+// anywhere (heap, stacks, environment, libraries' data, a wiped page) is found, whatever copy of it survived.
+bool memory_holds_key_for(const std::string& credential, int rank, std::uint32_t incarnation) {
+  // Runs in a forked rank: a failure is thrown, for the launcher to report.
+  const int mem = ::open("/proc/self/mem", O_RDONLY | O_CLOEXEC);
+  if (mem < 0) throw std::runtime_error("cannot open /proc/self/mem");
+  std::vector<std::pair<std::uintptr_t, std::uintptr_t>> ranges;
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) {
+    std::istringstream fields(line);
+    std::string range, perms;
+    fields >> range >> perms;
+    if (perms.empty() || perms[0] != 'r') continue;
+    const auto dash = range.find('-');
+    ranges.emplace_back(std::stoull(range.substr(0, dash), nullptr, 16),
+                        std::stoull(range.substr(dash + 1), nullptr, 16));
+  }
+  if (ranges.empty()) throw std::runtime_error("no readable mapping in /proc/self/maps");
+  constexpr std::size_t kChunk = 1 << 20, kPage = 4096;
+  std::vector<char> buffer(kChunk);
+  std::array<char, 64> window{};  // the last hex characters seen, in order
+  std::size_t run = 0;            // how many hex characters in a row end at the current one
+  bool found = false;
+  auto scan = [&](const char* bytes, std::size_t n) {
+    for (std::size_t i = 0; i < n && !found; ++i) {
+      const char c = bytes[i];
+      if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) {
+        run = 0;
+        continue;
+      }
+      std::memmove(window.data(), window.data() + 1, window.size() - 1);
+      window.back() = c;
+      if (++run >= window.size())
+        found = corpc::detail::rank_credential({window.data(), window.size()}, rank, incarnation) == credential;
+    }
+  };
+  for (auto [begin, end] : ranges) {
+    run = 0;
+    for (std::uintptr_t at = begin; at < end && !found; at += kChunk) {
+      const std::size_t n = std::min<std::uintptr_t>(kChunk, end - at);
+      if (::pread(mem, buffer.data(), n, static_cast<off_t>(at)) == static_cast<ssize_t>(n)) {
+        scan(buffer.data(), n);
+        continue;
+      }
+      for (std::size_t page = 0; page < n && !found; page += kPage) {  // some of it cannot be read
+        if (::pread(mem, buffer.data(), kPage, static_cast<off_t>(at + page)) == static_cast<ssize_t>(kPage))
+          scan(buffer.data(), kPage);
+        else run = 0;
+      }
+    }
+  }
+  ::close(mem);
+  return found;
+}
+
 }  // namespace
 
 // First: StartMethod::fork needs a caller that has not started threads yet (the next cases start libtorch's).
 TEST_CASE("a forked rank killed by a signal is forked again in place, with CORPC_REJOIN, and the job succeeds") {
   killed_rank_restarts_in_place(StartMethod::fork);
+}
+
+// Also before any thread: a rank forked from the launcher would inherit the run's key with the rest of its memory.
+TEST_CASE("no forked rank but rank 0 holds the launcher's key, first starts and restarts alike") {
+  // Rank 2 dies in its first start, so that its restart (incarnation 1) is forked later, from a launcher that has by
+  // then dealt every other start. Rank 0 holds the key by design (CORPC_RANK_KEY): its finding it shows that the scan
+  // finds a key that is there.
+  LaunchOptions options = launch_options(120s, 10s);
+  options.max_rank_restarts = 1;
+  launch_processes(
+      3,
+      [](int rank) {
+        if (rank == 2 && rank_restart_count() == 0) ::raise(SIGKILL);
+        const char* credential = std::getenv("CORPC_RANK_CREDENTIAL");
+        if (!credential || std::strlen(credential) != 64) throw std::runtime_error("no CORPC_RANK_CREDENTIAL");
+        const bool holds = memory_holds_key_for(credential, rank, static_cast<std::uint32_t>(rank_restart_count()));
+        if (rank == 0 && !holds) throw std::runtime_error("rank 0's scan did not find the key it was given");
+        if (rank != 0 && holds)
+          throw std::runtime_error("rank " + std::to_string(rank) + " (restart " +
+                                   std::to_string(rank_restart_count()) + ") holds the launcher's key");
+      },
+      options);
 }
 
 TEST_CASE("spawned ranks run this program again; a failed rank is named with its error") {

@@ -105,6 +105,7 @@ void train(const Scenario& sc, const std::string& dir, int rank, int incarnation
     po.after_action = [&](int64_t step, const Action& a) { sc.after_action(rank, incarnation, step, a); };
   PipelineReplicas pp(make_model(), &mse, &make_sgd, po);
   std::ofstream log(file_in(dir, "log", rank), std::ios::app);
+  std::ofstream retries(file_in(dir, "retries", rank), std::ios::app);
   ReplicaStepReport report;
   // Past the last step until every replica is back (see "Finishing" in corpc/ddp/fault_tolerant.hpp); slowly then.
   while (pp.committed_steps() < sc.steps || static_cast<int>(report.replicas.size()) < sc.options.replicas) {
@@ -127,6 +128,7 @@ void train(const Scenario& sc, const std::string& dir, int rank, int incarnation
       }
     log << (report.ft.recovered ? " recovered" : "") << (report.ft.retries > 0 ? " retried" : "") << '\n';
     log.flush();
+    if (report.ft.retries > 0) retries << report.ft.quorum.step << ": " << report.ft.last_error << std::endl;
   }
   for (auto& st : pp.stages())
     torch::save(sgd_state_of(st.layers->parameters(), *st.optimizer),
@@ -141,7 +143,8 @@ struct Step {
 
 struct Outcome {
   std::map<int64_t, Step> steps;
-  std::vector<std::string> logs;  // by rank
+  std::vector<std::string> logs;     // by rank
+  std::vector<std::string> retries;  // by rank: "step: why its last failed attempt failed"
   bool logged(int rank, int64_t step, const std::string& word) const {
     return corpc::test::logged(logs[rank], step, word);
   }
@@ -183,8 +186,10 @@ Outcome run_scenario(const Scenario& sc) {
       }());
   Outcome out;
   out.logs.resize(static_cast<size_t>(world));
+  out.retries.resize(static_cast<size_t>(world));
   for (int r = 1; r < world; ++r) {
     out.logs[r] = read_file(file_in(dir, "log", r));
+    out.retries[r] = read_file(file_in(dir, "retries", r));
     INFO("worker " << r << ":\n" << out.logs[r]);
     CHECK(read_file(file_in(dir, "error", r)) == "");
     std::istringstream in(out.logs[r]);
@@ -313,6 +318,16 @@ TEST_CASE("a stage worker SIGKILLed after a forward: the other replica retries t
   // Step 3 ran again (with replica 0 alone, or with the replacement too if it was back that soon).
   CHECK(out.logged(1, 3, "retried"));
   CHECK(out.logged(3, 3, "retried"));
+  // Replica 0's reason names the step, the cause and the worker: the lost one, or a worker whose averaging the loss
+  // cut before the coordinator saw the connection close.
+  for (int r : {1, 3}) {
+    const auto reasons = retry_reasons(out.retries[r], 3);
+    REQUIRE(reasons.size() == 1);
+    INFO(reasons[0]);
+    CHECK(names_step_cause_and_worker(reasons[0], 3));
+    if (reasons[0].find(" was lost: ") != std::string::npos)
+      CHECK(reasons[0].find("step 3 was not committed: worker 'worker4' (rank 4) was lost: ") == 0);
+  }
   CHECK(out.logs[4].find("recovered") != std::string::npos);
   // Its live mate missed steps too when replica 0 ran step 3 alone (the replacement may be back for the retry).
   if (out.steps.at(3).replicas == std::vector<int>{0}) CHECK(out.logs[2].find("recovered") != std::string::npos);
@@ -403,6 +418,44 @@ TEST_CASE("ZBV replicas (one worker each): a lost worker's replica rejoins, equa
   CHECK(out.logged(1, 3, "retried"));
   CHECK(out.logs[2].find("recovered") != std::string::npos);
   CHECK(all_replicas(out.steps.rbegin()->second));
+}
+
+TEST_CASE("pipeline replicas under a coordinator made without replica_groups are refused at their first step") {
+  // As the fault-tolerant DDP example makes its coordinator. It used to train until a worker was lost, then hang in
+  // the quorum for two minutes with no word of replica groups.
+  char tmpl[] = "/tmp/corpc-pp-XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl);
+  const Scenario sc = with(Schedule::OneFOneB, {4, 4});
+  const ReplicaLayout layout = layout_of(sc.options);
+  const int world = 1 + layout.world();
+  launch_processes(
+      world,
+      [&](int rank) {
+        init_rpc(worker_name(rank), rank, world, sc.rpc);
+        if (rank == 0) {
+          QuorumCoordinator coordinator(sc.quorum);
+          shutdown(true);
+          return;
+        }
+        PipelineReplicas pp(make_model(), &mse, &make_sgd, sc.options);
+        try {
+          pp.step(batch);
+          std::ofstream(file_in(dir, "error", rank)) << "trained a step";
+        } catch (const UsageError& e) {
+          std::ofstream(file_in(dir, "error", rank)) << e.what();
+        }
+        shutdown(true);
+      },
+      launch_options(120s));
+  for (int r = 1; r < world; ++r) {
+    const auto what = read_file(file_in(dir, "error", r));
+    INFO("worker " << r << ": " << what);
+    CHECK(what.find("the QuorumCoordinator on worker 'master' (rank 0) was made without replica_groups, but worker '" +
+                    worker_name(r) + "' (rank " + std::to_string(r) + ") trains in 2 replica(s) of 2 worker(s)") !=
+          std::string::npos);
+    CHECK(what.find("QuorumCoordinator({.replica_groups = layout.replica_groups()})") != std::string::npos);
+  }
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace test_pipeline_replicas

@@ -14,6 +14,7 @@
 #include "corpc/rpc/errors.hpp"
 #include "corpc/rpc/runtime.hpp"
 #include "ddp/ft_member.hpp"
+#include "ddp/ft_messages.hpp"
 #include "ddp/process_group.hpp"
 
 namespace corpc::ddp {
@@ -71,10 +72,13 @@ StepReport FaultTolerantGroup::step(const std::function<void(const Quorum&)>& fn
   auto& s = *state_;
   auto& member = *s.member;
   StepReport report;
+  std::string error;  // an attempt's own failure
   for (int attempt = 0;; ++attempt) {
     std::vector<int> serve_to;
     Quorum q = member.ask_quorum(serve_to);  // a lost coordinator ends the training here, with its ConnectionError
-    bool ok = true;
+    if (!member.failure_known_now().empty())
+      report.last_error = ft_detail::attempt_failure(member.failure_known_now(), error);
+    error.clear();
     try {
       if (q.epoch != s.epoch) {
         if (member.enter_epoch(q, serve_to)) report.recovered = true;
@@ -83,10 +87,10 @@ StepReport FaultTolerantGroup::step(const std::function<void(const Quorum&)>& fn
       s.optimizer.zero_grad();
       fn(q);
     } catch (const std::exception& e) {
-      ok = false;
-      report.last_error = e.what();
+      error = e.what();
     }
-    if (member.vote(q, ok)) {
+    std::string why_not;
+    if (member.vote(q, error, why_not)) {
       s.optimizer.step();
       report.quorum = std::move(q);
       report.retries = attempt;
@@ -97,10 +101,10 @@ StepReport FaultTolerantGroup::step(const std::function<void(const Quorum&)>& fn
     s.group.reset();
     s.epoch = -1;
     s.optimizer.zero_grad();
+    report.last_error = ft_detail::attempt_failure(why_not, error);
     if (attempt >= member.options().max_retries)
       throw RpcError("FaultTolerantDdp: step " + std::to_string(q.step) + " failed " + std::to_string(attempt + 1) +
-                     " times; the last: " + (report.last_error.empty() ? "not committed" : report.last_error));
-    if (report.last_error.empty()) report.last_error = "step " + std::to_string(q.step) + " was not committed";
+                     " times; the last: " + report.last_error);
   }
 }
 

@@ -16,23 +16,35 @@
 namespace corpc::ddp::ft_detail {
 
 // A quorum as the coordinator answers it: (epoch, step, members, the member this rank recovers from or -1, the
-// members this rank serves its state to).
-using QuorumAnswer = std::tuple<std::int64_t, std::int64_t, std::vector<int>, int, std::vector<int>>;
+// members this rank serves its state to, and why the last attempt that was not committed failed, as known now: its
+// epoch and reason). The reason may be better than the vote's answer was: a member lost is often seen only after a
+// survivor's failed collective, the loss's consequence, has voted the step down.
+using QuorumAnswer =
+    std::tuple<std::int64_t, std::int64_t, std::vector<int>, int, std::vector<int>, std::int64_t, std::string>;
 
 // Asked by every trainer at the start of each attempt at a step: `committed` steps are in its state (`has_state`:
-// false for a replacement that holds nothing yet); `failed`: its last attempt was not committed.
-Future<QuorumAnswer> quorum_request(int rank, std::int64_t committed, bool has_state, bool failed);
+// false for a replacement that holds nothing yet); `failed`: its last attempt was not committed. `replica_groups`:
+// the replicas the trainer takes part in (empty: a replica of its own); the coordinator refuses a trainer whose groups
+// are not its own with UsageError, so that a misconfigured job fails at its first step rather than after a loss.
+Future<QuorumAnswer> quorum_request(int rank, std::int64_t committed, bool has_state, bool failed,
+                                    std::vector<std::vector<int>> replica_groups);
 
-// Every member's vote after its forward and backward of `step` in `epoch`: true once all members voted true; false if
-// any voted false, died, or did not vote within the join timeout (the step is then taken by nobody).
-Future<bool> commit_request(int rank, std::int64_t epoch, std::int64_t step, bool ok);
+// The outcome of a vote: (committed, and if not, why: ft_messages.hpp's not_committed, naming the step, the cause and
+// the worker it concerns).
+using CommitAnswer = std::tuple<bool, std::string>;
+
+// Every member's vote after its forward and backward of `step` in `epoch`, with its own failure (empty: it succeeded):
+// committed once all members voted without one; not if any failed, died, or did not vote within the join timeout
+// (the step is then taken by nobody).
+Future<CommitAnswer> commit_request(int rank, std::int64_t epoch, std::int64_t step, std::string error);
 
 // Asked of a donor by a member that recovers: the donor's state at the boundary of `epoch`'s first step (parameters,
 // buffers, the optimizer's archive as bytes, the step counter), once the donor has taken it.
 Future<std::vector<at::Tensor>> state_request(std::int64_t epoch);
 
 // To a member of a replica group: the attempt at `step` in `epoch` is taken by nobody (a member was lost, or the vote
-// failed); a worker still running it stops waiting for its replica mates. Nothing where no such attempt runs.
+// failed: `why`, as not_committed says it); a worker still running it stops waiting for its replica mates. Nothing
+// where no such attempt runs.
 void abort_attempt(std::int64_t epoch, std::int64_t step, std::string why);
 
 }  // namespace corpc::ddp::ft_detail

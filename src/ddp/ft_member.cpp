@@ -25,8 +25,8 @@ void register_member(const std::shared_ptr<Member>& member) {
   g_member = member;
 }
 
-Member::Member(std::vector<Part> parts, FaultTolerantOptions options)
-    : parts_(std::move(parts)), options_(std::move(options)) {
+Member::Member(std::vector<Part> parts, FaultTolerantOptions options, std::vector<std::vector<int>> replica_groups)
+    : parts_(std::move(parts)), options_(std::move(options)), replica_groups_(std::move(replica_groups)) {
   auto& rt = Runtime::get();
   rank_ = rt.rank();
   has_state_ = !rt.options().rejoin;
@@ -109,9 +109,18 @@ Future<std::vector<at::Tensor>> Member::state_of(std::int64_t at_epoch) {
 }
 
 Quorum Member::ask_quorum(std::vector<int>& serve_to) {
-  auto [e, step, members, from, serve] = rpc_sync<&quorum_request>(
-      options_.coordinator_rank, with_timeout(options_.quorum_timeout), rank_, committed_, has_state_, failed_last_);
+  QuorumAnswer answer;
+  try {
+    answer = rpc_sync<&quorum_request>(options_.coordinator_rank, with_timeout(options_.quorum_timeout), rank_,
+                                       committed_, has_state_, failed_last_, replica_groups_);
+  } catch (const RemoteError& e) {
+    // The coordinator's refusal of a misconfigured job: the caller's own misuse, so its own type and words.
+    if (e.type() == "corpc::UsageError") throw UsageError(e.message());
+    throw;
+  }
+  auto& [e, step, members, from, serve, failure_epoch, failure] = answer;
   serve_to = std::move(serve);
+  if (failed_last_ && failure_epoch == failed_epoch_) failure_known_now_ = std::move(failure);
   Quorum q;
   q.epoch = e;
   q.step = step;
@@ -129,10 +138,13 @@ bool Member::enter_epoch(const Quorum& q, const std::vector<int>& serve_to) {
   return true;
 }
 
-bool Member::vote(const Quorum& q, bool ok) {
-  const bool commit = rpc_sync<&commit_request>(options_.coordinator_rank, with_timeout(options_.quorum_timeout), rank_,
-                                                q.epoch, q.step, ok);
+bool Member::vote(const Quorum& q, const std::string& error, std::string& why_not) {
+  auto [commit, why] = rpc_sync<&commit_request>(options_.coordinator_rank, with_timeout(options_.quorum_timeout),
+                                                 rank_, q.epoch, q.step, error);
+  why_not = std::move(why);
   failed_last_ = !commit;
+  if (!commit) failed_epoch_ = q.epoch;
+  failure_known_now_.clear();
   if (commit) committed_ = q.step + 1;
   return commit;
 }

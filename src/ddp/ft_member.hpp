@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -23,20 +24,26 @@ class Member {
     torch::nn::Module* module;
     torch::optim::Optimizer* optimizer;
   };
-  // `parts` must outlive the member. A replacement (RpcOptions::rejoin) starts without state.
-  Member(std::vector<Part> parts, FaultTolerantOptions options);
+  // `parts` must outlive the member. A replacement (RpcOptions::rejoin) starts without state. `replica_groups`: the
+  // replicas this trainer takes part in, as the coordinator must have them (empty: a replica of its own).
+  Member(std::vector<Part> parts, FaultTolerantOptions options, std::vector<std::vector<int>> replica_groups = {});
 
   const FaultTolerantOptions& options() const { return options_; }
   int rank() const { return rank_; }
   std::int64_t committed() const { return committed_; }
 
-  // The coordinator's quorum for the next attempt; `serve_to`: the members that recover from this one.
+  // The coordinator's quorum for the next attempt; `serve_to`: the members that recover from this one. UsageError if
+  // the coordinator's replica groups are not this trainer's.
   Quorum ask_quorum(std::vector<int>& serve_to);
   // At a new epoch: the donor's side (a copy taken now, for the members in `serve_to`), then, if told to, this one's
   // recovery (true if it recovered).
   bool enter_epoch(const Quorum& q, const std::vector<int>& serve_to);
-  // The vote on `q`'s step (true: committed everywhere). Committed: the step counts from now on.
-  bool vote(const Quorum& q, bool ok);
+  // The vote on `q`'s step, with this member's own failure ("": none). True: committed everywhere, and the step
+  // counts from now on; false: `why_not` says why, naming the step, the cause and the worker it concerns.
+  bool vote(const Quorum& q, const std::string& error, std::string& why_not);
+  // After a failed vote and the next quorum: why that attempt failed as the coordinator knows it now (a member lost
+  // that it had not seen yet when it answered the vote), or "" if it knows no more.
+  const std::string& failure_known_now() const { return failure_known_now_; }
 
   // Asked by a recovering member (ft_detail::state_request).
   Future<std::vector<at::Tensor>> state_of(std::int64_t at_epoch);
@@ -49,10 +56,13 @@ class Member {
 
   std::vector<Part> parts_;
   FaultTolerantOptions options_;
+  std::vector<std::vector<int>> replica_groups_;
   int rank_ = -1;
   std::int64_t committed_ = 0;
   bool has_state_ = true;
   bool failed_last_ = false;
+  std::int64_t failed_epoch_ = -1;  // of the last attempt that was not committed
+  std::string failure_known_now_;
 
   // The donor's side: the state at the boundary of `snapshot_epoch_`, and requests that came before it was taken.
   std::mutex snapshot_mutex_;

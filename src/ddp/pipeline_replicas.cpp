@@ -18,6 +18,7 @@
 #include "corpc/rpc/runtime.hpp"
 #include "ddp/fault_tolerant_calls.hpp"
 #include "ddp/ft_member.hpp"
+#include "ddp/ft_messages.hpp"
 #include "ddp/process_group.hpp"
 
 namespace corpc::ddp {
@@ -168,7 +169,7 @@ struct PipelineReplicas::State {
     };
     {
       std::lock_guard lock(failure_mutex);
-      if (!lost.empty()) throw ConnectionError(lost);
+      if (!lost.empty()) throw ConnectionError("PipelineReplicas: step " + std::to_string(step) + " failed: " + lost);
       running = attempt;
     }
     std::exception_ptr error;
@@ -230,10 +231,13 @@ struct PipelineReplicas::State {
 
   ReplicaStepReport fault_tolerant_step(const ReplicaBatchFn& batch) {
     ReplicaStepReport report;
+    std::string error;  // an attempt's own failure
     for (int attempt = 0;; ++attempt) {
       std::vector<int> serve_to;
       Quorum q = member->ask_quorum(serve_to);  // a lost coordinator ends the training here, with its ConnectionError
-      bool ok = true;
+      if (!member->failure_known_now().empty())
+        report.ft.last_error = ft_detail::attempt_failure(member->failure_known_now(), error);
+      error.clear();
       report.loss.reset();
       try {
         if (q.epoch != epoch) {
@@ -244,10 +248,10 @@ struct PipelineReplicas::State {
         }
         run(attempt_of(q.epoch, q.step), q.step, batch, report);
       } catch (const std::exception& e) {
-        ok = false;
-        report.ft.last_error = e.what();
+        error = e.what();
       }
-      if (member->vote(q, ok)) {
+      std::string why_not;
+      if (member->vote(q, error, why_not)) {
         step_optimizers();
         report.replicas = replicas_of(q.members);
         report.ft.quorum = std::move(q);
@@ -256,10 +260,10 @@ struct PipelineReplicas::State {
       }
       // Taken by nobody: fresh groups next time (this attempt's gradients are zeroed by the next).
       leave_epoch();
+      report.ft.last_error = ft_detail::attempt_failure(why_not, error);
       if (attempt >= options.ft.max_retries)
         throw RpcError("PipelineReplicas: step " + std::to_string(q.step) + " failed " + std::to_string(attempt + 1) +
-                       " times; the last: " + (report.ft.last_error.empty() ? "not committed" : report.ft.last_error));
-      if (report.ft.last_error.empty()) report.ft.last_error = "step " + std::to_string(q.step) + " was not committed";
+                       " times; the last: " + report.ft.last_error);
     }
   }
 };
@@ -314,7 +318,7 @@ PipelineReplicas::PipelineReplicas(torch::nn::Sequential model, pipeline::LossFn
   if (s.options.fault_tolerant) {
     std::vector<ft_detail::Member::Part> parts;
     for (auto& st : s.stages) parts.push_back({st.layers.ptr().get(), st.optimizer});
-    s.member = std::make_shared<ft_detail::Member>(std::move(parts), s.options.ft);
+    s.member = std::make_shared<ft_detail::Member>(std::move(parts), s.options.ft, layout.replica_groups());
     ft_detail::register_member(s.member);
   } else {
     std::weak_ptr<State> weak = state_;
@@ -327,10 +331,13 @@ PipelineReplicas::PipelineReplicas(torch::nn::Sequential model, pipeline::LossFn
       std::int64_t running;
       {
         std::lock_guard lock(self->failure_mutex);
-        self->lost = "PipelineReplicas: worker " + std::to_string(rank) + " was lost: " + why;
+        self->lost = ft_detail::worker_text(rank) + " was lost: " + why;
         running = self->running;
       }
-      if (running >= 0) pipeline::detail::abort_step(self->host_id, running, self->lost);
+      // Without fault tolerance an attempt is the step itself.
+      if (running >= 0)
+        pipeline::detail::abort_step(self->host_id, running,
+                                     "PipelineReplicas: step " + std::to_string(running) + " failed: " + self->lost);
     });
   }
   {
@@ -383,7 +390,7 @@ void abort_attempt(std::int64_t epoch, std::int64_t step, std::string why) {
   }
   if (replicas && replicas->member)
     pipeline::detail::abort_step(replicas->host_id, PipelineReplicas::State::attempt_of(epoch, step),
-                                 "PipelineReplicas: step " + std::to_string(step) + " is taken by nobody: " + why);
+                                 "PipelineReplicas: " + why);
 }
 
 }  // namespace ft_detail

@@ -17,14 +17,20 @@
 #include "corpc/rpc/errors.hpp"
 #include "corpc/rpc/runtime.hpp"
 #include "ddp/fault_tolerant_calls.hpp"
+#include "ddp/ft_messages.hpp"
 
 namespace corpc::ddp {
 
 using Clock = std::chrono::steady_clock;
+using ft_detail::CommitAnswer;
+using ft_detail::not_committed;
 using ft_detail::QuorumAnswer;
+using ft_detail::worker_text;
+using ft_detail::workers_text;
 
 struct QuorumCoordinator::State {
   QuorumOptions options;
+  int self_rank = -1;  // the coordinator's (kept: it may be destroyed after the runtime shut down)
   std::mutex mutex;
   std::condition_variable wake;
   std::thread timer;
@@ -35,6 +41,12 @@ struct QuorumCoordinator::State {
   std::vector<int> members;       // of the current epoch
   std::set<int> expected;         // who a round waits for: the current members still alive (the replicas at first)
   std::int64_t broken_epoch = 0;  // a member of this epoch died: none of its steps can be committed any more
+  std::string broken_cause;       // which one, and how
+  // Why the last attempt that was not committed failed (QuorumAnswer): its epoch, its reason, and whether that is a
+  // member's loss, which no later reason replaces.
+  std::int64_t failure_epoch = -1;
+  std::string failure;
+  bool failure_is_loss = false;
   std::int64_t current_step = 0;  // the step of the last quorum answered
   QuorumStats stats;
 
@@ -59,20 +71,22 @@ struct QuorumCoordinator::State {
   // for the members to come to their next step, and never forms a quorum of its own while they are mid-step.
   std::optional<Clock::time_point> round_deadline;
   std::int64_t global_step = 0;  // steps committed so far
+  std::vector<int> holders;      // the members that committed the last of them
 
   using StepKey = std::pair<std::int64_t, std::int64_t>;  // (epoch, step)
   struct Vote {
+    std::vector<int> voters;  // the members of the vote's epoch
     std::set<int> yes;
-    std::vector<Promise<bool>> waiting;
+    std::vector<Promise<CommitAnswer>> waiting;
     Clock::time_point deadline;
   };
   std::map<StepKey, Vote> votes;    // open
-  std::map<StepKey, bool> decided;  // closed, for late voters (pruned to recent epochs)
+  std::map<StepKey, CommitAnswer> decided;  // closed, for late voters (pruned to recent epochs)
 
   // Replies to complete once the mutex is released.
   struct Replies {
     std::vector<std::pair<Promise<QuorumAnswer>, QuorumAnswer>> quorums;
-    std::vector<std::pair<Promise<bool>, bool>> votes;
+    std::vector<std::pair<Promise<CommitAnswer>, CommitAnswer>> votes;
     std::vector<std::pair<Promise<QuorumAnswer>, std::exception_ptr>> refusals;
     struct Abort {
       int rank;
@@ -139,18 +153,24 @@ struct QuorumCoordinator::State {
       for (int r : now_members) step = std::max(step, round.at(r).committed);
     }
     std::string missing;  // why no member can be given the last committed state
+    std::int64_t refused_step = step;
     if (global_step > 0 && (!any_state || step < global_step)) {
+      refused_step = global_step;
       missing = "no live member holds the state of step " + std::to_string(global_step) + " to recover from";
+      if (!holders.empty()) missing += " (it was committed by " + workers_text(holders) + ", none of which asks now)";
     }
     for (int r : behind)
       if (missing.empty() && donor.count(place_of(r).second) == 0)
-        missing = "no live member at position " + std::to_string(place_of(r).second) + " of its replica holds step " +
-                  std::to_string(step) + " to recover from";
+        missing = "no live member at position " + std::to_string(place_of(r).second) +
+                  " of a replica holds the state of step " + std::to_string(step) + " for " + worker_text(r) +
+                  " to recover from";
     if (!missing.empty()) {
       // Refused, rather than restarting history.
       for (int r : now_members) {
-        out.refusals.emplace_back(std::move(round.at(r).reply),
-                                  std::make_exception_ptr(RpcError("fault-tolerant training: " + missing)));
+        out.refusals.emplace_back(
+            std::move(round.at(r).reply),
+            std::make_exception_ptr(RpcError("fault-tolerant training: " + worker_text(r) + " cannot run step " +
+                                             std::to_string(refused_step) + ": " + missing)));
         round.erase(r);
       }
       round_deadline.reset();
@@ -171,8 +191,9 @@ struct QuorumCoordinator::State {
       if (auto d = donor.find(position); d != donor.end() && d->second == r)
         for (int b : behind)
           if (place_of(b).second == position) serve.push_back(b);
-      out.quorums.emplace_back(std::move(round.at(r).reply),
-                               QuorumAnswer{epoch, step, members, recovers ? donor.at(position) : -1, serve});
+      out.quorums.emplace_back(
+          std::move(round.at(r).reply),
+          QuorumAnswer{epoch, step, members, recovers ? donor.at(position) : -1, serve, failure_epoch, failure});
       round.erase(r);
     }
     round_deadline.reset();
@@ -188,31 +209,54 @@ struct QuorumCoordinator::State {
     for (int r : ranks) out.aborts.push_back({r, epoch, current_step, why});
   }
 
-  void decide_locked(const StepKey& key, bool outcome, Replies& out) {
+  // `cause`: why a step is not committed, naming the worker(s) it concerns (worker_text).
+  void decide_locked(const StepKey& key, bool outcome, const std::string& cause, Replies& out) {
+    const CommitAnswer answer{outcome, outcome ? std::string() : not_committed(key.second, cause)};
+    if (!outcome && !(key.first == failure_epoch && failure_is_loss)) {
+      failure_epoch = key.first;
+      failure = std::get<1>(answer);
+      failure_is_loss = key.first == broken_epoch && cause == broken_cause;
+    }
     auto it = votes.find(key);
     if (!outcome && key.first == epoch && key.second == current_step) {
       std::vector<int> not_yes;
       for (int m : members)
         if (it == votes.end() || it->second.yes.count(m) == 0) not_yes.push_back(m);
-      abort_members_locked(not_yes, "step " + std::to_string(key.second) + " was voted down", out);
+      abort_members_locked(not_yes, std::get<1>(answer), out);
     }
     if (it != votes.end()) {
-      for (auto& p : it->second.waiting) out.votes.emplace_back(std::move(p), outcome);
+      for (auto& p : it->second.waiting) out.votes.emplace_back(std::move(p), answer);
       votes.erase(it);
     }
-    if (decided.emplace(key, outcome).second) ++(outcome ? stats.commits : stats.aborted_steps);
-    if (outcome) global_step = std::max(global_step, key.second + 1);
+    if (decided.emplace(key, answer).second) ++(outcome ? stats.commits : stats.aborted_steps);
+    if (outcome && key.second + 1 > global_step) {
+      global_step = key.second + 1;
+      if (key.first == epoch) holders = members;
+    }
   }
 
   void expire_locked(Clock::time_point now, Replies& out) {
     close_round_if_ready_locked(now, out);
-    std::vector<StepKey> late;
-    for (const auto& [key, v] : votes)
-      if (now >= v.deadline) late.push_back(key);
-    for (const auto& key : late) decide_locked(key, false, out);
+    std::vector<std::pair<StepKey, std::vector<int>>> late;  // and who did not vote
+    for (const auto& [key, v] : votes) {
+      if (now < v.deadline) continue;
+      std::vector<int> silent;
+      for (int m : v.voters)
+        if (v.yes.count(m) == 0) silent.push_back(m);
+      late.emplace_back(key, silent);
+    }
+    for (const auto& [key, silent] : late)
+      decide_locked(key, false,
+                    workers_text(silent) + " did not vote within the join timeout (" +
+                        std::to_string(options.join_timeout.count()) + " ms)",
+                    out);
   }
 
-  Future<QuorumAnswer> ask(int rank, std::int64_t committed, bool has_state, bool failed) {
+  Future<QuorumAnswer> ask(int rank, std::int64_t committed, bool has_state, bool failed,
+                           const std::vector<std::vector<int>>& replica_groups) {
+    const std::string mismatch =
+        ft_detail::replica_groups_mismatch(self_rank, options.replica_groups, rank, replica_groups);
+    if (!mismatch.empty()) return make_exceptional_future<QuorumAnswer>(std::make_exception_ptr(UsageError(mismatch)));
     Replies out;
     Future<QuorumAnswer> answer;
     {
@@ -235,26 +279,37 @@ struct QuorumCoordinator::State {
     return answer;
   }
 
-  Future<bool> vote(int rank, std::int64_t at_epoch, std::int64_t step, bool ok) {
+  Future<CommitAnswer> vote(int rank, std::int64_t at_epoch, std::int64_t step, const std::string& error) {
     Replies out;
-    Future<bool> outcome;
+    Future<CommitAnswer> outcome;
     {
       std::lock_guard lock(mutex);
       const StepKey key{at_epoch, step};
-      if (auto d = decided.find(key); d != decided.end()) return make_ready_future(bool(d->second));
+      if (auto d = decided.find(key); d != decided.end()) return make_ready_future(CommitAnswer(d->second));
       const bool member = std::find(members.begin(), members.end(), rank) != members.end();
-      if (at_epoch != epoch || !member) return make_ready_future(false);  // a step of a quorum that has moved on
-      if (!ok || at_epoch == broken_epoch) {
-        decide_locked(key, false, out);
-        outcome = make_ready_future(false);
+      if (at_epoch != epoch || !member)  // a step of a quorum that has moved on
+        return make_ready_future(CommitAnswer{
+            false, not_committed(step, at_epoch == broken_epoch
+                                           ? broken_cause
+                                           : worker_text(rank) + " voted after its quorum (epoch " +
+                                                 std::to_string(at_epoch) + ") was replaced (epoch " +
+                                                 std::to_string(epoch) + "): it was late past the join timeout")});
+      if (!error.empty() || at_epoch == broken_epoch) {
+        // A lost member first: a survivor's own failure is then most likely its consequence.
+        decide_locked(key, false, at_epoch == broken_epoch ? broken_cause : worker_text(rank) + " failed it: " + error,
+                      out);
+        outcome = make_ready_future(CommitAnswer(decided.at(key)));
       } else {
         auto [it, fresh] = votes.try_emplace(key);
-        if (fresh) it->second.deadline = Clock::now() + options.join_timeout;
+        if (fresh) {
+          it->second.deadline = Clock::now() + options.join_timeout;
+          it->second.voters = members;
+        }
         it->second.yes.insert(rank);
-        Promise<bool> p;
+        Promise<CommitAnswer> p;
         outcome = p.get_future();
         it->second.waiting.push_back(std::move(p));
-        if (it->second.yes.size() == members.size()) decide_locked(key, true, out);
+        if (it->second.yes.size() == members.size()) decide_locked(key, true, "", out);
       }
     }
     wake.notify_all();
@@ -275,14 +330,20 @@ struct QuorumCoordinator::State {
       }
       if (std::find(members.begin(), members.end(), rank) != members.end()) {
         broken_epoch = epoch;
+        broken_cause = worker_text(rank) + " was lost: " + why;
+        if (!(failure_epoch == epoch && failure_is_loss)) {
+          failure_epoch = epoch;
+          failure = not_committed(current_step, broken_cause);
+          failure_is_loss = true;
+        }
         std::vector<int> others;
         for (int m : members)
           if (m != rank) others.push_back(m);
-        abort_members_locked(others, "member " + std::to_string(rank) + " was lost: " + why, out);
+        abort_members_locked(others, not_committed(current_step, broken_cause), out);
         std::vector<StepKey> open;
         for (const auto& [key, v] : votes)
           if (key.first == epoch) open.push_back(key);
-        for (const auto& key : open) decide_locked(key, false, out);
+        for (const auto& key : open) decide_locked(key, false, broken_cause, out);
       }
       close_round_if_ready_locked(Clock::now(), out);
     }
@@ -359,6 +420,7 @@ QuorumCoordinator::QuorumCoordinator(QuorumOptions options) : state_(std::make_s
         throw UsageError("QuorumOptions::replica_groups: rank " + std::to_string(ranks[k]) + " is in two replicas");
   }
   state_->groups = options.replica_groups;
+  state_->self_rank = rt.rank();
   state_->options = std::move(options);
   state_->expected = std::set<int>(state_->options.replicas.begin(), state_->options.replicas.end());
   std::vector<std::function<void(State&)>> early;
@@ -391,7 +453,11 @@ QuorumCoordinator::~QuorumCoordinator() {
                                 std::make_exception_ptr(ShutdownError("the quorum coordinator has stopped")));
     state_->round.clear();
     for (auto& [key, v] : state_->votes)
-      for (auto& p : v.waiting) out.votes.emplace_back(std::move(p), false);
+      for (auto& p : v.waiting)
+        out.votes.emplace_back(
+            std::move(p),
+            CommitAnswer{false, not_committed(key.second, "the quorum coordinator on " +
+                                                              worker_text(state_->self_rank) + " has stopped")});
     state_->votes.clear();
   }
   out.send();
@@ -406,13 +472,14 @@ QuorumStats QuorumCoordinator::stats() const {
 
 namespace ft_detail {
 
-Future<QuorumAnswer> quorum_request(int rank, std::int64_t committed, bool has_state, bool failed) {
+Future<QuorumAnswer> quorum_request(int rank, std::int64_t committed, bool has_state, bool failed,
+                                    std::vector<std::vector<int>> replica_groups) {
   return with_coordinator<QuorumAnswer>(
-      [=](QuorumCoordinator::State& s) { return s.ask(rank, committed, has_state, failed); });
+      [=](QuorumCoordinator::State& s) { return s.ask(rank, committed, has_state, failed, replica_groups); });
 }
 
-Future<bool> commit_request(int rank, std::int64_t epoch, std::int64_t step, bool ok) {
-  return with_coordinator<bool>([=](QuorumCoordinator::State& s) { return s.vote(rank, epoch, step, ok); });
+Future<CommitAnswer> commit_request(int rank, std::int64_t epoch, std::int64_t step, std::string error) {
+  return with_coordinator<CommitAnswer>([=](QuorumCoordinator::State& s) { return s.vote(rank, epoch, step, error); });
 }
 
 }  // namespace ft_detail

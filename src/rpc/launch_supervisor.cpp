@@ -21,9 +21,9 @@
 #include "rpc/environment.hpp"
 #include "rpc/fork_safety.hpp"
 #include "rpc/launch_protocol.hpp"
+#include "rpc/launcher_key.hpp"
 #include "rpc/rank_process.hpp"
 #include "transport/auth.hpp"
-#include "transport/rank_identity.hpp"
 
 namespace corpc::detail {
 namespace {
@@ -75,7 +75,7 @@ void launch_group(int world_size, int call, const std::function<void(int rank)>&
     return s.empty() ? random_secret() : s;
   }();
   // This launch's own key, whatever the secret: ranks of another launch (or an earlier run) cannot pass for ours.
-  const std::string launcher_key = random_launcher_key();
+  const LauncherKey launcher_key;
   const bool spawn = options.start == StartMethod::spawn;
   const Program program = spawn ? this_program() : Program{};
   // Starts `rank`'s process (its `restart`th restart; 0: its first start); the rank's listening socket is open only
@@ -87,8 +87,10 @@ void launch_group(int world_size, int call, const std::function<void(int rank)>&
     int p[2];
     if (::pipe2(p, O_CLOEXEC) != 0) throw RpcError("launch_processes: pipe failed");
     pid_t pid;
+    // Made just before the fork that needs it, wiped here just after: the ranks forked later do not inherit it.
+    const RankSecrets secrets(launcher_key, rank, static_cast<std::uint32_t>(restart));
     if (spawn) {
-      auto rank_vars = rank_environment(rank, world_size, port, secret, restart, launcher_key);
+      auto rank_vars = rank_environment(rank, world_size, port, secret, restart, secrets);
       if (rank == 0) rank_vars.emplace_back("CORPC_LISTEN_FD", std::to_string(open_listen_fd));
       std::set<std::string> hidden{"CORPC_LISTEN_FD", kRejoin, kRankRestart, kRankKey};
       for (auto& [k, v] : rank_vars) hidden.insert(k);
@@ -103,7 +105,7 @@ void launch_group(int world_size, int call, const std::function<void(int rank)>&
       pid = ::fork();
       if (pid == 0) {
         ::close(p[0]);
-        run_forked_child(rank, world_size, port, open_listen_fd, p[1], secret, restart, launcher_key, fn);
+        run_forked_child(rank, world_size, port, open_listen_fd, p[1], secret, restart, secrets, fn);
       }
     }
     if (pid < 0) {

@@ -23,8 +23,8 @@
 #include "core/log.hpp"
 #include "corpc/rpc/errors.hpp"
 #include "rpc/launch_protocol.hpp"
+#include "rpc/launcher_key.hpp"
 #include "rpc/runtime_exit.hpp"
-#include "transport/rank_identity.hpp"
 
 namespace corpc::detail {
 namespace {
@@ -86,7 +86,7 @@ std::string run_rank(int rank, const std::function<void(int)>& fn) {
 
 std::vector<std::pair<std::string, std::string>> rank_environment(int rank, int world_size, int port,
                                                                   const std::string& secret, int restart,
-                                                                  const std::string& launcher_key) {
+                                                                  const RankSecrets& secrets) {
   std::vector<std::pair<std::string, std::string>> vars{
       {"MASTER_ADDR", "127.0.0.1"},
       {"MASTER_PORT", std::to_string(port)},
@@ -96,8 +96,8 @@ std::vector<std::pair<std::string, std::string>> rank_environment(int rank, int 
       {"LOCAL_WORLD_SIZE", std::to_string(world_size)},
       {"CORPC_SECRET", secret},  // connections between this run's ranks authenticate with it
       {kLaunched, "1"},
-      {kRankCredential, rank_credential(launcher_key, rank, static_cast<std::uint32_t>(restart))}};
-  if (rank == 0) vars.emplace_back(kRankKey, launcher_key);
+      {kRankCredential, std::string(secrets.credential())}};
+  if (rank == 0) vars.emplace_back(kRankKey, std::string(secrets.key()));
   if (restart > 0) {
     vars.emplace_back(kRejoin, "1");
     vars.emplace_back(kRankRestart, std::to_string(restart));
@@ -106,11 +106,11 @@ std::vector<std::pair<std::string, std::string>> rank_environment(int rank, int 
 }
 
 [[noreturn]] void run_forked_child(int rank, int world_size, int port, int listen_fd, int report_fd,
-                                   const std::string& secret, int restart, const std::string& launcher_key,
+                                   const std::string& secret, int restart, const RankSecrets& secrets,
                                    const std::function<void(int)>& fn) {
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   for (const char* v : {kRejoin, kRankRestart, kRankKey}) ::unsetenv(v);
-  for (auto& [k, v] : rank_environment(rank, world_size, port, secret, restart, launcher_key))
+  for (auto& [k, v] : rank_environment(rank, world_size, port, secret, restart, secrets))
     ::setenv(k.c_str(), v.c_str(), 1);
   if (rank == 0) {
     ::setenv("CORPC_LISTEN_FD", std::to_string(listen_fd).c_str(), 1);

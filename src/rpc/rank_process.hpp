@@ -13,6 +13,8 @@
 
 namespace corpc::detail {
 
+class RankSecrets;
+
 // Runs one rank's function; a runtime it left running is shut down for it. Returns why the rank failed ("" if not).
 std::string run_rank(int rank, const std::function<void(int)>& fn);
 
@@ -21,15 +23,16 @@ std::string run_rank(int rank, const std::function<void(int)>& fn);
 // main that never finished (spawn).
 [[noreturn]] void run_rank_and_exit(int rank, int report_fd, const std::function<void(int)>& fn);
 
-// The variables every rank gets, as torchrun sets them, plus corpc's own; `restart` counts the rank's restarts.
+// The variables every rank gets, as torchrun sets them, plus corpc's own; `restart` counts the rank's restarts, and
+// `secrets` is what the launcher dealt this start of the rank.
 std::vector<std::pair<std::string, std::string>> rank_environment(int rank, int world_size, int port,
                                                                   const std::string& secret, int restart,
-                                                                  const std::string& launcher_key);
+                                                                  const RankSecrets& secrets);
 
 // In a forked child: takes on the rank's variables and runs it. `listen_fd` is rank 0's socket, or -1 once the
 // launcher has closed it (a restart, never of rank 0).
 [[noreturn]] void run_forked_child(int rank, int world_size, int port, int listen_fd, int report_fd,
-                                   const std::string& secret, int restart, const std::string& launcher_key,
+                                   const std::string& secret, int restart, const RankSecrets& secrets,
                                    const std::function<void(int)>& fn);
 
 // This program's path and arguments, as it was started: what a spawned rank runs.

@@ -79,6 +79,9 @@ struct QuorumOptions {
   /// replica: corpc/ddp/pipeline_replicas.hpp). A quorum then has whole replicas only: the requests of a replica with
   /// a rank missing wait for a later round, a member recovers from one at its own position, and when a step fails
   /// the members are told at once. Empty: every rank is a replica of its own. Sets `replicas` when that is empty.
+  /// The trainers must agree: a trainer whose replicas are not these (PipelineReplicas under a coordinator made
+  /// without them, FaultTolerantDdp under one made with them) is refused at its first step with UsageError, which
+  /// names the fix.
   std::vector<std::vector<int>> replica_groups;
   /// A quorum needs at least this many replicas; below it the trainers wait (their request's own timeout bounds it).
   int min_replicas = 1;
@@ -107,7 +110,7 @@ class QuorumCoordinator {
   /// Starts answering on this rank (after init_rpc); requests that came first are answered now. UsageError if one
   /// runs in this process already.
   explicit QuorumCoordinator(QuorumOptions options = {});
-  /// Stops answering: requests still waiting fail with ShutdownError, open votes with "not committed".
+  /// Stops answering: requests still waiting fail with ShutdownError, open votes are not committed.
   ~QuorumCoordinator();
   QuorumCoordinator(const QuorumCoordinator&) = delete;
   QuorumCoordinator& operator=(const QuorumCoordinator&) = delete;
@@ -153,7 +156,9 @@ struct StepReport {
   Quorum quorum;           ///< the quorum of the attempt that was committed
   int retries = 0;         ///< attempts that failed before it
   bool recovered = false;  ///< this rank loaded a donor's state during this step
-  std::string last_error;  ///< why the last failed attempt failed ("" if none did)
+  /// Why the last failed attempt failed ("" if none did): "step S was not committed: " and the cause, naming the
+  /// worker it concerns as "worker 'NAME' (rank R)" (lost, failed, or late to vote), then this rank's own error.
+  std::string last_error;
 };
 
 /// The model-independent part of FaultTolerantDdp: quorum, epoch groups, recovery, commit. Use FaultTolerantDdp.

@@ -134,7 +134,8 @@ struct ReplicaStage {
 
 /// One worker of R pipeline replicas (see corpc/ddp/pipeline_replicas.hpp). Every worker constructs one after
 /// init_rpc, with the same model, options and functions; a QuorumCoordinator with the layout's replica groups runs on
-/// `options.ft.coordinator_rank` (without fault tolerance, that rank serves the groups' store only). Like
+/// `options.ft.coordinator_rank` (without fault tolerance, that rank serves the groups' store only): the first step
+/// under a coordinator made with other replica groups, or none, throws UsageError naming the fix. Like
 /// FaultTolerantDdp it sets SIGPIPE to ignored unless the program installed a handler.
 class PipelineReplicas {
  public:

@@ -1,0 +1,101 @@
+#include "rpc/launcher_key.hpp"
+
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/rand.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <new>
+#include <string>
+
+#include "corpc/core/errors.hpp"
+
+namespace corpc::detail {
+
+// Everything that is or holds the key. Nothing outside this page ever holds it, but a RankSecrets for rank 0.
+struct LauncherKey::Page {
+  std::array<unsigned char, 32> random;  // the key's bytes, wiped once hex-encoded
+  std::array<char, 64> hex;              // the key, as rank_credential and rank 0 take it
+  std::array<unsigned char, 32> mac;     // a credential being made, wiped once hex-encoded
+};
+
+namespace {
+
+// Writes `n` bytes' lowercase hex at `out` (2n characters), with no copy anywhere else.
+void hex_into(const unsigned char* bytes, std::size_t n, char* out) {
+  static constexpr char digits[] = "0123456789abcdef";
+  for (std::size_t i = 0; i < n; ++i) {
+    out[2 * i] = digits[bytes[i] >> 4];
+    out[2 * i + 1] = digits[bytes[i] & 15];
+  }
+}
+
+std::size_t key_page_bytes() { return static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)); }
+
+}  // namespace
+
+LauncherKey::LauncherKey() {
+  static_assert(sizeof(Page) <= 4096);
+  void* mapped = ::mmap(nullptr, key_page_bytes(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mapped == MAP_FAILED)
+    throw RpcError(std::string("launch_processes: cannot map a page for the run's key: ") + std::strerror(errno));
+  // Children get zeros in its place; on kernels before 4.14, no page at all (no child touches it: a forked rank gets
+  // what it needs in a RankSecrets).
+  if (::madvise(mapped, key_page_bytes(), MADV_WIPEONFORK) != 0 &&
+      ::madvise(mapped, key_page_bytes(), MADV_DONTFORK) != 0) {
+    const int error = errno;
+    ::munmap(mapped, key_page_bytes());
+    throw RpcError(std::string("launch_processes: cannot keep the run's key out of forked ranks (madvise: ") +
+                   std::strerror(error) + ")");
+  }
+  // Nor in a core dump; a kernel that refuses it changes nothing else.
+  ::madvise(mapped, key_page_bytes(), MADV_DONTDUMP);
+  page_ = new (mapped) Page{};
+  if (RAND_bytes(page_->random.data(), static_cast<int>(page_->random.size())) != 1) {
+    ::munmap(mapped, key_page_bytes());
+    throw RpcError("launch_processes: no randomness for the run's key");
+  }
+  hex_into(page_->random.data(), page_->random.size(), page_->hex.data());
+  OPENSSL_cleanse(page_->random.data(), page_->random.size());
+}
+
+LauncherKey::~LauncherKey() {
+  OPENSSL_cleanse(page_, sizeof(Page));
+  ::munmap(page_, key_page_bytes());
+}
+
+RankSecrets::RankSecrets(const LauncherKey& key, int rank, std::uint32_t incarnation) {
+  auto& page = *key.page_;
+  // The message of rank_credential (src/transport/rank_identity.cpp), which rank 0 recomputes to check the rank's
+  // registration; computed here so that neither the key nor the credential passes through a string that is freed
+  // unwiped. The launch tests' registrations fail if the two part.
+  static constexpr char label[] = "corpc rank credential";
+  std::array<unsigned char, sizeof label - 1 + 8> message{};
+  std::memcpy(message.data(), label, sizeof label - 1);
+  std::size_t at = sizeof label - 1;
+  for (std::uint32_t v : {static_cast<std::uint32_t>(rank), incarnation})
+    for (int shift = 24; shift >= 0; shift -= 8) message[at++] = static_cast<unsigned char>((v >> shift) & 0xff);
+  unsigned int len = 0;
+  // OpenSSL wipes its own copies of the key (the HMAC pads, its context) before freeing them.
+  const bool made = HMAC(EVP_sha256(), page.hex.data(), static_cast<int>(page.hex.size()), message.data(),
+                         message.size(), page.mac.data(), &len) != nullptr &&
+                    len == page.mac.size();
+  if (made) hex_into(page.mac.data(), page.mac.size(), credential_.data());
+  OPENSSL_cleanse(page.mac.data(), page.mac.size());
+  if (!made) throw RpcError("launch_processes: HMAC failed making a rank's credential");
+  if (rank == 0) {
+    std::memcpy(key_.data(), page.hex.data(), key_.size());
+    has_key_ = true;
+  }
+}
+
+RankSecrets::~RankSecrets() {
+  OPENSSL_cleanse(credential_.data(), credential_.size());
+  OPENSSL_cleanse(key_.data(), key_.size());
+}
+
+}  // namespace corpc::detail
