@@ -421,8 +421,8 @@ TEST_CASE("a stage's worker killed mid-step fails the step with PipelineError na
       auto msg = EXPECT_THROWS_AS(
           sync_wait(pipe.train_step(random_images(kBatch, kImage, 7), one_hot_labels(kBatch, kClasses, 8))),
           PipelineError);
-      EXPECT(msg.find("worker2") != std::string::npos);
-      EXPECT(msg.find("stage 1") != std::string::npos);
+      EXPECT_CONTAINS(msg, "worker2");
+      EXPECT_CONTAINS(msg, "stage 1");
     });
   });
 }

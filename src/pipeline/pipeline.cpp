@@ -125,7 +125,17 @@ Task<StepResult> Pipeline::train_step(at::Tensor inputs, at::Tensor targets) {
     });
   }
   auto done = co_await collect_all(std::move(parts));
-  if (const int w = watch->first_failure.load(); w >= 0) {
+  if (int w = watch->first_failure.load(); w >= 0) {
+    // A worker that is gone is the cause, whichever part failed first: the others' parts fail because of it, and on a
+    // busy machine the news of that can reach us before our own connection to the lost worker closes.
+    if (Runtime::get().is_alive(ranks[w])) {
+      for (std::size_t o = 0; o < ranks.size(); ++o) {
+        if (done[o].error() && !Runtime::get().is_alive(ranks[o])) {
+          w = static_cast<int>(o);
+          break;
+        }
+      }
+    }
     const int rank = ranks[w];
     std::string stages;
     for (std::size_t s = 0; s < state->placement.stage_ranks.size(); ++s)

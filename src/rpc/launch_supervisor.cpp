@@ -21,7 +21,7 @@
 #include "rpc/environment.hpp"
 #include "rpc/fork_safety.hpp"
 #include "rpc/launch_protocol.hpp"
-#include "rpc/launcher_key.hpp"
+#include "transport/launcher_key.hpp"
 #include "rpc/rank_process.hpp"
 #include "transport/auth.hpp"
 

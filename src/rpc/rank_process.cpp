@@ -23,7 +23,7 @@
 #include "core/log.hpp"
 #include "corpc/rpc/errors.hpp"
 #include "rpc/launch_protocol.hpp"
-#include "rpc/launcher_key.hpp"
+#include "transport/launcher_key.hpp"
 #include "rpc/runtime_exit.hpp"
 
 namespace corpc::detail {

@@ -110,11 +110,15 @@ std::string random_launcher_key() {
   return hex(bytes.data(), bytes.size());
 }
 
-std::string rank_credential(std::string_view launcher_key, int rank, std::uint32_t incarnation) {
+std::string credential_message(int rank, std::uint32_t incarnation) {
   std::string message = "corpc rank credential";
   append_u32(message, static_cast<std::uint32_t>(rank));
   append_u32(message, incarnation);
-  const std::string mac = hmac(launcher_key, message);
+  return message;
+}
+
+std::string rank_credential(std::string_view launcher_key, int rank, std::uint32_t incarnation) {
+  const std::string mac = hmac(launcher_key, credential_message(rank, incarnation));
   return hex(reinterpret_cast<const unsigned char*>(mac.data()), mac.size());
 }
 

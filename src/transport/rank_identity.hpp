@@ -46,8 +46,12 @@ bool verify_signature(std::string_view public_key, std::string_view message, std
 // A fresh launcher key, hex, for a launcher that starts the ranks of one job.
 std::string random_launcher_key();
 
-// The credential the launcher deals to incarnation `incarnation` of `rank` (hex, 64 characters).
+// The credential the launcher deals to incarnation `incarnation` of `rank` (hex, 64 characters): HMAC-SHA256 under
+// the launcher key over credential_message(), hex-encoded.
 std::string rank_credential(std::string_view launcher_key, int rank, std::uint32_t incarnation);
+// What that credential is a MAC of (nothing secret): for a launcher that computes it where the key lives
+// (src/transport/launcher_key.cpp).
+std::string credential_message(int rank, std::uint32_t incarnation);
 
 // A registration's proof that its sender holds `credential`, bound to the sender's public key (32 bytes): only rank 0
 // sees it, and it vouches for that key alone.

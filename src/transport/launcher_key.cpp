@@ -1,4 +1,4 @@
-#include "rpc/launcher_key.hpp"
+#include "transport/launcher_key.hpp"
 
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
@@ -13,6 +13,7 @@
 #include <string>
 
 #include "corpc/core/errors.hpp"
+#include "transport/rank_identity.hpp"
 
 namespace corpc::detail {
 
@@ -70,19 +71,15 @@ LauncherKey::~LauncherKey() {
 
 RankSecrets::RankSecrets(const LauncherKey& key, int rank, std::uint32_t incarnation) {
   auto& page = *key.page_;
-  // The message of rank_credential (src/transport/rank_identity.cpp), which rank 0 recomputes to check the rank's
-  // registration; computed here so that neither the key nor the credential passes through a string that is freed
-  // unwiped. The launch tests' registrations fail if the two part.
-  static constexpr char label[] = "corpc rank credential";
-  std::array<unsigned char, sizeof label - 1 + 8> message{};
-  std::memcpy(message.data(), label, sizeof label - 1);
-  std::size_t at = sizeof label - 1;
-  for (std::uint32_t v : {static_cast<std::uint32_t>(rank), incarnation})
-    for (int shift = 24; shift >= 0; shift -= 8) message[at++] = static_cast<unsigned char>((v >> shift) & 0xff);
+  // rank_credential's MAC (src/transport/rank_identity.hpp), which rank 0 recomputes to check the rank's
+  // registration, made here so that neither the key nor the credential passes through a string that is freed
+  // unwiped; its message holds nothing secret.
+  const std::string message = credential_message(rank, incarnation);
   unsigned int len = 0;
   // OpenSSL wipes its own copies of the key (the HMAC pads, its context) before freeing them.
-  const bool made = HMAC(EVP_sha256(), page.hex.data(), static_cast<int>(page.hex.size()), message.data(),
-                         message.size(), page.mac.data(), &len) != nullptr &&
+  const bool made = HMAC(EVP_sha256(), page.hex.data(), static_cast<int>(page.hex.size()),
+                         reinterpret_cast<const unsigned char*>(message.data()), message.size(), page.mac.data(),
+                         &len) != nullptr &&
                     len == page.mac.size();
   if (made) hex_into(page.mac.data(), page.mac.size(), credential_.data());
   OPENSSL_cleanse(page.mac.data(), page.mac.size());
