@@ -446,11 +446,12 @@ void Runtime::Impl::on_world(detail::Message&& msg) {
     std::lock_guard lock(self_host_mutex);
     self.host = workers[self.rank].host;
   }
-  // Each parked frame goes back to its own connection's I/O thread: the table may complete on another one, and a
-  // connection's reader state (its receive credit) belongs to its thread.
-  for (auto& [conn, m] : world.open()) {
-    asio::post(conn->io(), [this, conn = conn, m = std::make_shared<detail::Message>(std::move(m))] {
-      frames.dispatch(conn, std::move(*m));
+  // Each connection's parked frames go back on its own I/O thread: the table may complete on another one, and a
+  // connection's reader state (its receive credit) belongs to its thread. Taken there, in its order, so that no frame
+  // it reads meanwhile overtakes them (WorldGate).
+  for (auto& conn : world.open()) {
+    asio::post(conn->io(), [this, conn] {
+      for (auto& m : world.take(*conn)) frames.dispatch(conn, std::move(m));
     });
   }
   world_ready.set_value();
