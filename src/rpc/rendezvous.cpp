@@ -168,6 +168,7 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
         main_io(),
         [this, master_host, master_port, deadline]() -> asio::awaitable<void> {
           asio::steady_timer pause(main_io());
+          int interrupted = 0;  // handshakes with rank 0 that stalled or broke off
           for (;;) {
             detail::Transport transport{asio::ip::tcp::socket(main_io())};
             std::string failure;
@@ -186,6 +187,11 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
               std::string refused;
               try {
                 co_await detail::authenticate(transport, auth, detail::AuthRole::dialer);
+              } catch (const detail::HandshakeInterrupted& e) {
+                // A rank 0 too busy to answer within the handshake timeout (or one that gave up on us for that
+                // reason) is tried again on a fresh connection: three handshakes in all, as a dial has (tcp_dial.cpp).
+                if (++interrupted < 3) failure = e.what();
+                else refused = std::string(e.what()) + " (3 attempts)";
               } catch (const std::exception& e) {
                 refused = e.what();
               }
