@@ -311,4 +311,57 @@ TEST_CASE("a dial whose handshake stalls on a peer that is only busy is tried ag
       options);
 }
 
+TEST_CASE("a registration whose handshake stalls on a rank 0 that is only busy is tried again, and the job starts") {
+  // Rank 0 is stopped (SIGSTOP: the socket the launcher bound for it still accepts, nobody answers) while rank 1 makes
+  // its first connection to it, and goes on before rank 1's second attempt times out. A rank 0 that is only slow to get
+  // a CPU (a loaded machine, hundreds of registrations at once) looks the same: its handshake timing out must not end
+  // the job, as a wrong secret does.
+  auto options = quick_options();
+  options.handshake_timeout = 1s * time_scale();
+  const std::string pid_file = "/tmp/corpc-test-flow-rank0-" + std::to_string(::getpid());
+  struct Removed {
+    const std::string& path;
+    ~Removed() { std::remove(path.c_str()); }  // in this process, however the launch ended
+  } removed{pid_file};
+  launch_processes(
+      2,
+      [&](int rank) {
+        if (rank == 0) {
+          if (FILE* f = std::fopen((pid_file + ".tmp").c_str(), "w")) {
+            std::fprintf(f, "%d\n", static_cast<int>(::getpid()));
+            std::fclose(f);
+          }
+          std::rename((pid_file + ".tmp").c_str(), pid_file.c_str());  // whole or absent for the reader
+          init_rpc(worker_name(0), 0, 2, options);
+          shutdown(true);
+          return;
+        }
+        int master = 0;
+        for (const auto give_up = std::chrono::steady_clock::now() + 60s; master <= 0;) {
+          if (FILE* f = std::fopen(pid_file.c_str(), "r")) {
+            if (std::fscanf(f, "%d", &master) != 1) master = 0;
+            std::fclose(f);
+          }
+          EXPECT(std::chrono::steady_clock::now() < give_up);
+          std::this_thread::sleep_for(1ms);
+        }
+        std::remove(pid_file.c_str());
+        stop_process(master);
+        std::thread resume([&] {
+          std::this_thread::sleep_for(options.handshake_timeout * 3 / 2);
+          ::kill(master, SIGCONT);
+        });
+        try {
+          init_rpc(worker_name(1), 1, 2, options);
+        } catch (...) {
+          resume.join();
+          throw;
+        }
+        resume.join();
+        EXPECT_EQ(rpc_sync<&pid_of_rank>(0), master);
+        shutdown(true);
+      },
+      launch_options(120s));
+}
+
 }  // namespace test_flow

@@ -1,7 +1,7 @@
 // Rank 0's rendezvous state, in process, on the real objects over fake connections that hold only what they read
 // (tests/fake_connection.hpp; no workers, no sockets): the registrations that make the worker table (Registrations:
 // duplicates refused, the table published once, complete and in rank order) and the gate that parks requests until
-// the table is known (WorldGate: parked in order, none lost in a race).
+// the table is known (WorldGate: parked in order, none lost in a race, none overtaking what its connection parked).
 #include <doctest/doctest.h>
 
 #include <atomic>
@@ -120,15 +120,50 @@ TEST_CASE("WorldGate: requests before the table are parked and handed back in or
     m.body = "request " + std::to_string(i);
     CHECK(gate.park_if_unknown(conn, m));
   }
-  auto parked = gate.open();
+  auto held = gate.open();
   CHECK(gate.known());
+  REQUIRE(held.size() == 1);
+  CHECK(held[0] == conn);
+  auto parked = gate.take(*conn);
   REQUIRE(parked.size() == 3);
-  for (int i = 0; i < 3; ++i) CHECK(parked[i].second.body == "request " + std::to_string(i));
+  for (int i = 0; i < 3; ++i) CHECK(parked[i].body == "request " + std::to_string(i));
   Message late;
   late.body = "late";
   CHECK_FALSE(gate.park_if_unknown(conn, late));
   CHECK(late.body == "late");  // untouched: the caller delivers it
+  CHECK(gate.take(*conn).empty());
   CHECK(gate.open().empty());
+}
+
+TEST_CASE("WorldGate: a connection's frames read after the table wait behind those it parked before, until taken") {
+  // A peer's Hello and first request arrive before our table; the table completes on another I/O thread, and the
+  // connection's own thread reads a second request before it takes back what was parked. Delivered at once, that
+  // request would overtake the parked Hello: its sender would be refused as having sent no Hello, and lose us.
+  asio::io_context io;
+  WorldGate gate;
+  auto early = table_connection(io, "10.0.0.1");
+  auto other = table_connection(io, "10.0.0.2");
+  for (const char* body : {"hello", "request 1"}) {
+    Message m;
+    m.body = body;
+    CHECK(gate.park_if_unknown(early, m));
+  }
+  const auto held = gate.open();
+  REQUIRE(held.size() == 1);
+  Message second;
+  second.body = "request 2";
+  CHECK(gate.park_if_unknown(early, second));  // behind the parked ones
+  Message elsewhere;
+  elsewhere.body = "unrelated";
+  CHECK_FALSE(gate.park_if_unknown(other, elsewhere));  // a connection that parked nothing is not held up
+  const auto parked = gate.take(*early);
+  REQUIRE(parked.size() == 3);
+  CHECK(parked[0].body == "hello");
+  CHECK(parked[1].body == "request 1");
+  CHECK(parked[2].body == "request 2");
+  Message third;
+  third.body = "request 3";
+  CHECK_FALSE(gate.park_if_unknown(early, third));  // taken back: from here on in order by itself
 }
 
 TEST_CASE("WorldGate: a request racing the table is either parked and handed back, or delivered, never lost") {
@@ -138,18 +173,32 @@ TEST_CASE("WorldGate: a request racing the table is either parked and handed bac
     auto conn = table_connection(io, "10.0.0.1");
     constexpr int kRequests = 2000;
     std::atomic<int> delivered_directly{0};
-    std::thread sender([&] {
+    std::atomic<bool> taken{false};
+    std::vector<std::string> order;  // what the connection's thread acts on, in order
+    std::vector<Message> parked;
+    std::thread reader([&] {  // the connection's I/O thread: reads, and takes back what it parked once the table is in
+      bool took = false;
       for (int i = 0; i < kRequests; ++i) {
+        if (!took && taken.load()) {
+          for (auto& m : gate.take(*conn)) order.push_back(m.body);
+          took = true;
+        }
         Message m;
         m.body = std::to_string(i);
-        if (!gate.park_if_unknown(conn, m)) delivered_directly++;
+        if (!gate.park_if_unknown(conn, m)) {
+          delivered_directly++;
+          order.push_back(m.body);
+        }
       }
+      if (!took)
+        for (auto& m : gate.take(*conn)) order.push_back(m.body);
     });
     std::this_thread::yield();
-    auto parked = gate.open();
-    sender.join();
-    CHECK(static_cast<int>(parked.size()) + delivered_directly.load() == kRequests);
-    for (std::size_t i = 0; i < parked.size(); ++i) CHECK(parked[i].second.body == std::to_string(i));
+    gate.open();
+    taken.store(true);
+    reader.join();
+    REQUIRE(static_cast<int>(order.size()) == kRequests);
+    for (int i = 0; i < kRequests; ++i) CHECK(order[i] == std::to_string(i));
   }
 }
 

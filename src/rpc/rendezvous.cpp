@@ -171,6 +171,7 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
         main_io(),
         [this, master_host, master_port, deadline]() -> asio::awaitable<void> {
           asio::steady_timer pause(main_io());
+          int interrupted = 0;  // handshakes with rank 0 that stalled or broke off
           for (;;) {
             detail::Transport transport{asio::ip::tcp::socket(main_io())};
             std::string failure;
@@ -189,6 +190,11 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
               std::string refused;
               try {
                 co_await detail::authenticate(transport, auth, detail::AuthRole::dialer);
+              } catch (const detail::HandshakeInterrupted& e) {
+                // A rank 0 too busy to answer within the handshake timeout (or one that gave up on us for that
+                // reason) is tried again on a fresh connection: three handshakes in all, as a dial has (tcp_dial.cpp).
+                if (++interrupted < 3) failure = e.what();
+                else refused = std::string(e.what()) + " (3 attempts)";
               } catch (const std::exception& e) {
                 refused = e.what();
               }
@@ -529,11 +535,12 @@ void Runtime::Impl::on_world(detail::Message&& msg) {
     std::lock_guard lock(self_host_mutex);
     self.host = workers[self.rank].host;
   }
-  // Each parked frame goes back to its own connection's I/O thread: the table may complete on another one, and a
-  // connection's reader state (its receive credit) belongs to its thread.
-  for (auto& [conn, m] : world.open()) {
-    asio::post(conn->io(), [this, conn = conn, m = std::make_shared<detail::Message>(std::move(m))] {
-      frames.dispatch(conn, std::move(*m));
+  // Each connection's parked frames go back on its own I/O thread: the table may complete on another one, and a
+  // connection's reader state (its receive credit) belongs to its thread. Taken there, in its order, so that no frame
+  // it reads meanwhile overtakes them (WorldGate).
+  for (auto& conn : world.open()) {
+    asio::post(conn->io(), [this, conn] {
+      for (auto& m : world.take(*conn)) frames.dispatch(conn, std::move(m));
     });
   }
   world_ready.set_value();

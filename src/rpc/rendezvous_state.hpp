@@ -1,14 +1,16 @@
 // What the rendezvous keeps until every worker knows the world (rendezvous.cpp does the talking):
 //   Registrations  rank 0: who has registered so far, with the connection and device configuration each came with,
 //                  until the table goes out, once.
-//   WorldGate      every rank: whether the world table is known yet, and the requests that arrived before it (a peer
-//                  heard from rank 0 first), parked until it is.
+//   WorldGate      every rank: whether the world table is known yet, and the frames that arrived before it (a peer
+//                  heard from rank 0 first: its Hello and the requests behind it), parked until it is and handed back
+//                  in each connection's order.
 // Registrations come in on any I/O thread, so two can complete at once; each part has its own lock. Registrations'
 // lock is taken before the peer table's (a registration is admitted as the rank's speaker in the same step), never
 // after it.
 #pragma once
 
 #include <atomic>
+#include <cstddef>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -117,35 +119,64 @@ class Registrations {
   bool published_ = false;
 };
 
+// A connection's frames are acted on in the order it sent them, the table or not: a worker that heard from rank 0 first
+// dials us and sends its Hello and its first requests in one write, which may all arrive before our table. The Hello
+// is parked here, so the requests behind it are parked too (judged once it has been), and they stay parked after the
+// table until the connection's own I/O thread takes them back: a request read there meanwhile must not overtake the
+// parked Hello (it would be refused as coming before any Hello, and the dialer would lose us for good).
 class WorldGate {
  public:
-  using Parked = std::vector<std::pair<std::shared_ptr<Connection>, Message>>;
+  using ConnectionPtr = std::shared_ptr<Connection>;
 
   // True for the first world table only: a second one (only a broken or hostile rank 0 sends one) changes nothing.
   bool first_table() noexcept { return !table_taken_.exchange(true); }
   // Whether the world table is known (then every table it wrote may be read without a lock).
   bool known() const noexcept { return known_.load(std::memory_order_acquire); }
-  // Parks `msg` if the world is not known yet; false (and `msg` untouched) if it is. A request is either parked or
-  // sees the table: open() decides under the same lock.
-  bool park_if_unknown(const std::shared_ptr<Connection>& conn, Message& msg) {
-    if (known()) return false;
+  // Parks `msg` if the world is not known yet, or if frames `conn` sent before it are still parked (they go first);
+  // false (and `msg` untouched) otherwise: the caller acts on it. A frame is either parked or sees the table: open()
+  // decides under the same lock.
+  bool park_if_unknown(const ConnectionPtr& conn, Message& msg) {
+    if (known() && held_.load(std::memory_order_acquire) == 0) return false;
     std::lock_guard lock(mutex_);
-    if (known()) return false;
-    parked_.emplace_back(conn, std::move(msg));
+    auto at = parked_.find(conn.get());
+    if (known_.load(std::memory_order_relaxed) && at == parked_.end()) return false;
+    if (at == parked_.end()) at = parked_.emplace(conn.get(), Held{conn, {}}).first;
+    at->second.frames.push_back(std::move(msg));
     return true;
   }
-  // The world is known from now on; returns what was parked, to be delivered in arrival order.
-  Parked open() {
+  // The world is known from now on; returns the connections that have frames parked, each to take them back with
+  // take() on its own I/O thread. Until then their frames keep being parked behind the earlier ones.
+  std::vector<ConnectionPtr> open() {
     std::lock_guard lock(mutex_);
+    // Before known_: a reader that sees the table known without the lock also sees that some frames are still held.
+    held_.store(parked_.size(), std::memory_order_release);
     known_.store(true, std::memory_order_release);
-    return std::exchange(parked_, {});
+    std::vector<ConnectionPtr> out;
+    for (const auto& [raw, held] : parked_) out.push_back(held.conn);
+    return out;
+  }
+  // What `conn` parked, in arrival order; from then on its frames are not parked. On the connection's I/O thread, the
+  // one its frames are read on, so that none arrives between this and the delivery of what it returns.
+  std::vector<Message> take(const Connection& conn) {
+    std::lock_guard lock(mutex_);
+    auto at = parked_.find(&conn);
+    if (at == parked_.end()) return {};
+    auto frames = std::move(at->second.frames);
+    parked_.erase(at);
+    if (known_.load(std::memory_order_relaxed)) held_.fetch_sub(1, std::memory_order_release);
+    return frames;
   }
 
  private:
+  struct Held {
+    ConnectionPtr conn;
+    std::vector<Message> frames;
+  };
   std::atomic<bool> table_taken_{false};
   std::atomic<bool> known_{false};
+  std::atomic<std::size_t> held_{0};  // once known: connections whose parked frames have not been taken back yet
   std::mutex mutex_;
-  Parked parked_;
+  std::map<const Connection*, Held> parked_;
 };
 
 }  // namespace corpc::detail

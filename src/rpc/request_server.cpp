@@ -215,13 +215,17 @@ CallContext RequestServer::handler_context(std::int64_t context_id, std::stop_to
 }
 
 // A request (or a cancel) is acted on once its sender has said who it is and the world table is known; until the
-// table, it is parked (WorldGate) and comes back here.
+// table, it is parked (WorldGate) and comes back here. Parked first: a sender that heard from rank 0 before us sends
+// its Hello and its first requests together, and the Hello waits for the table too (rendezvous.cpp), so until then
+// a request behind it finds no rank on the connection yet. Refusing it then closed a healthy peer's connection, and
+// lost us to it, whenever our table came late (a busy machine: issue 62).
 bool RequestServer::admitted(const std::shared_ptr<Connection>& conn, Message& msg) {
+  if (rt_.world.park_if_unknown(conn, msg)) return false;
   if (conn->peer_rank < 0) {
     conn->close("protocol error: a request before hello");
     return false;
   }
-  return !rt_.world.park_if_unknown(conn, msg);
+  return true;
 }
 
 void RequestServer::on_request(const std::shared_ptr<Connection>& conn, Message&& msg) {
