@@ -304,10 +304,13 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, de
     return refuse(conn, "world size " + std::to_string(their_world) + " != " + std::to_string(world_size));
   if (info.rank < 0 || info.rank >= world_size || info.rank == self.rank)
     return refuse(conn, "invalid rank " + std::to_string(info.rank));
-  auto answer = our_hello(false, info.rank, conn->handshake_transcript(), detail::HelloSide::acceptor);
+  // A registration's answer proves nothing (the registrant knows no key yet); a claim's is signed for this connection,
+  // once the world table (our certificate with it) is known.
+  auto answer = our_hello(false);
   if (!registering) {
     // A claim is checked against the world table's keys: until we have the table it waits with what follows it.
     if (world.park_if_unknown(conn, msg)) return;
+    answer = our_hello(false, info.rank, conn->handshake_transcript(), detail::HelloSide::acceptor);
     // A rank that rejoined says so in every Hello it sends; only the first from its incarnation replaces a
     // predecessor here. A later one (a second connection, or one dialed after this process learnt the incarnation from
     // the world table) is an ordinary claim: taking it as a replacement would close the live connection to the same
