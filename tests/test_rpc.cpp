@@ -478,6 +478,18 @@ TEST_CASE("ranks may start in any order; bad registrations are refused clearly")
   CHECK_THROWS_AS(init_rpc("bad name!", 0, 1), UsageError);
 }
 
+TEST_CASE("requests and replies that fill a connection's read buffer to its last bytes, each frame with its tag") {
+  // A frame's header, metadata and body are read into a 64 KiB buffer when they fit; a sealed frame's 16-byte tag
+  // follows them. Every size across that edge, both ways (the echo's reply is the same size), must arrive whole.
+  run_world(2, [](int rank) {
+    if (rank != 0) return;
+    for (std::size_t n = 65536 - 160; n <= 65536 + 16; ++n) {
+      const std::string s(n, static_cast<char>('a' + n % 26));
+      EXPECT_EQ(rpc_sync<&echo<std::string>>(1, s), s);
+    }
+  });
+}
+
 TEST_CASE("malformed frames close only the offending connection") {
   run_world(2, [](int rank) {
     if (rank != 0) return;

@@ -81,11 +81,11 @@ asio::awaitable<void> TcpConnection::read_frames(std::shared_ptr<Connection> bas
     const std::int64_t trace_t0 =
         trace::enabled() && h.tensor_bytes >= trace::kLargeTransferBytes ? trace::now_ns() : 0;
     const bool socket_data = h.tensor_bytes && !(h.flags & kFlagShm);
+    // A sealed frame with no tensor data on the socket has its tag right behind: checked before its metadata is acted
+    // on (a same-host ring's offsets, CUDA IPC handles) when both fit in the buffer.
+    const std::size_t tag_len = seal && !socket_data ? FrameSeal::kTagBytes : 0;
     bool tag_checked = false;
-    if (head_len <= kReadBuffer) {
-      // A sealed frame with no tensor data on the socket has its tag right behind: checked before its metadata is
-      // acted on (a same-host ring's offsets, CUDA IPC handles).
-      const std::size_t tag_len = seal && !socket_data ? FrameSeal::kTagBytes : 0;
+    if (head_len + tag_len <= kReadBuffer) {
       while (rend_ - rbeg_ < head_len + tag_len) co_await read_more();
       const char* meta = rbuf_.get() + rbeg_;
       if (seal) seal->add(meta, head_len);
