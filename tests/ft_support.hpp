@@ -53,6 +53,21 @@ inline std::vector<std::string> retry_reasons(const std::string& log, std::int64
   return out;
 }
 
+// What is wrong with the reason a survivor's log gives for retrying `step`, or "" if nothing: there must be exactly one,
+// naming the step, the cause and a worker (names_step_cause_and_worker), and when the cause is a loss, the worker
+// lost must be `lost` ("worker 'worker2' (rank 2)"). A survivor whose own collective the loss cut may have reached
+// the coordinator first: its reason then names itself ("failed it").
+inline std::string survivor_reason_problem(const std::string& log, std::int64_t step, const std::string& lost) {
+  const auto reasons = retry_reasons(log, step);
+  if (reasons.size() != 1) return std::to_string(reasons.size()) + " reasons for step " + std::to_string(step);
+  const std::string& reason = reasons[0];
+  if (!names_step_cause_and_worker(reason, step)) return "not in the form every reason has: " + reason;
+  if (reason.find(" was lost: ") != std::string::npos &&
+      reason.find("step " + std::to_string(step) + " was not committed: " + lost + " was lost: ") != 0)
+    return "a loss, not of " + lost + ": " + reason;
+  return {};
+}
+
 // The optimizer's state of `p`: keyed by its TensorImpl's address, written out (libtorch 1.13) or as is (2.x).
 template <class Map>
 auto find_state(Map& state, const at::Tensor& p) {

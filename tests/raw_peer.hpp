@@ -7,6 +7,7 @@
 #include <chrono>
 #include <exception>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -130,6 +131,40 @@ inline asio::error_code write_raw_hello(asio::ip::tcp::socket& s, const WorkerIn
   asio::write(s, asio::buffer(sealed(s, std::string(reinterpret_cast<const char*>(&f.head), sizeof f.head) + f.body)),
               ec);
   return ec;
+}
+
+// Runs `io` until `finished` is set by the handler of what was started on `s`, for 20 s at most (then that is
+// cancelled: its handler sees operation_aborted). Returns false if the 20 s passed.
+inline bool run_until(asio::io_context& io, asio::ip::tcp::socket& s, const bool& finished) {
+  bool expired = false;
+  asio::steady_timer timer(io, std::chrono::seconds(20));
+  timer.async_wait([&](const asio::error_code& ec) {
+    if (!ec) {
+      expired = true;
+      s.cancel();
+    }
+  });
+  io.restart();
+  while (!finished && io.run_one()) {}
+  timer.cancel();
+  io.run();  // the timer's handler
+  return !expired;
+}
+
+// True once the worker has closed `s` (what arrives is dropped); false if it is still open after 20 s.
+inline bool hung_up_within(asio::io_context& io, asio::ip::tcp::socket& s) {
+  char buf[4096];
+  bool finished = false;
+  asio::error_code result;
+  std::function<void()> read_on = [&] {
+    s.async_read_some(asio::buffer(buf), [&](const asio::error_code& ec, std::size_t) {
+      if (!ec) return read_on();
+      result = ec;
+      finished = true;
+    });
+  };
+  read_on();
+  return run_until(io, s, finished) && (result == asio::error::eof || result == asio::error::connection_reset);
 }
 
 // True once the worker has closed `s` (reads until EOF or an error, discarding what arrives).

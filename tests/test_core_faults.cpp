@@ -78,23 +78,6 @@ std::string whoami_via(int rank) { return rpc_sync<&whoami>(rank); }
 bool is_alive_here(int rank) { return Runtime::get().is_alive(rank); }
 std::string echo(std::string s) { return s; }
 
-// Runs `io` until `finished` is set by the handler of what was started on `s`, for 20 s at most (then that is
-// cancelled: its handler sees operation_aborted). Returns false if the 20 s passed.
-bool run_until(asio::io_context& io, asio::ip::tcp::socket& s, const bool& finished) {
-  bool expired = false;
-  asio::steady_timer timer(io, 20s);
-  timer.async_wait([&](const asio::error_code& ec) {
-    if (!ec) {
-      expired = true;
-      s.cancel();
-    }
-  });
-  io.restart();
-  while (!finished && io.run_one()) {}
-  timer.cancel();
-  io.run();  // the timer's handler
-  return !expired;
-}
 
 // Reads exactly `len` bytes into `p` within 20 s; false on a close, an error or the limit.
 bool read_within(asio::io_context& io, asio::ip::tcp::socket& s, void* p, std::size_t len) {
@@ -120,21 +103,6 @@ std::optional<corpc::detail::FrameHeader> next_frame(asio::io_context& io, asio:
   return h;
 }
 
-// True once the worker has closed `s` (what arrives is dropped); false if it is still open after 20 s.
-bool hung_up_within(asio::io_context& io, asio::ip::tcp::socket& s) {
-  char buf[4096];
-  bool finished = false;
-  asio::error_code result;
-  std::function<void()> read_on = [&] {
-    s.async_read_some(asio::buffer(buf), [&](const asio::error_code& ec, std::size_t) {
-      if (!ec) return read_on();
-      result = ec;
-      finished = true;
-    });
-  };
-  read_on();
-  return run_until(io, s, finished) && (result == asio::error::eof || result == asio::error::connection_reset);
-}
 
 std::string serialized(const corpc::detail::FrameHeader& h, const std::string& body = {}) {
   return std::string(reinterpret_cast<const char*>(&h), sizeof h) + body;
