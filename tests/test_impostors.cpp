@@ -83,11 +83,14 @@ class Squatter {
     squatting_tcp_ = !busy;
     if (!unix_name.empty()) {
       unix_.open();
-      try {
-        unix_.bind(asio::local::stream_protocol::endpoint(std::string(1, '\0') + unix_name));
-      } catch (const std::exception& e) {
-        throw std::runtime_error("squatting Unix socket " + unix_name + ": " + e.what());
-      }
+      // The dead rank's descriptors close one by one as its process ends: its connection to rank 0 (how we learnt of
+      // the death) may close before its listener does. A squatter waits for the name to be free.
+      const asio::local::stream_protocol::endpoint name(std::string(1, '\0') + unix_name);
+      const auto give_up = std::chrono::steady_clock::now() + 10s;
+      asio::error_code taken;
+      while (unix_.bind(name, taken), taken && std::chrono::steady_clock::now() < give_up)
+        std::this_thread::sleep_for(5ms);
+      if (taken) throw std::runtime_error("squatting Unix socket " + unix_name + ": " + taken.message());
       unix_.listen();
       accept_unix();
     }
