@@ -50,14 +50,18 @@ ok=0 fail=0
 for round in $(seq "$rounds"); do
   for suite in "${suites[@]}"; do
     start=$SECONDS
-    if meson test -C "$dir" --no-rebuild --print-errorlogs --num-processes 1 --logbase "load-$suite" "$suite" \
-      >"$dir/meson-logs/load-$suite.out" 2>&1; then
+    # One log per suite and round (meson-logs/load-SUITE-ROUND.txt, the whole output of every test), so that a
+    # failure of an early round is still there to read after the run.
+    log=load-$suite-$round
+    if meson test -C "$dir" --no-rebuild --print-errorlogs --num-processes 1 --logbase "$log" "$suite" \
+      >"$dir/meson-logs/$log.out" 2>&1; then
       ok=$((ok + 1))
       echo "load round $round: $suite passed ($((SECONDS - start)) s, load $(cut -d' ' -f1 /proc/loadavg))"
     else
       fail=$((fail + 1))
       echo "load round $round: $suite FAILED ($((SECONDS - start)) s, load $(cut -d' ' -f1 /proc/loadavg))"
-      cat "$dir/meson-logs/load-$suite.out"
+      cat "$dir/meson-logs/$log.out"
+      echo "load round $round: $suite's whole log: $dir/meson-logs/$log.txt"
     fi
   done
 done

@@ -366,4 +366,41 @@ TEST_CASE("the coordinator killed: every trainer ends with ConnectionError namin
   std::filesystem::remove_all(dir);
 }
 
+TEST_CASE("trainers under a coordinator made with replica groups are refused as they are made, with the fix") {
+  // FaultTolerantDdp trains each rank as a replica of its own; a coordinator that takes whole groups would wait for
+  // mates that never ask, and could not recover a lost trainer. Refused before any step.
+  char tmpl[] = "/tmp/corpc-ft-XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl);
+  auto sc = quick_scenario();
+  sc.quorum.replica_groups = {{1}, {2}, {3}};
+  launch_processes(
+      kTrainers + 1,
+      [&](int rank) {
+        init_rpc(worker_name(rank), rank, kTrainers + 1, sc.rpc);
+        if (rank == 0) {
+          QuorumCoordinator coordinator(sc.quorum);
+          shutdown(true);
+          return;
+        }
+        auto model = make_model(16);
+        auto opt = make_optimizer(model);
+        try {
+          FaultTolerantDdp<torch::nn::Sequential> ft(model, opt, sc.ft);
+          std::ofstream(file_in(dir, "error", rank)) << "was made";
+        } catch (const UsageError& e) {
+          std::ofstream(file_in(dir, "error", rank)) << e.what();
+        }
+        shutdown(true);
+      },
+      launch_options(60s));
+  for (int r = 1; r <= kTrainers; ++r) {
+    const auto what = read_file(file_in(dir, "error", r));
+    INFO("trainer " << r << ": " << what);
+    CHECK(what.find("the QuorumCoordinator on worker 'master' (rank 0) was made with replica_groups {{1}, {2}, {3}}") !=
+          std::string::npos);
+    CHECK(what.find("make the coordinator without replica_groups") != std::string::npos);
+  }
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace test_fault_tolerant

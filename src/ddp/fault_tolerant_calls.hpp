@@ -25,9 +25,14 @@ using QuorumAnswer =
 // Asked by every trainer at the start of each attempt at a step: `committed` steps are in its state (`has_state`:
 // false for a replacement that holds nothing yet); `failed`: its last attempt was not committed. `replica_groups`:
 // the replicas the trainer takes part in (empty: a replica of its own); the coordinator refuses a trainer whose groups
-// are not its own with UsageError, so that a misconfigured job fails at its first step rather than after a loss.
+// are not its own with UsageError (as groups_check does).
 Future<QuorumAnswer> quorum_request(int rank, std::int64_t committed, bool has_state, bool failed,
                                     std::vector<std::vector<int>> replica_groups);
+
+// Asked by every trainer as it is made: the coordinator's UsageError if its replica groups are not `replica_groups`
+// (ft_messages.hpp's replica_groups_mismatch, naming the fix), so that a misconfigured job is refused before it
+// trains, not after a loss. Waits for the coordinator to be made, as a quorum request does.
+Future<bool> groups_check(int rank, std::vector<std::vector<int>> replica_groups);
 
 // The outcome of a vote: (committed, and if not, why: ft_messages.hpp's not_committed, naming the step, the cause and
 // the worker it concerns).

@@ -25,11 +25,28 @@ void register_member(const std::shared_ptr<Member>& member) {
   g_member = member;
 }
 
+namespace {
+// A call to the coordinator whose refusal of a misconfigured job is the caller's own misuse: its own type and words.
+template <auto Fn, class... Args>
+auto ask_coordinator(const FaultTolerantOptions& options, Args&&... args) {
+  try {
+    return rpc_sync<Fn>(options.coordinator_rank, with_timeout(options.quorum_timeout), std::forward<Args>(args)...);
+  } catch (const RemoteError& e) {
+    if (e.type() == "corpc::UsageError") throw UsageError(e.message());
+    throw;
+  }
+}
+}  // namespace
+
 Member::Member(std::vector<Part> parts, FaultTolerantOptions options, std::vector<std::vector<int>> replica_groups)
     : parts_(std::move(parts)), options_(std::move(options)), replica_groups_(std::move(replica_groups)) {
   auto& rt = Runtime::get();
   rank_ = rt.rank();
   has_state_ = !rt.options().rejoin;
+  // A job whose coordinator and trainers disagree on replica groups trains until a loss and then cannot recover:
+  // refuse it now. Not where the coordinator would run in this very process: it may be made after this trainer, and
+  // the first quorum request checks the same.
+  if (options_.coordinator_rank != rank_) ask_coordinator<&groups_check>(options_, rank_, replica_groups_);
 }
 
 std::vector<at::Tensor> Member::tensors() const {
@@ -109,15 +126,8 @@ Future<std::vector<at::Tensor>> Member::state_of(std::int64_t at_epoch) {
 }
 
 Quorum Member::ask_quorum(std::vector<int>& serve_to) {
-  QuorumAnswer answer;
-  try {
-    answer = rpc_sync<&quorum_request>(options_.coordinator_rank, with_timeout(options_.quorum_timeout), rank_,
-                                       committed_, has_state_, failed_last_, replica_groups_);
-  } catch (const RemoteError& e) {
-    // The coordinator's refusal of a misconfigured job: the caller's own misuse, so its own type and words.
-    if (e.type() == "corpc::UsageError") throw UsageError(e.message());
-    throw;
-  }
+  QuorumAnswer answer =
+      ask_coordinator<&quorum_request>(options_, rank_, committed_, has_state_, failed_last_, replica_groups_);
   auto& [e, step, members, from, serve, failure_epoch, failure] = answer;
   serve_to = std::move(serve);
   if (failed_last_ && failure_epoch == failed_epoch_) failure_known_now_ = std::move(failure);

@@ -318,8 +318,13 @@ PipelineReplicas::PipelineReplicas(torch::nn::Sequential model, pipeline::LossFn
   if (s.options.fault_tolerant) {
     std::vector<ft_detail::Member::Part> parts;
     for (auto& st : s.stages) parts.push_back({st.layers.ptr().get(), st.optimizer});
-    s.member = std::make_shared<ft_detail::Member>(std::move(parts), s.options.ft, layout.replica_groups());
-    ft_detail::register_member(s.member);
+    try {  // the coordinator refuses a job whose replica groups are not its own: nothing of it stays hosted then
+      s.member = std::make_shared<ft_detail::Member>(std::move(parts), s.options.ft, layout.replica_groups());
+      ft_detail::register_member(s.member);
+    } catch (...) {
+      pipeline::detail::drop_stages(s.host_id);
+      throw;
+    }
   } else {
     std::weak_ptr<State> weak = state_;
     rt.add_peer_failure_listener([weak](int rank, const std::string& why) {

@@ -478,6 +478,15 @@ Future<QuorumAnswer> quorum_request(int rank, std::int64_t committed, bool has_s
       [=](QuorumCoordinator::State& s) { return s.ask(rank, committed, has_state, failed, replica_groups); });
 }
 
+Future<bool> groups_check(int rank, std::vector<std::vector<int>> replica_groups) {
+  return with_coordinator<bool>([=](QuorumCoordinator::State& s) {
+    const std::string mismatch =
+        ft_detail::replica_groups_mismatch(s.self_rank, s.options.replica_groups, rank, replica_groups);
+    if (!mismatch.empty()) return make_exceptional_future<bool>(std::make_exception_ptr(UsageError(mismatch)));
+    return make_ready_future(true);
+  });
+}
+
 Future<CommitAnswer> commit_request(int rank, std::int64_t epoch, std::int64_t step, std::string error) {
   return with_coordinator<CommitAnswer>([=](QuorumCoordinator::State& s) { return s.vote(rank, epoch, step, error); });
 }
@@ -487,3 +496,4 @@ Future<CommitAnswer> commit_request(int rank, std::int64_t epoch, std::int64_t s
 
 CORPC_IO_THREAD_FUNCTION(&corpc::ddp::ft_detail::quorum_request);
 CORPC_IO_THREAD_FUNCTION(&corpc::ddp::ft_detail::commit_request);
+CORPC_IO_THREAD_FUNCTION(&corpc::ddp::ft_detail::groups_check);

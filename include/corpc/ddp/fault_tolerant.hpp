@@ -80,8 +80,8 @@ struct QuorumOptions {
   /// a rank missing wait for a later round, a member recovers from one at its own position, and when a step fails
   /// the members are told at once. Empty: every rank is a replica of its own. Sets `replicas` when that is empty.
   /// The trainers must agree: a trainer whose replicas are not these (PipelineReplicas under a coordinator made
-  /// without them, FaultTolerantDdp under one made with them) is refused at its first step with UsageError, which
-  /// names the fix.
+  /// without them, FaultTolerantDdp under one made with them) is refused as it is made, with UsageError naming the
+  /// fix.
   std::vector<std::vector<int>> replica_groups;
   /// A quorum needs at least this many replicas; below it the trainers wait (their request's own timeout bounds it).
   int min_replicas = 1;
@@ -165,7 +165,8 @@ struct StepReport {
 class FaultTolerantGroup {
  public:
   /// Trains `module` with `optimizer` (both must outlive it); after init_rpc. UsageError if one trains in this
-  /// process already.
+  /// process already, or if the coordinator was made with replica groups (asked of it, waiting up to
+  /// options.quorum_timeout for it to be made).
   FaultTolerantGroup(torch::nn::Module& module, torch::optim::Optimizer& optimizer, FaultTolerantOptions options);
   ~FaultTolerantGroup();
   FaultTolerantGroup(const FaultTolerantGroup&) = delete;

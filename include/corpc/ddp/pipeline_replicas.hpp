@@ -134,15 +134,16 @@ struct ReplicaStage {
 
 /// One worker of R pipeline replicas (see corpc/ddp/pipeline_replicas.hpp). Every worker constructs one after
 /// init_rpc, with the same model, options and functions; a QuorumCoordinator with the layout's replica groups runs on
-/// `options.ft.coordinator_rank` (without fault tolerance, that rank serves the groups' store only): the first step
-/// under a coordinator made with other replica groups, or none, throws UsageError naming the fix. Like
+/// `options.ft.coordinator_rank` (without fault tolerance, that rank serves the groups' store only): a worker made
+/// under a coordinator with other replica groups, or none, is refused (UsageError naming the fix). Like
 /// FaultTolerantDdp it sets SIGPIPE to ignored unless the program installed a handler.
 class PipelineReplicas {
  public:
   /// Keeps the stages of `model` (the whole model, built alike on every worker: seed it) that this worker's place
   /// holds; `loss` runs on the last stage's worker, `make_optimizer` once per stage held. UsageError if the options
-  /// do not fit the job (this rank is no worker, too few ranks, a schedule that does not fit) or if a fault-tolerant
-  /// trainer runs in this process already.
+  /// do not fit the job (this rank is no worker, too few ranks, a schedule that does not fit), if the coordinator's
+  /// replica groups are not the layout's (asked of it, waiting up to ft.quorum_timeout for it to be made), or if a
+  /// fault-tolerant trainer runs in this process already.
   PipelineReplicas(torch::nn::Sequential model, pipeline::LossFn loss, pipeline::OptimizerFactory make_optimizer,
                    PipelineReplicaOptions options);
   ~PipelineReplicas();
