@@ -210,4 +210,75 @@ TEST_CASE("a rank killed and started again with RpcOptions::rejoin takes its pla
       restart_once);
 }
 
+namespace {
+// Where rank 2 of the case below tells rank 1's replacement that its call to the dead rank is held.
+std::string held_flag() { return "/tmp/corpc-held-" + std::to_string(::getppid()); }
+}  // namespace
+
+TEST_CASE("with RpcOptions::replacement_wait a call to a dead rank waits for its new incarnation and reaches it") {
+  // Rank 1 dies; rank 2, which has seen it die, calls it. Without a wait that call fails at once ("is gone"); with
+  // one it is held, and the replacement starts only once it is: the call is answered by the new incarnation.
+  LaunchOptions restart_once = launch_options(60s);
+  restart_once.max_rank_restarts = 1;
+  launch_processes(
+      3,
+      [](int rank) {
+        RpcOptions o = quick_options();
+        o.replacement_wait = 60s;  // the launch's own timeout bounds the case
+        if (rank == 1 && rank_restart_count() == 0) {
+          init_rpc(worker_name(1), 1, 3, o);
+          EXPECT_EQ(rpc_sync<&add>(2, 1, 1), 2);  // rank 2 has met this incarnation
+          ::raise(SIGKILL);
+        }
+        if (rank == 1) {
+          until([] {
+            return ::access(held_flag().c_str(), F_OK) == 0 && ::access(rejoin_flag(0).c_str(), F_OK) == 0;
+          });
+          ::unlink(held_flag().c_str());
+          ::unlink(rejoin_flag(0).c_str());
+          init_rpc(worker_name(1), 1, 3, o);
+          shutdown(true);
+          return;
+        }
+        init_rpc(worker_name(rank), rank, 3, o);
+        until([] { return !sees_alive(1); });
+        if (rank == 0) {
+          std::ofstream(rejoin_flag(0)) << "dead\n";
+        } else {
+          auto answer = rpc_async<&add>(1, 20, 22);
+          EXPECT(!answer.done());  // held: nothing can answer it until the replacement, which waits for the flag
+          std::ofstream(held_flag()) << "held\n";
+          EXPECT_EQ(answer.wait(), 42);
+          EXPECT(sees_alive(1));
+          EXPECT_EQ(rpc_sync<&add>(1, 2, 3), 5);
+        }
+        shutdown(true);
+      },
+      restart_once);
+}
+
+TEST_CASE("with RpcOptions::replacement_wait a rank that never comes back: TimeoutError at a nearer deadline, "
+          "ConnectionError past the wait") {
+  RpcOptions o = quick_options();
+  o.replacement_wait = 1s;
+  expect_only_rank_lost(2, "signal", [&] {
+    run_world(
+        3,
+        [](int rank) {
+          if (rank == 2) ::raise(SIGKILL);
+          if (rank != 0) return;
+          until([] { return !sees_alive(2); });
+          auto what = EXPECT_THROWS_AS(rpc_async<&add>(2, with_timeout(100ms), 1, 2).wait(20s), TimeoutError);
+          EXPECT_CONTAINS(what, "call to '");
+          EXPECT_CONTAINS(what, "timed out after 100 ms, waiting for a new incarnation of the rank: worker 'worker2' "
+                                "(rank 2) is gone");
+          what = EXPECT_THROWS_AS(rpc_async<&add>(2, 1, 2).wait(20s), ConnectionError);
+          EXPECT_CONTAINS(what, "worker 'worker2' (rank 2) is gone: ");
+          EXPECT_CONTAINS(what, "no new incarnation took its place within RpcOptions::replacement_wait (1000 ms)");
+          EXPECT_EQ(rpc_sync<&add>(1, 2, 2), 4);  // the living are not held up
+        },
+        o, 60s);
+  });
+}
+
 }  // namespace test_fault_matrix

@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include <sstream>
+
 #include "leak_checks.hpp"
 #include "support.hpp"
 #include "systems/common.hpp"
@@ -63,7 +65,15 @@ TEST_CASE("batch-updating parameter server: one update per round, parameters equ
       auto got = server.rpc_sync<&ps::BatchUpdatingParameterServer::get_parameters>();
       auto want = ps::reference_batch_updating(kTrainers, kRounds, kSeed, kLr);
       EXPECT_EQ(got.params.size(), want.size());
-      for (std::size_t i = 0; i < want.size(); ++i) EXPECT(at::equal(got.params[i], want[i]));
+      for (std::size_t i = 0; i < want.size(); ++i) {
+        if (at::equal(got.params[i], want[i])) continue;
+        std::ostringstream why;
+        why << "parameter " << i << " differs from one process's: by up to "
+            << (got.params[i] - want[i]).abs().max().item<double>() << " in "
+            << (got.params[i] != want[i]).sum().item<std::int64_t>() << " of " << want[i].numel()
+            << " elements, its largest value " << want[i].abs().max().item<double>();
+        throw std::runtime_error(why.str());
+      }
       EXPECT(!at::equal(got.params[0], ps::init_parameters(kSeed)[0]));  // it did train
     }
     expect_no_references(kTrainers + 1);

@@ -56,6 +56,8 @@ RpcOptions with_environment(RpcOptions options) {
     options.same_host_channel = false;
   if (options.cuda_ipc == defaults.cuda_ipc && switched_off("CORPC_CUDA_IPC")) options.cuda_ipc = false;
   if (!options.rejoin && env_or_empty("CORPC_REJOIN") == "1") options.rejoin = true;
+  if (options.replacement_wait == defaults.replacement_wait)
+    options.replacement_wait = std::chrono::milliseconds(env_int({"CORPC_REPLACEMENT_WAIT_MS"}, 0));
   return options;
 }
 

@@ -195,6 +195,11 @@ class PeerTable {
     std::lock_guard lock(mutex_);
     return rank >= 0 && rank < size() && dead_[rank].empty();
   }
+  // Why `rank` is gone ("" = alive).
+  std::string death(int rank) const {
+    std::lock_guard lock(mutex_);
+    return rank >= 0 && rank < size() ? dead_[rank] : std::string();
+  }
   // Why each rank is gone, by rank ("" = alive).
   std::vector<std::string> deaths() const {
     std::lock_guard lock(mutex_);

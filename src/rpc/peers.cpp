@@ -187,6 +187,9 @@ void Runtime::Impl::close_everything(bool say_goodbye, const std::string& failur
     for (auto& c : conns) c->send(goodbye());
   // Before any connection closes, so that calls in flight fail as shut down, not as lost peers.
   fail_all_calls(std::make_exception_ptr(ShutdownError("corpc runtime shut down")));
+  for (auto& w : replacement_waits.close())
+    w.call.complete(w.call.target, w.call.dst, nullptr,
+                    std::make_exception_ptr(ShutdownError("corpc runtime shut down")));
   fail_pending_rounds();
   // While the threads still run (a stopped task resumes on them) and after its blocked calls have failed: after a
   // graceful shutdown the scope is empty already; otherwise its tasks unwind at their next await.

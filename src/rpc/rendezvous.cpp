@@ -397,6 +397,7 @@ void Runtime::Impl::admit_rejoined(const std::shared_ptr<detail::Connection>& co
   if (old) old->close("worker '" + hello.self.name + "' was replaced by a new incarnation");
   detail::log(detail::LogLevel::info, self.name, "rendezvous", "worker '{}' (rank {}) rejoined from {}:{}",
               hello.self.name, rank, at.host, at.port);
+  detail::restart_held_calls(*this, rank);
   if (!registration) return;
   identities.set(rank, {hello.incarnation, hello.public_key});
   detail::Message table;
@@ -498,6 +499,7 @@ void Runtime::Impl::on_world_update(detail::Message&& msg) {
     detail::log(detail::LogLevel::info, self.name, "rendezvous",
                 "worker '{}' (rank {}) was replaced by incarnation {}, at {}:{} (rank 0's word)", t.workers[r].name, r,
                 t.keys[r].incarnation, t.workers[r].host, t.workers[r].port);
+    detail::restart_held_calls(*this, r);
   }
 }
 

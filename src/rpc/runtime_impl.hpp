@@ -42,6 +42,7 @@
 #include "rpc/peer_table.hpp"
 #include "rpc/rank_identities.hpp"
 #include "rpc/rendezvous_state.hpp"
+#include "rpc/replacement_waits.hpp"
 #include "rpc/shutdown_rounds.hpp"
 #include "transport/auth.hpp"
 #include "transport/connection.hpp"
@@ -101,6 +102,8 @@ struct Runtime::Impl {
 
   // Connections and the state of every peer (peer_table.hpp); made by init_rpc once the world size is known.
   std::unique_ptr<detail::PeerTable> peers;
+  // Calls to dead ranks held for their replacement (RpcOptions::replacement_wait; replacement_waits.hpp).
+  detail::ReplacementWaits replacement_waits;
 
   std::atomic<std::uint64_t> accepted{0}, accept_errors{0},
       refused_connections{0};  // diagnostics for rendezvous failures
@@ -256,6 +259,8 @@ Runtime::Impl& runtime_impl(Runtime& rt) noexcept;
 namespace detail {
 // start_call (corpc/rpc/detail/outbound.hpp) for the runtime's own calls.
 void start_call(Runtime::Impl& rt, OutboundCall&& call) noexcept;
+// Starts again the calls held for `rank`'s replacement (RpcOptions::replacement_wait): a new incarnation took it.
+void restart_held_calls(Runtime::Impl& rt, int rank);
 // The owners of frames that are not parts of the runtime (calls.cpp, device_delivery.cpp).
 std::unique_ptr<CallHost> make_call_host(Runtime::Impl& rt);
 void route_replies(FrameDispatcher& frames);

@@ -47,12 +47,21 @@ struct RpcOptions {
   /// --max-rank-restarts, LaunchOptions::max_rank_restarts). Instead of the initial rendezvous it registers with rank 0
   /// as the rank's new incarnation, under the same name; rank 0 admits it once it has seen the predecessor's
   /// connection close (a claim for a rank that is still connected is refused, as always), and answers with the
-  /// current table. A peer that saw the rank die takes it back when the new incarnation first connects to it; until
-  /// then that peer's calls to the rank fail as they did after the death. Requests counted for the predecessor are
+  /// current table, and tells every other live rank the new incarnation's key and addresses. Until then a peer's calls
+  /// to the rank fail as they did after the death, or wait for it (replacement_wait). Requests counted for the predecessor are
   /// forgotten (graceful shutdown balances the new incarnation's own). What lived in the predecessor (its RRefs,
   /// distributed autograd contexts, registered state) is not recovered: the program restores its own state (see
   /// corpc/ddp/fault_tolerant.hpp). Unset: true when the environment has CORPC_REJOIN=1.
   bool rejoin = false;
+  /// How long a call to a rank that died may wait for a new incarnation to take the rank (a launcher that restarts
+  /// ranks in place: corpcrun --max-rank-restarts, LaunchOptions::max_rank_restarts), within the call's own deadline.
+  /// The call is then sent to the new incarnation as if just made; past the wait it fails with ConnectionError (the
+  /// rank is gone), past its deadline with TimeoutError, and at shutdown with ShutdownError. A rank that shut down
+  /// (its Goodbye) is not waited for, nor is anything when this is 0, the default: a call to a dead rank fails at
+  /// once, which is what fault-tolerant training wants (it re-forms its quorum without the rank rather than wait).
+  /// Calls in flight when the rank died fail as before: the new incarnation does not have them. Unset: the
+  /// environment's CORPC_REPLACEMENT_WAIT_MS.
+  std::chrono::milliseconds replacement_wait{0};
   /// How long a graceful shutdown waits for the other workers to finish; 0: as long as they are alive. Dead and
   /// silent peers (liveness_timeout) are detected and never waited for; the finite default bounds the rest (a peer
   /// that answers heartbeats but never finishes). A worker whose peers still train for longer must raise it.
