@@ -13,6 +13,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <optional>
 #include <sstream>
 #include <vector>
@@ -404,6 +405,39 @@ TEST_CASE("a relay on the path cannot change a frame: with the secret every fram
   CHECK(sealed_run.bodies.empty());
   INFO(sealed_run.closed);
   CHECK(sealed_run.closed.find("integrity check") != std::string::npos);
+}
+
+TEST_CASE("the same-host channel is taken only with its connection's claim, not with the cookie a relay can read") {
+  // The acceptor's answer, which carries the cookie, is tagged, not encrypted: a process on the path can read it. With
+  // the cookie alone it used to claim the channel before the dialer, reading the acceptor's tensors from its own
+  // segment. The claim is the cookie's HMAC under the secret over the connection's transcript: only the two ends can
+  // make it, and it is good for that connection alone.
+  asio::io_context io;
+  auto work = asio::make_work_guard(io);
+  std::thread runner([&] { io.run(); });
+  std::atomic<int> attached{0};
+  {
+    cd::ShmListener listener(io, "test");
+    const std::string secret = "a secret of this test", transcript = "the nonces of one connection";
+    const std::string cookie = listener.offer([&](std::shared_ptr<cd::ShmChannel>) { ++attached; }, [] { return true; },
+                                              [&](const std::string& c) { return cd::channel_claim(secret, transcript, c); });
+    auto present = [&](const std::string& claim) {
+      std::promise<std::string> failure;
+      asio::co_spawn(io, cd::dial_shm_channel(listener.name(), claim, 1 << 20, [](std::shared_ptr<cd::ShmChannel>) {}, 10s),
+                     [&](std::exception_ptr e, std::string why) { failure.set_value(e ? "it threw" : why); });
+      return failure.get_future().get();
+    };
+    CHECK_FALSE(present(cookie).empty());  // what a relay read in the answer
+    CHECK_FALSE(present(cd::channel_claim("another secret", transcript, cookie)).empty());
+    CHECK_FALSE(present(cd::channel_claim(secret, "another connection's nonces", cookie)).empty());
+    CHECK_EQ(attached.load(), 0);
+    CHECK_EQ(present(cd::channel_claim(secret, transcript, cookie)), "");  // the dialer's own
+    CHECK_EQ(attached.load(), 1);
+    CHECK_EQ(cd::channel_claim("", transcript, cookie), cookie);  // without a secret there is nothing to bind it to
+    listener.close();
+  }
+  work.reset();
+  runner.join();
 }
 
 }  // namespace test_impostors

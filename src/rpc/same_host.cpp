@@ -38,14 +38,16 @@ void Runtime::Impl::start_same_host() {
 }
 
 // Acceptor: a peer on our host gets the name of our Unix socket and a cookie, in our answer on the authenticated
-// connection; presenting that cookie there with a segment is what attaches the segment to this connection.
+// connection; presenting the cookie's claim (channel_claim: only the two ends can make it) there with a segment is
+// what attaches the segment to this connection.
 void Runtime::Impl::offer_same_host(const std::shared_ptr<detail::Connection>& conn, const detail::Hello& theirs,
                                     detail::Hello& answer) {
   if (!shm_listener || same_host_id.empty() || theirs.host != same_host_id) return;
   answer.shm_socket = shm_listener->name();
-  answer.shm_cookie =
-      shm_listener->offer(install_on(conn, cuda_ipc_link(conn->peer_rank, theirs.cuda_ipc, theirs.host)),
-                          [weak = std::weak_ptr(conn)] { return !weak.expired(); });
+  answer.shm_cookie = shm_listener->offer(
+      install_on(conn, cuda_ipc_link(conn->peer_rank, theirs.cuda_ipc, theirs.host)),
+      [weak = std::weak_ptr(conn)] { return !weak.expired(); },
+      [&](const std::string& cookie) { return detail::channel_claim(auth.secret, conn->handshake_transcript(), cookie); });
 }
 
 // Dialer: the peer's answer offered a channel and says it is on our host. The set-up (a segment, a Unix socket, a
@@ -59,7 +61,9 @@ void Runtime::Impl::dial_same_host(const std::shared_ptr<detail::Connection>& co
   const int rank = conn->peer_rank;
   auto ipc = cuda_ipc_link(rank, answer.cuda_ipc, answer.host);
   const bool at_once = ipc != nullptr;
-  auto set_up = [this, rank, io = &conn->io(), socket = answer.shm_socket, cookie = answer.shm_cookie,
+  // Not the cookie itself: a process on the path may have read it (channel_claim).
+  auto set_up = [this, rank, io = &conn->io(), socket = answer.shm_socket,
+                 cookie = detail::channel_claim(auth.secret, conn->handshake_transcript(), answer.shm_cookie),
                  install = install_on(conn, std::move(ipc))] {
     asio::co_spawn(
         *io,

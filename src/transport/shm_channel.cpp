@@ -275,15 +275,18 @@ void ShmListener::close() {
   offers_.clear();
 }
 
-std::string ShmListener::offer(OnAttach on_attach, std::function<bool()> still_wanted) {
+std::string ShmListener::offer(OnAttach on_attach, std::function<bool()> still_wanted,
+                               const std::function<std::string(const std::string&)>& claim_of) {
   std::string cookie = random_secret();
+  const std::string claim = claim_of ? claim_of(cookie) : cookie;
+  if (claim.size() != kCookieChars) throw ProtocolError("same-host channel: a claim must be as long as a cookie");
   std::lock_guard lock(mutex_);
   if (offers_.size() >= sweep_at_) {
     for (auto it = offers_.begin(); it != offers_.end();)  // offers whose connection has gone
       it = it->second.still_wanted() ? std::next(it) : offers_.erase(it);
     sweep_at_ = std::max<std::size_t>(64, 2 * offers_.size());
   }
-  offers_[cookie] = {std::move(on_attach), std::move(still_wanted)};
+  offers_[claim] = {std::move(on_attach), std::move(still_wanted)};
   return cookie;
 }
 
