@@ -28,10 +28,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <limits>
 #include <vector>
 
 #include "corpc/pipeline/partition.hpp"
+#include "corpc/pipeline/schedule_balance.hpp"
 #include "corpc/rpc/errors.hpp"
 
 namespace corpc::pipeline {
@@ -59,6 +61,18 @@ inline std::vector<double> profile_layers(torch::nn::Sequential model, const at:
   for (auto& p : model->parameters()) p.mutable_grad().reset();  // profiling leaves no gradients behind
   return times;
 }
+
+/// Each layer's forward (F), input-gradient (I) and weight-gradient (W) seconds for one micro-batch `sample`, what
+/// balance_for_schedule (schedule_balance.hpp) simulates a schedule with: the median of `repeats` runs after one
+/// warm-up, layer by layer, the input of each layer being the previous layer's output. I and W are split as zero
+/// bubble splits a stage's backward (at the nodes where an activation's gradient meets a weight); a layer where that
+/// split finds nothing apart counts its whole backward in I. The first layer's input needs no gradient, as the first
+/// stage's does not: its backward is all W. Profile at the micro-batch size the pipeline will run (the batch over
+/// PipelineOptions::micro_batches): per image, small convolutions cost more than large ones. `wait`, if given, runs
+/// before each clock reading (on a GPU: a synchronize, or the clock reads when kernels were queued). Leaves no
+/// gradients behind. The model must be in the mode it will train in.
+std::vector<ActionCosts> profile_layer_costs(torch::nn::Sequential model, const at::Tensor& sample, int repeats = 3,
+                                             const std::function<void()>& wait = {});
 
 /// torchgpipe's balance-by-time: profile, then partition_by_cost. The model must be in the mode it will train in.
 inline std::vector<int> balance_by_time(torch::nn::Sequential model, const at::Tensor& sample, int stages,

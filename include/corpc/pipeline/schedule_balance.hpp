@@ -185,8 +185,8 @@ struct ScheduleBalance {
 inline constexpr long kExhaustiveCuts = 20000;
 
 /// The cut of `layers` into plan's stages (`num_stages`, each at least one layer) whose simulated step of `plan` is
-/// shortest (see the top of this header for the search). Ties go to the cut found first (fewer layers on the first
-/// stages). UsageError if there are fewer layers than stages.
+/// shortest (see the top of this header for the search). A tie keeps partition_by_cost's cut, else the first found
+/// (fewer layers on the first stages). UsageError if there are fewer layers than stages.
 inline ScheduleBalance balance_for_plan(const std::vector<ActionCosts>& layers,
                                         const std::vector<std::vector<Action>>& plan, int num_stages,
                                         double send_seconds = 0) {
