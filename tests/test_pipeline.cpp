@@ -398,6 +398,26 @@ torch::nn::Sequential doomed_resnet(std::uint64_t seed) {
 }
 }  // namespace
 
+TEST_CASE("each layer's F, I and W are profiled, the first layer's backward all W, and cut for the schedule") {
+  launch_processes(  // a child, for the reason of the case above
+      1,
+      [](int) {
+        auto net = tiny_resnet(1);
+        const auto costs = profile_layer_costs(net, random_images(4, kImage, 3), 1);
+        EXPECT_EQ(costs.size(), net->size());
+        for (auto& c : costs) EXPECT(c.forward > 0 && c.backward_input >= 0 && c.backward_weight >= 0);
+        EXPECT(costs[0].backward_input == 0);  // the input needs no gradient, as the first stage's does not
+        EXPECT(costs[0].backward_weight > 0);  // the stem's convolution has weights
+        for (auto& p : net->parameters()) EXPECT(!p.grad().defined());
+        for (Schedule s : kAllSchedules) {
+          const auto cut = balance_for_schedule(costs, s, 2, 4);
+          EXPECT_EQ(cut.balance.size(), static_cast<std::size_t>(2 * min_stages_per_worker(s)));
+          EXPECT(cut.simulated_seconds <= cut.partition_seconds);
+        }
+      },
+      launch_options(std::chrono::seconds(120)));
+}
+
 TEST_CASE("refining a balance with measured stage times moves the cut toward the stage that was underestimated") {
   // The profile says 4 equal layers; a real step measured stage 0 (layers 0-1) at three times its prediction.
   std::vector<double> costs{1, 1, 1, 1};
