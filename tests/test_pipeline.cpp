@@ -413,6 +413,11 @@ TEST_CASE("each layer's F, I and W are profiled, the first layer's backward all 
           const auto cut = balance_for_schedule(costs, s, 2, 4);
           EXPECT_EQ(cut.balance.size(), static_cast<std::size_t>(2 * min_stages_per_worker(s)));
           EXPECT(cut.simulated_seconds <= cut.partition_seconds);
+          // The same through a Pipeline's options.
+          auto o = layout(s, 2 * min_stages_per_worker(s), 4);
+          EXPECT(balance_for_pipeline(o, costs).balance == cut.balance);
+          o.custom_actions = make_schedule(s, 2, min_stages_per_worker(s), 4);  // the same order, given as data
+          EXPECT(balance_for_pipeline(o, costs).balance == cut.balance);
         }
       },
       launch_options(std::chrono::seconds(120)));
