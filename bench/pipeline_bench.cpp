@@ -51,6 +51,7 @@
 #include <torch/version.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -212,8 +213,8 @@ std::vector<double> profile_on_device(const Config& c, torch::nn::Sequential net
   return times;
 }
 
-// Each layer's F, I and W seconds (profile_layer_costs) at the micro-batch size `splits` gives (the largest micro-batch),
-// on c.device, profiled once per size: what the schedule balance and the simulated-step column use.
+// Each layer's F, I and W seconds (profile_layer_costs) at the micro-batch size `splits` gives (the largest
+// micro-batch), on c.device, profiled once per size: what the schedule balance and the simulated-step column use.
 const std::vector<ActionCosts>& layer_costs(const Config& c, long splits) {
   static std::map<long, std::vector<ActionCosts>> by_micro_batch;
   const long micro = (c.batch + splits - 1) / splits;
@@ -265,6 +266,42 @@ std::vector<int> make_balance(const Config& c, int stages, Placement placement,
   std::stringstream ss(c.balance);
   for (std::string item; std::getline(ss, item, ',');) out.push_back(std::stoi(item));
   return out;
+}
+
+// Where a step's time goes beyond its compute: the span of one step's actions (first start to last end, over the
+// workers) and the step the simulation gives when each stage's actions take what they took in that step (their mean
+// per kind: F; I, or a whole B; W). Span minus replay: waits the durations do not explain (messages, wake-ups);
+// the wall-clock step minus the span: the step's start and end (the master's calls, the optimizer step).
+struct StepAccount {
+  double span = 0, replay = 0;  // seconds
+};
+StepAccount account_step(const Config& c, Schedule schedule, long splits, const std::vector<WorkerReport>& workers) {
+  const int v = min_stages_per_worker(schedule), stages = static_cast<int>(c.workers) * v;
+  std::vector<std::array<double, 4>> sum(static_cast<std::size_t>(stages), {0, 0, 0, 0});
+  std::vector<std::array<int, 4>> count(static_cast<std::size_t>(stages), {0, 0, 0, 0});
+  std::int64_t first = INT64_MAX, last = INT64_MIN;
+  for (auto& w : workers)
+    for (auto& r : w.records) {
+      if (r.action.stage < 0 || r.action.stage >= stages) continue;
+      const auto k = static_cast<std::size_t>(r.action.kind), st = static_cast<std::size_t>(r.action.stage);
+      sum[st][k] += static_cast<double>(r.end_ns - r.start_ns) * 1e-9;
+      ++count[st][k];
+      first = std::min(first, r.start_ns), last = std::max(last, r.end_ns);
+    }
+  std::vector<ActionCosts> costs;
+  for (std::size_t st = 0; st < sum.size(); ++st) {
+    auto mean = [&](ActionKind k) {
+      const auto i = static_cast<std::size_t>(k);
+      return count[st][i] ? sum[st][i] / count[st][i] : 0.0;
+    };
+    const bool split = count[st][static_cast<std::size_t>(ActionKind::BackwardInput)] > 0;  // B = I + W then
+    costs.push_back({mean(ActionKind::Forward), split ? mean(ActionKind::BackwardInput) : mean(ActionKind::Backward),
+                     split ? mean(ActionKind::BackwardWeight) : 0.0});
+  }
+  StepAccount a;
+  if (last > first) a.span = static_cast<double>(last - first) * 1e-9;
+  a.replay = simulate_step(make_schedule(schedule, static_cast<int>(c.workers), v, static_cast<int>(splits)), costs);
+  return a;
 }
 
 struct RunResult {
@@ -691,10 +728,14 @@ int main(int argc, char** argv) {
                   out << "\nusage " << static_cast<int>(schedule) << ' ' << s;
                   for (auto& u : r.usage) out << ' ' << u.cpu_seconds << ' ' << u.threads << ' ' << u.interop_threads;
                   out << '\n';
+                  const StepAccount account = account_step(c, schedule, s, r.last);
+                  out << "account " << static_cast<int>(schedule) << ' ' << s << ' ' << account.span << ' '
+                      << account.replay << '\n';
                   if (rep == 0)
                     out << "cut " << static_cast<int>(schedule) << ' ' << s << ' ' << to_string(balance) << ' '
-                        << simulated_step_seconds(schedule, static_cast<int>(c.workers), min_stages_per_worker(schedule),
-                                                  static_cast<int>(s), layer_costs(c, s), balance, c.send_seconds)
+                        << simulated_step_seconds(schedule, static_cast<int>(c.workers),
+                                                  min_stages_per_worker(schedule), static_cast<int>(s),
+                                                  layer_costs(c, s), balance, c.send_seconds)
                         << '\n';
                   if (rep + 1 < c.repeats) continue;
                   const std::string label = std::string(to_string(schedule)) + " M=" + std::to_string(s);
@@ -749,7 +790,8 @@ int main(int argc, char** argv) {
     std::vector<std::pair<std::int64_t, int>> workers;  // per worker: peak bytes and micro-batches held, over repeats
     std::vector<std::vector<Usage>> usage;              // per repeat, per worker
     std::string cut = "?";
-    double simulated = NAN;  // the simulated step of that cut (seconds)
+    double simulated = NAN;            // the simulated step of that cut (seconds)
+    std::vector<double> span, replay;  // per repeat, of its last step: see StepAccount
     double median() const { return bench::median(seconds); }
   };
   std::vector<Row> rows;
@@ -805,6 +847,14 @@ int main(int argc, char** argv) {
         std::vector<Usage> per_worker;
         for (Usage u; ls >> u.cpu_seconds >> u.threads >> u.interop_threads;) per_worker.push_back(u);
         row_of(schedule, splits).usage.push_back(per_worker);
+      } else if (key == "account") {
+        int schedule;
+        long splits;
+        double span, replay;
+        ls >> schedule >> splits >> span >> replay;
+        Row& r = row_of(schedule, splits);
+        r.span.push_back(span);
+        r.replay.push_back(replay);
       } else if (key == "cut") {
         int schedule;
         long splits;
@@ -897,15 +947,14 @@ int main(int argc, char** argv) {
   double gpipe1 = NAN;
   for (auto& r : rows)
     if (r.schedule == static_cast<int>(Schedule::GPipe) && r.splits == 1) gpipe1 = r.median();
+  std::printf("\n%ld run(s) per cell%s; times are the median (min-max) of the timed batches.\n", c.repeats,
+              compare && !c.pipelining.empty() ? ", interleaved with pipelining's per split" : "");
   std::printf(
-      "\n%ld run(s) per cell, interleaved with pipelining's per split; times are the median (min-max) of the timed "
-      "batches.\n",
-      c.repeats);
-  std::printf(
-      "\n| schedule | splits | time (s) | cut | step simulated / measured (s) | GPipe@1 / this | bubble measured | "
+      "\n| schedule | splits | time (s) | cut | step simulated / measured (s) | actions' span / replayed (s) | "
+      "GPipe@1 / this | bubble measured | "
       "bubble formula | peak activations per worker (MiB) | micro-batches held | CPU per worker (s) | threads "
       "(intra,inter-op) | PyTorch RPC (s) | PyTorch / corpc |\n");
-  std::printf("|---|---:|---:|---|---:|---:|---:|---:|---|---|---|---|---:|---:|\n");
+  std::printf("|---|---:|---:|---|---:|---:|---:|---:|---:|---|---|---|---|---:|---:|\n");
   double best = INFINITY, best_torch = INFINITY;
   for (auto& r : rows) {
     const auto schedule = static_cast<Schedule>(r.schedule);
@@ -921,9 +970,11 @@ int main(int argc, char** argv) {
     best = std::min(best, r.median());
     if (!std::isnan(torch_s)) best_torch = std::min(best_torch, torch_s);
     const auto [cpu, threads_used] = usage_cells(r.usage);
-    std::printf("| %s | %ld | %s | %s | %s / %s | %s | %.3f | %.3f | %s | %s | %s | %s | %s | %s |\n",
+    std::printf("| %s | %ld | %s | %s | %s / %s | %s / %s | %s | %.3f | %.3f | %s | %s | %s | %s | %s | %s |\n",
                 to_string(schedule), r.splits, spread(r.seconds).c_str(), r.cut.c_str(), cell(r.simulated).c_str(),
-                cell(r.median() / static_cast<double>(c.batches)).c_str(), cell(gpipe1 / r.median()).c_str(),
+                cell(r.median() / static_cast<double>(c.batches)).c_str(),
+                cell(r.span.empty() ? NAN : bench::median(r.span)).c_str(),
+                cell(r.replay.empty() ? NAN : bench::median(r.replay)).c_str(), cell(gpipe1 / r.median()).c_str(),
                 r.bubble / static_cast<double>(std::max<std::size_t>(1, r.seconds.size())),
                 bubble_formula(schedule, static_cast<int>(c.workers), v, static_cast<int>(r.splits)), mem.c_str(),
                 held.c_str(), cpu.c_str(), threads_used.c_str(), cell(torch_s).c_str(),
@@ -950,11 +1001,14 @@ int main(int argc, char** argv) {
   std::printf(
       "Cut: layers per stage (--balance %s). Step simulated: the schedule's action lists run with each stage's F, I\n"
       "and W times profiled layer by layer at the split's micro-batch size (corpc/pipeline/schedule_balance.hpp);\n"
-      "measured: the median time over the timed batches. Bubble measured: idle share of each worker between the\n"
-      "step's first and last action (waits for inputs, messages, the step's start and end), averaged over workers,\n"
-      "timed steps and runs. Peak activations: the CPU allocator's peak during a step above what was live at its start\n"
-      "(parameters, gradients, optimizer state). CPU: each worker process's user + system time over the timed\n"
-      "batches (getrusage), the median over runs.\n",
+      "measured: the median time over the timed batches. Actions' span: the last timed step's first action's start\n"
+      "to its last action's end; replayed: the simulation run with each stage's actions taking what they took in\n"
+      "that step. Span - replayed: waits that compute does not explain (messages, wake-ups); measured - span: the\n"
+      "step's start and end (the master's calls, the optimizer step). Bubble measured: idle share of each worker\n"
+      "between the step's first and last action (waits for inputs, messages, the step's start and end), averaged\n"
+      "over workers, timed steps and runs. Peak activations: the CPU allocator's peak during a step above what was\n"
+      "live at its start (parameters, gradients, optimizer state). CPU: each worker process's user + system time\n"
+      "over the timed batches (getrusage), the median over runs.\n",
       c.balance.c_str());
   if (c.device != "cpu")
     std::printf(

@@ -102,7 +102,8 @@ struct PipelineOptions {
 /// (profile_layer_costs). Set options.balance from the result's balance:
 ///
 /// ```cpp
-///   o.balance = corpc::pipeline::balance_for_pipeline(o, corpc::pipeline::profile_layer_costs(model, micro_batch)).balance;
+///   auto costs = corpc::pipeline::profile_layer_costs(model, micro_batch);  // a micro-batch-sized sample
+///   o.balance = corpc::pipeline::balance_for_pipeline(o, costs).balance;
 /// ```
 inline ScheduleBalance balance_for_pipeline(const PipelineOptions& options, const std::vector<ActionCosts>& costs,
                                             int stages_per_worker = 0, double send_seconds = 0) {

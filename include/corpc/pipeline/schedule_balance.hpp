@@ -193,7 +193,9 @@ inline ScheduleBalance balance_for_plan(const std::vector<ActionCosts>& layers,
   const int n = static_cast<int>(layers.size()), S = num_stages;
   if (S < 1 || S > n)
     throw UsageError("cannot cut " + std::to_string(n) + " layers into " + std::to_string(S) + " stages");
-  auto simulate = [&](const std::vector<int>& cut) { return simulate_step(plan, stage_costs(layers, cut), send_seconds); };
+  auto simulate = [&](const std::vector<int>& cut) {
+    return simulate_step(plan, stage_costs(layers, cut), send_seconds);
+  };
   std::vector<double> totals;
   for (auto& l : layers) totals.push_back(l.total());
   ScheduleBalance out;
