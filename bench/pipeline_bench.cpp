@@ -802,6 +802,13 @@ int main(int argc, char** argv) {
     rows.back().schedule = schedule, rows.back().splits = splits;
     return rows.back();
   };
+  // The row a result line names: "KEY SCHEDULE SPLITS ...", read past SPLITS.
+  auto read_row = [&row_of](std::istream& line) -> Row& {
+    int schedule = 0;
+    long splits = 0;
+    line >> schedule >> splits;
+    return row_of(schedule, splits);
+  };
   std::map<long, double> torch_times;
   struct PipeliningRun {                  // one line of bench/pytorch_pipelining.py
     std::string schedule, result, check;  // result: seconds or FAILED:why; check: ok, NAN, WRONG-LOSS or -
@@ -827,11 +834,9 @@ int main(int argc, char** argv) {
       std::string key;
       ls >> key;
       if (key == "run") {
-        int schedule;
-        long splits;
+        Row& r = read_row(ls);
         double seconds, bubble;
-        ls >> schedule >> splits >> seconds >> bubble;
-        Row& r = row_of(schedule, splits);
+        ls >> seconds >> bubble;
         r.seconds.push_back(seconds);
         r.bubble += bubble;
         std::int64_t bytes;
@@ -841,25 +846,18 @@ int main(int argc, char** argv) {
           r.workers[w] = {std::max(r.workers[w].first, bytes), std::max(r.workers[w].second, held)};
         }
       } else if (key == "usage") {
-        int schedule;
-        long splits;
-        ls >> schedule >> splits;
+        Row& r = read_row(ls);
         std::vector<Usage> per_worker;
         for (Usage u; ls >> u.cpu_seconds >> u.threads >> u.interop_threads;) per_worker.push_back(u);
-        row_of(schedule, splits).usage.push_back(per_worker);
+        r.usage.push_back(per_worker);
       } else if (key == "account") {
-        int schedule;
-        long splits;
+        Row& r = read_row(ls);
         double span, replay;
-        ls >> schedule >> splits >> span >> replay;
-        Row& r = row_of(schedule, splits);
+        ls >> span >> replay;
         r.span.push_back(span);
         r.replay.push_back(replay);
       } else if (key == "cut") {
-        int schedule;
-        long splits;
-        ls >> schedule >> splits;
-        Row& r = row_of(schedule, splits);
+        Row& r = read_row(ls);
         ls >> r.cut >> r.simulated;
       } else if (key == "pytorch") {
         long s;
