@@ -4,7 +4,8 @@
 // beside torch.distributed.pipelining on the same job and balance, on the same libtorch where corpc is built against
 // the PyTorch that runs it (scripts/benchmark.sh: both 2.14, in the Debian testing root).
 //
-//   pipeline_bench                          # batch 32 of 64x64 images, 3 timed batches, splits 1 2 4 8, 1 thread each
+//   pipeline_bench                          # batch 32 of 64x64 images, 3 timed batches, splits 1 2 4 8, 1 thread each,
+//                                           # every (schedule, split) run --repeats 3 times
 //   pipeline_bench --tutorial               # the tutorial's setting: batch 120 of 128x128 images
 //   pipeline_bench --compare-pytorch        # after each split, the same split through torch.distributed.rpc (the
 //                                           # tutorial) and through every schedule of torch.distributed.pipelining
@@ -13,15 +14,27 @@
 //                                           # interpreter or a command prefix with torch >= 2.4); 'off' leaves it out
 //   pipeline_bench --results FILE           # also writes corpc's best run per split and its one process to FILE
 //   pipeline_bench --column FILE            # adds those of another build (its --results) as columns of the summary
-//   pipeline_bench --schedules gpipe,1f1b,interleaved,zbh1 --balance measured|time|tutorial|11,12 --workers 2
+//   pipeline_bench --schedules gpipe,1f1b,interleaved,zbh1 --balance schedule|measured|time|tutorial|11,12 --workers 2
+//   pipeline_bench --repeats 5 --send-cost 0.0005   # runs per cell; seconds per message the balance's simulation adds
 //   pipeline_bench --trace pipeline_trace.json --gantt pipeline_gantt.png   # the last timed step of every run
 //   pipeline_bench --device cuda:0          # every stage on that device (workers "workerN/cuda:0"), the reference too
 //
-// Prints, per schedule and split: the time of the timed batches, the bubble measured from the workers' timelines
-// beside the schedule's formula, each worker's peak activation memory and micro-batches held, and PyTorch's time;
+// Prints, per schedule and split: the time of the timed batches (the median of the repeated runs and their range), the
+// cut it ran with and its simulated step beside the measured one, the bubble measured from the workers' timelines
+// beside the schedule's formula, each worker's peak activation memory, micro-batches held, CPU time and threads, and
+// PyTorch's time;
 // with --compare-pytorch also each torch.distributed.pipelining schedule's time per split (or how it failed: a hang,
 // an exception, a loss that is NaN or differs from the one-process loss) and, per split, corpc's best against
 // pipelining's best, the tutorial's time, and one process.
+//
+// Repeats are interleaved so that what the machine does in one minute lands on both sides: per split, every corpc
+// schedule once, then every pipelining schedule once (one run of the script), and again, --repeats times; after the
+// splits, the one-process references the same way (C++, then Python, --repeats times). The summary compares medians.
+//
+// The balance: "schedule" (the default) profiles each layer's forward, input-gradient and weight-gradient time at the
+// micro-batch size of each split and cuts each (schedule, split) where the schedule's simulated step is shortest
+// (corpc/pipeline/schedule_balance.hpp); "time" and "measured" cut once per stage count as balance_by_time (and
+// refine_balance) do. Whatever the balance, the table shows the step the simulation predicts for the cut that ran.
 //
 // With --device cuda:N the workers share that GPU: activations and gradients go from stage to stage through device
 // maps (cuda:N -> cuda:N between every two workers; the master sends only CPU inputs and targets), the balance is
@@ -29,6 +42,7 @@
 // bubble column) record host time, which on a GPU is when kernels were queued, not when they ran; the peak column
 // counts the CPU allocator only. PyTorch's side gets --device too (bench/pytorch_pipeline.py: the tutorial's shards
 // on the device, tensors crossing RPC on the CPU).
+#include <sys/resource.h>
 #include <sys/wait.h>
 
 #include <ATen/detail/CUDAHooksInterface.h>
@@ -37,11 +51,13 @@
 #include <torch/version.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <iomanip>
 #include <functional>
 #include <map>
 #include <sstream>
@@ -71,7 +87,23 @@ struct Config {
   std::string pipelining, pipelining_script = "bench/pytorch_pipelining.py", pipelining_missing;
   std::string pipelining_torch = "?";  // the version the pipelining script reported
   long pipelining_timeout = 180;       // seconds for each (schedule, splits) run
+  long repeats = 3;                    // runs of every (schedule, split) cell and of each one-process reference
+  double send_seconds = 0;             // per message between workers, in the balance's simulation
 };
+
+// What a process used: CPU time (user + system, getrusage) and the threads torch runs with, so that a gap between two
+// runs can be told from one that ran more threads or waited more.
+struct Usage {
+  double cpu_seconds = 0;
+  std::int32_t threads = 0, interop_threads = 0;
+  CORPC_FIELDS(cpu_seconds, threads, interop_threads)
+};
+Usage process_usage() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  auto secs = [](const timeval& t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) * 1e-6; };
+  return {secs(u.ru_utime) + secs(u.ru_stime), at::get_num_threads(), at::get_num_interop_threads()};
+}
 
 // "workerN/<device>": worker w's name and its stages' device, as PipelineOptions::workers takes them.
 std::string worker_spec(const Config& c, long w) { return "worker" + std::to_string(w) + "/" + c.device; }
@@ -181,6 +213,28 @@ std::vector<double> profile_on_device(const Config& c, torch::nn::Sequential net
   return times;
 }
 
+// Each layer's F, I and W seconds (profile_layer_costs) at the micro-batch size `splits` gives (the largest
+// micro-batch), on c.device, profiled once per size: what the schedule balance and the simulated-step column use.
+const std::vector<ActionCosts>& layer_costs(const Config& c, long splits) {
+  static std::map<long, std::vector<ActionCosts>> by_micro_batch;
+  const long micro = (c.batch + splits - 1) / splits;
+  auto& costs = by_micro_batch[micro];
+  if (costs.empty()) {
+    const c10::Device device(c.device);
+    auto net = resnet50(c.width, c.classes);
+    net->to(device);
+    costs = profile_layer_costs(net, random_images(micro, c.image, 5).to(device), 2,
+                                [&] { synchronize_device(c.device); });
+  }
+  return costs;
+}
+
+// --balance schedule: the cut of `schedule` at `splits` micro-batches with the shortest simulated step.
+ScheduleBalance schedule_cut(const Config& c, Schedule schedule, long splits) {
+  return balance_for_schedule(layer_costs(c, splits), schedule, static_cast<int>(c.workers), static_cast<int>(splits),
+                              0, c.send_seconds);
+}
+
 // The schedule whose steps refine the balance for `stages` stages placed as `placement`: the stage times depend on
 // what runs beside them on a worker.
 Schedule refining_schedule(const Config& c, int stages, Placement placement) {
@@ -194,7 +248,8 @@ std::string balance_key(int stages, Placement placement) {
 }
 
 // Layers per stage: "tutorial" (after layer2, 2 stages), "time" (balance-by-time on a micro-batch-sized sample),
-// "measured" (balance-by-time refined by the stage times of real steps with the runs' placement), or a list.
+// "measured" (balance-by-time refined by the stage times of real steps with the runs' placement), or a list. (For
+// "schedule", see schedule_cut: its cut depends on the schedule and the split, not only on the stage count.)
 std::vector<int> make_balance(const Config& c, int stages, Placement placement,
                               const std::vector<std::pair<at::Tensor, at::Tensor>>& data) {
   if (c.balance == "tutorial" && stages == 2) return tutorial_balance(kBlocks);
@@ -213,8 +268,45 @@ std::vector<int> make_balance(const Config& c, int stages, Placement placement,
   return out;
 }
 
+// Where a step's time goes beyond its compute: the span of one step's actions (first start to last end, over the
+// workers) and the step the simulation gives when each stage's actions take what they took in that step (their mean
+// per kind: F; I, or a whole B; W). Span minus replay: waits the durations do not explain (messages, wake-ups);
+// the wall-clock step minus the span: the step's start and end (the master's calls, the optimizer step).
+struct StepAccount {
+  double span = 0, replay = 0;  // seconds
+};
+StepAccount account_step(const Config& c, Schedule schedule, long splits, const std::vector<WorkerReport>& workers) {
+  const int v = min_stages_per_worker(schedule), stages = static_cast<int>(c.workers) * v;
+  std::vector<std::array<double, 4>> sum(static_cast<std::size_t>(stages), {0, 0, 0, 0});
+  std::vector<std::array<int, 4>> count(static_cast<std::size_t>(stages), {0, 0, 0, 0});
+  std::int64_t first = INT64_MAX, last = INT64_MIN;
+  for (auto& w : workers)
+    for (auto& r : w.records) {
+      if (r.action.stage < 0 || r.action.stage >= stages) continue;
+      const auto k = static_cast<std::size_t>(r.action.kind), st = static_cast<std::size_t>(r.action.stage);
+      sum[st][k] += static_cast<double>(r.end_ns - r.start_ns) * 1e-9;
+      ++count[st][k];
+      first = std::min(first, r.start_ns), last = std::max(last, r.end_ns);
+    }
+  std::vector<ActionCosts> costs;
+  for (std::size_t st = 0; st < sum.size(); ++st) {
+    auto mean = [&](ActionKind k) {
+      const auto i = static_cast<std::size_t>(k);
+      return count[st][i] ? sum[st][i] / count[st][i] : 0.0;
+    };
+    const bool split = count[st][static_cast<std::size_t>(ActionKind::BackwardInput)] > 0;  // B = I + W then
+    costs.push_back({mean(ActionKind::Forward), split ? mean(ActionKind::BackwardInput) : mean(ActionKind::Backward),
+                     split ? mean(ActionKind::BackwardWeight) : 0.0});
+  }
+  StepAccount a;
+  if (last > first) a.span = static_cast<double>(last - first) * 1e-9;
+  a.replay = simulate_step(make_schedule(schedule, static_cast<int>(c.workers), v, static_cast<int>(splits)), costs);
+  return a;
+}
+
 struct RunResult {
   double seconds = 0, bubble = 0;
+  std::vector<Usage> usage;              // per worker: CPU seconds over the timed steps, threads
   std::vector<WorkerReport> last;        // the last timed step
   std::vector<std::int64_t> peak_bytes;  // per worker, over the timed steps
   std::vector<int> held;
@@ -231,6 +323,7 @@ RunResult run_pipeline(const Config& c, Schedule schedule, long splits, const st
   for (long w = 0; w < c.warmup; ++w) sync_wait(pipe.train_step(data[0].first, data[0].second));
   synchronize_workers(c);
   RunResult r;
+  for (long w = 1; w <= c.workers; ++w) r.usage.push_back(rpc_sync<&process_usage>("worker" + std::to_string(w)));
   r.peak_bytes.assign(c.workers, 0);
   r.held.assign(c.workers, 0);
   auto t0 = Clock::now();
@@ -249,12 +342,18 @@ RunResult run_pipeline(const Config& c, Schedule schedule, long splits, const st
   }
   synchronize_workers(c);
   r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  for (long w = 1; w <= c.workers; ++w) {
+    const Usage after = rpc_sync<&process_usage>("worker" + std::to_string(w));
+    auto& u = r.usage[static_cast<std::size_t>(w - 1)];
+    u = {after.cpu_seconds - u.cpu_seconds, after.threads, after.interop_threads};
+  }
   return r;
 }
 
 // The same batches through the unsplit model in this process, no RPC, whole batches: the floor to beat. On the stages'
-// device, the batches copied there inside the timed steps (as the pipeline's first stage does).
-double run_single_process(const Config& c, const std::vector<std::pair<at::Tensor, at::Tensor>>& data) {
+// device, the batches copied there inside the timed steps (as the pipeline's first stage does). Returns the seconds and
+// this process's CPU time over them in `usage`.
+double run_single_process(const Config& c, const std::vector<std::pair<at::Tensor, at::Tensor>>& data, Usage& usage) {
   const c10::Device device(c.device);
   auto net = resnet50(c.width, c.classes);
   net->to(device);
@@ -266,10 +365,14 @@ double run_single_process(const Config& c, const std::vector<std::pair<at::Tenso
   };
   for (long w = 0; w < c.warmup; ++w) step(data[0].first, data[0].second);
   synchronize_device(c.device);
+  const Usage before = process_usage();
   auto t0 = Clock::now();
   for (auto& [x, y] : data) step(x, y);
   synchronize_device(c.device);
-  return std::chrono::duration<double>(Clock::now() - t0).count();
+  const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  usage = process_usage();
+  usage.cpu_seconds -= before.cpu_seconds;
+  return seconds;
 }
 
 // bench/pytorch_pipeline.py for one split; seconds, or NAN if it did not run.
@@ -348,34 +451,39 @@ void resolve_pipelining(Config& c, const bench::Flags& flags) {
 
 // bench/pytorch_pipelining.py for one split, every schedule that one of `cuts` (corpc's balances for 2 and 4 stages)
 // fits: GPipe and 1F1B on 2 stages, the others on 4. Its result lines go to `out` as they are ("pipelining SCHEDULE
-// SPLITS SECONDS|FAILED:WHY LOSS CHECK # detail"), its one-process time as "pipelining-reference SECONDS" (asked for
-// with the first split run only), its patch note as "pipelining-note TEXT", and a run that printed no result as
-// "pipelining-error SPLITS TEXT".
-void run_pipelining(const Config& c, long split, const std::map<int, std::vector<int>>& cuts, bool reference,
+// SPLITS SECONDS|FAILED:WHY LOSS CHECK # detail"), each finished run's ranks' CPU time and threads as
+// "pipelining-usage ...", its patch note as "pipelining-note TEXT", and a run that printed no result as
+// "pipelining-error SPLITS TEXT". With `reference_only`, its one-process time alone, as "pipelining-reference SECONDS"
+// and "pipelining-reference-usage CPU THREADS INTEROP".
+void run_pipelining(const Config& c, long split, const std::map<int, std::vector<int>>& cuts, bool reference_only,
                     std::ostream& out) {
-  if (cuts.empty()) {
+  if (cuts.empty() && !reference_only) {
     out << "pipelining-error " << split << " --balance " << c.balance << " cuts neither 2 nor 4 stages\n";
     return;
   }
   std::ostringstream cmd;
   cmd << c.pipelining << " " << c.pipelining_script << " --batch-size " << c.batch << " --image-size " << c.image
       << " --num-batches " << c.batches << " --threads " << c.threads << " --base-width " << c.width
-      << " --num-classes " << c.classes << " --warmup " << c.warmup << " --timeout " << c.pipelining_timeout
-      << " --splits " << split << " --balance";
-  for (auto& [n, b] : cuts) cmd << ' ' << n << ':' << to_string(b);
-  cmd << " --schedules " << (cuts.count(2) ? "GPipe,1F1B" : "") << (cuts.size() == 2 ? "," : "")
-      << (cuts.count(4) ? "Interleaved1F1B,LoopedBFS,InterleavedZeroBubble,ZBVZeroBubble" : "");
-  if (reference) cmd << " --reference-time";
+      << " --num-classes " << c.classes << " --warmup " << c.warmup << " --timeout " << c.pipelining_timeout;
+  if (reference_only) {
+    cmd << " --reference-only";
+  } else {
+    cmd << " --splits " << split << " --balance";
+    for (auto& [n, b] : cuts) cmd << ' ' << n << ':' << to_string(b);
+    cmd << " --schedules " << (cuts.count(2) ? "GPipe,1F1B" : "") << (cuts.size() == 2 ? "," : "")
+        << (cuts.count(4) ? "Interleaved1F1B,LoopedBFS,InterleavedZeroBubble,ZBVZeroBubble" : "");
+  }
   std::fprintf(stderr, "# running torch.distributed.pipelining: %s\n", cmd.str().c_str());
   bool any = false;
   auto [lines, status] = run_command(cmd.str(), [&](const std::string& l) {
     if (l.rfind("JSON: ", 0) == 0) return;
     std::fprintf(stderr, "  [pipelining] %s\n", l.c_str());
-    if (l.rfind("pipelining ", 0) == 0) {
+    if (l.rfind("pipelining ", 0) == 0 || l.rfind("pipelining-usage ", 0) == 0) {
       out << l << '\n';
       any = true;
-    } else if (l.rfind("reference ", 0) == 0) {
-      out << "pipelining-reference " << l.substr(10) << '\n';
+    } else if (l.rfind("reference ", 0) == 0 || l.rfind("reference-usage ", 0) == 0) {
+      out << "pipelining-" << l << '\n';
+      any = true;
     } else if (l.rfind("# PATCHED", 0) == 0 || l.rfind("# NOT patched", 0) == 0) {
       out << "pipelining-note " << l.substr(2) << '\n';
     }
@@ -423,7 +531,7 @@ void write_results(const std::string& path, const Rows& rows, double single) {
   out << "libtorch " << TORCH_VERSION << "\nsingle " << single << '\n';
   std::map<long, double> best;
   for (auto& r : rows)
-    if (!best.count(r.splits) || r.seconds < best[r.splits]) best[r.splits] = r.seconds;
+    if (!best.count(r.splits) || r.median() < best[r.splits]) best[r.splits] = r.median();
   for (auto& [s, t] : best) out << "best " << s << ' ' << t << '\n';
 }
 
@@ -458,7 +566,9 @@ int main(int argc, char** argv) {
     std::puts(
         "pipeline_bench [--schedules gpipe,1f1b,interleaved,zbh1,loopedbfs,interleavedzb,zbv,dualpipev] [--splits "
         "1,2,4,8] [--balance "
-        "measured|time|tutorial|N,N..]\n"
+        "schedule|measured|time|tutorial|N,N..]\n"
+        "               [--repeats 3]   (runs of every cell and of each one-process reference, interleaved)\n"
+        "               [--send-cost 0]   (seconds per message between workers in the schedule balance's simulation)\n"
         "               [--workers 2] [--batch-size 32] [--image-size 64] [--num-batches 3] [--threads 1] [--warmup "
         "1]\n"
         "               [--base-width 64] [--num-classes 1000] [--tutorial] [--compare-pytorch]\n"
@@ -483,7 +593,9 @@ int main(int argc, char** argv) {
     std::stringstream ss(flags.get("schedules", "gpipe,1f1b,interleaved,zbh1,loopedbfs,interleavedzb,zbv,dualpipev"));
     for (std::string s; std::getline(ss, s, ',');) c.schedules.push_back(schedule_from_string(s));
   }
-  c.balance = flags.get("balance", "measured");
+  c.balance = flags.get("balance", "schedule");
+  c.repeats = std::max<long>(1, flags.get_int("repeats", c.repeats));
+  c.send_seconds = flags.get_double("send-cost", c.send_seconds);
   c.batch = flags.get_int("batch-size", tutorial ? 120 : 32);
   c.image = flags.get_int("image-size", tutorial ? 128 : 64);
   c.batches = flags.get_int("num-batches", 3);
@@ -513,9 +625,9 @@ int main(int argc, char** argv) {
   std::printf(
       "# ResNet50 (base width %ld) as a Sequential of %d layers on %ld worker processes + master, stages on %s; "
       "batch %ld of %ldx%ld images, %ld timed batches after %ld warm-up, %ld intra-op thread(s) per process; "
-      "balance: %s; host cache: %s\n",
+      "balance: %s; host cache: %s; %ld run(s) per cell\n",
       c.width, 4 + 16 + 3, c.workers, c.device.c_str(), c.batch, c.image, c.image, c.batches, c.warmup, c.threads,
-      c.balance.c_str(), host_cache.c_str());
+      c.balance.c_str(), host_cache.c_str(), c.repeats);
   if (c.device != "cpu")
     std::printf(
         "# corpc: activations and gradients between the workers through device maps %s -> %s; PyTorch: "
@@ -561,11 +673,31 @@ int main(int argc, char** argv) {
           if (rank == 0) {
             auto data = make_data(c);
             std::ofstream out(path);
-            std::map<std::string, std::vector<int>> balances;  // by balance_key
+            std::map<std::string, std::vector<int>> balances;  // see cut_for
             ChromeTrace trace;
             std::vector<std::pair<std::string, std::vector<WorkerReport>>> gantt;
             int process = 0;
-            bool pipelining_reference = false;  // its one-process time: asked for once, with the first split run
+            const bool by_schedule = c.balance == "schedule";
+            // By key of `balances`, for "schedule": the chosen cut's simulated step and partition_by_cost's cut's.
+            std::map<std::string, std::pair<double, double>> simulated;
+            // The cut `schedule` runs with at `s` micro-batches: per (schedule, split) for "schedule", else per stage
+            // count and placement.
+            auto cut_for = [&](Schedule schedule, long s) -> const std::vector<int>& {
+              const int stages = static_cast<int>(c.workers) * min_stages_per_worker(schedule);
+              const std::string key = by_schedule ? std::string(to_string(schedule)) + "@" + std::to_string(s)
+                                                  : balance_key(stages, placement_of(schedule));
+              if (!balances.count(key)) {
+                if (by_schedule) {
+                  const auto chosen = schedule_cut(c, schedule, s);
+                  balances[key] = chosen.balance;
+                  simulated[key] = {chosen.simulated_seconds, chosen.partition_seconds};
+                } else {
+                  balances[key] = make_balance(c, stages, placement_of(schedule), data);
+                }
+              }
+              return balances[key];
+            };
+            const bool pipelining = compare && !c.pipelining.empty();
             for (long s : c.splits) {
               if (micro_batch_too_small(c, s)) {
                 std::fprintf(
@@ -573,44 +705,67 @@ int main(int argc, char** argv) {
                     s);
                 continue;
               }
-              for (auto schedule : c.schedules) {
+              // Pipelining's schedules of 2 and 4 stages, cut as corpc's 1F1B and Interleaved1F1B runs, for the
+              // stage counts that --schedules runs (so that a narrower run compares what it runs).
+              std::map<int, std::vector<int>> cuts;
+              for (auto schedule : {Schedule::OneFOneB, Schedule::Interleaved1F1B}) {
                 const int v = min_stages_per_worker(schedule);
-                const int stages = static_cast<int>(c.workers) * v;
-                const std::string key = balance_key(stages, placement_of(schedule));
-                if (!balances.count(key)) balances[key] = make_balance(c, stages, placement_of(schedule), data);
-                auto r = run_pipeline(c, schedule, s, balances[key], data);
-                out << "run " << static_cast<int>(schedule) << ' ' << s << ' ' << r.seconds << ' ' << r.bubble;
-                for (std::size_t w = 0; w < r.peak_bytes.size(); ++w) out << ' ' << r.peak_bytes[w] << ' ' << r.held[w];
-                out << '\n';
-                const std::string label = std::string(to_string(schedule)) + " M=" + std::to_string(s);
-                std::int64_t origin = INT64_MAX;
-                for (auto& w : r.last)
-                  for (auto& rec : w.records) origin = std::min(origin, rec.start_ns);
-                trace.add_step(process++, label, r.last, origin);
-                if (s == c.splits.back()) gantt.emplace_back(label, r.last);
+                if (!pipelining || std::none_of(c.schedules.begin(), c.schedules.end(),
+                                                [v](Schedule x) { return min_stages_per_worker(x) == v; }))
+                  continue;
+                const auto& b = cut_for(schedule, s);
+                const int n = static_cast<int>(c.workers) * v;
+                if (static_cast<int>(b.size()) == n) cuts[n] = b;  // a --balance list is for one stage count only
               }
-              if (compare)
-                out << "pytorch " << s << ' ' << run_pytorch(c, s, script) << '\n';  // interleaved with corpc
-              if (compare && !c.pipelining.empty()) {
-                std::map<int, std::vector<int>> cuts;  // its schedules cut as corpc's 2- and 4-stage runs were
-                for (int n : {2, 4}) {
-                  const std::string key = balance_key(n, Placement::loop);
-                  if (!balances.count(key)) {
-                    auto b = make_balance(c, n, Placement::loop, data);  // a --balance list is for one stage count only
-                    if (static_cast<int>(b.size()) == n) balances[key] = std::move(b);
-                  }
-                  if (balances.count(key) && static_cast<int>(balances[key].size()) == n) cuts[n] = balances[key];
+              // A B A B: every corpc schedule, then every pipelining schedule, --repeats times.
+              for (long rep = 0; rep < c.repeats; ++rep) {
+                for (auto schedule : c.schedules) {
+                  const std::vector<int> balance = cut_for(schedule, s);
+                  auto r = run_pipeline(c, schedule, s, balance, data);
+                  out << "run " << static_cast<int>(schedule) << ' ' << s << ' ' << r.seconds << ' ' << r.bubble;
+                  for (std::size_t w = 0; w < r.peak_bytes.size(); ++w)
+                    out << ' ' << r.peak_bytes[w] << ' ' << r.held[w];
+                  out << "\nusage " << static_cast<int>(schedule) << ' ' << s;
+                  for (auto& u : r.usage) out << ' ' << u.cpu_seconds << ' ' << u.threads << ' ' << u.interop_threads;
+                  out << '\n';
+                  const StepAccount account = account_step(c, schedule, s, r.last);
+                  out << "account " << static_cast<int>(schedule) << ' ' << s << ' ' << account.span << ' '
+                      << account.replay << '\n';
+                  if (rep == 0)
+                    out << "cut " << static_cast<int>(schedule) << ' ' << s << ' ' << to_string(balance) << ' '
+                        << simulated_step_seconds(schedule, static_cast<int>(c.workers),
+                                                  min_stages_per_worker(schedule), static_cast<int>(s),
+                                                  layer_costs(c, s), balance, c.send_seconds)
+                        << '\n';
+                  if (rep + 1 < c.repeats) continue;
+                  const std::string label = std::string(to_string(schedule)) + " M=" + std::to_string(s);
+                  std::int64_t origin = INT64_MAX;
+                  for (auto& w : r.last)
+                    for (auto& rec : w.records) origin = std::min(origin, rec.start_ns);
+                  trace.add_step(process++, label, r.last, origin);
+                  if (s == c.splits.back()) gantt.emplace_back(label, r.last);
                 }
-                run_pipelining(c, s, cuts, !pipelining_reference, out);
-                pipelining_reference = true;
+                if (pipelining) run_pipelining(c, s, cuts, false, out);
+                out.flush();
               }
+              if (compare) out << "pytorch " << s << ' ' << run_pytorch(c, s, script) << '\n';
+            }
+            // The one-process references alternately too: C++ (corpc's libtorch), then Python (pipelining's).
+            for (long rep = 0; rep < c.repeats; ++rep) {
+              Usage u;
+              const double seconds = run_single_process(c, data, u);
+              out << "single " << seconds << ' ' << u.cpu_seconds << ' ' << u.threads << ' ' << u.interop_threads
+                  << '\n';
+              if (pipelining) run_pipelining(c, 0, {}, true, out);
               out.flush();
             }
-            out << "single " << run_single_process(c, data) << '\n';
             out << "balance";
             for (auto& [n, b] : balances) {
               out << ' ' << n << ':';
               for (std::size_t i = 0; i < b.size(); ++i) out << (i ? "," : "") << b[i];
+              if (simulated.count(n))  // seconds per step: this cut's against the slowest-stage cut's
+                out << '(' << std::fixed << std::setprecision(3) << simulated[n].first << '/'
+                    << simulated[n].second << std::defaultfloat << ')';
             }
             out << '\n';
             if (!trace_path.empty() && trace.write(trace_path))
@@ -626,25 +781,52 @@ int main(int argc, char** argv) {
     return 1;
   }
 
+  // One (schedule, split) cell of corpc over its repeated runs.
   struct Row {
-    int schedule;
-    long splits;
-    double seconds, bubble;
-    std::vector<std::pair<std::int64_t, int>> workers;
+    int schedule = 0;
+    long splits = 0;
+    std::vector<double> seconds;                        // one per repeat
+    double bubble = 0;                                  // summed over repeats (averaged when printed)
+    std::vector<std::pair<std::int64_t, int>> workers;  // per worker: peak bytes and micro-batches held, over repeats
+    std::vector<std::vector<Usage>> usage;              // per repeat, per worker
+    std::string cut = "?";
+    double simulated = NAN;            // the simulated step of that cut (seconds)
+    std::vector<double> span, replay;  // per repeat, of its last step: see StepAccount
+    double median() const { return bench::median(seconds); }
   };
   std::vector<Row> rows;
+  auto row_of = [&rows](int schedule, long splits) -> Row& {
+    for (auto& r : rows)
+      if (r.schedule == schedule && r.splits == splits) return r;
+    rows.push_back(Row{});
+    rows.back().schedule = schedule, rows.back().splits = splits;
+    return rows.back();
+  };
+  // The row a result line names: "KEY SCHEDULE SPLITS ...", read past SPLITS.
+  auto read_row = [&row_of](std::istream& line) -> Row& {
+    int schedule = 0;
+    long splits = 0;
+    line >> schedule >> splits;
+    return row_of(schedule, splits);
+  };
   std::map<long, double> torch_times;
   struct PipeliningRun {                  // one line of bench/pytorch_pipelining.py
     std::string schedule, result, check;  // result: seconds or FAILED:why; check: ok, NAN, WRONG-LOSS or -
     long splits = 0;
     double seconds = NAN;  // a finished run's time (valid or not)
     std::string detail;
+    std::string cpu, threads;  // per rank, from its pipelining-usage line: "1.23/1.25", "1,1/1,1" (intra, inter-op)
   };
   std::vector<PipeliningRun> pipelining_runs;
   std::vector<std::string> pipelining_notes, pipelining_errors;
-  double pipelining_single = NAN;
-  double single = NAN;
+  std::vector<double> pipelining_single, single;  // one per repeat
+  std::vector<Usage> pipelining_single_usage, single_usage;
   std::string balance_line;
+  // "1.2,1.3" -> "1.2/1.3"
+  auto slashes = [](std::string list) {
+    std::replace(list.begin(), list.end(), ',', '/');
+    return list;
+  };
   {
     std::ifstream in(path);
     for (std::string line; std::getline(in, line);) {
@@ -652,12 +834,31 @@ int main(int argc, char** argv) {
       std::string key;
       ls >> key;
       if (key == "run") {
-        Row r;
-        ls >> r.schedule >> r.splits >> r.seconds >> r.bubble;
+        Row& r = read_row(ls);
+        double seconds, bubble;
+        ls >> seconds >> bubble;
+        r.seconds.push_back(seconds);
+        r.bubble += bubble;
         std::int64_t bytes;
         int held;
-        while (ls >> bytes >> held) r.workers.emplace_back(bytes, held);
-        rows.push_back(r);
+        for (std::size_t w = 0; ls >> bytes >> held; ++w) {
+          if (r.workers.size() <= w) r.workers.emplace_back(0, 0);
+          r.workers[w] = {std::max(r.workers[w].first, bytes), std::max(r.workers[w].second, held)};
+        }
+      } else if (key == "usage") {
+        Row& r = read_row(ls);
+        std::vector<Usage> per_worker;
+        for (Usage u; ls >> u.cpu_seconds >> u.threads >> u.interop_threads;) per_worker.push_back(u);
+        r.usage.push_back(per_worker);
+      } else if (key == "account") {
+        Row& r = read_row(ls);
+        double span, replay;
+        ls >> span >> replay;
+        r.span.push_back(span);
+        r.replay.push_back(replay);
+      } else if (key == "cut") {
+        Row& r = read_row(ls);
+        ls >> r.cut >> r.simulated;
       } else if (key == "pytorch") {
         long s;
         double t = NAN;
@@ -671,15 +872,34 @@ int main(int argc, char** argv) {
         std::getline(ls, r.detail);
         if (auto hash = r.detail.find("# "); hash != std::string::npos) r.detail = r.detail.substr(hash + 2);
         pipelining_runs.push_back(r);
+      } else if (key == "pipelining-usage") {  // follows its run's line
+        std::string schedule, cpu, threads, interop;
+        long splits;
+        ls >> schedule >> splits >> cpu >> threads >> interop;
+        if (!pipelining_runs.empty() && pipelining_runs.back().schedule == schedule) {
+          pipelining_runs.back().cpu = slashes(cpu);
+          std::istringstream ts(threads), is(interop);
+          for (std::string t, i; std::getline(ts, t, ',') && std::getline(is, i, ',');)
+            pipelining_runs.back().threads += (pipelining_runs.back().threads.empty() ? "" : "/") + t + "," + i;
+        }
       } else if (key == "pipelining-reference") {
-        ls >> pipelining_single;
+        double t;
+        if (ls >> t) pipelining_single.push_back(t);
+      } else if (key == "pipelining-reference-usage") {
+        Usage u;
+        ls >> u.cpu_seconds >> u.threads >> u.interop_threads;
+        pipelining_single_usage.push_back(u);
       } else if (key == "pipelining-note" || key == "pipelining-error") {
         std::string text;
         std::getline(ls, text);
         auto& list = key == "pipelining-note" ? pipelining_notes : pipelining_errors;
         if (std::find(list.begin(), list.end(), text.substr(1)) == list.end()) list.push_back(text.substr(1));
       } else if (key == "single") {
-        ls >> single;
+        double t;
+        Usage u;
+        ls >> t >> u.cpu_seconds >> u.threads >> u.interop_threads;
+        single.push_back(t);
+        single_usage.push_back(u);
       } else if (key == "balance") {
         std::getline(ls, balance_line);
       }
@@ -687,15 +907,12 @@ int main(int argc, char** argv) {
   }
   ::unlink(path);
 
-  std::printf("# balance (stages:layers per stage; V: cut for the V placement):%s\n", balance_line.c_str());
-  double gpipe1 = NAN;
-  for (auto& r : rows)
-    if (r.schedule == static_cast<int>(Schedule::GPipe) && r.splits == 1) gpipe1 = r.seconds;
-  std::printf(
-      "\n| schedule | splits | time (s) | GPipe@1 / this | bubble measured | bubble formula | peak activations per "
-      "worker (MiB) | micro-batches held | PyTorch RPC (s) | PyTorch / corpc |\n");
-  std::printf("|---|---:|---:|---:|---:|---:|---|---|---:|---:|\n");
-  double best = INFINITY, best_torch = INFINITY;
+  std::printf("# balance %s (%s):%s\n", c.balance.c_str(),
+              c.balance == "schedule"
+                  ? "schedule@splits:layers per stage, the cut with the shortest simulated step (its simulated "
+                    "step/that of the cut minimizing the slowest stage, s)"
+                  : "stages:layers per stage; V: cut for the V placement",
+              balance_line.c_str());
   // A ratio or time that was not measured (no GPipe run at 1 split, PyTorch not compared) reads "-", not nan.
   auto cell = [](double v) {
     if (!std::isfinite(v)) return std::string("-");
@@ -703,6 +920,40 @@ int main(int argc, char** argv) {
     std::snprintf(text, sizeof text, "%.2f", v);
     return std::string(text);
   };
+  // The median and, with more than one run, the range: "2.61 (2.55-2.70)".
+  auto spread = [&cell](const std::vector<double>& runs) {
+    if (runs.empty()) return std::string("-");
+    std::string text = cell(bench::median(runs));
+    if (runs.size() > 1)
+      text += " (" + cell(*std::min_element(runs.begin(), runs.end())) + "-" +
+              cell(*std::max_element(runs.begin(), runs.end())) + ")";
+    return text;
+  };
+  // Per worker, the median over repeats of its CPU seconds, and its threads (intra-op, inter-op) as the last run saw.
+  auto usage_cells = [&cell](const std::vector<std::vector<Usage>>& runs) {
+    std::string cpu, threads;
+    for (std::size_t w = 0; !runs.empty() && w < runs.back().size(); ++w) {
+      std::vector<double> seconds;
+      for (auto& run : runs)
+        if (w < run.size()) seconds.push_back(run[w].cpu_seconds);
+      cpu += (w ? " / " : "") + cell(bench::median(seconds));
+      threads += (w ? " / " : "") + std::to_string(runs.back()[w].threads) + "," +
+                 std::to_string(runs.back()[w].interop_threads);
+    }
+    return std::make_pair(cpu.empty() ? "-" : cpu, threads.empty() ? "-" : threads);
+  };
+  double gpipe1 = NAN;
+  for (auto& r : rows)
+    if (r.schedule == static_cast<int>(Schedule::GPipe) && r.splits == 1) gpipe1 = r.median();
+  std::printf("\n%ld run(s) per cell%s; times are the median (min-max) of the timed batches.\n", c.repeats,
+              compare && !c.pipelining.empty() ? ", interleaved with pipelining's per split" : "");
+  std::printf(
+      "\n| schedule | splits | time (s) | cut | step simulated / measured (s) | actions' span / replayed (s) | "
+      "GPipe@1 / this | bubble measured | "
+      "bubble formula | peak activations per worker (MiB) | micro-batches held | CPU per worker (s) | threads "
+      "(intra,inter-op) | PyTorch RPC (s) | PyTorch / corpc |\n");
+  std::printf("|---|---:|---:|---|---:|---:|---:|---:|---:|---|---|---|---|---:|---:|\n");
+  double best = INFINITY, best_torch = INFINITY;
   for (auto& r : rows) {
     const auto schedule = static_cast<Schedule>(r.schedule);
     const int v = min_stages_per_worker(schedule);
@@ -714,66 +965,117 @@ int main(int argc, char** argv) {
       held += (held.empty() ? "" : " / ") + std::to_string(h);
     }
     const double torch_s = torch_times.count(r.splits) ? torch_times[r.splits] : NAN;
-    best = std::min(best, r.seconds);
+    best = std::min(best, r.median());
     if (!std::isnan(torch_s)) best_torch = std::min(best_torch, torch_s);
-    std::printf("| %s | %ld | %.2f | %s | %.3f | %.3f | %s | %s | %s | %s |\n", to_string(schedule), r.splits,
-                r.seconds, cell(gpipe1 / r.seconds).c_str(), r.bubble,
+    const auto [cpu, threads_used] = usage_cells(r.usage);
+    std::printf("| %s | %ld | %s | %s | %s / %s | %s / %s | %s | %.3f | %.3f | %s | %s | %s | %s | %s | %s |\n",
+                to_string(schedule), r.splits, spread(r.seconds).c_str(), r.cut.c_str(), cell(r.simulated).c_str(),
+                cell(r.median() / static_cast<double>(c.batches)).c_str(),
+                cell(r.span.empty() ? NAN : bench::median(r.span)).c_str(),
+                cell(r.replay.empty() ? NAN : bench::median(r.replay)).c_str(), cell(gpipe1 / r.median()).c_str(),
+                r.bubble / static_cast<double>(std::max<std::size_t>(1, r.seconds.size())),
                 bubble_formula(schedule, static_cast<int>(c.workers), v, static_cast<int>(r.splits)), mem.c_str(),
-                held.c_str(), cell(torch_s).c_str(), cell(torch_s / r.seconds).c_str());
+                held.c_str(), cpu.c_str(), threads_used.c_str(), cell(torch_s).c_str(),
+                cell(torch_s / r.median()).c_str());
   }
   const double images = static_cast<double>(c.batch * c.batches);
-  std::printf("\nOne process, no RPC, whole batches (%ld thread): %.2f s, %.1f images/s\n", c.threads, single,
-              images / single);
+  const double single_s = single.empty() ? NAN : bench::median(single);
+  // One process's runs as usage_cells takes them: each run with one "worker".
+  auto one_process = [](const std::vector<Usage>& runs) {
+    std::vector<std::vector<Usage>> out;
+    for (auto& u : runs) out.push_back({u});
+    return out;
+  };
+  const auto single_use = usage_cells(one_process(single_usage));
+  std::printf(
+      "\nOne process, no RPC, whole batches (%ld thread): %s s, %.1f images/s; CPU %s s, threads (intra,inter-op) %s\n",
+      c.threads, spread(single).c_str(), images / single_s, single_use.first.c_str(), single_use.second.c_str());
   if (std::isfinite(best_torch))
-    std::printf("Best corpc run: %.2f s = %.2fx PyTorch's best split (%.2f s), %.2fx one process\n", best,
-                best / best_torch, best_torch, best / single);
+    std::printf("Best corpc run (median): %.2f s = %.2fx PyTorch's best split (%.2f s), %.2fx one process\n", best,
+                best / best_torch, best_torch, best / single_s);
   else
-    std::printf("Best corpc run: %.2f s = %.2fx one process (%s)\n", best, best / single,
+    std::printf("Best corpc run (median): %.2f s = %.2fx one process (%s)\n", best, best / single_s,
                 compare ? "no run of PyTorch's RPC finished" : "PyTorch's RPC not compared: --compare-pytorch");
   std::printf(
-      "Bubble measured: idle share of each worker between the step's first and last action (waits for inputs,\n"
-      "messages, the step's start and end), averaged over workers and timed steps. Peak activations: the CPU\n"
-      "allocator's peak during a step above what was live at its start (parameters, gradients, optimizer state).\n");
+      "Cut: layers per stage (--balance %s). Step simulated: the schedule's action lists run with each stage's F, I\n"
+      "and W times profiled layer by layer at the split's micro-batch size (corpc/pipeline/schedule_balance.hpp);\n"
+      "measured: the median time over the timed batches. Actions' span: the last timed step's first action's start\n"
+      "to its last action's end; replayed: the simulation run with each stage's actions taking what they took in\n"
+      "that step. Span - replayed: waits that compute does not explain (messages, wake-ups); measured - span: the\n"
+      "step's start and end (the master's calls, the optimizer step). Bubble measured: idle share of each worker\n"
+      "between the step's first and last action (waits for inputs, messages, the step's start and end), averaged\n"
+      "over workers, timed steps and runs. Peak activations: the CPU allocator's peak during a step above what was\n"
+      "live at its start (parameters, gradients, optimizer state). CPU: each worker process's user + system time\n"
+      "over the timed batches (getrusage), the median over runs.\n",
+      c.balance.c_str());
   if (c.device != "cpu")
     std::printf(
         "On %s: the bubble is measured in host time (kernels are queued asynchronously) and the peak counts\n"
         "the CPU allocator only (device memory is not counted).\n",
         c.device.c_str());
   if (compare) {
-    // torch.distributed.pipelining: each schedule's time per split, then corpc's best per split
-    // against pipelining's best valid run (finished, and its every step's loss that of one process), the tutorial's
-    // time and one process.
+    // torch.distributed.pipelining: each schedule's median time per split, then corpc's best median per split against
+    // pipelining's best valid median (every run finished, and its every step's loss that of one process), the
+    // tutorial's time and one process.
+    const double pipelining_single_s = pipelining_single.empty() ? NAN : bench::median(pipelining_single);
     std::printf(
-        "\ntorch.distributed.pipelining (bench/pytorch_pipelining.py), 2 ranks over Gloo, cut as corpc's runs; "
-        "time (s) per split (PyTorch %s):\n",
-        c.pipelining_torch.c_str());
+        "\ntorch.distributed.pipelining (bench/pytorch_pipelining.py), 2 ranks over Gloo, cut as corpc's 1F1B (2 "
+        "stages) and Interleaved1F1B (4 stages) runs; time (s) per split, median (min-max) of %ld run(s) (PyTorch "
+        "%s):\n",
+        c.repeats, c.pipelining_torch.c_str());
     if (!c.pipelining_missing.empty()) std::printf("not run: %s\n", c.pipelining_missing.c_str());
     for (auto& n : pipelining_notes) std::printf("%s\n", n.c_str());
     std::vector<std::string> schedules;
     for (auto& r : pipelining_runs)
       if (std::find(schedules.begin(), schedules.end(), r.schedule) == schedules.end()) schedules.push_back(r.schedule);
-    auto run_cell = [](const PipeliningRun& r) {
-      char buf[64];
-      if (r.check == "ok") std::snprintf(buf, sizeof buf, "%.2f", r.seconds);
-      else if (r.result == "FAILED:timeout") std::snprintf(buf, sizeof buf, "hang (timeout)");
-      else if (r.result.rfind("FAILED:", 0) == 0) std::snprintf(buf, sizeof buf, "%s", r.result.substr(7).c_str());
-      else std::snprintf(buf, sizeof buf, "%.2f, %s", r.seconds, r.check == "NAN" ? "NaN loss" : "wrong loss");
-      return std::string(buf);
+    // A (schedule, split) cell's runs, and whether every one of them is valid.
+    auto runs_of = [&](const std::string& name, long s) {
+      std::vector<const PipeliningRun*> runs;
+      for (auto& r : pipelining_runs)
+        if (r.schedule == name && r.splits == s) runs.push_back(&r);
+      return runs;
+    };
+    auto all_valid = [](const std::vector<const PipeliningRun*>& runs) {
+      return !runs.empty() && std::all_of(runs.begin(), runs.end(), [](auto* r) { return r->check == "ok"; });
+    };
+    auto times = [](const std::vector<const PipeliningRun*>& runs) {
+      std::vector<double> t;
+      for (auto* r : runs)
+        if (std::isfinite(r->seconds)) t.push_back(r->seconds);
+      return t;
+    };
+    auto run_cell = [&](const std::vector<const PipeliningRun*>& runs) {
+      if (runs.empty()) return std::string("-");
+      if (all_valid(runs)) return spread(times(runs));
+      const PipeliningRun& r = **std::find_if(runs.begin(), runs.end(), [](auto* x) { return x->check != "ok"; });
+      std::string why = r.result == "FAILED:timeout"          ? "hang (timeout)"
+                        : r.result.rfind("FAILED:", 0) == 0    ? r.result.substr(7)
+                        : r.check == "NAN"                     ? "NaN loss"
+                                                               : "wrong loss";
+      const auto t = times(runs);
+      return (t.empty() ? "" : spread(t) + ", ") + why;
     };
     if (!schedules.empty()) {
-      std::printf("\n| schedule |");
-      for (long s : c.splits) std::printf(" %ld |", s);
-      std::printf("\n|---|");
-      for (std::size_t i = 0; i < c.splits.size(); ++i) std::printf("---:|");
-      std::printf("\n");
-      for (auto& name : schedules) {
-        std::printf("| %s |", name.c_str());
-        for (long s : c.splits) {
-          auto r = std::find_if(pipelining_runs.begin(), pipelining_runs.end(),
-                                [&](const PipeliningRun& x) { return x.schedule == name && x.splits == s; });
-          std::printf(" %s |", r == pipelining_runs.end() ? "-" : run_cell(*r).c_str());
-        }
+      for (int table = 0; table < 2; ++table) {
+        if (table == 1)
+          std::printf(
+              "\nPipelining's CPU time per rank (s, over the timed batches, getrusage) and threads (intra,inter-op), "
+              "last run:\n");
+        std::printf("\n| schedule |");
+        for (long s : c.splits) std::printf(" %ld |", s);
+        std::printf("\n|---|");
+        for (std::size_t i = 0; i < c.splits.size(); ++i) std::printf("---:|");
         std::printf("\n");
+        for (auto& name : schedules) {
+          std::printf("| %s |", name.c_str());
+          for (long s : c.splits) {
+            const auto runs = runs_of(name, s);
+            if (table == 0) std::printf(" %s |", run_cell(runs).c_str());
+            else if (runs.empty() || runs.back()->cpu.empty()) std::printf(" - |");
+            else std::printf(" %s; %s |", runs.back()->cpu.c_str(), runs.back()->threads.c_str());
+          }
+          std::printf("\n");
+        }
       }
       // Why each run that is not valid is not: one line per schedule and reason, the splits it happened at.
       std::vector<std::pair<std::string, std::vector<long>>> why;
@@ -782,7 +1084,8 @@ int main(int argc, char** argv) {
         const std::string text = r.schedule + ": " + (r.check == "-" ? "" : r.check + ": ") + r.detail;
         auto w = std::find_if(why.begin(), why.end(), [&](auto& x) { return x.first == text; });
         if (w == why.end()) why.emplace_back(text, std::vector<long>{r.splits});
-        else w->second.push_back(r.splits);
+        else if (std::find(w->second.begin(), w->second.end(), r.splits) == w->second.end())
+          w->second.push_back(r.splits);
       }
       if (!why.empty()) std::printf("\n");
       for (auto& [text, splits] : why) {
@@ -796,43 +1099,48 @@ int main(int argc, char** argv) {
     // Another build's corpc (--column: its --results), measured in its own run before this one.
     const OtherBuild other = read_other_build(flags.get("column", ""));
     std::printf(
-        "\n| splits | corpc best (s) | corpc schedule | pipelining best (s) | pipelining schedule | PyTorch RPC "
+        "\n| splits | corpc best (s) | corpc schedule | pipelining best valid (s) | pipelining schedule | PyTorch RPC "
         "tutorial (s) | corpc / pipelining | corpc / one process | pipelining / its one process |%s\n",
         other.label.empty() ? "" : (" corpc on libtorch " + other.label + " (s) | its / its one process |").c_str());
     std::printf("|---:|---:|---|---:|---|---:|---:|---:|---:|%s\n", other.label.empty() ? "" : "---:|---:|");
-    const PipeliningRun* best_pipelining = nullptr;
+    std::string best_pipelining;  // schedule@splits
+    double best_pipelining_s = INFINITY;
     for (long s : c.splits) {
       const Row* corpc_best = nullptr;
       for (auto& r : rows)
-        if (r.splits == s && (!corpc_best || r.seconds < corpc_best->seconds)) corpc_best = &r;
+        if (r.splits == s && (!corpc_best || r.median() < corpc_best->median())) corpc_best = &r;
       if (!corpc_best) continue;
-      const PipeliningRun* p = nullptr;
+      std::string p;  // the schedule with the smallest median among those whose every run is valid
+      double p_s = INFINITY;
       bool any = false;
-      for (auto& r : pipelining_runs)
-        if (r.splits == s) {
-          any = true;
-          if (r.check == "ok" && (!p || r.seconds < p->seconds)) p = &r;
-        }
-      if (p && (!best_pipelining || p->seconds < best_pipelining->seconds)) best_pipelining = p;
+      for (auto& name : schedules) {
+        const auto runs = runs_of(name, s);
+        any = any || !runs.empty();
+        if (all_valid(runs) && bench::median(times(runs)) < p_s) p = name, p_s = bench::median(times(runs));
+      }
+      if (!p.empty() && p_s < best_pipelining_s)
+        best_pipelining = p + ", " + std::to_string(s) + " splits", best_pipelining_s = p_s;
       const double torch_s = torch_times.count(s) ? torch_times[s] : NAN;
-      char pt[32] = "-";
-      if (p) std::snprintf(pt, sizeof pt, "%.2f", p->seconds);
-      const std::string which = p ? p->schedule : any ? "none valid" : "not run (see above)";
-      std::printf("| %ld | %.2f | %s | %s | %s | %s | %s | %s | %s |", s, corpc_best->seconds,
-                  to_string(static_cast<Schedule>(corpc_best->schedule)), pt, which.c_str(), cell(torch_s).c_str(),
-                  cell(p ? corpc_best->seconds / p->seconds : NAN).c_str(), cell(corpc_best->seconds / single).c_str(),
-                  cell(p ? p->seconds / pipelining_single : NAN).c_str());
+      const std::string which = !p.empty() ? p : any ? "none valid" : "not run (see above)";
+      std::printf("| %ld | %s | %s | %s | %s | %s | %s | %s | %s |", s, spread(corpc_best->seconds).c_str(),
+                  to_string(static_cast<Schedule>(corpc_best->schedule)),
+                  p.empty() ? "-" : spread(times(runs_of(p, s))).c_str(), which.c_str(), cell(torch_s).c_str(),
+                  cell(corpc_best->median() / p_s).c_str(), cell(corpc_best->median() / single_s).c_str(),
+                  cell(p_s / pipelining_single_s).c_str());
       if (!other.label.empty()) {
         const double o = other.best.count(s) ? other.best.at(s) : NAN;
         std::printf(" %s | %s |", cell(o).c_str(), cell(o / other.single).c_str());
       }
       std::printf("\n");
     }
-    std::printf("\nOne process, whole batches (%ld thread): libtorch %s (corpc's) %.2f s", c.threads, TORCH_VERSION,
-                single);
-    if (!std::isnan(pipelining_single))
-      std::printf("; PyTorch %s (the pipelining script's reference) %.2f s", c.pipelining_torch.c_str(),
-                  pipelining_single);
+    std::printf("\nOne process, whole batches (%ld thread), median (min-max): libtorch %s (corpc's) %s s", c.threads,
+                TORCH_VERSION, spread(single).c_str());
+    if (!pipelining_single.empty()) {
+      const auto use = usage_cells(one_process(pipelining_single_usage));
+      std::printf("; PyTorch %s (the pipelining script's reference) %s s, CPU %s s, threads (intra,inter-op) %s",
+                  c.pipelining_torch.c_str(), spread(pipelining_single).c_str(), use.first.c_str(),
+                  use.second.c_str());
+    }
     if (!other.label.empty())
       std::printf("; libtorch %s (corpc's, its own run) %.2f s", other.label.c_str(), other.single);
     std::printf("\n");
@@ -841,15 +1149,15 @@ int main(int argc, char** argv) {
           "corpc on libtorch %s ran before this run, in its own build: compare it with its own one process, not\n"
           "across lines (kernels, BLAS and oneDNN differ between libtorch releases).\n",
           other.label.c_str());
-    if (best_pipelining)
-      std::printf("Best pipelining run: %.2f s (%s, %ld splits) = %.2fx its one process; best corpc run = %.2fx it\n",
-                  best_pipelining->seconds, best_pipelining->schedule.c_str(), best_pipelining->splits,
-                  best_pipelining->seconds / pipelining_single, best / best_pipelining->seconds);
+    if (std::isfinite(best_pipelining_s))
+      std::printf("Best pipelining run (median): %.2f s (%s) = %sx its one process; best corpc run = %.2fx it\n",
+                  best_pipelining_s, best_pipelining.c_str(), cell(best_pipelining_s / pipelining_single_s).c_str(),
+                  best / best_pipelining_s);
     std::printf(
-        "Pipelining's valid runs (the only ones its best is taken from): finished, and every step's loss equal\n"
-        "(1e-4 relative) to the same model's trained in one process on the same micro-batches; the others show their\n"
-        "time beside why they are not valid.\n");
+        "Pipelining's valid cells (the only ones its best is taken from): every run finished, and every step's loss\n"
+        "equal (1e-4 relative) to the same model's trained in one process on the same micro-batches; the others show\n"
+        "their time beside why they are not valid. Ratios are of medians.\n");
   }
-  if (const std::string results = flags.get("results", ""); !results.empty()) write_results(results, rows, single);
+  if (const std::string results = flags.get("results", ""); !results.empty()) write_results(results, rows, single_s);
   return rows.empty() ? 1 : 0;
 }

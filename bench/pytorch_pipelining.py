@@ -33,9 +33,14 @@ in the rank processes, with the upstream fix's behaviour (wait for every Work) w
 bug, and says so in the output; --p2p-fix off runs the library as installed.
 
 Output, one line per result (machine-readable; '#' lines are comments):
-  reference <seconds|-> <first-step loss>   the unsplit model, whole batches, one process (--reference-time)
+  reference <seconds|-> <first-step loss>   the unsplit model, whole batches, one process (--reference-time,
+                                            --reference-only: that alone)
+  reference-usage <cpu seconds> <intra-op threads> <inter-op threads>   that process's, over the timed batches
   pipelining <Schedule> <splits> <seconds|FAILED:timeout|FAILED:exception> <first-step loss|-> <ok|NAN|WRONG-LOSS|->
              # detail
+  pipelining-usage <Schedule> <splits> <cpu seconds per rank, comma-separated> <intra-op threads per rank>
+             <inter-op threads per rank>   after a finished run: each rank's CPU time over the timed batches
+             (getrusage) and the threads torch used
 and a last line "JSON: {...}".
 
 Runs with Debian testing's python3-torch 2.14 in the root of `scripts/root.sh make forky` (what
@@ -47,12 +52,19 @@ import json
 import math
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+
+
+def cpu_seconds():
+    """This process's user + system CPU time (getrusage), to compare with its wall-clock time."""
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
 
 
 def _threads_argument():
@@ -224,14 +236,15 @@ def run_rank(args):
         step_losses.append(step(x, y))
         print(f"STEP {k + 1}", flush=True)
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_seconds()
     for k, (x, y) in enumerate(data):
         step_losses.append(step(x, y))
         print(f"STEP {len(warmup) + k + 1}", flush=True)
     dist.barrier()
-    seconds = time.perf_counter() - t0
-    print("RESULT " + json.dumps({"rank": args.rank, "seconds": seconds, "losses": step_losses if has_last else None}),
-          flush=True)
+    seconds, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
+    print("RESULT " + json.dumps({"rank": args.rank, "seconds": seconds, "losses": step_losses if has_last else None,
+                                  "cpu": cpu, "threads": torch.get_num_threads(),
+                                  "interop": torch.get_num_interop_threads()}), flush=True)
     dist.destroy_process_group()
 
 
@@ -286,9 +299,9 @@ def reference_time(args):
         return loss.item()
 
     first = [step(x, y) for x, y in warmup]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_seconds()
     losses = [step(x, y) for x, y in data]
-    return time.perf_counter() - t0, (first + losses)[0]
+    return time.perf_counter() - t0, (first + losses)[0], cpu_seconds() - cpu0
 
 
 def free_port():
@@ -308,7 +321,8 @@ def last_error(text):
 
 
 def run_one(args, schedule, splits, p2p_fix):
-    """Two rank processes in a new process group; returns (seconds or None, losses or None, failure or None)."""
+    """Two rank processes in a new process group; returns (seconds or None, losses or None, failure or None, each
+    rank's {"cpu", "threads", "interop"} in rank order)."""
     port = free_port()
     env = dict(os.environ, USE_LIBUV="0")
     common = [sys.executable, os.path.abspath(__file__), "--rank-of", schedule, "--splits", str(splits),
@@ -360,7 +374,7 @@ def run_one(args, schedule, splits, p2p_fix):
         pass
     for p in procs:
         p.wait()
-    seconds, losses = None, None
+    seconds, losses, usage = None, None, {}
     if failure is None:
         for f in outs:
             f.seek(0)
@@ -369,6 +383,7 @@ def run_one(args, schedule, splits, p2p_fix):
                     r = json.loads(line[7:])
                     seconds = max(seconds or 0.0, r["seconds"])
                     losses = r["losses"] if r["losses"] is not None else losses
+                    usage[r["rank"]] = {k: r.get(k) for k in ("cpu", "threads", "interop")}
     if args.verbose or failure:
         for rank, f in enumerate(errs):
             f.seek(0)
@@ -378,7 +393,7 @@ def run_one(args, schedule, splits, p2p_fix):
     for f in outs + errs:
         f.close()
     logs.cleanup()
-    return seconds, losses, failure
+    return seconds, losses, failure, [usage[r] for r in sorted(usage)]
 
 
 def check(losses, references):
@@ -442,6 +457,7 @@ def main():
     p.add_argument("--p2p-fix", choices=["auto", "on", "off"], default="auto",
                    help="replace schedules._batch_p2p by the upstream fix (pytorch#152938) where it is needed")
     p.add_argument("--reference-time", action="store_true", help="also time the unsplit model in one process")
+    p.add_argument("--reference-only", action="store_true", help="time the unsplit model in one process, nothing else")
     p.add_argument("--probe", action="store_true", help="print the torch version and whether pipelining imports")
     p.add_argument("--verbose", action="store_true", help="the ranks' stderr on this one's")
     p.add_argument("--rank-of", help=argparse.SUPPRESS)  # internal: run one rank of this schedule
@@ -479,15 +495,16 @@ def main():
         print("# NOT patched (--p2p-fix off): schedules._batch_p2p waits for the last Work only (pytorch#132644)",
               flush=True)
     results = {"torch": torch.__version__, "p2p_fix": p2p_fix == "on", "runs": []}
-    if args.reference_time:
-        seconds, loss = reference_time(args)
+    if args.reference_time or args.reference_only:
+        seconds, loss, cpu = reference_time(args)
         results["reference"] = seconds
         print(f"reference {seconds:.3f} {loss:.6g}", flush=True)
-    for splits in args.splits:
+        print(f"reference-usage {cpu:.3f} {torch.get_num_threads()} {torch.get_num_interop_threads()}", flush=True)
+    for splits in [] if args.reference_only else args.splits:
         references = References(args, splits)
         references()
         for name in schedules:
-            seconds, losses, failure = run_one(args, name, splits, p2p_fix)
+            seconds, losses, failure, usage = run_one(args, name, splits, p2p_fix)
             run = {"schedule": name, "splits": splits, "seconds": seconds, "losses": losses}
             if failure:
                 kind = failure.split(":")[0]
@@ -500,6 +517,9 @@ def main():
                 first = f"{losses[0]:.6g}" if losses else "-"
                 detail += "; p2p fix applied" if p2p_fix == "on" else ""
                 print(f"pipelining {name} {splits} {seconds:.3f} {first} {flag} # {detail}", flush=True)
+                column = lambda key, fmt: ",".join(fmt.format(u[key]) for u in usage)  # noqa: E731
+                print(f"pipelining-usage {name} {splits} {column('cpu', '{:.3f}')} {column('threads', '{}')} "
+                      f"{column('interop', '{}')}", flush=True)
             results["runs"].append(run)
     print("JSON: " + json.dumps(results), flush=True)
 

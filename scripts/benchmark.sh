@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
 # Sets up, builds and runs the main job: ResNet50 in pipeline stages on two local worker processes (CPU), under every
-# schedule (GPipe, 1F1B, Interleaved 1F1B, ZB-H1, LoopedBFS, interleaved zero bubble, ZBV, DualPipeV) and 1/2/4/8
-# micro-batches.
+# schedule (GPipe, 1F1B, Interleaved 1F1B, ZB-H1, LoopedBFS, interleaved zero bubble, ZBV, DualPipeV) and 2/4/8
+# micro-batches, each stage cut for the schedule that runs (--balance schedule).
+#
+# Figures a newcomer can trust: every (schedule, split) cell runs 3 times (--repeats), corpc's schedules and
+# pipelining's alternating per split (A B A B A B), and the two one-process references (C++, Python) alternate the
+# same way after the splits; every cell shows the median and the range, and the summary compares medians. Each
+# process's CPU time and threads are in the tables. To pay for the repeats, each run times 2 batches (after 1 warm-up)
+# instead of 3, the split of 1 micro-batch (no pipelining: every schedule's bubble is half the step) is left out, and
+# the libtorch 1.13 column runs once per cell. Estimated on a 2-vCPU VM from the earlier single-run job (23 min with
+# set-up, 3 batches per run, splits 1/2/4/8): about 30 min with set-up, most of it the 2.14 run's repeats.
 #
 # The comparison runs on the libtorch a user installs today: corpc built against Debian testing's libtorch 2.14, and
 # after each split PyTorch 2.14's RPC tutorial and every schedule of its torch.distributed.pipelining, all in the
@@ -12,10 +20,11 @@
 # Writes the timelines of the last timed step of each 2.14 run as a Chrome trace (pipeline_trace.json; open in
 # https://ui.perfetto.dev) and the 8-split ones as a Gantt chart (pipeline_gantt.png); the 1.13 run's own tables go to
 # build/pipeline-1.13.md.
-# Extra arguments go to pipeline_bench, in both runs (e.g. --tutorial, --splits 1,2,4, --schedules 1f1b,zbh1,
-# --balance tutorial; see --help).
+# Extra arguments go to pipeline_bench, in both runs, before the defaults above, so they win (e.g. --tutorial,
+# --splits 1,2,4,8, --repeats 5, --num-batches 3, --schedules 1f1b,zbh1, --balance measured; see --help).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+defaults=(--splits 2,4,8 --num-batches 2 --repeats 3)
 scripts/setup.sh --pytorch
 roots=${CORPC_ROOTS:-/var/tmp/corpc-roots}
 forky=
@@ -40,7 +49,7 @@ fi
 ninja -C build bench/pipeline_bench >&2
 if [[ -z $forky ]]; then
   exec build/bench/pipeline_bench --compare-pytorch --pipelining-python off --trace pipeline_trace.json \
-    --gantt pipeline_gantt.png "$@"
+    --gantt pipeline_gantt.png "$@" "${defaults[@]}"
 fi
 
 echo "benchmark: building corpc on libtorch 2.14, in the root" >&2
@@ -48,8 +57,8 @@ scripts/root.sh run forky \
   'if [[ -f build-forky/build.ninja ]]; then meson configure build-forky -Dbenchmarks=enabled; else
      meson setup build-forky --buildtype=release -Dunity=on; fi && ninja -C build-forky bench/pipeline_bench' >&2
 echo "benchmark: corpc on libtorch 1.13 (its tables: build/pipeline-1.13.md)" >&2
-build/bench/pipeline_bench --results build/pipeline-1.13.txt "$@" >build/pipeline-1.13.md
+build/bench/pipeline_bench --results build/pipeline-1.13.txt "$@" --repeats 1 "${defaults[@]}" >build/pipeline-1.13.md
 echo "benchmark: corpc on libtorch 2.14 beside PyTorch 2.14" >&2
-args=; (($#)) && args=$(printf " %q" "$@")
+args=$(printf " %q" "$@" "${defaults[@]}")
 exec scripts/root.sh run forky "build-forky/bench/pipeline_bench --compare-pytorch --column build/pipeline-1.13.txt \
   --trace pipeline_trace.json --gantt pipeline_gantt.png$args"

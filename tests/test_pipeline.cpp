@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <map>
 #include <utility>
 
 #include <torch/nn/functional/loss.h>
@@ -67,13 +68,16 @@ void expect_same_parameters(const std::vector<at::Tensor>& params, const std::ve
     if (!close(params[i], ref_params[i])) throw std::runtime_error("parameter " + std::to_string(i) + " differs");
 }
 
-PipelineOptions layout(Schedule schedule, int stages, int micro_batches) {
+// `balance` empty: an even cut.
+PipelineOptions layout(Schedule schedule, int stages, int micro_batches, std::vector<int> balance = {}) {
   PipelineOptions o;
   o.schedule = schedule;
   o.micro_batches = micro_batches;
   const int workers = stages / min_stages_per_worker(schedule);
   for (int w = 1; w <= workers; ++w) o.workers.push_back("worker" + std::to_string(w) + "/cpu");
-  o.balance = stages == 2 ? std::vector<int>{5, 6} : std::vector<int>{3, 3, 3, 2};
+  o.balance = !balance.empty() ? std::move(balance)
+              : stages == 2  ? std::vector<int>{5, 6}
+                             : std::vector<int>{3, 3, 3, 2};
   return o;
 }
 
@@ -152,7 +156,9 @@ TEST_CASE("a schedule given as data is checked before it runs: deadlock, missing
   CHECK_NOTHROW(check_schedule(make_schedule(Schedule::OneFOneB, 2, 1, 8), 2, 4));
 }
 
-TEST_CASE("every schedule, with 2 and 4 stages and 1, 2, 4, 8 micro-batches, equals the unsplit model in one process") {
+TEST_CASE(
+    "every schedule, with 2 and 4 stages, 1, 2, 4, 8 micro-batches and uneven cuts, equals the unsplit model in one "
+    "process") {
   run_world(
       5,
       [](int rank) {
@@ -160,16 +166,22 @@ TEST_CASE("every schedule, with 2 and 4 stages and 1, 2, 4, 8 micro-batches, equ
         auto x = random_images(kBatch, kImage, 7);
         auto y = one_hot_labels(kBatch, kClasses, 8);
         auto [ref_loss, ref_params] = reference_step(x, y);
+        // Whatever the cut (a schedule balance picks any), the results are the unsplit model's: one stage of one
+        // layer, one of most layers, the heavy stage first or last.
+        const std::map<int, std::vector<std::vector<int>>> cuts{
+            {2, {{5, 6}, {1, 10}, {9, 2}, {10, 1}}}, {4, {{3, 3, 3, 2}, {1, 1, 1, 8}, {6, 2, 1, 2}, {2, 5, 3, 1}}}};
         for (auto schedule : kAllSchedules)
           for (int stages : {2, 4})
             for (int micro : {1, 2, 4, 8}) {
-              auto pipe =
-                  Pipeline::create<&tiny_resnet, &mse, &make_sgd>(layout(schedule, stages, micro), std::uint64_t{1});
+              const auto& cut = cuts.at(stages)[static_cast<std::size_t>(std::log2(micro))];  // 1, 2, 4, 8: 0..3
+              auto pipe = Pipeline::create<&tiny_resnet, &mse, &make_sgd>(layout(schedule, stages, micro, cut),
+                                                                          std::uint64_t{1});
               pipe.train(
                   false);  // BatchNorm in eval mode: micro-batches then compute exactly what the whole batch does
               auto result = sync_wait(pipe.train_step(x, y));
               auto params = pipe.parameters();
-              INFO(to_string(schedule) << ", " << stages << " stages, " << micro << " micro-batches");
+              INFO(to_string(schedule) << ", " << stages << " stages, " << micro << " micro-batches, cut "
+                                       << cut[0] << "," << cut[1] << (stages == 4 ? ",..." : ""));
               EXPECT(close(result.loss, ref_loss));
               expect_same_parameters(params, ref_params);
               auto plan = pipe.plan(micro);
@@ -385,6 +397,31 @@ torch::nn::Sequential doomed_resnet(std::uint64_t seed) {
   return net;
 }
 }  // namespace
+
+TEST_CASE("each layer's F, I and W are profiled, the first layer's backward all W, and cut for the schedule") {
+  launch_processes(  // a child, for the reason of the case above
+      1,
+      [](int) {
+        auto net = tiny_resnet(1);
+        const auto costs = profile_layer_costs(net, random_images(4, kImage, 3), 1);
+        EXPECT_EQ(costs.size(), net->size());
+        for (auto& c : costs) EXPECT(c.forward > 0 && c.backward_input >= 0 && c.backward_weight >= 0);
+        EXPECT(costs[0].backward_input == 0);  // the input needs no gradient, as the first stage's does not
+        EXPECT(costs[0].backward_weight > 0);  // the stem's convolution has weights
+        for (auto& p : net->parameters()) EXPECT(!p.grad().defined());
+        for (Schedule s : kAllSchedules) {
+          const auto cut = balance_for_schedule(costs, s, 2, 4);
+          EXPECT_EQ(cut.balance.size(), static_cast<std::size_t>(2 * min_stages_per_worker(s)));
+          EXPECT(cut.simulated_seconds <= cut.partition_seconds);
+          // The same through a Pipeline's options.
+          auto o = layout(s, 2 * min_stages_per_worker(s), 4);
+          EXPECT(balance_for_pipeline(o, costs).balance == cut.balance);
+          o.custom_actions = make_schedule(s, 2, min_stages_per_worker(s), 4);  // the same order, given as data
+          EXPECT(balance_for_pipeline(o, costs).balance == cut.balance);
+        }
+      },
+      launch_options(std::chrono::seconds(120)));
+}
 
 TEST_CASE("refining a balance with measured stage times moves the cut toward the stage that was underestimated") {
   // The profile says 4 equal layers; a real step measured stage 0 (layers 0-1) at three times its prediction.

@@ -28,39 +28,15 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <limits>
 #include <vector>
 
+#include "corpc/pipeline/partition.hpp"
+#include "corpc/pipeline/schedule_balance.hpp"
 #include "corpc/rpc/errors.hpp"
 
 namespace corpc::pipeline {
-
-/// Consecutive groups of `costs` into `parts` parts (each at least one item), minimizing the largest group's sum.
-/// Returns the size of each group. Exact (dynamic programming over cut points; layers number in the tens).
-inline std::vector<int> partition_by_cost(const std::vector<double>& costs, int parts) {
-  const int n = static_cast<int>(costs.size());
-  if (parts < 1 || parts > n)
-    throw UsageError("cannot cut " + std::to_string(n) + " layers into " + std::to_string(parts) + " stages");
-  std::vector<double> prefix(n + 1, 0);
-  for (int i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + costs[i];
-  const double inf = std::numeric_limits<double>::infinity();
-  // best[k][i]: the smallest possible maximum when the first i items form k groups; cut[k][i]: where the last begins.
-  std::vector<std::vector<double>> best(parts + 1, std::vector<double>(n + 1, inf));
-  std::vector<std::vector<int>> cut(parts + 1, std::vector<int>(n + 1, 0));
-  best[0][0] = 0;
-  for (int k = 1; k <= parts; ++k)
-    for (int i = k; i <= n; ++i)
-      for (int j = k - 1; j < i; ++j) {
-        const double worst = std::max(best[k - 1][j], prefix[i] - prefix[j]);
-        if (worst < best[k][i]) best[k][i] = worst, cut[k][i] = j;
-      }
-  std::vector<int> sizes(parts);
-  for (int k = parts, i = n; k >= 1; --k) {
-    sizes[k - 1] = i - cut[k][i];
-    i = cut[k][i];
-  }
-  return sizes;
-}
 
 /// Each layer's forward plus backward time on `sample` (seconds; the median of `repeats` runs after one warm-up),
 /// layer by layer, the input of each layer being the previous layer's output.
@@ -85,6 +61,18 @@ inline std::vector<double> profile_layers(torch::nn::Sequential model, const at:
   for (auto& p : model->parameters()) p.mutable_grad().reset();  // profiling leaves no gradients behind
   return times;
 }
+
+/// Each layer's forward (F), input-gradient (I) and weight-gradient (W) seconds for one micro-batch `sample`, what
+/// balance_for_schedule (schedule_balance.hpp) simulates a schedule with: the median of `repeats` runs after one
+/// warm-up, layer by layer, the input of each layer being the previous layer's output. I and W are split as zero
+/// bubble splits a stage's backward (at the nodes where an activation's gradient meets a weight); a layer where that
+/// split finds nothing apart counts its whole backward in I. The first layer's input needs no gradient, as the first
+/// stage's does not: its backward is all W. Profile at the micro-batch size the pipeline will run (the batch over
+/// PipelineOptions::micro_batches): per image, small convolutions cost more than large ones. `wait`, if given, runs
+/// before each clock reading (on a GPU: a synchronize, or the clock reads when kernels were queued). Leaves no
+/// gradients behind. The model must be in the mode it will train in.
+std::vector<ActionCosts> profile_layer_costs(torch::nn::Sequential model, const at::Tensor& sample, int repeats = 3,
+                                             const std::function<void()>& wait = {});
 
 /// torchgpipe's balance-by-time: profile, then partition_by_cost. The model must be in the mode it will train in.
 inline std::vector<int> balance_by_time(torch::nn::Sequential model, const at::Tensor& sample, int stages,

@@ -95,6 +95,28 @@ struct PipelineOptions {
   LossReduction loss_reduction = LossReduction::mean;  ///< how Loss reduces over the batch (see the top of this header)
 };
 
+/// The cut for `options` whose simulated step is shortest (balance_for_schedule, corpc/pipeline/schedule_balance.hpp):
+/// for options.schedule on options.workers with options.micro_batches, `stages_per_worker` stages each (0: the fewest
+/// the schedule runs, min_stages_per_worker), or for options.custom_actions when it is set (its stages: the highest
+/// stage index + 1). `costs`: each layer's F, I and W seconds at the micro-batch size the pipeline runs
+/// (profile_layer_costs). Set options.balance from the result's balance:
+///
+/// ```cpp
+///   auto costs = corpc::pipeline::profile_layer_costs(model, micro_batch);  // a micro-batch-sized sample
+///   o.balance = corpc::pipeline::balance_for_pipeline(o, costs).balance;
+/// ```
+inline ScheduleBalance balance_for_pipeline(const PipelineOptions& options, const std::vector<ActionCosts>& costs,
+                                            int stages_per_worker = 0, double send_seconds = 0) {
+  const int workers = static_cast<int>(options.workers.size());
+  if (options.custom_actions.empty())
+    return balance_for_schedule(costs, options.schedule, workers, options.micro_batches, stages_per_worker,
+                                send_seconds);
+  int stages = 0;
+  for (auto& list : options.custom_actions)
+    for (auto& a : list) stages = std::max(stages, a.stage + 1);
+  return balance_for_plan(costs, options.custom_actions, stages, send_seconds);
+}
+
 /// What Pipeline::train_step returns.
 struct StepResult {
   at::Tensor loss;                    ///< the whole batch's loss, as one process computes it
