@@ -650,13 +650,17 @@ namespace {
 // asks for libuv on Debian's PyTorch 2.x, which is built without it (pytorch#148283): --standalone cannot start there.
 // --redirects/--tee 1: Debian's torchrun 1.13 on Python 3.11 cannot parse their default "0" (an IntFlag change).
 // Each run gets its own rendezvous file (one left by an earlier run holds that run's state), removed after it.
+// 2.x's agent gives its ranks MASTER_ADDR=socket.getfqdn() unless --local_addr says otherwise: in the test roots this
+// host's name does not resolve (1.13's torchrun has no --local_addr and gives localhost).
 std::string under_torchrun(const std::string& command) {
+  static const std::string local_addr =
+      std::system("torchrun --help 2>&1 | grep -q -- --local.addr") == 0 ? "--local_addr 127.0.0.1 " : "";
   static int runs = 0;
   const std::string file = "/tmp/corpc-test-ddp-rdzv-" + std::to_string(::getpid()) + "-" + std::to_string(++runs);
   return "rm -f " + file + "; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 timeout 120 torchrun --no_python --nnodes 1 " +
          "--nproc_per_node=2 --rdzv_backend c10d --rdzv_conf store_type=file --rdzv_endpoint " + file +
-         " --rdzv_id corpc-test --redirects 1 --tee 1 " + command + " > /dev/null 2>&1; s=$?; rm -f " + file +
-         "; exit $s";
+         " --rdzv_id corpc-test " + local_addr + "--redirects 1 --tee 1 " + command +
+         " > /dev/null 2>&1; s=$?; rm -f " + file + "; exit $s";
 }
 
 // Whether torchrun is installed (Debian's python3-torch): where it is, the command above starts ranks on every line.
