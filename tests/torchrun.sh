@@ -37,4 +37,8 @@ grep -q 'counter on worker2: 15' "$work/out" || { cat "$work/out"; fail "torchru
 CORPC_SECRET=$RANDOM$RANDOM run_torchrun --nproc_per_node 2 "$hello" >"$work/out" 2>&1 &&
   { cat "$work/out"; fail "WORLD_SIZE=2 for a 3-rank program gave status 0"; }
 grep -q 'WORLD_SIZE=2' "$work/out" || { cat "$work/out"; fail "the world size mismatch is not named"; }
+# A rank that fails: the agent stops the other (which would sleep past the 120 s bound) and fails.
+run_torchrun --nproc_per_node 2 sh -c '[ "$RANK" = 1 ] && exit 3; exec sleep 1000' >"$work/out" 2>&1
+status=$?
+[[ $status != 0 && $status != 124 ]] || { cat "$work/out"; fail "a killed rank: status $status"; }
 echo "torchrun test: passed"
