@@ -149,6 +149,10 @@ int listen_fd_from_environment() { return env_int({"CORPC_LISTEN_FD"}, -1); }
 
 bool agent_store_from_environment() { return env_or_empty("TORCHELASTIC_USE_AGENT_STORE") == "True"; }
 
+bool started_by_corpc_launcher() {
+  return !env_or_empty("CORPC_LAUNCHED").empty() || !env_or_empty("CORPC_RANK_CREDENTIAL").empty();
+}
+
 RankProofs rank_proofs_from_environment() {
   RankProofs p;
   p.launcher_key = env_or_empty("CORPC_RANK_KEY");

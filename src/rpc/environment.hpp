@@ -38,6 +38,9 @@ int master_port_from_environment();
 std::string first_slurm_host(std::string_view list);
 int listen_fd_from_environment();               // CORPC_LISTEN_FD, or -1
 bool agent_store_from_environment();            // torchrun's agent serves a store on MASTER_PORT
+// Whether this process is a rank that launch_processes or corpcrun started (CORPC_LAUNCHED, or the rank credential
+// they deal every rank): there rank 0 holds MASTER_PORT's listening socket for RPC from the start.
+bool started_by_corpc_launcher();
 
 // What the launcher dealt this process to prove which rank it is (transport/rank_identity.hpp); empty strings under a
 // launcher that deals none (torchrun, Slurm).
