@@ -8,7 +8,8 @@
 //   rejoin             CORPC_REJOIN=1 (on: a launcher restarted this rank in place)
 // and what init_rpc is not given: the rank and world size (RANK/WORLD_SIZE, or Open MPI's, PMI's, Slurm's), rank 0's
 // address for env:// (MASTER_ADDR, MASTER_PORT; under Slurm, derived from its node list and job id when unset), a
-// socket a launcher bound for rank 0 (CORPC_LISTEN_FD), and what a launcher deals to prove ranks (CORPC_RANK_KEY to rank 0, CORPC_RANK_CREDENTIAL to the others, CORPC_RANK_RESTART).
+// socket a launcher bound for rank 0 (CORPC_LISTEN_FD), and what a launcher deals to prove ranks (CORPC_RANK_KEY to
+// rank 0, CORPC_RANK_CREDENTIAL to the others, CORPC_RANK_RESTART).
 // init_process_group (ddp/process_group.cpp) reads the launcher's variables here too, and torchrun's agent store.
 // Outside this file, readers remain only for protocols of their own: CORPC_LOG (core/log.cpp: logging exists before
 // any runtime) and the variables between launch_processes and its ranks (rpc/launch_protocol.hpp).

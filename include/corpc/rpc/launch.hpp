@@ -102,7 +102,8 @@ std::optional<int> launched_rank();
 /// Whether this process is the one that starts the ranks: false in every rank that launch_processes started (either
 /// start method, before its call as after it) and in every process under a launcher (torchrun, corpcrun, Slurm, Open
 /// MPI: a rank and world size set), where each process is a rank. What only the launching process should do (a run
-/// directory, a summary) goes under it: with StartMethod::spawn the code before the launch_processes call runs again in each rank.
+/// directory, a summary) goes under it: with StartMethod::spawn the code before the launch_processes call runs again
+/// in each rank.
 bool launching_process();
 
 /// How many times the launcher has restarted this rank in place (CORPC_RANK_RESTART; 0 in a rank's first process and
