@@ -1,7 +1,8 @@
 // DistributedDataParallel from C++: each rank trains the same MLP on its share of a synthetic regression batch.
 //
 //   ./build/examples/ddp_train                                   # launches 2 local ranks itself
-//   torchrun --no_python --nproc_per_node=2 ./build/examples/ddp_train   # or under torchrun (env:// variables)
+//   corpcrun -n 4 ./build/examples/ddp_train                     # or one rank per process of any launcher
+//   srun -n 4 ./build/examples/ddp_train                         # (torchrun, corpcrun, srun, mpirun: launching.md)
 //
 // At the end every rank checks that its parameters equal rank 0's bit for bit, and rank 0 prints the loss.
 #include <cstdio>
@@ -58,8 +59,8 @@ void train(int steps) {
 int main(int argc, char** argv) {
   const int steps = argc > 1 ? std::atoi(argv[1]) : 50;
   try {
-    if (std::getenv("RANK") != nullptr) {
-      train(steps);  // started by torchrun or another env:// launcher
+    if (!corpc::launching_process() && !corpc::launched_rank()) {
+      train(steps);  // one rank of a launcher's world (torchrun, corpcrun, srun, mpirun), of any size
     } else {
       corpc::launch_processes(2, [&](int) { train(steps); });
     }

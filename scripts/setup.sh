@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs what building and testing corpc needs on Debian 12; skips what is already there. Idempotent.
 #   scripts/setup.sh              build + test dependencies
-#   scripts/setup.sh --pytorch    also Debian's python3-torch, for the PyTorch comparison benchmarks, and gnuplot-nox,
-#                                 which draws the pipeline benchmark's Gantt chart (scripts/benchmark.sh)
+#   scripts/setup.sh --pytorch    also gnuplot-nox, which draws the pipeline benchmark's Gantt chart
+#                                 (scripts/benchmark.sh; python3-torch, for the PyTorch comparisons, is always installed)
 set -euo pipefail
 
 packages=(g++ meson ninja-build pkg-config cmake libtorch-dev libgloo-dev libasio-dev libfmt-dev doctest-dev libssl-dev
@@ -11,9 +11,12 @@ packages=(g++ meson ninja-build pkg-config cmake libtorch-dev libgloo-dev libasi
           # scripts/fuzz.sh: clang and its libFuzzer runtime (the fuzzed decoders need no libtorch).
           clang libclang-rt-14-dev
           # scripts/docs.sh (meson test docs): the reference docs, which fail on any undocumented public name.
-          doxygen)
+          doxygen
+          # The launchers' tests (tests/torchrun.sh, mpirun.sh, slurm.sh): torchrun, Open MPI's mpirun, and a
+          # one-node Slurm cluster the test starts (slurmctld, slurmd, munged).
+          python3-torch openmpi-bin slurm-wlm munge)
 if [[ "${1:-}" == "--pytorch" ]]; then
-  packages+=(python3-torch gnuplot-nox)
+  packages+=(gnuplot-nox)
 fi
 
 missing=()

@@ -645,24 +645,33 @@ TEST_CASE("ddp: a rank dies mid-training, the group restarts and resumes from th
 }
 
 namespace {
+// The torchrun command docs/launching.md gives for every Debian line (tests/torchrun.sh runs it too): the c10d
+// rendezvous on a FileStore of its own, and no TCP store shared by the agent. Every TCPStore torchrun makes itself
+// asks for libuv on Debian's PyTorch 2.x, which is built without it (pytorch#148283): --standalone cannot start there.
 // --redirects/--tee 1: Debian's torchrun 1.13 on Python 3.11 cannot parse their default "0" (an IntFlag change).
-const std::string kTorchrun = "timeout 120 torchrun --no_python --standalone --nproc_per_node=2 --redirects 1 --tee 1 ";
-
-// Whether torchrun is here and can start ranks at all: Debian 13's cannot (its TCPStore asks for libuv, which
-// Debian's build lacks; pytorch#148283). Decided once, before the cases are registered, so that its cases are
-// reported as skipped rather than passed.
-bool torchrun_can_start() {
-  if (std::system("command -v torchrun >/dev/null 2>&1") != 0) return false;
-  return std::system(
-             "timeout 120 torchrun --no_python --standalone --nproc_per_node=1 --redirects 1 --tee 1 true "
-             ">/dev/null 2>&1") == 0;
+// Each run gets its own rendezvous file (one left by an earlier run holds that run's state), removed after it.
+// 2.x's agent gives its ranks MASTER_ADDR=socket.getfqdn() unless --local_addr says otherwise: in the test roots this
+// host's name does not resolve (1.13's torchrun has no --local_addr and gives localhost).
+std::string under_torchrun(const std::string& command) {
+  static const std::string local_addr =
+      std::system("torchrun --help 2>&1 | grep -q -- --local.addr") == 0 ? "--local_addr 127.0.0.1 " : "";
+  static int runs = 0;
+  const std::string file = "/tmp/corpc-test-ddp-rdzv-" + std::to_string(::getpid()) + "-" + std::to_string(++runs);
+  return "rm -f " + file + "; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 timeout 120 torchrun --no_python --nnodes 1 " +
+         "--nproc_per_node=2 --rdzv_backend c10d --rdzv_conf store_type=file --rdzv_endpoint " + file +
+         " --rdzv_id corpc-test " + local_addr + "--redirects 1 --tee 1 " + command +
+         " > /dev/null 2>&1; s=$?; rm -f " + file + "; exit $s";
 }
-const bool g_no_torchrun = !corpc::test::run_is_for("test_ddp.cpp") || !torchrun_can_start();
+
+// Whether torchrun is installed (Debian's python3-torch): where it is, the command above starts ranks on every line.
+// Decided once, before the cases are registered, so that its cases are reported as skipped rather than passed.
+const bool g_no_torchrun = !corpc::test::run_is_for("test_ddp.cpp") ||
+                           std::system("command -v torchrun >/dev/null 2>&1") != 0;
 }  // namespace
 
 #ifdef CORPC_DDP_EXAMPLE
 TEST_CASE("ddp: the example runs under torchrun --no_python" * doctest::skip(g_no_torchrun)) {
-  REQUIRE(std::system((kTorchrun + CORPC_DDP_EXAMPLE + " 5 > /dev/null 2>&1").c_str()) == 0);
+  REQUIRE(std::system(under_torchrun(std::string(CORPC_DDP_EXAMPLE) + " 5").c_str()) == 0);
 }
 #endif
 
@@ -683,7 +692,7 @@ TEST_CASE("ddp: the DDP notes' programs run under torchrun" * doctest::skip(g_no
   for (const char* demo : kNotesPrograms) {
     const std::string exe = std::string(CORPC_EXAMPLES_DIR) + "/" + demo;
     INFO(exe);
-    CHECK(std::system((kTorchrun + exe + " > /dev/null 2>&1").c_str()) == 0);
+    CHECK(std::system(under_torchrun(exe).c_str()) == 0);
   }
 }
 #endif

@@ -10,6 +10,10 @@
 #include <ATen/ATen.h>
 
 #include <cstdlib>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "../src/memory/cuda_ipc.hpp"
 #include "../src/memory/cuda_transfer.hpp"
@@ -775,6 +779,74 @@ TEST_CASE("a launcher variable that is not a number is a UsageError naming it, n
   DOCTEST_CHECK(cd::rank_from_environment() == 3);
   if (saved) ::setenv("RANK", before.c_str(), 1);
   else ::unsetenv("RANK");
+}
+
+// The launchers' variables (rpc/environment.hpp), in process: Slurm's node list as `scontrol show hostnames` reads it,
+// which launcher's rank wins when several are set, and rank 0's address and port under Slurm without MASTER_*.
+TEST_CASE("launcher variables: Slurm's node list and job id give rank 0's address and port; Open MPI's rank wins") {
+  DOCTEST_CHECK(cd::first_slurm_host("node1") == "node1");
+  DOCTEST_CHECK(cd::first_slurm_host("node[1-2]") == "node1");
+  DOCTEST_CHECK(cd::first_slurm_host("n[01-04,7],login1") == "n01");
+  DOCTEST_CHECK(cd::first_slurm_host("n[7,1-4]") == "n7");
+  DOCTEST_CHECK(cd::first_slurm_host("r[1-2]n[3-4]-ib,x") == "r1n3-ib");
+  DOCTEST_CHECK(cd::first_slurm_host("a-b,c[1-2]") == "a-b");
+  DOCTEST_CHECK_THROWS_AS(cd::first_slurm_host("node[1-2"), UsageError);
+
+  const char* const vars[] = {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
+                              "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_JOB_ID",
+                              "SLURM_JOBID", "SLURM_STEP_ID", "SLURM_STEPID", "SLURM_STEP_RESV_PORTS",
+                              "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE"};
+  struct Saved {
+    std::vector<std::pair<std::string, std::optional<std::string>>> values;
+    ~Saved() {
+      for (auto& [name, value] : values) {
+        if (value) ::setenv(name.c_str(), value->c_str(), 1);
+        else ::unsetenv(name.c_str());
+      }
+    }
+  } saved;
+  for (const char* v : vars) {
+    const char* value = std::getenv(v);
+    saved.values.emplace_back(v, value ? std::optional<std::string>(value) : std::nullopt);
+    ::unsetenv(v);
+  }
+  DOCTEST_CHECK(cd::rank_from_environment() == -1);
+  DOCTEST_CHECK(cd::master_address_from_environment().empty());
+  DOCTEST_CHECK(cd::master_port_from_environment() == -1);
+
+  ::setenv("SLURM_PROCID", "2", 1);
+  ::setenv("SLURM_NTASKS", "4", 1);
+  ::setenv("SLURM_JOB_NODELIST", "c[3-4]", 1);
+  ::setenv("SLURM_STEP_NODELIST", "c[4-5]", 1);
+  ::setenv("SLURM_JOB_ID", "1234", 1);
+  ::setenv("SLURM_STEP_ID", "3", 1);
+  DOCTEST_CHECK(cd::rank_from_environment() == 2);
+  DOCTEST_CHECK(cd::world_size_variable() == "SLURM_NTASKS");
+  DOCTEST_CHECK(cd::master_address_from_environment() == "c4");  // the step's list before the job's
+  DOCTEST_CHECK(cd::master_port_from_environment() == 20000 + 2343);
+  ::setenv("SLURM_STEP_RESV_PORTS", "12000-12003", 1);
+  DOCTEST_CHECK(cd::master_port_from_environment() == 12000);
+  ::unsetenv("SLURM_STEP_NODELIST");
+  DOCTEST_CHECK(cd::master_address_from_environment() == "c3");  // a batch script: the job's
+  ::setenv("MASTER_ADDR", "head", 1);
+  ::setenv("MASTER_PORT", "29500", 1);
+  DOCTEST_CHECK(cd::master_address_from_environment() == "head");
+  DOCTEST_CHECK(cd::master_port_from_environment() == 29500);
+  ::unsetenv("MASTER_ADDR");
+  ::unsetenv("MASTER_PORT");
+
+  // mpirun in a Slurm batch script: Open MPI's rank, and no address from Slurm's list (task 0 is not mpirun's rank 0).
+  ::setenv("OMPI_COMM_WORLD_RANK", "1", 1);
+  ::setenv("OMPI_COMM_WORLD_SIZE", "3", 1);
+  DOCTEST_CHECK(cd::rank_from_environment() == 1);
+  DOCTEST_CHECK(cd::world_size_from_environment() == 3);
+  DOCTEST_CHECK(cd::world_size_variable() == "OMPI_COMM_WORLD_SIZE");
+  DOCTEST_CHECK(cd::master_address_from_environment().empty());
+  DOCTEST_CHECK(cd::master_port_from_environment() == -1);
+  ::setenv("RANK", "0", 1);  // torchrun's, corpcrun's or a user's own first
+  ::setenv("WORLD_SIZE", "2", 1);
+  DOCTEST_CHECK(cd::rank_variable() == "RANK");
+  DOCTEST_CHECK(cd::world_size_from_environment() == 2);
 }
 
 }  // namespace test_device_map

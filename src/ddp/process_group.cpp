@@ -34,9 +34,11 @@ int launcher_or(int from_environment, int fallback, const char* what) {
 c10::intrusive_ptr<c10d::Store> make_store(const std::string& addr, int port, int rank, int world,
                                            std::chrono::milliseconds timeout) {
   const bool agent_store = corpc::detail::agent_store_from_environment();
-  if (!agent_store && !corpc::detail::secret_from_environment().empty()) {
-    // corpc::launch_processes: rank 0 holds MASTER_PORT's listening socket for RPC, so no TCPStore can bind it.
-    // All ranks are forks of one launcher (same parent, same port): a file named after both is unique to this run.
+  if (!agent_store && corpc::detail::started_by_corpc_launcher()) {
+    // launch_processes or corpcrun: rank 0 holds MASTER_PORT's listening socket for RPC, so no TCPStore can bind it.
+    // All ranks are children of one launcher on one host (same parent, same port): a file named after both is unique
+    // to this run. Under other launchers (srun, mpirun, torchrun's file rendezvous) rank 0 serves a TCPStore on
+    // MASTER_PORT, which reaches ranks on other hosts too (their parents differ: slurmstepd, orted).
     auto path = "/tmp/corpc-ddp-store-" + std::to_string(::getppid()) + "-" + std::to_string(port);
     auto store = c10::make_intrusive<c10d::FileStore>(path, world);
     store->setTimeout(timeout);

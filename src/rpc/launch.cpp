@@ -31,18 +31,19 @@ std::string describe(const std::vector<RankFailure>& failures) {
   return s;
 }
 
-// Under a launcher that set RANK and WORLD_SIZE (not launch_processes itself): this process's rank.
+// Under a launcher that set a rank and world size (not launch_processes itself): this process's rank. The variables
+// are init_rpc's (RANK/WORLD_SIZE, Open MPI's, PMI's, Slurm's: rpc/environment.hpp); errors name the one read.
 std::optional<int> launcher_rank(int world_size) {
-  const char* rank = std::getenv("RANK");
-  const char* size = std::getenv("WORLD_SIZE");
-  if (!rank || !*rank || !size || !*size || std::getenv(detail::kLaunched)) return std::nullopt;
-  const int r = std::atoi(rank), n = std::atoi(size);
+  if (std::getenv(detail::kLaunched)) return std::nullopt;
+  const int r = detail::rank_from_environment(), n = detail::world_size_from_environment();
+  if (r < 0 || n < 0) return std::nullopt;
+  const std::string rank = detail::rank_variable() + "=" + std::to_string(r);
+  const std::string size = detail::world_size_variable() + "=" + std::to_string(n);
   if (n != world_size)
     throw UsageError("launch_processes(" + std::to_string(world_size) + "): this process runs under a launcher that " +
-                     "started WORLD_SIZE=" + std::to_string(n) + " ranks; start it with " + std::to_string(world_size) +
+                     "started " + size + " ranks; start it with " + std::to_string(world_size) +
                      " (or without a launcher)");
-  if (r < 0 || r >= n)
-    throw UsageError("launch_processes: RANK=" + std::string(rank) + " is not below WORLD_SIZE=" + size);
+  if (r >= n) throw UsageError("launch_processes: " + rank + " is not below " + size);
   return r;
 }
 

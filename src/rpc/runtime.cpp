@@ -160,7 +160,8 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   if (world_size < 0) world_size = detail::world_size_from_environment();
   if (rank < 0 || world_size <= 0 || rank >= world_size)
     throw UsageError("init_rpc: need 0 <= rank < world_size (got rank " + std::to_string(rank) + ", world size " +
-                     std::to_string(world_size) + "); set RANK and WORLD_SIZE or pass them");
+                     std::to_string(world_size) + " from " + detail::rank_variable() + "/" +
+                     detail::world_size_variable() + "); set RANK and WORLD_SIZE or pass them");
   // Device maps set field by field skip set_device_map's checks: made here, before anything starts. The checks
   // against the other workers follow at rendezvous.
   for (const auto& [worker, map] : options.device_maps) detail::check_invertible(map, worker);
@@ -177,7 +178,12 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   } else if (options.init_method == "env://") {
     host = detail::master_address_from_environment();
     port = detail::master_port_from_environment();
-    if (host.empty() || port <= 0) throw UsageError("init_method env:// needs MASTER_ADDR and MASTER_PORT");
+    if (host.empty() || port <= 0) {
+      throw UsageError("init_method env:// needs MASTER_ADDR and MASTER_PORT (" + detail::rank_variable() +
+                       " is set" + (detail::rank_variable() == "SLURM_PROCID"
+                                        ? ", but neither MASTER_ADDR nor SLURM_STEP_NODELIST/SLURM_JOB_NODELIST)"
+                                        : "; set both for every rank, e.g. mpirun -x MASTER_ADDR -x MASTER_PORT)"));
+    }
   } else {
     throw UsageError("unknown init_method '" + options.init_method + "' (use env:// or tcp://host:port)");
   }

@@ -25,9 +25,11 @@
 /// OpenMP pool, its autograd workers, an RPC runtime) and hangs in them. It refuses with UsageError otherwise (threads
 /// that shared libraries start as they load, such as OpenBLAS's pool, are not counted: they handle fork).
 ///
-/// **Under a launcher** (torchrun, corpcrun, Slurm via RANK/WORLD_SIZE): when RANK and WORLD_SIZE are already set and
-/// this process was not started by launch_processes, it runs `fn(RANK)` in this process only; WORLD_SIZE must equal
-/// `world_size`. So one program serves both `./prog` and `corpcrun -n 3 ./prog`.
+/// **Under a launcher** (torchrun, corpcrun: RANK/WORLD_SIZE; Open MPI's mpirun: OMPI_COMM_WORLD_RANK/SIZE; MPICH:
+/// PMI_RANK/SIZE; Slurm's srun: SLURM_PROCID/SLURM_NTASKS, read in that order): when a rank and world size are already
+/// set and this process was not started by launch_processes, it runs `fn(rank)` in this process only; the world size
+/// must equal `world_size` (else UsageError naming the launcher's variable). So one program serves both `./prog` and
+/// `corpcrun -n 3 ./prog`, `srun -n 3 ./prog` or `mpirun -n 3 ./prog`.
 ///
 /// Rank 0 inherits an already-bound listening socket, so concurrent launches never collide on a port. If a rank
 /// fails (throws, exits non-zero, dies on a signal, or the timeout passes) the others get a grace period to finish,
@@ -98,9 +100,10 @@ void launch_processes(int world_size, const std::function<void(int rank)>& fn, L
 std::optional<int> launched_rank();
 
 /// Whether this process is the one that starts the ranks: false in every rank that launch_processes started (either
-/// start method, before its call as after it) and in every process under a launcher (torchrun, corpcrun, Slurm: RANK
-/// and WORLD_SIZE set), where each process is a rank. What only the launching process should do (a run directory, a
-/// summary) goes under it: with StartMethod::spawn the code before the launch_processes call runs again in each rank.
+/// start method, before its call as after it) and in every process under a launcher (torchrun, corpcrun, Slurm, Open
+/// MPI: a rank and world size set), where each process is a rank. What only the launching process should do (a run
+/// directory, a summary) goes under it: with StartMethod::spawn the code before the launch_processes call runs again
+/// in each rank.
 bool launching_process();
 
 /// How many times the launcher has restarted this rank in place (CORPC_RANK_RESTART; 0 in a rank's first process and
