@@ -419,11 +419,13 @@ TEST_CASE("the same-host channel is taken only with its connection's claim, not 
   {
     cd::ShmListener listener(io, "test");
     const std::string secret = "a secret of this test", transcript = "the nonces of one connection";
-    const std::string cookie = listener.offer([&](std::shared_ptr<cd::ShmChannel>) { ++attached; }, [] { return true; },
-                                              [&](const std::string& c) { return cd::channel_claim(secret, transcript, c); });
+    const std::string cookie =
+        listener.offer([&](std::shared_ptr<cd::ShmChannel>) { ++attached; }, [] { return true; },
+                       [&](const std::string& c) { return cd::channel_claim(secret, transcript, c); });
     auto present = [&](const std::string& claim) {
       std::promise<std::string> failure;
-      asio::co_spawn(io, cd::dial_shm_channel(listener.name(), claim, 1 << 20, [](std::shared_ptr<cd::ShmChannel>) {}, 10s),
+      auto dial = cd::dial_shm_channel(listener.name(), claim, 1 << 20, [](std::shared_ptr<cd::ShmChannel>) {}, 10s);
+      asio::co_spawn(io, std::move(dial),
                      [&](std::exception_ptr e, std::string why) { failure.set_value(e ? "it threw" : why); });
       return failure.get_future().get();
     };

@@ -13,12 +13,12 @@ void start_call(Runtime& runtime, OutboundCall&& call) noexcept { start_call(run
 namespace {
 
 // A call to a rank that died, held until a new incarnation takes the rank (RpcOptions::replacement_wait), if the rank
-// may come back: not one that said goodbye. False: not held, the call goes on (and fails as the rank is gone).
+// may come back: not one that said goodbye (shut down, or stopped after an error it named). False: the rank is alive,
+// or not to be waited for; the call goes on.
 bool hold_for_replacement(Runtime::Impl& rt, OutboundCall& call) {
   const int dst = call.dst;
   const std::string why = rt.peers->death(dst);
-  if (why.empty() || why == Runtime::Impl::kShutDownReason || why.rfind("it stopped after an error", 0) == 0)
-    return false;
+  if (why.empty() || why == Runtime::Impl::kShutDownReason || !rt.peers->farewell(dst).empty()) return false;
   const auto now = ReplacementWaits::Clock::now();
   auto timeout = call.timeout.value_or(rt.options.rpc_timeout);
   if (const auto inherited = current_call_context().deadline; inherited != ReplacementWaits::Clock::time_point::max())
@@ -56,9 +56,7 @@ void start_call(Runtime::Impl& rt, OutboundCall&& call) noexcept {
   try {
     const int dst = call.dst;
     if (dst < 0 || dst >= rt.world_size) throw UnknownWorkerError("no worker with rank " + std::to_string(dst));
-    if (rt.options.replacement_wait.count() > 0 && !call.control && !rt.peers->is_alive(dst) &&
-        hold_for_replacement(rt, call))
-      return;
+    if (rt.options.replacement_wait.count() > 0 && !call.control && hold_for_replacement(rt, call)) return;
     auto conn = rt.connection_to(dst);  // throws for a dead peer or a closing runtime
     CallEngine::of(*conn).start(conn, std::move(call));
   } catch (...) {

@@ -78,11 +78,4 @@ std::vector<ReplacementWaits::Waiting> ReplacementWaits::close() {
   return out;
 }
 
-std::size_t ReplacementWaits::size() const {
-  std::lock_guard lock(state_->mutex);
-  std::size_t n = 0;
-  for (const auto& [rank, calls] : state_->held) n += calls.size();
-  return n;
-}
-
 }  // namespace corpc::detail

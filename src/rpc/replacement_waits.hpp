@@ -43,8 +43,6 @@ class ReplacementWaits {
   std::vector<Waiting> take(int rank);
   // From now on nothing is held; returns what was (to fail with ShutdownError).
   std::vector<Waiting> close();
-  // How many calls are held now (for tests and shutdown's count of work in flight).
-  std::size_t size() const;
 
  private:
   struct Held {

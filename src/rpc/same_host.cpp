@@ -47,7 +47,9 @@ void Runtime::Impl::offer_same_host(const std::shared_ptr<detail::Connection>& c
   answer.shm_cookie = shm_listener->offer(
       install_on(conn, cuda_ipc_link(conn->peer_rank, theirs.cuda_ipc, theirs.host)),
       [weak = std::weak_ptr(conn)] { return !weak.expired(); },
-      [&](const std::string& cookie) { return detail::channel_claim(auth.secret, conn->handshake_transcript(), cookie); });
+      [&](const std::string& cookie) {
+        return detail::channel_claim(auth.secret, conn->handshake_transcript(), cookie);
+      });
 }
 
 // Dialer: the peer's answer offered a channel and says it is on our host. The set-up (a segment, a Unix socket, a

@@ -196,39 +196,16 @@ asio::awaitable<void> authenticate(Transport& socket, const AuthConfig& config, 
 
 void initialize_openssl() { OPENSSL_init_ssl(0, nullptr); }
 
-namespace {
-std::string hex_of(const unsigned char* bytes, std::size_t n) {
-  static const char* hex = "0123456789abcdef";
-  std::string out;
-  for (std::size_t i = 0; i < n; ++i) {
-    out += hex[bytes[i] >> 4];
-    out += hex[bytes[i] & 15];
-  }
-  return out;
-}
-}  // namespace
-
 std::string random_secret() {
   std::array<unsigned char, 32> bytes;
   if (RAND_bytes(bytes.data(), static_cast<int>(bytes.size())) != 1) throw RpcError("no randomness for a secret");
-  return hex_of(bytes.data(), bytes.size());
-}
-
-std::string channel_claim(const std::string& secret, const std::string& transcript, const std::string& cookie) {
-  if (secret.empty()) return cookie;
-  // Length-prefixed, so that no other split of the same bytes into transcript and cookie gives the same MAC.
-  std::string msg = "corpc same-host channel claim";
-  const std::uint64_t n = transcript.size();
-  msg.append(reinterpret_cast<const char*>(&n), sizeof n);
-  msg += transcript;
-  msg += cookie;
-  std::array<unsigned char, 32> out;
-  unsigned int len = 0;
-  if (!HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()),
-            reinterpret_cast<const unsigned char*>(msg.data()), msg.size(), out.data(), &len) ||
-      len != out.size())
-    throw ConnectionError("same-host channel: HMAC failed");
-  return hex_of(out.data(), out.size());
+  static const char* hex = "0123456789abcdef";
+  std::string out;
+  for (unsigned char b : bytes) {
+    out += hex[b >> 4];
+    out += hex[b & 15];
+  }
+  return out;
 }
 
 }  // namespace corpc::detail

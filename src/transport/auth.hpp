@@ -56,12 +56,6 @@ asio::awaitable<void> authenticate(Transport& transport, const AuthConfig& confi
 // A fresh random secret (hex), for launchers that start all the ranks of a job.
 std::string random_secret();
 
-// What a dialer presents on the acceptor's Unix socket to claim the same-host channel the acceptor offered with
-// `cookie` on the connection whose handshake `transcript` is (shm_channel.hpp): with a secret, its HMAC over the
-// transcript and the cookie, hex (as long as a cookie). The cookie travels in a tagged, not encrypted, answer: a
-// process on the path can read it, but only the two ends can turn it into the claim. Without a secret, the cookie.
-std::string channel_claim(const std::string& secret, const std::string& transcript, const std::string& cookie);
-
 // Initializes OpenSSL now, so that its exit-time cleanup is registered before what the caller registers next: exit
 // handlers run in reverse order, and a runtime shut down at exit still authenticates connections.
 void initialize_openssl();

@@ -128,6 +128,15 @@ std::string credential_proof(std::string_view credential, std::string_view publi
   return hmac(credential, message);
 }
 
+std::string channel_claim(std::string_view secret, std::string_view transcript, const std::string& cookie) {
+  if (secret.empty()) return cookie;
+  std::string message = "corpc same-host channel claim";
+  append_field(message, transcript);
+  append_field(message, cookie);
+  const std::string mac = hmac(secret, message);
+  return hex(reinterpret_cast<const unsigned char*>(mac.data()), mac.size());
+}
+
 bool credential_proof_matches(std::string_view credential, std::string_view public_key, std::string_view proof) {
   const std::string expected = credential_proof(credential, public_key);
   return proof.size() == expected.size() && CRYPTO_memcmp(proof.data(), expected.data(), expected.size()) == 0;

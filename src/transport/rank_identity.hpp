@@ -64,6 +64,13 @@ bool credential_proof_matches(std::string_view credential, std::string_view publ
 enum class HelloSide { dialer, acceptor };
 std::string hello_statement(HelloSide side, int rank, std::uint32_t incarnation, int to_rank,
                             std::string_view transcript);
+// What a dialer presents on the acceptor's Unix socket to claim the same-host channel the acceptor offered with
+// `cookie` on the connection whose handshake `transcript` is (shm_channel.hpp): with a secret, HMAC-SHA256 under it
+// over the transcript and the cookie, hex (as long as a cookie). The cookie travels in a tagged, not encrypted,
+// answer: a process on the path can read it, but only the two ends can turn it into the claim, and the claim is good
+// for that connection alone. Without a secret, the cookie.
+std::string channel_claim(std::string_view secret, std::string_view transcript, const std::string& cookie);
+
 // What rank 0 signs for an incarnation it admitted after the world was published.
 std::string certificate_statement(int rank, std::uint32_t incarnation, std::string_view public_key);
 

@@ -130,8 +130,8 @@ class ShmListener {
   ~ShmListener();
   const std::string& name() const noexcept { return name_; }
   // A fresh cookie for one connection's channel: when a dialer presents `claim_of(cookie)` (the cookie itself if
-  // claim_of is empty; auth.hpp's channel_claim binds it to the connection) with its segment, `on_attach` gets the
-  // mapped channel (on the listener's thread). One use. Any thread.
+  // claim_of is empty; rank_identity.hpp's channel_claim binds it to the connection) with its segment, `on_attach`
+  // gets the mapped channel (on the listener's thread). One use. Any thread.
   std::string offer(OnAttach on_attach, std::function<bool()> still_wanted,
                     const std::function<std::string(const std::string&)>& claim_of = {});
   void close();
