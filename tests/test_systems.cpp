@@ -45,9 +45,13 @@ std::vector<ps::TrainerResult> train(RRef<Server> server, int trainers, std::int
 }  // namespace
 
 TEST_CASE("batch-updating parameter server: one update per round, parameters equal one process") {
-  // Tolerance: none. Each round's gradients are computed from the same parameters on the same batches with one
-  // intra-op thread, and the server sums them in trainer order (not arrival order), as the reference does; the
-  // result is therefore bit for bit the reference's.
+  // Tolerance: a few float roundings. The server sums each round's gradients in trainer order, as the reference does,
+  // yet bit-equality with the reference does not hold on a busy machine: about one run in ten under load, on libtorch
+  // 1.13 and 2.6 alike, the first layer differs by up to 7.5e-9 (values up to 0.04) in a sixth of its elements after
+  // 6 rounds, the spread of one early rounding; the kernels' float paths are not ours to pin. What this case guards
+  // is far above that, and the case checks that it is: a gradient dropped every round moves the parameters by more
+  // than 100 times the tolerance.
+  static constexpr double kAtol = 1e-6;
   static constexpr int kTrainers = 2;
   static constexpr std::int64_t kRounds = 6;
   static constexpr std::uint64_t kSeed = 3;
@@ -66,15 +70,17 @@ TEST_CASE("batch-updating parameter server: one update per round, parameters equ
       auto want = ps::reference_batch_updating(kTrainers, kRounds, kSeed, kLr);
       EXPECT_EQ(got.params.size(), want.size());
       for (std::size_t i = 0; i < want.size(); ++i) {
-        if (at::equal(got.params[i], want[i])) continue;
+        if (at::allclose(got.params[i], want[i], /*rtol=*/0, kAtol)) continue;
         std::ostringstream why;
         why << "parameter " << i << " differs from one process's: by up to "
             << (got.params[i] - want[i]).abs().max().item<double>() << " in "
             << (got.params[i] != want[i]).sum().item<std::int64_t>() << " of " << want[i].numel()
-            << " elements, its largest value " << want[i].abs().max().item<double>();
+            << " elements (tolerance " << kAtol << "), its largest value " << want[i].abs().max().item<double>();
         throw std::runtime_error(why.str());
       }
       EXPECT(!at::equal(got.params[0], ps::init_parameters(kSeed)[0]));  // it did train
+      auto dropped = ps::reference_batch_updating(1, kRounds, kSeed, kLr);  // trainer 1's gradients lost
+      EXPECT((dropped[0] - want[0]).abs().max().item<double>() > 100 * kAtol);
     }
     expect_no_references(kTrainers + 1);
   });
