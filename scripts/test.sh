@@ -48,11 +48,9 @@ if [[ "${1:-}" != "--quick" ]]; then
           'CORPC_SUITE_EXCLUDE=$trixie_exclude CORPC_SUITE_SKIP=$trixie_skip scripts/root.sh run trixie scripts/suite.sh libtorch-2.6 build-trixie $unity -Dbenchmarks=disabled'
           scripts/fuzz.sh scripts/sanitize.sh)
 fi
-# The multi-process suites on a busy machine (issue 62): 2 rounds of flow, rpc and soak on the 1.13 build under a CPU
-# hog with a second corpc job beside them (scripts/load_test.sh; about 2 minutes on 2 cores). Not in --quick. Not
-# systems yet: its batch-updating parameter server still misses bit-equality about one run in ten under this load
-# (docs/testing.md#load), which would fail one CI run in five or so.
-if [[ "${1:-}" != "--quick" ]]; then parts+=("CORPC_LOAD_SUITES=flow,rpc,soak scripts/load_test.sh 2 build"); fi
+# The multi-process suites on a busy machine (issue 62): 2 rounds of flow, rpc, soak and systems on the 1.13 build
+# under a CPU hog with a second corpc job beside them (scripts/load_test.sh; docs/testing.md#load). Not in --quick.
+if [[ "${1:-}" != "--quick" ]]; then parts+=("CORPC_LOAD_SUITES=flow,rpc,soak,systems scripts/load_test.sh 2 build"); fi
 
 wait_roots() {
   if wait "$roots_pid"; then

@@ -9,7 +9,9 @@ layers it builds on, in backticks, in the last. A file in include/corpc/<L>/ or 
   - corpc/detail/ (the libtorch release shims, shared by every layer that sees libtorch),
   - the headers of the libraries L uses (LIBRARIES below says which headers are whose; any other <header> is the
     C++ library's or the system's),
-and a public header never includes a private one. Run by the build before anything compiles (meson.build) and by
+and a public header never includes a private one. It also holds docs/ARCHITECTURE.md to "the environment is read in
+src/rpc/environment.cpp": a getenv in any other file of src/ or include/ is rejected, but for the two readers with
+protocols of their own (ENVIRONMENT_READERS). Run by the build before anything compiles (meson.build) and by
 the tests (tests/meson.build, with --self-test showing that it rejects an upward include).
 
   check_layers.py ROOT [--stamp FILE]    check the tree at ROOT; on success write FILE (the build's stamp)
@@ -33,6 +35,10 @@ LIBRARIES = {
     'cuda': re.compile(r'^(cuda|cuda_runtime|cuda_runtime_api|driver_types)\.h$'),
     'doctest': re.compile(r'^doctest/'),
 }
+# The files that may read the environment: the runtime's settings, logging (which exists before any runtime) and the
+# variables between launch_processes and the ranks it starts.
+ENVIRONMENT_READERS = {'src/rpc/environment.cpp', 'src/core/log.cpp', 'src/rpc/launch_protocol.cpp'}
+GETENV = re.compile(r'\b(secure_)?getenv\s*\(')
 
 
 def read_table(root):
@@ -92,6 +98,11 @@ def check(root):
     for kind, layer, path in files_of(root, table):
         rel = os.path.relpath(path, root)
         text = open(path, encoding='utf-8').read()
+        if rel not in ENVIRONMENT_READERS:
+            for m in GETENV.finditer(text):
+                line = text.count('\n', 0, m.start()) + 1
+                errors.append(f'{rel}:{line}: reads the environment outside src/rpc/environment.cpp (add a function '
+                              f'there; docs/ARCHITECTURE.md)')
         for m in SYSTEM_INCLUDE.finditer(text):
             inc = m.group(1)
             lib = next((name for name, pattern in LIBRARIES.items() if pattern.search(inc)), None)
@@ -148,6 +159,7 @@ def self_test():
             'include/corpc/wire/leak.hpp': '#include "wire/d.hpp"\n',     # public including private
             'src/wire/f.cpp': '#include <ATen/ATen.h>\n#include <vector>\n#include <sys/socket.h>\n',  # its own
             'src/core/g.hpp': '#include <string>\n\n#include <asio.hpp>\n',    # a library core does not use
+            'src/rpc/h.cpp': 'int f() { return std::getenv("X") != nullptr; }\n',  # the environment read elsewhere
         }
         for name, text in files.items():
             os.makedirs(os.path.dirname(os.path.join(root, name)), exist_ok=True)
@@ -156,13 +168,14 @@ def self_test():
         errors = check(root)
         want = ['src/core/up.cpp:2: #include "rpc/e.hpp": core includes rpc, which is not below it',
                 'include/corpc/wire/leak.hpp:1: #include "wire/d.hpp": a public header includes a private one',
-                'src/core/g.hpp:3: #include <asio.hpp>: core does not use asio']
+                'src/core/g.hpp:3: #include <asio.hpp>: core does not use asio',
+                'src/rpc/h.cpp:1: reads the environment outside src/rpc/environment.cpp']
         missing = [w for w in want if not any(e.startswith(w) for e in errors)]
         if missing or len(errors) != len(want):
             print('self-test failed; errors:', *errors, 'expected:', *want, sep='\n  ')
             return 1
-    print('check_layers self-test: the upward include, the public-private include and a library the layer does not '
-          'use are rejected, nothing else')
+    print('check_layers self-test: the upward include, the public-private include, a library the layer does not use '
+          'and an environment read outside environment.cpp are rejected, nothing else')
     return 0
 
 

@@ -14,7 +14,6 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
-#include <sys/random.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -28,6 +27,7 @@
 #include <vector>
 
 #include "core/loopback_listener.hpp"
+#include "transport/mac.hpp"
 #include "transport/rank_identity.hpp"
 
 namespace {
@@ -67,14 +67,8 @@ int bind_master_socket(int& port) {
 
 std::string fresh_secret() {
   unsigned char bytes[32];
-  if (::getrandom(bytes, sizeof bytes, 0) != static_cast<ssize_t>(sizeof bytes)) die("getrandom");
-  std::string hex;
-  for (unsigned char b : bytes) {
-    char h[3];
-    std::snprintf(h, sizeof h, "%02x", b);
-    hex += h;
-  }
-  return hex;
+  if (!corpc::detail::random_bytes(bytes, sizeof bytes)) die("no randomness for a secret");
+  return corpc::detail::hex(bytes, sizeof bytes);
 }
 
 // One of a rank's output streams: bytes are passed on a line at a time, each line prefixed with the rank.

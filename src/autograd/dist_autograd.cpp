@@ -12,6 +12,7 @@
 #include <mutex>
 #include <set>
 
+#include "corpc/core/detail/deferred_work.hpp"
 #include "corpc/core/when_all.hpp"
 #include "corpc/detail/torch_compat.hpp"
 #include "corpc/rpc/call.hpp"

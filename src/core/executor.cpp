@@ -9,6 +9,7 @@
 #include <ctime>
 
 #include "corpc/core/call_context.hpp"
+#include "corpc/core/detail/deferred_work.hpp"
 #include "corpc/core/detail/event.hpp"
 #include "corpc/core/detail/manual_executor.hpp"
 #include "corpc/core/errors.hpp"

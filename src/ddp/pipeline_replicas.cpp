@@ -298,7 +298,7 @@ PipelineReplicas::PipelineReplicas(torch::nn::Sequential model, pipeline::LossFn
   const auto where = pipeline::stage_workers(pipeline::placement_of(options.schedule), W, stages);
   s.actions = pipeline::make_schedule(options.schedule, W, stages / W, options.micro_batches)[s.position];
 
-  pipeline::StagePlacement placement;
+  pipeline::detail::StagePlacement placement;
   // Deterministic, so that a restarted worker's mailbox is the one its mates send to.
   placement.pipeline_id = (std::uint64_t{1} << 63) | static_cast<std::uint64_t>(s.replica);
   for (int st = 0; st < stages; ++st) {

@@ -212,154 +212,199 @@ std::vector<std::pair<std::int32_t, std::vector<at::Tensor>>> stage_parameters(s
 
 namespace {
 
-// Runs one step's actions on the stages `host` holds: every forward and backward, no optimizer step. `hooks` (may be
-// null) hears when a stage's gradients are complete: after its last backward, a B or a W, counted rather than
-// found by position because the loop below reorders Ws and overlapped pairs at run time.
-Task<WorkerReport> run_actions(std::shared_ptr<Host> host, std::int64_t step, std::vector<Action> actions,
-                               std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets, std::int64_t mean_over,
-                               const StageHooks* hooks) {
-  host->forget_before(step);
-  std::map<int, int> backwards_left;  // per stage: the Bs and Ws still to run
-  for (const auto& a : actions)
-    if (a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardWeight) ++backwards_left[a.stage];
-  const int last = static_cast<int>(host->placement.stage_ranks.size()) - 1;
-  WorkerReport report;
-  report.rank = host->rank;
-  for (auto& [s, st] : host->stages) {
-    report.stages.push_back(s);
-    // This step's gradients only. Zeroed rather than dropped: they stay allocated from the first step on, so the
-    // activation peak below does not count them.
-    for (auto& p : st.layers->parameters())
-      if (p.grad().defined()) p.mutable_grad().zero_();
-  }
-  report.losses.assign(targets.size(), 0.0);
-  reset_host_peak_bytes();
-  const std::int64_t baseline = host_live_bytes();
+// One step's run over the stages a host holds: what every action of the step shares (the micro-batches held from
+// their F to their last backward, the sends in flight, the report), and what each kind of action does once its input
+// is here. run_actions below drives it, awaiting the inputs that come from other workers.
+class StepRun {
+ public:
+  StepRun(std::shared_ptr<Host> host, std::int64_t step, std::vector<Action>& actions, std::vector<at::Tensor>& inputs,
+          std::vector<at::Tensor>& targets, std::int64_t mean_over, const StageHooks* hooks)
+      : host_(std::move(host)),
+        step_(step),
+        actions_(actions),
+        inputs_(inputs),
+        targets_(targets),
+        mean_over_(mean_over),
+        hooks_(hooks),
+        last_(static_cast<int>(host_->placement.stage_ranks.size()) - 1) {}
 
-  std::map<std::pair<int, int>, Held> held;
-  std::vector<Future<void>> sends;
-  // Whether what `a` consumes is here (or needs no message: the first stage's forward, the last's backward, a W).
-  auto input_here = [&](const Action& a) {
-    if (a.kind == ActionKind::Forward) return a.stage == 0 || host->arrived({step, a.stage, a.micro, false});
-    if (a.kind == ActionKind::BackwardWeight) return true;
-    return a.stage == last || host->arrived({step, a.stage, a.micro, true});
-  };
-  for (std::size_t i = 0; i < actions.size(); ++i) {
+  // Before the first action: this step's gradients only, and the memory baseline the peak is measured from.
+  void begin() {
+    host_->forget_before(step_);
+    for (const auto& a : actions_)
+      if (a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardWeight) ++backwards_left_[a.stage];
+    report_.rank = host_->rank;
+    for (auto& [s, st] : host_->stages) {
+      report_.stages.push_back(s);
+      // Zeroed rather than dropped: they stay allocated from the first step on, so the activation peak does not
+      // count them.
+      for (auto& p : st.layers->parameters())
+        if (p.grad().defined()) p.mutable_grad().zero_();
+    }
+    report_.losses.assign(targets_.size(), 0.0);
+    reset_host_peak_bytes();
+    baseline_ = host_live_bytes();
+  }
+
+  // Whether action `a` takes its input from another worker (an activation, or an output's gradient).
+  bool needs_message(const Action& a) const {
+    if (a.kind == ActionKind::Forward) return a.stage != 0;
+    if (a.kind == ActionKind::BackwardWeight) return false;
+    return a.stage != last_;
+  }
+  Host::Key mail_key(const Action& a) const { return {step_, a.stage, a.micro, a.kind != ActionKind::Forward}; }
+
+  // Reorders the actions from `i` on by what has arrived, so that the worker waits less.
+  void reorder_for_arrivals(std::size_t i) {
     // An overlapped pair starts with whichever of its two inputs is here: the backward when the forward's activation
     // has not come yet but the backward's gradient has.
-    if (actions[i].overlap && i + 1 < actions.size()) {
-      const Action &f = actions[i], &b = actions[i + 1];
-      if (!input_here(f) && input_here(b)) {
-        std::swap(actions[i], actions[i + 1]);
-        actions[i + 1].overlap = false;  // the pair is decided; the forward does not pair with what follows
+    if (actions_[i].overlap && i + 1 < actions_.size()) {
+      if (!input_here(actions_[i]) && input_here(actions_[i + 1])) {
+        std::swap(actions_[i], actions_[i + 1]);
+        actions_[i + 1].overlap = false;  // the pair is decided; the forward does not pair with what follows
       }
     }
     // Rather than wait for an input, run a W the list has later whose I is done: a W sends nothing, so running it
     // earlier changes no other worker's wait, and it frees its micro-batch sooner. This keeps zero bubble's Ws in
     // the waits when real stage times differ from the unit times the order was made with.
-    if (actions[i].kind != ActionKind::BackwardWeight && !input_here(actions[i])) {
-      for (std::size_t j = i + 1; j < actions.size(); ++j) {
-        if (actions[j].kind != ActionKind::BackwardWeight) continue;
-        if (auto h = held.find({actions[j].stage, actions[j].micro}); h != held.end() && h->second.input_done) {
-          std::rotate(actions.begin() + static_cast<std::ptrdiff_t>(i),
-                      actions.begin() + static_cast<std::ptrdiff_t>(j),
-                      actions.begin() + static_cast<std::ptrdiff_t>(j) + 1);
-          break;
-        }
+    if (actions_[i].kind == ActionKind::BackwardWeight || input_here(actions_[i])) return;
+    for (std::size_t j = i + 1; j < actions_.size(); ++j) {
+      if (actions_[j].kind != ActionKind::BackwardWeight) continue;
+      if (auto h = held_.find({actions_[j].stage, actions_[j].micro}); h != held_.end() && h->second.input_done) {
+        std::rotate(actions_.begin() + static_cast<std::ptrdiff_t>(i),
+                    actions_.begin() + static_cast<std::ptrdiff_t>(j),
+                    actions_.begin() + static_cast<std::ptrdiff_t>(j) + 1);
+        return;
       }
     }
-    const Action a = actions[i];
-    auto found = host->stages.find(a.stage);
-    if (found == host->stages.end())
+  }
+
+  HostedStage& stage_of(const Action& a) {
+    auto found = host_->stages.find(a.stage);
+    if (found == host_->stages.end())
       throw UsageError("action for stage " + std::to_string(a.stage) + " not hosted here");
-    HostedStage& st = found->second;
-    const std::pair<int, int> key{a.stage, a.micro};
-    const bool first_stage = a.stage == 0, last_stage = a.stage == last;
+    return found->second;
+  }
+
+  // Runs `a` on `st` with `received` (what needs_message said it waits for; undefined otherwise) and records it.
+  void run(const Action& a, HostedStage& st, at::Tensor received) {
     ActionRecord record;
     record.action = a;
-    record.rank = host->rank;
-
-    if (a.kind == ActionKind::Forward) {
-      at::Tensor x;  // (no co_await inside ?: : GCC 12 miscompiles temporaries there)
-      if (first_stage) x = inputs.at(a.micro);
-      else x = co_await host->receive({step, a.stage, a.micro, false});
-      record.start_ns = now_ns();
-      Held h;
-      x = x.to(st.device).detach();
-      if (!first_stage && x.is_floating_point()) x.requires_grad_(true);
-      h.input = x;
-      at::Tensor y = x;
-      for (auto& layer : *st.layers) y = layer.forward(y);
-      if (last_stage) {
-        const at::Tensor& target = targets.at(a.micro);
-        // A mean over the batch is the sum of the micro-batches' means weighted by their shares; a sum needs none.
-        const double share = mean_over > 0 ? static_cast<double>(target.size(0)) / static_cast<double>(mean_over) : 1.0;
-        h.output = host->loss(y, target.to(st.device)) * share;
-        report.losses[a.micro] = h.output.item<double>();
-      } else {
-        h.output = y;
-        sends.push_back(send(*host, step, a.stage + 1, a.micro, false, y.detach()));
-      }
-      held.emplace(key, std::move(h));
-      report.peak_micro_batches_held =
-          std::max<std::int32_t>(report.peak_micro_batches_held, static_cast<std::int32_t>(held.size()));
-    } else if (a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardInput) {
-      at::Tensor g;
-      if (!last_stage) g = co_await host->receive({step, a.stage, a.micro, true});
-      record.start_ns = now_ns();
-      auto it = held.find(key);
-      if (it == held.end()) throw UsageError("backward before forward for stage " + std::to_string(a.stage));
-      Held& h = it->second;
-      torch::autograd::variable_list grad_out;
-      if (g.defined()) grad_out.push_back(g.to(st.device));
-      at::Tensor input_grad;
-      if (a.kind == ActionKind::BackwardInput) h.input_done = true;  // from the next action on, its W may run early
-      if (a.kind == ActionKind::Backward) {
-        if (h.output.requires_grad()) torch::autograd::backward({h.output}, grad_out);
-        if (!first_stage) input_grad = grad_or_zeros(h.input);
-        held.erase(it);
-      } else if (!h.output.requires_grad()) {
-        if (!first_stage) input_grad = at::zeros_like(h.input);
-        h.output = at::Tensor();  // nothing for W either
-      } else {
-        auto pass = std::make_unique<WeightPass>();
-        switch (plan_split(h.output, h.input, st.trainable, *pass)) {
-          case Split::input_and_weights: {
-            auto grads = torch::autograd::grad({h.output}, {h.input}, grad_out, /*retain_graph=*/true,
-                                               /*create_graph=*/false, /*allow_unused=*/true);
-            input_grad = grads[0].defined() ? grads[0] : at::zeros_like(h.input);
-            h.weights = std::move(pass);
-            h.output = h.input = at::Tensor();  // W starts at the intermediates: what lies above them can go
-            break;
-          }
-          case Split::all_in_weights:
-            if (!first_stage) input_grad = at::zeros_like(h.input);  // (an input the output does not depend on)
-            h.output_grad = std::move(grad_out);
-            break;
-          case Split::all_in_input:
-            torch::autograd::backward({h.output}, grad_out);
-            input_grad = grad_or_zeros(h.input);
-            h.output = at::Tensor();
-            break;
-        }
-      }
-      if (!first_stage) sends.push_back(send(*host, step, a.stage - 1, a.micro, true, input_grad.detach()));
-    } else {  // W: what I left (see plan_split)
-      record.start_ns = now_ns();
-      auto it = held.find(key);
-      if (it == held.end()) throw UsageError("W before I for stage " + std::to_string(a.stage));
-      Held& h = it->second;
-      if (h.weights) run_weight_pass(*h.weights);
-      else if (h.output.defined()) torch::autograd::backward({h.output}, h.output_grad);
-      held.erase(it);
-    }
+    record.rank = host_->rank;
+    record.start_ns = now_ns();
+    if (a.kind == ActionKind::Forward) forward(a, st, std::move(received));
+    else if (a.kind == ActionKind::BackwardWeight) weights(a);
+    else backward(a, st, std::move(received));
     record.end_ns = now_ns();
-    report.records.push_back(record);
-    if (hooks) {
-      if ((a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardWeight) && --backwards_left[a.stage] == 0 &&
-          hooks->stage_backward_done)
-        hooks->stage_backward_done(a.stage);
-      if (hooks->after_action) hooks->after_action(a);
+    report_.records.push_back(record);
+    after(a, record);
+  }
+
+  std::vector<Future<void>> take_sends() { return std::move(sends_); }
+
+  WorkerReport finish() {
+    report_.peak_activation_bytes = host_peak_bytes() - baseline_;
+    return std::move(report_);
+  }
+
+ private:
+  // Whether what `a` consumes is here (or needs no message: the first stage's forward, the last's backward, a W).
+  bool input_here(const Action& a) const { return !needs_message(a) || host_->arrived(mail_key(a)); }
+
+  void forward(const Action& a, HostedStage& st, at::Tensor x) {
+    if (a.stage == 0) x = inputs_.at(a.micro);
+    Held h;
+    x = x.to(st.device).detach();
+    if (a.stage != 0 && x.is_floating_point()) x.requires_grad_(true);
+    h.input = x;
+    at::Tensor y = x;
+    for (auto& layer : *st.layers) y = layer.forward(y);
+    if (a.stage == last_) {
+      const at::Tensor& target = targets_.at(a.micro);
+      // A mean over the batch is the sum of the micro-batches' means weighted by their shares; a sum needs none.
+      const double share =
+          mean_over_ > 0 ? static_cast<double>(target.size(0)) / static_cast<double>(mean_over_) : 1.0;
+      h.output = host_->loss(y, target.to(st.device)) * share;
+      report_.losses[a.micro] = h.output.item<double>();
+    } else {
+      h.output = y;
+      sends_.push_back(send(*host_, step_, a.stage + 1, a.micro, false, y.detach()));
+    }
+    held_.emplace(std::pair<int, int>{a.stage, a.micro}, std::move(h));
+    report_.peak_micro_batches_held =
+        std::max<std::int32_t>(report_.peak_micro_batches_held, static_cast<std::int32_t>(held_.size()));
+  }
+
+  // B (the whole backward), or I (the input's gradient; what W needs is kept: see plan_split).
+  void backward(const Action& a, HostedStage& st, const at::Tensor& g) {
+    const bool first_stage = a.stage == 0;
+    auto it = held_.find({a.stage, a.micro});
+    if (it == held_.end()) throw UsageError("backward before forward for stage " + std::to_string(a.stage));
+    Held& h = it->second;
+    torch::autograd::variable_list grad_out;
+    if (g.defined()) grad_out.push_back(g.to(st.device));
+    at::Tensor input_grad;
+    if (a.kind == ActionKind::Backward) {
+      if (h.output.requires_grad()) torch::autograd::backward({h.output}, grad_out);
+      if (!first_stage) input_grad = grad_or_zeros(h.input);
+      held_.erase(it);
+    } else {
+      h.input_done = true;  // from the next action on, its W may run early
+      input_grad = input_gradient(h, st, std::move(grad_out), first_stage);
+    }
+    if (!first_stage) sends_.push_back(send(*host_, step_, a.stage - 1, a.micro, true, input_grad.detach()));
+  }
+
+  // I's share of a split backward: the input's gradient, with what W will need left in `h`.
+  static at::Tensor input_gradient(Held& h, HostedStage& st, torch::autograd::variable_list grad_out,
+                                   bool first_stage) {
+    at::Tensor input_grad;
+    if (!h.output.requires_grad()) {
+      if (!first_stage) input_grad = at::zeros_like(h.input);
+      h.output = at::Tensor();  // nothing for W either
+      return input_grad;
+    }
+    auto pass = std::make_unique<WeightPass>();
+    switch (plan_split(h.output, h.input, st.trainable, *pass)) {
+      case Split::input_and_weights: {
+        auto grads = torch::autograd::grad({h.output}, {h.input}, grad_out, /*retain_graph=*/true,
+                                           /*create_graph=*/false, /*allow_unused=*/true);
+        input_grad = grads[0].defined() ? grads[0] : at::zeros_like(h.input);
+        h.weights = std::move(pass);
+        h.output = h.input = at::Tensor();  // W starts at the intermediates: what lies above them can go
+        break;
+      }
+      case Split::all_in_weights:
+        if (!first_stage) input_grad = at::zeros_like(h.input);  // (an input the output does not depend on)
+        h.output_grad = std::move(grad_out);
+        break;
+      case Split::all_in_input:
+        torch::autograd::backward({h.output}, grad_out);
+        input_grad = grad_or_zeros(h.input);
+        h.output = at::Tensor();
+        break;
+    }
+    return input_grad;
+  }
+
+  // W: what I left (see plan_split).
+  void weights(const Action& a) {
+    auto it = held_.find({a.stage, a.micro});
+    if (it == held_.end()) throw UsageError("W before I for stage " + std::to_string(a.stage));
+    Held& h = it->second;
+    if (h.weights) run_weight_pass(*h.weights);
+    else if (h.output.defined()) torch::autograd::backward({h.output}, h.output_grad);
+    held_.erase(it);
+  }
+
+  // `hooks` hears when a stage's gradients are complete: after its last backward, a B or a W, counted rather than
+  // found by position because the actions are reordered at run time.
+  void after(const Action& a, const ActionRecord& record) {
+    if (hooks_) {
+      if ((a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardWeight) &&
+          --backwards_left_[a.stage] == 0 && hooks_->stage_backward_done)
+        hooks_->stage_backward_done(a.stage);
+      if (hooks_->after_action) hooks_->after_action(a);
     }
     if (trace::enabled()) [[unlikely]] {
       trace::detail::record({.kind = trace::detail::Kind::pipeline_action,
@@ -368,9 +413,43 @@ Task<WorkerReport> run_actions(std::shared_ptr<Host> host, std::int64_t step, st
                              .name = action_letter(a.kind) + std::to_string(a.micro) + "/s" + std::to_string(a.stage)});
     }
   }
+
+  std::shared_ptr<Host> host_;
+  const std::int64_t step_;
+  std::vector<Action>& actions_;
+  std::vector<at::Tensor>& inputs_;
+  std::vector<at::Tensor>& targets_;
+  const std::int64_t mean_over_;
+  const StageHooks* hooks_;
+  const int last_;  // the last stage's index
+  std::map<int, int> backwards_left_;  // per stage: the Bs and Ws still to run
+  std::map<std::pair<int, int>, Held> held_;  // by (stage, micro-batch): from its F to its last backward
+  std::vector<Future<void>> sends_;
+  WorkerReport report_;
+  std::int64_t baseline_ = 0;
+};
+
+// Runs one step's actions on the stages `host` holds: every forward and backward, no optimizer step. `hooks` (may be
+// null) hears when a stage's gradients are complete.
+Task<WorkerReport> run_actions(std::shared_ptr<Host> host, std::int64_t step, std::vector<Action> actions,
+                               std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets, std::int64_t mean_over,
+                               const StageHooks* hooks) {
+  StepRun run(host, step, actions, inputs, targets, mean_over, hooks);
+  run.begin();
+  for (std::size_t i = 0; i < actions.size(); ++i) {
+    run.reorder_for_arrivals(i);
+    const Action a = actions[i];
+    HostedStage& st = run.stage_of(a);
+    at::Tensor received;
+    if (run.needs_message(a)) {
+      Future<at::Tensor> incoming = host->receive(run.mail_key(a));
+      received = co_await incoming;
+    }
+    run.run(a, st, std::move(received));
+  }
+  std::vector<Future<void>> sends = run.take_sends();
   co_await when_all(std::move(sends));
-  report.peak_activation_bytes = host_peak_bytes() - baseline;
-  co_return report;
+  co_return run.finish();
 }
 
 }  // namespace

@@ -73,7 +73,10 @@ RpcOptions with_environment(RpcOptions options) {
   if (options.same_host_channel == defaults.same_host_channel && switched_off("CORPC_SAME_HOST_CHANNEL"))
     options.same_host_channel = false;
   if (options.cuda_ipc == defaults.cuda_ipc && switched_off("CORPC_CUDA_IPC")) options.cuda_ipc = false;
-  if (!options.rejoin && env_or_empty("CORPC_REJOIN") == "1") options.rejoin = true;
+  if (!options.rejoin && rejoin_from_environment()) options.rejoin = true;
+  if (options.init_timeout == defaults.init_timeout)
+    options.init_timeout = std::chrono::milliseconds(
+        env_int({"CORPC_INIT_TIMEOUT_MS"}, static_cast<int>(defaults.init_timeout.count())));
   if (options.replacement_wait == defaults.replacement_wait)
     options.replacement_wait = std::chrono::milliseconds(env_int({"CORPC_REPLACEMENT_WAIT_MS"}, 0));
   return options;
@@ -151,15 +154,23 @@ int listen_fd_from_environment() { return env_int({"CORPC_LISTEN_FD"}, -1); }
 
 bool agent_store_from_environment() { return env_or_empty("TORCHELASTIC_USE_AGENT_STORE") == "True"; }
 
+bool launched_by_launch_processes() { return !env_or_empty("CORPC_LAUNCHED").empty(); }
+
+bool rejoin_from_environment() { return env_or_empty("CORPC_REJOIN") == "1"; }
+
+int rank_restart_from_environment() { return std::max(0, env_int({"CORPC_RANK_RESTART"}, 0)); }
+
+bool rank_leak_check_from_environment() { return !switched_off("CORPC_RANK_LEAK_CHECK"); }
+
 bool started_by_corpc_launcher() {
-  return !env_or_empty("CORPC_LAUNCHED").empty() || !env_or_empty("CORPC_RANK_CREDENTIAL").empty();
+  return launched_by_launch_processes() || !env_or_empty("CORPC_RANK_CREDENTIAL").empty();
 }
 
 RankProofs rank_proofs_from_environment() {
   RankProofs p;
   p.launcher_key = env_or_empty("CORPC_RANK_KEY");
   p.credential = env_or_empty("CORPC_RANK_CREDENTIAL");
-  p.incarnation = static_cast<std::uint32_t>(std::max(0, env_int({"CORPC_RANK_RESTART"}, 0)));
+  p.incarnation = static_cast<std::uint32_t>(rank_restart_from_environment());
   return p;
 }
 

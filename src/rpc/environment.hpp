@@ -3,16 +3,22 @@
 //   secret             CORPC_SECRET
 //   tls                CORPC_TLS_CERT (TLS on when set), CORPC_TLS_KEY, CORPC_TLS_CA, CORPC_TLS_VERIFY=0
 //   trace_path         CORPC_TRACE
+//   seal_frames        CORPC_SEAL_FRAMES=0 (off)
+//   same_host_socket   CORPC_SAME_HOST_SOCKET=0 (off)
 //   same_host_channel  CORPC_SAME_HOST_CHANNEL=0 (off)
 //   cuda_ipc           CORPC_CUDA_IPC=0 (off)
 //   rejoin             CORPC_REJOIN=1 (on: a launcher restarted this rank in place)
+//   init_timeout       CORPC_INIT_TIMEOUT_MS
+//   replacement_wait   CORPC_REPLACEMENT_WAIT_MS
 // and what init_rpc is not given: the rank and world size (RANK/WORLD_SIZE, or Open MPI's, PMI's, Slurm's), rank 0's
 // address for env:// (MASTER_ADDR, MASTER_PORT; under Slurm, derived from its node list and job id when unset), a
 // socket a launcher bound for rank 0 (CORPC_LISTEN_FD), and what a launcher deals to prove ranks (CORPC_RANK_KEY to
-// rank 0, CORPC_RANK_CREDENTIAL to the others, CORPC_RANK_RESTART).
+// rank 0, CORPC_RANK_CREDENTIAL to the others, CORPC_RANK_RESTART), whether launch_processes started this process
+// (CORPC_LAUNCHED), and in sanitized builds CORPC_RANK_LEAK_CHECK.
 // init_process_group (ddp/process_group.cpp) reads the launcher's variables here too, and torchrun's agent store.
 // Outside this file, readers remain only for protocols of their own: CORPC_LOG (core/log.cpp: logging exists before
-// any runtime) and the variables between launch_processes and its ranks (rpc/launch_protocol.hpp).
+// any runtime) and the variables between launch_processes and its ranks (rpc/launch_protocol.cpp). The layer check
+// (tools/check_layers.py) fails the build on a getenv anywhere else in src/ or include/.
 #pragma once
 
 #include <cstdint>
@@ -42,6 +48,13 @@ bool agent_store_from_environment();            // torchrun's agent serves a sto
 // Whether this process is a rank that launch_processes or corpcrun started (CORPC_LAUNCHED, or the rank credential
 // they deal every rank): there rank 0 holds MASTER_PORT's listening socket for RPC from the start.
 bool started_by_corpc_launcher();
+// Whether launch_processes started this process as one of its ranks (CORPC_LAUNCHED): its RANK is ours, not a
+// launcher's.
+bool launched_by_launch_processes();
+bool rejoin_from_environment();                 // CORPC_REJOIN=1: a launcher restarted this rank in place
+int rank_restart_from_environment();            // CORPC_RANK_RESTART, or 0
+// CORPC_RANK_LEAK_CHECK=0 turns off LeakSanitizer's check in a sanitized rank as it ends (tests that fork).
+bool rank_leak_check_from_environment();
 
 // What the launcher dealt this process to prove which rank it is (transport/rank_identity.hpp); empty strings under a
 // launcher that deals none (torchrun, Slurm).

@@ -34,7 +34,7 @@ std::string describe(const std::vector<RankFailure>& failures) {
 // Under a launcher that set a rank and world size (not launch_processes itself): this process's rank. The variables
 // are init_rpc's (RANK/WORLD_SIZE, Open MPI's, PMI's, Slurm's: rpc/environment.hpp); errors name the one read.
 std::optional<int> launcher_rank(int world_size) {
-  if (std::getenv(detail::kLaunched)) return std::nullopt;
+  if (detail::launched_by_launch_processes()) return std::nullopt;
   const int r = detail::rank_from_environment(), n = detail::world_size_from_environment();
   if (r < 0 || n < 0) return std::nullopt;
   const std::string rank = detail::rank_variable() + "=" + std::to_string(r);
@@ -58,26 +58,20 @@ std::optional<int> launched_rank() {
 }
 
 bool launching_process() {
-  if (detail::spawn_target() || std::getenv(detail::kLaunched)) return false;  // a rank launch_processes started
+  if (detail::spawn_target() || detail::launched_by_launch_processes()) return false;  // a rank launch_processes started
   return detail::rank_from_environment() < 0 || detail::world_size_from_environment() < 0;  // else a launcher's rank
 }
 
-int rank_restart_count() {
-  const char* v = std::getenv(detail::kRankRestart);
-  return v ? std::max(0, std::atoi(v)) : 0;
-}
+int rank_restart_count() { return detail::rank_restart_from_environment(); }
 
-bool rejoining() {
-  const char* v = std::getenv(detail::kRejoin);
-  return v && std::string_view(v) == "1";
-}
+bool rejoining() { return detail::rejoin_from_environment(); }
 
 void launch_processes(int world_size, const std::function<void(int rank)>& fn, LaunchOptions options) {
   const int call = ++g_launch_calls;
   const auto& target = detail::spawn_target();
   if (target && call <= target->call && !g_running_spawned_rank) {
     if (call < target->call) return detail::replay_outcome(call);  // it ran in the caller
-    if (const char* vars = std::getenv(detail::kSpawnEnvironment)) detail::apply_environment(vars);
+    detail::apply_spawn_environment();
     for (const char* v : {detail::kSpawnRank, detail::kSpawnCall, detail::kReportFd, detail::kSpawnHistory,
                           detail::kSpawnEnvironment})
       ::unsetenv(v);

@@ -128,4 +128,8 @@ void apply_environment(std::string_view encoded) {
   }
 }
 
+void apply_spawn_environment() {
+  if (const char* vars = std::getenv(kSpawnEnvironment)) apply_environment(vars);
+}
+
 }  // namespace corpc::detail

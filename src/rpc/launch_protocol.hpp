@@ -53,8 +53,9 @@ std::string history_variable();
 // the same type with the same text).
 void replay_outcome(int call);
 
-// kSpawnEnvironment's value, and setting it in the rank.
+// kSpawnEnvironment's value, and setting it in the rank (apply_spawn_environment reads it from this process's).
 std::string encode_environment(const std::vector<std::pair<std::string, std::string>>& vars);
 void apply_environment(std::string_view encoded);
+void apply_spawn_environment();
 
 }  // namespace corpc::detail

@@ -22,6 +22,7 @@
 #include "core/exception_text.hpp"
 #include "core/log.hpp"
 #include "corpc/rpc/errors.hpp"
+#include "rpc/environment.hpp"
 #include "rpc/launch_protocol.hpp"
 #include "transport/launcher_key.hpp"
 #include "rpc/runtime_exit.hpp"
@@ -29,12 +30,17 @@
 namespace corpc::detail {
 namespace {
 
+// The rank this process runs, for the crash handler (set before it is installed; a signal handler reads no
+// environment).
+volatile sig_atomic_t g_crashing_rank = -1;
+
 // A crashing rank prints where, so that the report says more than "signal 11".
 void print_backtrace_and_die(int sig) {
   void* frames[64];
   int n = ::backtrace(frames, 64);
   char head[96];
-  int len = std::snprintf(head, sizeof head, "[rank %s] fatal signal %d; backtrace:\n", std::getenv("RANK"), sig);
+  int len = std::snprintf(head, sizeof head, "[rank %d] fatal signal %d; backtrace:\n",
+                          static_cast<int>(g_crashing_rank), sig);
   auto w = ::write(STDERR_FILENO, head, static_cast<std::size_t>(len));
   (void)w;
   ::backtrace_symbols_fd(frames, n, STDERR_FILENO);
@@ -62,6 +68,7 @@ std::string run_rank(int rank, const std::function<void(int)>& fn) {
 }
 
 [[noreturn]] void run_rank_and_exit(int rank, int report_fd, const std::function<void(int)>& fn) {
+  g_crashing_rank = rank;
   for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) ::signal(sig, print_backtrace_and_die);
   auto n = ::write(report_fd, &kStarted, 1);
   std::string error = run_rank(rank, fn);
@@ -69,9 +76,7 @@ std::string run_rank(int rank, const std::function<void(int)>& fn) {
   // Ranks leave through _exit, which skips LeakSanitizer's exit-time check: run it here, once the rank is done.
   // CORPC_RANK_LEAK_CHECK=0 skips it: in a forked rank the check writes to every heap chunk the parent allocated
   // (libtorch's registries), copying the whole inherited heap page by page, seconds per rank.
-  const char* check = std::getenv("CORPC_RANK_LEAK_CHECK");
-  bool check_leaks = !check || std::string_view(check) != "0";
-  if (error.empty() && check_leaks && __lsan_do_recoverable_leak_check() != 0)
+  if (error.empty() && rank_leak_check_from_environment() && __lsan_do_recoverable_leak_check() != 0)
     error = "LeakSanitizer found leaks (report above)";
 #endif
   if (!error.empty()) {

@@ -2,6 +2,7 @@
 #include <regex>
 #include <thread>
 
+#include "corpc/core/detail/event.hpp"
 #include "corpc/rpc/call.hpp"
 #include "wire/device_map.hpp"
 #include "core/log.hpp"

@@ -1,9 +1,6 @@
 #include "transport/launcher_key.hpp"
 
 #include <openssl/crypto.h>
-#include <openssl/evp.h>
-#include <openssl/hmac.h>
-#include <openssl/rand.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -13,6 +10,7 @@
 #include <string>
 
 #include "corpc/core/errors.hpp"
+#include "transport/mac.hpp"
 #include "transport/rank_identity.hpp"
 
 namespace corpc::detail {
@@ -21,19 +19,10 @@ namespace corpc::detail {
 struct LauncherKey::Page {
   std::array<unsigned char, 32> random;  // the key's bytes, wiped once hex-encoded
   std::array<char, 64> hex;              // the key, as rank_credential and rank 0 take it
-  std::array<unsigned char, 32> mac;     // a credential being made, wiped once hex-encoded
+  Sha256Mac mac;                         // a credential being made, wiped once hex-encoded
 };
 
 namespace {
-
-// Writes `n` bytes' lowercase hex at `out` (2n characters), with no copy anywhere else.
-void hex_into(const unsigned char* bytes, std::size_t n, char* out) {
-  static constexpr char digits[] = "0123456789abcdef";
-  for (std::size_t i = 0; i < n; ++i) {
-    out[2 * i] = digits[bytes[i] >> 4];
-    out[2 * i + 1] = digits[bytes[i] & 15];
-  }
-}
 
 std::size_t key_page_bytes() { return static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)); }
 
@@ -56,7 +45,7 @@ LauncherKey::LauncherKey() {
   // Nor in a core dump; a kernel that refuses it changes nothing else.
   ::madvise(mapped, key_page_bytes(), MADV_DONTDUMP);
   page_ = new (mapped) Page{};
-  if (RAND_bytes(page_->random.data(), static_cast<int>(page_->random.size())) != 1) {
+  if (!random_bytes(page_->random.data(), page_->random.size())) {
     ::munmap(mapped, key_page_bytes());
     throw RpcError("launch_processes: no randomness for the run's key");
   }
@@ -75,12 +64,7 @@ RankSecrets::RankSecrets(const LauncherKey& key, int rank, std::uint32_t incarna
   // registration, made here so that neither the key nor the credential passes through a string that is freed
   // unwiped; its message holds nothing secret.
   const std::string message = credential_message(rank, incarnation);
-  unsigned int len = 0;
-  // OpenSSL wipes its own copies of the key (the HMAC pads, its context) before freeing them.
-  const bool made = HMAC(EVP_sha256(), page.hex.data(), static_cast<int>(page.hex.size()),
-                         reinterpret_cast<const unsigned char*>(message.data()), message.size(), page.mac.data(),
-                         &len) != nullptr &&
-                    len == page.mac.size();
+  const bool made = hmac_sha256_into(std::string_view(page.hex.data(), page.hex.size()), message, page.mac);
   if (made) hex_into(page.mac.data(), page.mac.size(), credential_.data());
   OPENSSL_cleanse(page.mac.data(), page.mac.size());
   if (!made) throw RpcError("launch_processes: HMAC failed making a rank's credential");

@@ -2,12 +2,11 @@
 
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
-#include <openssl/hmac.h>
-#include <openssl/rand.h>
 
 #include <array>
 
 #include "corpc/transport/errors.hpp"
+#include "transport/mac.hpp"
 
 namespace corpc::detail {
 
@@ -16,26 +15,13 @@ namespace {
 constexpr std::size_t kPublicKeyBytes = 32;
 constexpr std::size_t kSignatureBytes = 64;
 
-std::string hex(const unsigned char* data, std::size_t n) {
-  static const char* digits = "0123456789abcdef";
-  std::string out;
-  out.reserve(2 * n);
-  for (std::size_t i = 0; i < n; ++i) {
-    out += digits[data[i] >> 4];
-    out += digits[data[i] & 15];
-  }
+Sha256Mac hmac(std::string_view key, std::string_view message) {
+  Sha256Mac out;
+  if (!hmac_sha256_into(key, message, out)) throw ConnectionError("rank identity: HMAC failed");
   return out;
 }
 
-std::string hmac(std::string_view key, std::string_view message) {
-  std::array<unsigned char, 32> out;
-  unsigned int len = 0;
-  if (!HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
-            reinterpret_cast<const unsigned char*>(message.data()), message.size(), out.data(), &len) ||
-      len != out.size())
-    throw ConnectionError("rank identity: HMAC failed");
-  return std::string(reinterpret_cast<const char*>(out.data()), out.size());
-}
+std::string bytes_of(const Sha256Mac& mac) { return std::string(reinterpret_cast<const char*>(mac.data()), mac.size()); }
 
 // Fixed-width fields: no two (rank, incarnation, ...) tuples share an encoding.
 void append_u32(std::string& out, std::uint32_t v) {
@@ -105,7 +91,7 @@ bool verify_signature(std::string_view public_key, std::string_view message, std
 
 std::string random_launcher_key() {
   std::array<unsigned char, 32> bytes;
-  if (RAND_bytes(bytes.data(), static_cast<int>(bytes.size())) != 1)
+  if (!random_bytes(bytes.data(), bytes.size()))
     throw ConnectionError("rank identity: no randomness for a launcher key");
   return hex(bytes.data(), bytes.size());
 }
@@ -118,14 +104,13 @@ std::string credential_message(int rank, std::uint32_t incarnation) {
 }
 
 std::string rank_credential(std::string_view launcher_key, int rank, std::uint32_t incarnation) {
-  const std::string mac = hmac(launcher_key, credential_message(rank, incarnation));
-  return hex(reinterpret_cast<const unsigned char*>(mac.data()), mac.size());
+  return hex(hmac(launcher_key, credential_message(rank, incarnation)));
 }
 
 std::string credential_proof(std::string_view credential, std::string_view public_key) {
   std::string message = "corpc registration";
   append_field(message, public_key);
-  return hmac(credential, message);
+  return bytes_of(hmac(credential, message));
 }
 
 std::string channel_claim(std::string_view secret, std::string_view transcript, const std::string& cookie) {
@@ -133,8 +118,7 @@ std::string channel_claim(std::string_view secret, std::string_view transcript, 
   std::string message = "corpc same-host channel claim";
   append_field(message, transcript);
   append_field(message, cookie);
-  const std::string mac = hmac(secret, message);
-  return hex(reinterpret_cast<const unsigned char*>(mac.data()), mac.size());
+  return hex(hmac(secret, message));
 }
 
 bool credential_proof_matches(std::string_view credential, std::string_view public_key, std::string_view proof) {

@@ -15,6 +15,7 @@
 #include <cstring>
 
 #include "corpc/core/executor.hpp"
+#include "corpc/core/detail/deferred_work.hpp"
 #include "core/trace_recorder.hpp"
 #include "memory/cuda_ipc.hpp"
 #include "transport/shm_transfer.hpp"

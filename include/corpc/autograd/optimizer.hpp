@@ -24,6 +24,7 @@
 
 #include "corpc/autograd/dist_autograd.hpp"
 #include "corpc/core/when_all.hpp"
+#include "corpc/rref/detail/owned_call.hpp"
 #include "corpc/rref/rref.hpp"
 
 namespace corpc {
@@ -150,14 +151,9 @@ class DistributedOptimizer {
         steps_.push_back([local](std::int64_t ctx) { return local.template rpc_async<&Local::step>(ctx); });
         continue;
       }
-      // This worker's own optimizer: called on its slot, without a message to itself. Last in steps_, so that the
-      // other owners' requests leave before it runs (on the calling thread, when that may block).
-      auto slot = detail::RRefContext::get()->slot(local.state()->id);
-      self_step = [local, slot](std::int64_t ctx) -> Future<void> {
-        if (blocking_forbidden()) return local.template rpc_async<&Local::step>(ctx);
-        detail::run_deferred_work();  // the other owners' requests, staged on this thread, leave before it computes
-        return spawn(detail::invoke_member<&Local::step>(slot, std::tuple<std::int64_t>(ctx)));
-      };
+      // This worker's own optimizer: called here without a message to itself. Last in steps_, so that the other
+      // owners' requests leave before it runs.
+      self_step = detail::owned_member_call<&Local::step>(local);
     }
     if (self_step) steps_.push_back(std::move(self_step));
   }

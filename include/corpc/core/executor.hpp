@@ -77,23 +77,6 @@ bool blocking_forbidden() noexcept;
 /// Throws UsageError naming `what` if the calling thread must not block.
 void check_may_block(const char* what);
 
-namespace detail {
-// How long a blocking wait spins before it sleeps: a short spin turns the wake-up of a sleeping core into a
-// cache-line transfer when the value arrives soon, as a reply on a fast link does. Default 50 us; 0 disables.
-// Process-wide; a program sets it through RpcOptions::spin_before_block (init_rpc calls the setter).
-void set_spin_before_block(std::chrono::nanoseconds d) noexcept;
-std::chrono::nanoseconds spin_before_block() noexcept;
-
-// Work a thread put off until it would block or finish its job: the sends it staged, so that calls issued back to
-// back leave in one system call (the transport registers the one function). Armed per thread by defer_work(); run
-// by check_may_block (before any blocking wait) and after each worker-pool job. Whoever defers must also have
-// arranged a fallback (the transport posts a flush to the connection's I/O thread), for a thread that does neither.
-using DeferredWork = void (*)() noexcept;
-void set_deferred_work(DeferredWork fn) noexcept;
-inline thread_local bool tls_work_deferred = false;
-void run_deferred_work() noexcept;
-inline void defer_work() noexcept { tls_work_deferred = true; }
-}  // namespace detail
 
 // ---- executors ----------------------------------------------------------------------------------------------------
 

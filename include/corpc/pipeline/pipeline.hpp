@@ -59,6 +59,7 @@
 #include "corpc/core/task.hpp"
 #include "corpc/core/when_all.hpp"
 #include "corpc/pipeline/balance.hpp"
+#include "corpc/pipeline/detail/stages.hpp"
 #include "corpc/pipeline/schedule.hpp"
 #include "corpc/pipeline/timeline.hpp"
 #include "corpc/rpc/call.hpp"
@@ -123,56 +124,6 @@ struct StepResult {
   std::vector<WorkerReport> workers;  ///< one per worker, in stage order of their first stage
 };
 
-/// @cond INTERNAL
-// Where the stages of one pipeline are (sent to each worker that hosts some).
-struct StagePlacement {
-  std::uint64_t pipeline_id = 0;
-  std::vector<std::int32_t> stage_ranks;   ///< per stage
-  std::vector<std::int32_t> balance;       ///< per stage
-  std::vector<std::string> stage_devices;  ///< per stage
-  CORPC_FIELDS(pipeline_id, stage_ranks, balance, stage_devices)
-};
-/// @endcond
-
-namespace detail {
-
-// Worker side (src/pipeline/pipeline_stages.cpp).
-void host_stages(const StagePlacement& placement, torch::nn::Sequential model, LossFn loss, OptimizerFactory optimizer);
-// mean_over: the batch size when the loss is a mean (each micro-batch's loss is scaled by its share), 0 for a sum.
-Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Action> actions,
-                            std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets, std::int64_t mean_over);
-// A worker's own step over the stages it hosts for `id` (pipeline replicas run one on every worker, with no caller):
-// the actions of `attempt` (the mailbox's key: a retried step gets a new one), without the optimizer step.
-struct StageHooks {
-  std::function<void(int stage)> stage_backward_done;    // the stage's gradients of this step are complete
-  std::function<void(const Action& done)> after_action;  // after each action, and its stage_backward_done
-};
-Task<WorkerReport> run_local_step(std::uint64_t id, std::int64_t attempt, std::vector<Action> actions,
-                                  std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets,
-                                  std::int64_t mean_over, const StageHooks& hooks);
-// The stages this process hosts for `id`, in stage order; the optimizer is null without a factory.
-struct LocalStage {
-  int stage = 0;
-  torch::nn::Sequential layers;
-  torch::optim::Optimizer* optimizer = nullptr;
-};
-std::vector<LocalStage> local_stages(std::uint64_t id);
-void deliver(std::uint64_t id, std::int64_t step, std::int32_t stage, std::int32_t micro, bool gradient,
-             at::Tensor value);
-void abort_step(std::uint64_t id, std::int64_t step, std::string reason);
-void drop_stages(std::uint64_t id);
-void set_training(std::uint64_t id, bool on);
-std::vector<std::pair<std::int32_t, std::vector<at::Tensor>>> stage_parameters(std::uint64_t id);
-
-template <auto Model, auto Loss, auto MakeOptimizer, class... A>
-void create_stages(StagePlacement placement, A... args) {
-  host_stages(placement, Model(std::move(args)...), Loss, MakeOptimizer);
-}
-
-std::uint64_t next_pipeline_id();
-
-}  // namespace detail
-
 /// A model cut into stages hosted on other workers, trained one step at a time by a schedule (see
 /// corpc/pipeline/pipeline.hpp). Made by create(); copies share the same stages, which the workers drop when the last
 /// copy is destroyed (the destructor waits for their answers). The caller holds no parameters: they live, and are
@@ -219,7 +170,7 @@ class Pipeline {
 
  private:
   struct State {
-    StagePlacement placement;
+    detail::StagePlacement placement;
     std::vector<int> worker_ranks;  // one per worker, in the order of options.workers
     std::int64_t steps = 0;
     ~State();
@@ -231,6 +182,3 @@ class Pipeline {
 };
 
 }  // namespace corpc::pipeline
-
-CORPC_IO_THREAD_FUNCTION(&corpc::pipeline::detail::deliver);
-CORPC_IO_THREAD_FUNCTION(&corpc::pipeline::detail::abort_step);

@@ -41,7 +41,8 @@ struct RpcOptions {
   std::function<void()> worker_thread_init;
   /// Default timeout of every call (CallOptions::timeout overrides it); past it the call fails with TimeoutError.
   std::chrono::milliseconds rpc_timeout{60'000};
-  /// How long init_rpc waits for all ranks to find each other before it throws.
+  /// How long init_rpc waits for all ranks to find each other before it throws TimeoutError (or CORPC_INIT_TIMEOUT_MS
+  /// when left at its default: a launcher's job script can bound a job whose rank 0 never comes up).
   std::chrono::milliseconds init_timeout{60'000};
   /// This process replaces a rank that died in a running job (a launcher restarted it in place: corpcrun
   /// --max-rank-restarts, LaunchOptions::max_rank_restarts). Instead of the initial rendezvous it registers with rank 0

@@ -7,6 +7,12 @@
 
 namespace corpc::detail {
 
+// How long a blocking wait spins before it sleeps: a short spin turns the wake-up of a sleeping core into a
+// cache-line transfer when the value arrives soon, as a reply on a fast link does. Default 50 us; 0 disables.
+// Process-wide; a program sets it through RpcOptions::spin_before_block (init_rpc calls the setter).
+void set_spin_before_block(std::chrono::nanoseconds d) noexcept;
+std::chrono::nanoseconds spin_before_block() noexcept;
+
 // A one-shot event that one thread waits on: spins (detail::spin_before_block()), then sleeps on a futex. No mutex,
 // no condition variable; `set` makes a system call only when the waiter is asleep. Waiting counts as blocking for the
 // worker pool (BlockingRegion).
