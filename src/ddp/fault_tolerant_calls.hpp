@@ -1,7 +1,7 @@
-// The requests of the fault-tolerant trainers (corpc/ddp/fault_tolerant.hpp, corpc/ddp/pipeline_replicas.hpp): two to
-// the quorum coordinator (quorum_coordinator.cpp), one to a donor (ft_member.cpp) and one from the coordinator to a
-// pipeline replica's worker (pipeline_replicas.cpp). Declared here so that caller and callee name the
-// same functions; each is registered to run on the I/O thread in the file that defines it.
+// The requests of the fault-tolerant trainers (corpc/ddp/quorum.hpp): three to the quorum coordinator
+// (quorum_coordinator.cpp), one to a donor and one from the coordinator to a member (both ft_member.cpp). Declared here
+// so that caller and callee name the same functions; each is registered to run on the I/O thread in the file that
+// defines it.
 #pragma once
 
 #include <cstdint>
@@ -47,7 +47,7 @@ Future<CommitAnswer> commit_request(int rank, std::int64_t epoch, std::int64_t s
 // buffers, the optimizer's archive as bytes, the step counter), once the donor has taken it.
 Future<std::vector<at::Tensor>> state_request(std::int64_t epoch);
 
-// To a member of a replica group: the attempt at `step` in `epoch` is taken by nobody (a member was lost, or the vote
+// To a member of a replica group (the trainer that registered as this process's member): the attempt at `step` in `epoch` is taken by nobody (a member was lost, or the vote
 // failed: `why`, as not_committed says it); a worker still running it stops waiting for its replica mates. Nothing
 // where no such attempt runs.
 void abort_attempt(std::int64_t epoch, std::int64_t step, std::string why);

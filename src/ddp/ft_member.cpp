@@ -1,7 +1,8 @@
-// A fault-tolerant trainer's part in the quorum (see ft_member.hpp): the quorum request, the vote, and the state a
-// member serves to, and loads from, another.
+// A fault-tolerant trainer's part in the quorum (see ft_member.hpp): the attempt loop with its quorum request and
+// vote, the state a member serves to, and loads from, another, and the coordinator's abort passed on to the trainer.
 #include "ddp/ft_member.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 
@@ -11,8 +12,17 @@
 #include "corpc/rpc/errors.hpp"
 #include "corpc/rpc/runtime.hpp"
 #include "ddp/fault_tolerant_calls.hpp"
+#include "ddp/ft_messages.hpp"
 
-namespace corpc::ddp::ft_detail {
+namespace corpc::ddp {
+
+int Quorum::member_index() const {
+  const int me = Runtime::get().rank();
+  auto it = std::find(members.begin(), members.end(), me);
+  return it == members.end() ? -1 : static_cast<int>(it - members.begin());
+}
+
+namespace ft_detail {
 
 namespace {
 std::mutex g_member_mutex;
@@ -24,6 +34,13 @@ void register_member(const std::shared_ptr<Member>& member) {
   if (g_member.lock()) throw UsageError("a fault-tolerant trainer trains in this process already");
   g_member = member;
 }
+
+namespace {
+std::shared_ptr<Member> registered_member() {
+  std::lock_guard lock(g_member_mutex);
+  return g_member.lock();
+}
+}  // namespace
 
 namespace {
 // A call to the coordinator whose refusal of a misconfigured job is the caller's own misuse: its own type and words.
@@ -38,8 +55,12 @@ auto ask_coordinator(const FaultTolerantOptions& options, Args&&... args) {
 }
 }  // namespace
 
-Member::Member(std::vector<Part> parts, FaultTolerantOptions options, std::vector<std::vector<int>> replica_groups)
-    : parts_(std::move(parts)), options_(std::move(options)), replica_groups_(std::move(replica_groups)) {
+Member::Member(std::weak_ptr<Trainer> trainer, std::vector<Part> parts, FaultTolerantOptions options,
+               std::vector<std::vector<int>> replica_groups)
+    : trainer_(std::move(trainer)),
+      parts_(std::move(parts)),
+      options_(std::move(options)),
+      replica_groups_(std::move(replica_groups)) {
   auto& rt = Runtime::get();
   rank_ = rt.rank();
   has_state_ = !rt.options().rejoin;
@@ -159,18 +180,63 @@ bool Member::vote(const Quorum& q, const std::string& error, std::string& why_no
   return commit;
 }
 
-Future<std::vector<at::Tensor>> state_request(std::int64_t epoch) {
-  std::shared_ptr<Member> member;
-  {
-    std::lock_guard lock(g_member_mutex);
-    member = g_member.lock();
+StepReport Member::step() {
+  const auto trainer = trainer_.lock();
+  if (!trainer) throw UsageError("fault-tolerant training: the trainer of this member is gone");
+  StepReport report;
+  std::string error;  // an attempt's own failure
+  for (int attempt = 0;; ++attempt) {
+    std::vector<int> serve_to;
+    Quorum q = ask_quorum(serve_to);  // a lost coordinator ends the training here, with its ConnectionError
+    if (!failure_known_now_.empty()) report.last_error = attempt_failure(failure_known_now_, error);
+    error.clear();
+    try {
+      if (q.epoch != joined_epoch_) {
+        trainer->leave_epoch();
+        joined_epoch_ = -1;
+        if (enter_epoch(q, serve_to)) report.recovered = true;
+        trainer->join_epoch(q);
+        joined_epoch_ = q.epoch;
+      }
+      trainer->run_attempt(q);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    std::string why_not;
+    if (vote(q, error, why_not)) {
+      trainer->commit();
+      report.quorum = std::move(q);
+      report.retries = attempt;
+      return report;
+    }
+    // Taken by nobody: fresh groups next time, and the gradients of this attempt are dropped with them.
+    trainer->leave_epoch();
+    joined_epoch_ = -1;
+    report.last_error = attempt_failure(why_not, error);
+    if (attempt >= options_.max_retries)
+      throw RpcError(std::string(trainer->name()) + ": step " + std::to_string(q.step) + " failed " +
+                     std::to_string(attempt + 1) + " times; the last: " + report.last_error);
   }
+}
+
+void Member::abort_attempt(std::int64_t epoch, std::int64_t step, const std::string& why) {
+  if (auto trainer = trainer_.lock()) trainer->abort_attempt(epoch, step, why);
+}
+
+Future<std::vector<at::Tensor>> state_request(std::int64_t epoch) {
+  const auto member = registered_member();
   if (!member)
     return make_exceptional_future<std::vector<at::Tensor>>(
         std::make_exception_ptr(UsageError("no fault-tolerant trainer trains on this worker")));
   return member->state_of(epoch);
 }
 
-}  // namespace corpc::ddp::ft_detail
+void abort_attempt(std::int64_t epoch, std::int64_t step, std::string why) {
+  if (const auto member = registered_member()) member->abort_attempt(epoch, step, why);
+}
+
+}  // namespace ft_detail
+}  // namespace corpc::ddp
 
 CORPC_IO_THREAD_FUNCTION(&corpc::ddp::ft_detail::state_request);
+CORPC_IO_THREAD_FUNCTION(&corpc::ddp::ft_detail::abort_attempt);

@@ -1,7 +1,8 @@
-// Pipeline replicas (see corpc/ddp/pipeline_replicas.hpp): one worker's loop. Each attempt at a step asks for a
-// quorum of whole replicas, recovers and builds a Gloo group per stage when the epoch changed, runs this worker's
-// actions (pipeline::detail::run_local_step) with each stage's averaging started by the stage's last backward, votes,
-// and steps the optimizers once the coordinator committed the step.
+// Pipeline replicas (see corpc/ddp/pipeline_replicas.hpp): one worker. Under fault tolerance it is what the quorum
+// member's attempt loop (ft_member.hpp) asks of a trainer: at a new epoch, a Gloo group per stage among the replicas
+// of the quorum; an attempt runs this worker's actions (pipeline::detail::run_local_step) with each stage's averaging
+// started by the stage's last backward; a committed one steps the optimizers; the coordinator's abort stops an
+// attempt waiting for a lost mate. Without it, the same step on fixed groups.
 #include "corpc/ddp/pipeline_replicas.hpp"
 
 #include <algorithm>
@@ -16,7 +17,6 @@
 #include "corpc/rpc/call.hpp"
 #include "corpc/rpc/errors.hpp"
 #include "corpc/rpc/runtime.hpp"
-#include "ddp/fault_tolerant_calls.hpp"
 #include "ddp/ft_member.hpp"
 #include "ddp/ft_messages.hpp"
 #include "ddp/process_group.hpp"
@@ -57,7 +57,7 @@ ReplicaLayout layout_of(const PipelineReplicaOptions& o) {
   return layout;
 }
 
-struct PipelineReplicas::State {
+struct PipelineReplicas::State final : ft_detail::Trainer {
   PipelineReplicaOptions options;
   ReplicaLayout layout;
   int rank = -1, replica = -1, position = -1;
@@ -77,6 +77,9 @@ struct PipelineReplicas::State {
   std::vector<Averaging> averaging;  // parallel to `stages`
   std::int64_t epoch = -1;           // of `averaging`
   std::int64_t plain_steps = 0;      // without fault tolerance
+  // The step() call in progress, under fault tolerance: its batches, and the report its attempts fill.
+  const ReplicaBatchFn* step_batch = nullptr;
+  ReplicaStepReport* step_report = nullptr;
 
   // Without fault tolerance: a lost replica mate or stage peer fails the attempt running (or the next one).
   std::mutex failure_mutex;
@@ -105,7 +108,7 @@ struct PipelineReplicas::State {
 
   // A Gloo group per stage held, among the workers that hold it in `replicas`; in ascending stage order, which every
   // member of a stage's group shares (they hold the same stages).
-  void join_epoch(std::int64_t at_epoch, const std::vector<int>& replicas) {
+  void join_groups(std::int64_t at_epoch, const std::vector<int>& replicas) {
     averaging.clear();
     averaging.resize(stages.size());
     const auto index = std::find(replicas.begin(), replicas.end(), replica) - replicas.begin();
@@ -124,8 +127,9 @@ struct PipelineReplicas::State {
     epoch = at_epoch;
   }
 
-  // Off the epoch's groups (a failed attempt, or a new epoch): the next attempt builds fresh ones.
-  void leave_epoch() {
+  // Off the epoch's groups (a failed attempt, or a new epoch): the next attempt builds fresh ones (and zeroes this
+  // attempt's gradients).
+  void leave_epoch() override {
     averaging.clear();
     epoch = -1;
   }
@@ -222,56 +226,37 @@ struct PipelineReplicas::State {
   ReplicaStepReport plain_step(const ReplicaBatchFn& batch) {
     ReplicaStepReport report;
     for (int r = 0; r < layout.replicas; ++r) report.replicas.push_back(r);
-    if (epoch < 0) join_epoch(0, report.replicas);
+    if (epoch < 0) join_groups(0, report.replicas);
     run(plain_steps, plain_steps, batch, report);
     step_optimizers();
     report.ft.quorum.step = plain_steps++;
     return report;
   }
 
+  // The trainer of the quorum member's attempt loop (fault tolerance).
+  const char* name() const override { return "PipelineReplicas"; }
+  void join_epoch(const Quorum& q) override {
+    greet_mates();
+    join_groups(q.epoch, replicas_of(q.members));
+  }
+  void run_attempt(const Quorum& q) override {
+    step_report->loss.reset();
+    run(attempt_of(q.epoch, q.step), q.step, *step_batch, *step_report);
+  }
+  void commit() override { step_optimizers(); }
+  void abort_attempt(std::int64_t at_epoch, std::int64_t step, const std::string& why) override {
+    pipeline::detail::abort_step(host_id, attempt_of(at_epoch, step), "PipelineReplicas: " + why);
+  }
+
   ReplicaStepReport fault_tolerant_step(const ReplicaBatchFn& batch) {
-    ReplicaStepReport report;
-    std::string error;  // an attempt's own failure
-    for (int attempt = 0;; ++attempt) {
-      std::vector<int> serve_to;
-      Quorum q = member->ask_quorum(serve_to);  // a lost coordinator ends the training here, with its ConnectionError
-      if (!member->failure_known_now().empty())
-        report.ft.last_error = ft_detail::attempt_failure(member->failure_known_now(), error);
-      error.clear();
-      report.loss.reset();
-      try {
-        if (q.epoch != epoch) {
-          leave_epoch();
-          if (member->enter_epoch(q, serve_to)) report.ft.recovered = true;
-          greet_mates();
-          join_epoch(q.epoch, replicas_of(q.members));
-        }
-        run(attempt_of(q.epoch, q.step), q.step, batch, report);
-      } catch (const std::exception& e) {
-        error = e.what();
-      }
-      std::string why_not;
-      if (member->vote(q, error, why_not)) {
-        step_optimizers();
-        report.replicas = replicas_of(q.members);
-        report.ft.quorum = std::move(q);
-        report.ft.retries = attempt;
-        return report;
-      }
-      // Taken by nobody: fresh groups next time (this attempt's gradients are zeroed by the next).
-      leave_epoch();
-      report.ft.last_error = ft_detail::attempt_failure(why_not, error);
-      if (attempt >= options.ft.max_retries)
-        throw RpcError("PipelineReplicas: step " + std::to_string(q.step) + " failed " + std::to_string(attempt + 1) +
-                       " times; the last: " + report.ft.last_error);
-    }
+    ReplicaStepReport out;
+    step_batch = &batch;
+    step_report = &out;
+    out.ft = member->step();
+    out.replicas = replicas_of(out.ft.quorum.members);
+    return out;
   }
 };
-
-namespace {
-std::mutex g_replicas_mutex;
-std::weak_ptr<PipelineReplicas::State> g_replicas;
-}  // namespace
 
 PipelineReplicas::PipelineReplicas(torch::nn::Sequential model, pipeline::LossFn loss,
                                    pipeline::OptimizerFactory make_optimizer, PipelineReplicaOptions options)
@@ -319,7 +304,7 @@ PipelineReplicas::PipelineReplicas(torch::nn::Sequential model, pipeline::LossFn
     std::vector<ft_detail::Member::Part> parts;
     for (auto& st : s.stages) parts.push_back({st.layers.ptr().get(), st.optimizer});
     try {  // the coordinator refuses a job whose replica groups are not its own: nothing of it stays hosted then
-      s.member = std::make_shared<ft_detail::Member>(std::move(parts), s.options.ft, layout.replica_groups());
+      s.member = std::make_shared<ft_detail::Member>(state_, std::move(parts), s.options.ft, layout.replica_groups());
       ft_detail::register_member(s.member);
     } catch (...) {
       pipeline::detail::drop_stages(s.host_id);
@@ -344,10 +329,6 @@ PipelineReplicas::PipelineReplicas(torch::nn::Sequential model, pipeline::LossFn
         pipeline::detail::abort_step(self->host_id, running,
                                      "PipelineReplicas: step " + std::to_string(running) + " failed: " + self->lost);
     });
-  }
-  {
-    std::lock_guard lock(g_replicas_mutex);
-    g_replicas = state_;
   }
   if (rt.options().rejoin) {
     // Now, before this worker asks for a quorum, so that a mate's first send to it finds it taken back; a mate that
@@ -385,21 +366,6 @@ std::vector<ReplicaStage> PipelineReplicas::stages() const {
   return out;
 }
 
-namespace ft_detail {
-
-void abort_attempt(std::int64_t epoch, std::int64_t step, std::string why) {
-  std::shared_ptr<PipelineReplicas::State> replicas;
-  {
-    std::lock_guard lock(g_replicas_mutex);
-    replicas = g_replicas.lock();
-  }
-  if (replicas && replicas->member)
-    pipeline::detail::abort_step(replicas->host_id, PipelineReplicas::State::attempt_of(epoch, step),
-                                 "PipelineReplicas: " + why);
-}
-
-}  // namespace ft_detail
 }  // namespace corpc::ddp
 
 CORPC_IO_THREAD_FUNCTION(&corpc::ddp::pp_detail::hello);
-CORPC_IO_THREAD_FUNCTION(&corpc::ddp::ft_detail::abort_attempt);

@@ -61,7 +61,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/optim/optimizer.h>
 
-#include "corpc/ddp/fault_tolerant.hpp"
+#include "corpc/ddp/quorum.hpp"
 #include "corpc/pipeline/pipeline.hpp"
 
 namespace corpc::ddp {
