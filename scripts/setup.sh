@@ -10,6 +10,8 @@ packages=(g++ meson ninja-build pkg-config cmake libtorch-dev libgloo-dev libasi
           libopenblas0-pthread
           # scripts/fuzz.sh: clang and its libFuzzer runtime (the fuzzed decoders need no libtorch).
           clang libclang-rt-14-dev
+          # scripts/format.sh: the layout check (.clang-format).
+          clang-format-14
           # scripts/docs.sh (meson test docs): the reference docs, which fail on any undocumented public name.
           doxygen
           # The launchers' tests (tests/torchrun.sh, mpirun.sh, slurm.sh): torchrun, Open MPI's mpirun, and a
