@@ -36,53 +36,71 @@ int colour_of(const std::string& cat) {
   return it == colours.end() ? 5 : it->second;
 }
 
-int plot(const std::string& in, const std::string& png, double from_ms, double to_ms) {
-  std::ifstream f(in);
-  if (!f) return std::fprintf(stderr, "corpc-trace: cannot read %s\n", in.c_str()), 1;
-  std::stringstream ss;
-  ss << f.rdbuf();
-  const auto trace = mini_json::parse(ss.str());
-  const auto& events = trace["traceEvents"].arr();
+using Track = std::pair<int, int>;  // (pid, tid)
 
-  using Track = std::pair<int, int>;  // (pid, tid)
+Track track_of(const mini_json::Value& e) {
+  return {static_cast<int>(e["pid"].num()), static_cast<int>(e["tid"].num())};
+}
+
+// The names of processes and threads (metadata events), and the start of the time axis: the first slice.
+struct TraceNames {
   std::map<int, std::string> processes;
   std::map<Track, std::string> threads;
-  double origin = 1e300;
+  double origin = 1e300;  // µs
+};
+
+TraceNames names_of(const mini_json::Array& events) {
+  TraceNames names;
   for (const auto& e : events) {
     const std::string ph = e["ph"].string_or("");
     const Track t{static_cast<int>(e["pid"].number_or(0)), static_cast<int>(e["tid"].number_or(0))};
-    if (ph == "M" && e["name"].string_or("") == "process_name") processes[t.first] = e["args"]["name"].string_or("");
-    if (ph == "M" && e["name"].string_or("") == "thread_name") threads[t] = e["args"]["name"].string_or("");
-    if (ph == "X") origin = std::min(origin, e["ts"].num());
+    if (ph == "M" && e["name"].string_or("") == "process_name")
+      names.processes[t.first] = e["args"]["name"].string_or("");
+    if (ph == "M" && e["name"].string_or("") == "thread_name") names.threads[t] = e["args"]["name"].string_or("");
+    if (ph == "X") names.origin = std::min(names.origin, e["ts"].num());
   }
-  auto ms = [&](double us) { return (us - origin) / 1000.0; };
-  auto shown = [&](double t) { return t >= from_ms && t <= to_ms; };
+  return names;
+}
 
-  std::map<Track, int> rows;  // tracks with slices in the window
+// The part of the trace drawn, in ms from the first slice.
+struct Window {
+  double origin_us, from_ms, to_ms;
+  double ms(double us) const { return (us - origin_us) / 1000.0; }
+  bool shows(double t) const { return t >= from_ms && t <= to_ms; }
+};
+
+// A row per track with slices in the window, workers apart by a gap; labels them in `chart`. Track -> row.
+std::map<Track, int> lay_out_rows(const mini_json::Array& events, const TraceNames& names, const Window& window,
+                                  gantt::Chart& chart) {
+  std::map<Track, int> rows;
   for (const auto& e : events)
-    if (e["ph"].string_or("") == "X" && shown(ms(e["ts"].num())))
-      rows[{static_cast<int>(e["pid"].num()), static_cast<int>(e["tid"].num())}] = 0;
-  gantt::Chart chart;
+    if (e["ph"].string_or("") == "X" && window.shows(window.ms(e["ts"].num()))) rows[track_of(e)] = 0;
   int row = 0, last_pid = -1;
   for (auto& [track, r] : rows) {
     if (last_pid != -1 && track.first != last_pid) ++row;  // a gap between workers
     last_pid = track.first;
     r = row++;
-    auto p = processes.find(track.first);
-    auto t = threads.find(track);
-    chart.rows.emplace_back((p == processes.end() ? "pid " + std::to_string(track.first) : p->second) + " / " +
-                                (t == threads.end() ? "tid " + std::to_string(track.second) : t->second),
+    auto p = names.processes.find(track.first);
+    auto t = names.threads.find(track);
+    chart.rows.emplace_back((p == names.processes.end() ? "pid " + std::to_string(track.first) : p->second) + " / " +
+                                (t == names.threads.end() ? "tid " + std::to_string(track.second) : t->second),
                             r);
   }
   chart.row_count = row;
+  return rows;
+}
+
+// A box per slice in the window, and an arrow per flow with both ends in it.
+void add_slices_and_flows(const mini_json::Array& events, const std::map<Track, int>& rows, const Window& window,
+                          gantt::Chart& chart) {
   double lo = 1e300, hi = -1e300;
   std::map<std::string, std::pair<gantt::Arrow, int>> flows;  // name+id -> arrow, ends seen (1: start, 2: end)
   for (const auto& e : events) {
     const std::string ph = e["ph"].string_or("");
     if (ph != "X" && ph != "s" && ph != "f") continue;
-    const double t = ms(e["ts"].num());
-    if (!shown(t)) continue;
-    auto it = rows.find({static_cast<int>(e["pid"].num()), static_cast<int>(e["tid"].num())});
+    const double t = window.ms(e["ts"].num());
+    if (!window.shows(t)) continue;
+    auto it = rows.find(track_of(e));
     if (it == rows.end()) continue;
     if (ph == "X") {
       const double end = t + e["dur"].number_or(0) / 1000.0;
@@ -97,6 +115,21 @@ int plot(const std::string& in, const std::string& png, double from_ms, double t
   for (auto& [key, f] : flows)
     if (f.second == 3) chart.arrows.push_back(f.first);
   chart.min_width = hi > lo ? (hi - lo) * 0.002 : 0;
+}
+
+int plot(const std::string& in, const std::string& png, double from_ms, double to_ms) {
+  std::ifstream f(in);
+  if (!f) return std::fprintf(stderr, "corpc-trace: cannot read %s\n", in.c_str()), 1;
+  std::stringstream ss;
+  ss << f.rdbuf();
+  const auto trace = mini_json::parse(ss.str());
+  const auto& events = trace["traceEvents"].arr();
+
+  const auto names = names_of(events);
+  const Window window{names.origin, from_ms, to_ms};
+  gantt::Chart chart;
+  const auto rows = lay_out_rows(events, names, window, chart);
+  add_slices_and_flows(events, rows, window, chart);
   chart.title =
       "corpc trace: call (blue), run (green), reply (orange), transfer (purple), backward (red); arrows: flows";
   chart.xlabel = "ms from the first slice";

@@ -235,72 +235,93 @@ void accumulate_leaf(ContextState& ctx, LeafHookPass& pass, ag::AccumulateGrad& 
   tls_leaf_pass = nullptr;
 }
 
-// One worker's share of a backward pass: run the local engine from `roots`, keep the gradients of leaves in the
-// context, and ship the gradients that reach recv functions to their senders. Completes when those have finished.
-Future<void> local_pass(const std::shared_ptr<ContextState>& ctx, const ag::edge_list& roots, ag::variable_list grads) {
-  ag::edge_list engine_roots;
-  ag::variable_list engine_grads;
-  std::map<RecvFunction*, std::vector<at::Tensor>> shipped;  // gradients for the senders of what we received
-  LeafHookPass hook_pass{ctx->id, {}};
-  auto ship = [&](RecvFunction* recv, std::uint32_t nr, const at::Tensor& g) {
-    auto& slot = shipped[recv];
+// The gradients for the senders of what this worker received, summed per input of each recv function.
+class Shipment {
+ public:
+  void add(RecvFunction* recv, std::uint32_t nr, const at::Tensor& g) {
+    auto& slot = by_recv_[recv];
     slot.resize(recv->num_inputs());
     at::Tensor grad = g.defined() ? g : recv->input_metadata(nr).zeros_like();
     slot[nr] = slot[nr].defined() ? slot[nr] + grad : grad;
-  };
-  for (std::size_t i = 0; i < roots.size(); ++i) {
-    ag::Node* fn = roots[i].function.get();
-    if (auto* acc = dynamic_cast<ag::AccumulateGrad*>(fn))
-      accumulate_leaf(*ctx, hook_pass, *acc, grads[i]);  // a leaf, sent as is
-    else if (auto* recv = dynamic_cast<RecvFunction*>(fn))
-      ship(recv, roots[i].input_nr, grads[i]);  // passed straight on
-    else if (fn) engine_roots.push_back(roots[i]), engine_grads.push_back(grads[i]);
   }
 
-  // What the engine should hand back instead of accumulating or running: leaves and recv functions.
-  ag::edge_list outputs;
-  std::vector<ag::AccumulateGrad*> leaves;
-  std::vector<RecvFunction*> recvs;  // parallel to outputs; nullptr for leaves
+  // Ships each recv function's gradients to its sender; completes when the senders' passes have.
+  std::vector<Future<void>> send(std::int64_t ctx_id) const {
+    std::vector<Future<void>> remote;
+    CallContextScope no_ctx(detail::with_context(-1));  // gradients are not themselves recorded
+    for (auto& [recv, g] : by_recv_)
+      remote.push_back(rpc_async<&continue_from_send>(recv->src(), ctx_id, recv->msg_id(), g));
+    return remote;
+  }
+
+ private:
+  std::map<RecvFunction*, std::vector<at::Tensor>> by_recv_;
+};
+
+// What the engine should hand back instead of accumulating or running: leaves and the inputs of recv functions.
+struct EngineOutputs {
+  ag::edge_list edges;
+  std::vector<ag::AccumulateGrad*> leaves;  // parallel to edges; nullptr for a recv function's input
+  std::vector<RecvFunction*> recvs;         // parallel to edges; nullptr for leaves
+};
+
+// The leaves and recv functions reachable from `roots`, where the engine's walk stops.
+EngineOutputs engine_outputs(const ag::edge_list& roots) {
+  EngineOutputs out;
   std::set<ag::Node*> seen;
   std::vector<ag::Node*> stack;
-  for (auto& e : engine_roots) stack.push_back(e.function.get());
+  for (auto& e : roots) stack.push_back(e.function.get());
   while (!stack.empty()) {
     ag::Node* n = stack.back();
     stack.pop_back();
     if (!n || !seen.insert(n).second) continue;
     if (auto* acc = dynamic_cast<ag::AccumulateGrad*>(n)) {
-      outputs.emplace_back(corpc::detail::node_ref<ag::Node>(acc), 0);
-      leaves.push_back(acc);
-      recvs.push_back(nullptr);
+      out.edges.emplace_back(corpc::detail::node_ref<ag::Node>(acc), 0);
+      out.leaves.push_back(acc);
+      out.recvs.push_back(nullptr);
       continue;
     }
     if (auto* recv = dynamic_cast<RecvFunction*>(n)) {
       for (std::uint32_t i = 0; i < recv->num_inputs(); ++i) {
-        outputs.emplace_back(corpc::detail::node_ref<ag::Node>(recv), i);
-        leaves.push_back(nullptr);
-        recvs.push_back(recv);
+        out.edges.emplace_back(corpc::detail::node_ref<ag::Node>(recv), i);
+        out.leaves.push_back(nullptr);
+        out.recvs.push_back(recv);
       }
       continue;
     }
     for (const auto& e : n->next_edges()) stack.push_back(e.function.get());
   }
-  ag::variable_list captured;
-  if (!outputs.empty()) {
-    CallContextScope no_ctx(detail::with_context(-1));  // gradients are not themselves recorded
-    captured = ag::Engine::get_default_engine().execute(engine_roots, engine_grads, /*keep_graph=*/true,
-                                                        /*create_graph=*/false, /*accumulate_grad=*/false, outputs);
+  return out;
+}
+
+// One worker's share of a backward pass: run the local engine from `roots`, keep the gradients of leaves in the
+// context, and ship the gradients that reach recv functions to their senders. Completes when those have finished.
+Future<void> local_pass(const std::shared_ptr<ContextState>& ctx, const ag::edge_list& roots, ag::variable_list grads) {
+  Shipment shipment;
+  LeafHookPass hook_pass{ctx->id, {}};
+  // Roots that are leaves or recv functions take their gradient as is; the engine runs from the others.
+  ag::edge_list engine_roots;
+  ag::variable_list engine_grads;
+  for (std::size_t i = 0; i < roots.size(); ++i) {
+    ag::Node* fn = roots[i].function.get();
+    if (auto* acc = dynamic_cast<ag::AccumulateGrad*>(fn)) accumulate_leaf(*ctx, hook_pass, *acc, grads[i]);
+    else if (auto* recv = dynamic_cast<RecvFunction*>(fn)) shipment.add(recv, roots[i].input_nr, grads[i]);
+    else if (fn) engine_roots.push_back(roots[i]), engine_grads.push_back(grads[i]);
   }
 
-  for (std::size_t i = 0; i < outputs.size(); ++i) {
-    if (recvs[i]) ship(recvs[i], outputs[i].input_nr, captured[i]);
-    else accumulate_leaf(*ctx, hook_pass, *leaves[i], captured[i]);
+  const auto outputs = engine_outputs(engine_roots);
+  ag::variable_list captured;
+  if (!outputs.edges.empty()) {
+    CallContextScope no_ctx(detail::with_context(-1));  // gradients are not themselves recorded
+    captured =
+        ag::Engine::get_default_engine().execute(engine_roots, engine_grads, /*keep_graph=*/true,
+                                                 /*create_graph=*/false, /*accumulate_grad=*/false, outputs.edges);
   }
-  std::vector<Future<void>> remote;
-  {
-    CallContextScope no_ctx(detail::with_context(-1));
-    for (auto& [recv, g] : shipped)
-      remote.push_back(rpc_async<&continue_from_send>(recv->src(), ctx->id, recv->msg_id(), g));
+  for (std::size_t i = 0; i < outputs.edges.size(); ++i) {
+    if (outputs.recvs[i]) shipment.add(outputs.recvs[i], outputs.edges[i].input_nr, captured[i]);
+    else accumulate_leaf(*ctx, hook_pass, *outputs.leaves[i], captured[i]);
   }
+  auto remote = shipment.send(ctx->id);
   // The senders' gradients leave before the end-of-pass callbacks run, so that their passes overlap what the
   // callbacks wait for (DDP's allreduce): a callback may block where this thread's staged sends are not flushed.
   if (!hook_pass.at_end.empty()) corpc::detail::run_deferred_work();

@@ -142,50 +142,67 @@ struct PipelineReplicas::State final : ft_detail::Trainer {
     a.sync->launch_all();
   }
 
-  // One attempt: this worker's actions, and every stage's averaging. Throws the first error.
-  void run(std::int64_t attempt, std::int64_t step, const ReplicaBatchFn& batch, ReplicaStepReport& out) {
-    const int M = options.micro_batches;
+  // This replica's share of a step's batch, cut into micro-batches where this worker needs them: inputs for the first
+  // stage, targets for the last.
+  struct Share {
     std::vector<at::Tensor> inputs, targets;
-    std::int64_t mean_over = 0;
-    if (has_first || has_last) {
-      auto [x, y] = batch(step, replica);
-      if (x.size(0) != y.size(0) || x.size(0) < M)
-        throw UsageError(
-            "PipelineReplicas: a replica's batch needs as many targets as inputs, and at least one per "
-            "micro-batch (" +
-            std::to_string(x.size(0)) + " inputs, " + std::to_string(y.size(0)) + " targets, " + std::to_string(M) +
-            " micro-batches)");
-      if (options.loss_reduction == pipeline::LossReduction::mean) mean_over = x.size(0);
-      if (has_first) inputs = x.chunk(M);
-      if (has_last) targets = y.chunk(M);
-    }
+    std::int64_t mean_over = 0;  // the replica's batch size when the loss is a mean
+  };
+  Share share_of(std::int64_t step, const ReplicaBatchFn& batch) const {
+    const int M = options.micro_batches;
+    Share share;
+    if (!has_first && !has_last) return share;
+    auto [x, y] = batch(step, replica);
+    if (x.size(0) != y.size(0) || x.size(0) < M)
+      throw UsageError(
+          "PipelineReplicas: a replica's batch needs as many targets as inputs, and at least one per "
+          "micro-batch (" +
+          std::to_string(x.size(0)) + " inputs, " + std::to_string(y.size(0)) + " targets, " + std::to_string(M) +
+          " micro-batches)");
+    if (options.loss_reduction == pipeline::LossReduction::mean) share.mean_over = x.size(0);
+    if (has_first) share.inputs = x.chunk(M);
+    if (has_last) share.targets = y.chunk(M);
+    return share;
+  }
+
+  // Each attempt starts from zero gradients with no averaging launched: a retry adds nothing to what a failed attempt
+  // left.
+  void reset_gradients() {
     for (auto& st : stages)
       for (auto& p : st.layers->parameters())
         if (p.grad().defined()) p.mutable_grad().zero_();
     for (auto& a : averaging) a.launched = false;
+  }
 
+  // What the worker's step calls back: options.after_action after each action, and at a stage's last backward that
+  // stage's averaging, started at once while the worker goes on with its other stages.
+  pipeline::detail::StageHooks hooks_for(std::int64_t step) {
     pipeline::detail::StageHooks hooks;
-    if (options.after_action) hooks.after_action = [&](const pipeline::Action& a) { options.after_action(step, a); };
-    hooks.stage_backward_done = [&](int stage) {
+    if (options.after_action)
+      hooks.after_action = [this, step](const pipeline::Action& a) { options.after_action(step, a); };
+    hooks.stage_backward_done = [this, step](int stage) {
       if (options.before_averaging) options.before_averaging(step, stage);
       for (size_t i = 0; i < stages.size(); ++i)
         if (stages[i].stage == stage) launch(i);
     };
-    {
-      std::lock_guard lock(failure_mutex);
-      if (!lost.empty()) throw ConnectionError("PipelineReplicas: step " + std::to_string(step) + " failed: " + lost);
-      running = attempt;
-    }
-    std::exception_ptr error;
-    pipeline::WorkerReport report;
-    try {
-      report = sync_wait(pipeline::detail::run_local_step(host_id, attempt, actions, std::move(inputs),
-                                                          std::move(targets), mean_over, hooks));
-    } catch (...) {
-      error = std::current_exception();
-    }
-    // Every stage's averaging takes place even after a failure (then with whatever gradients there are): the other
-    // replicas' workers are in it, and would otherwise wait for their collective's timeout.
+    return hooks;
+  }
+
+  // Marks `attempt` as running, so that a lost peer aborts it (without fault tolerance); fails at once if one was
+  // lost already.
+  void enter_attempt(std::int64_t attempt, std::int64_t step) {
+    std::lock_guard lock(failure_mutex);
+    if (!lost.empty()) throw ConnectionError("PipelineReplicas: step " + std::to_string(step) + " failed: " + lost);
+    running = attempt;
+  }
+  void leave_attempt() {
+    std::lock_guard lock(failure_mutex);
+    running = -1;
+  }
+
+  // Every stage's averaging takes place even after a failure (then with whatever gradients there are): the other
+  // replicas' workers are in it, and would otherwise wait for their collective's timeout. Keeps the first error.
+  void finish_averaging(std::exception_ptr& error) {
     for (size_t i = 0; i < averaging.size(); ++i) {
       try {
         launch(i);
@@ -202,11 +219,9 @@ struct PipelineReplicas::State final : ft_detail::Trainer {
         if (!error) error = std::current_exception();
       }
     }
-    {
-      std::lock_guard lock(failure_mutex);
-      running = -1;
-    }
-    if (error) std::rethrow_exception(error);
+  }
+
+  void report_attempt(pipeline::WorkerReport report, ReplicaStepReport& out) const {
     if (has_last) {
       double sum = 0;
       for (double l : report.losses) sum += l;
@@ -217,6 +232,26 @@ struct PipelineReplicas::State final : ft_detail::Trainer {
     for (size_t i = 0; i < averaging.size(); ++i)
       if (averaging[i].sync)
         out.averaging.push_back({stages[i].stage, averaging[i].started_ns, averaging[i].finished_ns});
+  }
+
+  // One attempt: this worker's actions, and every stage's averaging. Throws the first error.
+  void run(std::int64_t attempt, std::int64_t step, const ReplicaBatchFn& batch, ReplicaStepReport& out) {
+    auto share = share_of(step, batch);
+    reset_gradients();
+    const auto hooks = hooks_for(step);
+    enter_attempt(attempt, step);
+    std::exception_ptr error;
+    pipeline::WorkerReport report;
+    try {
+      report = sync_wait(pipeline::detail::run_local_step(host_id, attempt, actions, std::move(share.inputs),
+                                                          std::move(share.targets), share.mean_over, hooks));
+    } catch (...) {
+      error = std::current_exception();
+    }
+    finish_averaging(error);
+    leave_attempt();
+    if (error) std::rethrow_exception(error);
+    report_attempt(std::move(report), out);
   }
 
   void step_optimizers() {
@@ -256,7 +291,99 @@ struct PipelineReplicas::State final : ft_detail::Trainer {
     out.replicas = replicas_of(out.ft.quorum.members);
     return out;
   }
+
+  // Hosts this worker's stages of `model` as `placement` places them.
+  void host(const pipeline::detail::StagePlacement& placement, torch::nn::Sequential model, pipeline::LossFn loss,
+            pipeline::OptimizerFactory make_optimizer) {
+    host_id = placement.pipeline_id;
+    detail::ignore_sigpipe_unless_handled();  // before any group: see its comment
+    pipeline::detail::host_stages(placement, std::move(model), std::move(loss), std::move(make_optimizer));
+    stages = pipeline::detail::local_stages(host_id);
+    const int count = static_cast<int>(placement.stage_ranks.size());
+    for (const auto& st : stages) {
+      has_first = has_first || st.stage == 0;
+      has_last = has_last || st.stage == count - 1;
+    }
+  }
+
+  // Fault tolerance: the quorum member's attempt loop drives this trainer.
+  static void become_member(const std::shared_ptr<State>& self) {
+    std::vector<ft_detail::Member::Part> parts;
+    for (auto& st : self->stages) parts.push_back({st.layers.ptr().get(), st.optimizer});
+    try {  // the coordinator refuses a job whose replica groups are not its own: nothing of it stays hosted then
+      self->member =
+          std::make_shared<ft_detail::Member>(self, std::move(parts), self->options.ft, self->layout.replica_groups());
+      ft_detail::register_member(self->member);
+    } catch (...) {
+      pipeline::detail::drop_stages(self->host_id);
+      throw;
+    }
+  }
+
+  // Without fault tolerance: a lost replica mate or stage peer fails the step running, and the next one.
+  static void watch_peers(const std::shared_ptr<State>& self) {
+    std::weak_ptr<State> weak = self;
+    Runtime::get().add_peer_failure_listener([weak](int peer, const std::string& why) {
+      if (auto state = weak.lock()) state->on_peer_lost(peer, why);
+    });
+  }
+  void on_peer_lost(int peer, const std::string& why) {
+    if (peer < layout.first_rank || peer >= layout.first_rank + layout.world()) return;
+    if (layout.replica_of(peer) != replica && layout.position_of(peer) != position) return;  // not a peer of ours
+    std::int64_t attempt;
+    {
+      std::lock_guard lock(failure_mutex);
+      lost = ft_detail::worker_text(peer) + " was lost: " + why;
+      attempt = running;
+    }
+    // Without fault tolerance an attempt is the step itself.
+    if (attempt >= 0)
+      pipeline::detail::abort_step(host_id, attempt,
+                                   "PipelineReplicas: step " + std::to_string(attempt) + " failed: " + lost);
+  }
+
+  // A restarted worker calls its replica mates now, before it asks for a quorum, so that a mate's first send to it
+  // finds it taken back; a mate that is itself restarting is called again once both are in a quorum (greet_mates).
+  void greet_mates_on_rejoin() {
+    for (int p = 0; p < layout.workers_per_replica; ++p) {
+      if (p == position) continue;
+      try {
+        rpc_sync<&pp_detail::hello>(layout.rank(replica, p), with_timeout(options.ft.collective_timeout));
+      } catch (const std::exception&) {
+        to_greet.push_back(layout.rank(replica, p));
+      }
+    }
+  }
 };
+
+namespace {
+
+void check_job_fits(const ReplicaLayout& layout, int rank, int world_size) {
+  if (rank < layout.first_rank || rank >= layout.first_rank + layout.world())
+    throw UsageError("PipelineReplicas: rank " + std::to_string(rank) + " is not one of the workers (ranks " +
+                     std::to_string(layout.first_rank) + ".." + std::to_string(layout.first_rank + layout.world() - 1) +
+                     ")");
+  if (layout.first_rank + layout.world() > world_size)
+    throw UsageError("PipelineReplicas: " + std::to_string(layout.world()) + " workers from rank " +
+                     std::to_string(layout.first_rank) + " need " + std::to_string(layout.first_rank + layout.world()) +
+                     " ranks; the job has " + std::to_string(world_size));
+}
+
+// Where `replica`'s stages are: stage s on the worker at position where[s].
+pipeline::detail::StagePlacement replica_placement(const PipelineReplicaOptions& options, const ReplicaLayout& layout,
+                                                   int replica, const std::vector<int>& where) {
+  pipeline::detail::StagePlacement placement;
+  // Deterministic, so that a restarted worker's mailbox is the one its mates send to.
+  placement.pipeline_id = (std::uint64_t{1} << 63) | static_cast<std::uint64_t>(replica);
+  for (size_t st = 0; st < options.balance.size(); ++st) {
+    placement.stage_ranks.push_back(layout.rank(replica, where[st]));
+    placement.balance.push_back(options.balance[st]);
+    placement.stage_devices.push_back("cpu");
+  }
+  return placement;
+}
+
+}  // namespace
 
 PipelineReplicas::PipelineReplicas(torch::nn::Sequential model, pipeline::LossFn loss,
                                    pipeline::OptimizerFactory make_optimizer, PipelineReplicaOptions options)
@@ -267,81 +394,19 @@ PipelineReplicas::PipelineReplicas(torch::nn::Sequential model, pipeline::LossFn
   if (options.micro_batches < 1) throw UsageError("PipelineReplicas: at least one micro-batch");
   s.layout = layout_of(options);
   s.rank = rt.rank();
-  const auto& layout = s.layout;
-  if (s.rank < layout.first_rank || s.rank >= layout.first_rank + layout.world())
-    throw UsageError("PipelineReplicas: rank " + std::to_string(s.rank) + " is not one of the workers (ranks " +
-                     std::to_string(layout.first_rank) + ".." + std::to_string(layout.first_rank + layout.world() - 1) +
-                     ")");
-  if (layout.first_rank + layout.world() > rt.world_size())
-    throw UsageError("PipelineReplicas: " + std::to_string(layout.world()) + " workers from rank " +
-                     std::to_string(layout.first_rank) + " need " + std::to_string(layout.first_rank + layout.world()) +
-                     " ranks; the job has " + std::to_string(rt.world_size()));
-  s.replica = layout.replica_of(s.rank);
-  s.position = layout.position_of(s.rank);
+  check_job_fits(s.layout, s.rank, rt.world_size());
+  s.replica = s.layout.replica_of(s.rank);
+  s.position = s.layout.position_of(s.rank);
   const int stages = static_cast<int>(options.balance.size());
-  const int W = layout.workers_per_replica;
+  const int W = s.layout.workers_per_replica;
   const auto where = pipeline::stage_workers(pipeline::placement_of(options.schedule), W, stages);
   s.actions = pipeline::make_schedule(options.schedule, W, stages / W, options.micro_batches)[s.position];
-
-  pipeline::detail::StagePlacement placement;
-  // Deterministic, so that a restarted worker's mailbox is the one its mates send to.
-  placement.pipeline_id = (std::uint64_t{1} << 63) | static_cast<std::uint64_t>(s.replica);
-  for (int st = 0; st < stages; ++st) {
-    placement.stage_ranks.push_back(layout.rank(s.replica, where[st]));
-    placement.balance.push_back(options.balance[st]);
-    placement.stage_devices.push_back("cpu");
-  }
-  s.host_id = placement.pipeline_id;
-  detail::ignore_sigpipe_unless_handled();  // before any group: see its comment
-  pipeline::detail::host_stages(placement, std::move(model), std::move(loss), std::move(make_optimizer));
-  s.stages = pipeline::detail::local_stages(s.host_id);
-  for (const auto& st : s.stages) {
-    s.has_first = s.has_first || st.stage == 0;
-    s.has_last = s.has_last || st.stage == stages - 1;
-  }
+  s.host(replica_placement(options, s.layout, s.replica, where), std::move(model), std::move(loss),
+         std::move(make_optimizer));
   s.options = std::move(options);
-  if (s.options.fault_tolerant) {
-    std::vector<ft_detail::Member::Part> parts;
-    for (auto& st : s.stages) parts.push_back({st.layers.ptr().get(), st.optimizer});
-    try {  // the coordinator refuses a job whose replica groups are not its own: nothing of it stays hosted then
-      s.member = std::make_shared<ft_detail::Member>(state_, std::move(parts), s.options.ft, layout.replica_groups());
-      ft_detail::register_member(s.member);
-    } catch (...) {
-      pipeline::detail::drop_stages(s.host_id);
-      throw;
-    }
-  } else {
-    std::weak_ptr<State> weak = state_;
-    rt.add_peer_failure_listener([weak](int rank, const std::string& why) {
-      auto self = weak.lock();
-      if (!self) return;
-      const auto& l = self->layout;
-      if (rank < l.first_rank || rank >= l.first_rank + l.world()) return;
-      if (l.replica_of(rank) != self->replica && l.position_of(rank) != self->position) return;  // not a peer of ours
-      std::int64_t running;
-      {
-        std::lock_guard lock(self->failure_mutex);
-        self->lost = ft_detail::worker_text(rank) + " was lost: " + why;
-        running = self->running;
-      }
-      // Without fault tolerance an attempt is the step itself.
-      if (running >= 0)
-        pipeline::detail::abort_step(self->host_id, running,
-                                     "PipelineReplicas: step " + std::to_string(running) + " failed: " + self->lost);
-    });
-  }
-  if (rt.options().rejoin) {
-    // Now, before this worker asks for a quorum, so that a mate's first send to it finds it taken back; a mate that
-    // is itself restarting is called again once both are in a quorum (greet_mates).
-    for (int p = 0; p < layout.workers_per_replica; ++p) {
-      if (p == s.position) continue;
-      try {
-        rpc_sync<&pp_detail::hello>(layout.rank(s.replica, p), with_timeout(s.options.ft.collective_timeout));
-      } catch (const std::exception&) {
-        s.to_greet.push_back(layout.rank(s.replica, p));
-      }
-    }
-  }
+  if (s.options.fault_tolerant) State::become_member(state_);
+  else State::watch_peers(state_);
+  if (rt.options().rejoin) s.greet_mates_on_rejoin();
 }
 
 PipelineReplicas::~PipelineReplicas() {

@@ -85,17 +85,83 @@ std::vector<at::Tensor> Pipeline::parameters() const {
   return all;
 }
 
+namespace {
+
+// Checked on the whole batch, before anything is sent: chunk() of two different sizes can still give equal counts
+// (4 inputs against 8 targets would train on broadcast targets).
+void check_batch_sizes(const at::Tensor& inputs, const at::Tensor& targets) {
+  if (inputs.dim() != 0 && targets.dim() != 0 && inputs.size(0) == targets.size(0)) return;
+  auto batch = [](const at::Tensor& t) { return t.dim() == 0 ? std::string("a scalar") : std::to_string(t.size(0)); };
+  throw UsageError("train_step: inputs and targets differ in batch size (dimension 0): " + batch(inputs) + " inputs, " +
+                   batch(targets) + " targets");
+}
+
+// The index of the step's part that failed first (-1: none yet).
+struct FirstFailure {
+  std::atomic<int> index{-1};
+};
+
+// The first failure aborts the step everywhere, so that no stage waits for a message that will never come.
+std::shared_ptr<FirstFailure> abort_all_on_first_failure(const std::vector<Future<WorkerReport>>& parts,
+                                                         const std::vector<int>& ranks, std::uint64_t id,
+                                                         std::int64_t step) {
+  auto first = std::make_shared<FirstFailure>();
+  for (std::size_t w = 0; w < parts.size(); ++w) {
+    corpc::detail::on_ready_inline(parts[w], [first, w, ranks, id, step, f = parts[w]] {
+      int none = -1;
+      if (!f.error() || !first->index.compare_exchange_strong(none, static_cast<int>(w))) return;
+      const std::string reason = "pipeline step aborted: worker rank " + std::to_string(ranks[w]) + " failed";
+      for (std::size_t o = 0; o < ranks.size(); ++o)
+        if (o != w) (void)rpc_async<&detail::abort_step>(ranks[o], id, step, reason);
+    });
+  }
+  return first;
+}
+
+// A worker that is gone is the cause, whichever part failed first: the others' parts fail because of it, and on a busy
+// machine the news of that can reach us before our own connection to the lost worker closes.
+std::size_t cause_of_failure(const std::vector<int>& ranks, const std::vector<Future<WorkerReport>>& done,
+                             std::size_t first) {
+  if (!Runtime::get().is_alive(ranks[first])) return first;
+  for (std::size_t o = 0; o < ranks.size(); ++o)
+    if (done[o].error() && !Runtime::get().is_alive(ranks[o])) return o;
+  return first;
+}
+
+// The stages `rank` holds, as "0,2".
+std::string stages_on(const detail::StagePlacement& placement, int rank) {
+  std::string stages;
+  for (std::size_t s = 0; s < placement.stage_ranks.size(); ++s)
+    if (placement.stage_ranks[s] == rank) stages += (stages.empty() ? "" : ",") + std::to_string(s);
+  return stages;
+}
+
+std::string worker_name(int rank) {
+  try {
+    return get_worker_info(rank).name;
+  } catch (const std::exception&) {
+    return "rank " + std::to_string(rank);
+  }
+}
+
+StepResult sum_of(std::vector<Future<WorkerReport>>& done) {
+  StepResult result;
+  double loss = 0;
+  for (auto& f : done) {
+    result.workers.push_back(f.value());
+    for (double l : result.workers.back().losses) loss += l;
+  }
+  result.loss = at::scalar_tensor(loss, at::kFloat);
+  return result;
+}
+
+}  // namespace
+
 Task<StepResult> Pipeline::train_step(at::Tensor inputs, at::Tensor targets) {
   auto state = state_;  // the pipeline may be moved while the step runs
   const std::int64_t step = ++state->steps;
   const std::uint64_t id = state->placement.pipeline_id;
-  // Checked on the whole batch, before anything is sent: chunk() of two different sizes can still give equal counts
-  // (4 inputs against 8 targets would train on broadcast targets).
-  if (inputs.dim() == 0 || targets.dim() == 0 || inputs.size(0) != targets.size(0)) {
-    auto batch = [](const at::Tensor& t) { return t.dim() == 0 ? std::string("a scalar") : std::to_string(t.size(0)); };
-    throw UsageError("train_step: inputs and targets differ in batch size (dimension 0): " + batch(inputs) +
-                     " inputs, " + batch(targets) + " targets");
-  }
+  check_batch_sizes(inputs, targets);
   auto xs = inputs.chunk(options_.micro_batches);
   auto ys = targets.chunk(options_.micro_batches);
   const int micro = static_cast<int>(xs.size());  // chunk() gives fewer pieces for a batch smaller than M
@@ -109,52 +175,18 @@ Task<StepResult> Pipeline::train_step(at::Tensor inputs, at::Tensor targets) {
                                                  rank == last_rank ? ys : std::vector<at::Tensor>{},
                                                  options_.loss_reduction == LossReduction::mean ? inputs.size(0) : 0));
   }
-  // The first failure aborts the step everywhere, so that no stage waits for a message that will never come.
-  struct Watch {
-    std::atomic<int> first_failure{-1};
-  };
-  auto watch = std::make_shared<Watch>();
   const auto ranks = state->worker_ranks;
-  for (std::size_t w = 0; w < parts.size(); ++w) {
-    corpc::detail::on_ready_inline(parts[w], [watch, w, ranks, id, step, f = parts[w]] {
-      int none = -1;
-      if (!f.error() || !watch->first_failure.compare_exchange_strong(none, static_cast<int>(w))) return;
-      const std::string reason = "pipeline step aborted: worker rank " + std::to_string(ranks[w]) + " failed";
-      for (std::size_t o = 0; o < ranks.size(); ++o)
-        if (o != w) (void)rpc_async<&detail::abort_step>(ranks[o], id, step, reason);
-    });
-  }
-  auto done = co_await collect_all(std::move(parts));
-  if (int w = watch->first_failure.load(); w >= 0) {
-    // A worker that is gone is the cause, whichever part failed first: the others' parts fail because of it, and on a
-    // busy machine the news of that can reach us before our own connection to the lost worker closes.
-    if (Runtime::get().is_alive(ranks[w])) {
-      for (std::size_t o = 0; o < ranks.size(); ++o) {
-        if (done[o].error() && !Runtime::get().is_alive(ranks[o])) {
-          w = static_cast<int>(o);
-          break;
-        }
-      }
-    }
-    const int rank = ranks[w];
-    std::string stages;
-    for (std::size_t s = 0; s < state->placement.stage_ranks.size(); ++s)
-      if (state->placement.stage_ranks[s] == rank) stages += (stages.empty() ? "" : ",") + std::to_string(s);
-    std::string name = "rank " + std::to_string(rank);
-    try {
-      name = get_worker_info(rank).name;
-    } catch (const std::exception&) {}
+  const auto first_failure = abort_all_on_first_failure(parts, ranks, id, step);
+  auto all = collect_all(std::move(parts));
+  auto done = co_await std::move(all);
+  if (const int first = first_failure->index.load(); first >= 0) {
+    const std::size_t w = cause_of_failure(ranks, done, static_cast<std::size_t>(first));
+    const std::string stages = stages_on(state->placement, ranks[w]);
+    const std::string name = worker_name(ranks[w]);
     throw PipelineError("pipeline step " + std::to_string(step) + " failed at stage " + stages + " on worker '" + name +
                         "': " + exception_text(done[w].error()));
   }
-  StepResult result;
-  double loss = 0;
-  for (auto& f : done) {
-    result.workers.push_back(f.value());
-    for (double l : result.workers.back().losses) loss += l;
-  }
-  result.loss = at::scalar_tensor(loss, at::kFloat);
-  co_return result;
+  co_return sum_of(done);
 }
 
 }  // namespace corpc::pipeline
