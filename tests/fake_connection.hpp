@@ -31,6 +31,8 @@ class TableConnection final : public detail::Connection {
     closed_why = std::move(why);
   }
   void close_when_flushed() override {}
+  // While on, frames handed to the dispatcher read as requests whose bytes the transport dropped for their size.
+  void deliver_refused(bool on) noexcept { delivering_refused_ = on; }
 
   std::vector<detail::OutFrame> sent;  // every frame sent, in order
   std::string closed_why;              // the reason given by the first close

@@ -117,7 +117,8 @@ bool Runtime::spawn_background(Task<void> task, Background how) noexcept {
 // Every frame kind gets its owner before any connection exists (frame_dispatcher.hpp).
 void Runtime::Impl::route_frames() {
   call_host = detail::make_call_host(*this);
-  requests = std::make_unique<detail::RequestServer>(*this);
+  request_host = detail::make_request_host(*this);
+  requests = std::make_unique<detail::RequestServer>(*request_host);
   route_rendezvous();
   requests->route(frames);
   detail::route_replies(frames);

@@ -10,7 +10,8 @@
 //   rendezvous_state.hpp  rank 0's registrations; the wait for the world table and the requests that come before it
 // The rest is shared by the files that implement the runtime:
 //   runtime.cpp     public surface, init_rpc
-//   calls.cpp       start_call (the connection for a call), what a call engine uses of the runtime, framing for a peer
+//   calls.cpp       start_call (the connection for a call) and the replies to our calls
+//   runtime_hosts.cpp  what the parts use of the runtime (CallHost, RequestHost), framing for a peer both ways
 //   device_delivery.cpp  frames whose tensors go to CUDA devices first
 //   peers.cpp       connections: dialing, accepting, closing, peer death
 //   shutdown.cpp    graceful shutdown
@@ -97,8 +98,9 @@ struct Runtime::Impl {
   // The parts that own frames (frame_dispatcher.hpp), made and wired by route_frames before any connection exists;
   // declared before the connections, which use them until they are gone.
   detail::FrameDispatcher frames;
-  std::unique_ptr<detail::CallHost> call_host;      // what each connection's call engine uses of this runtime
-  std::unique_ptr<detail::RequestServer> requests;  // the peers' requests
+  std::unique_ptr<detail::CallHost> call_host;        // what each connection's call engine uses of this runtime
+  std::unique_ptr<detail::RequestHost> request_host;  // what the request side uses of it
+  std::unique_ptr<detail::RequestServer> requests;    // the peers' requests
 
   // Connections and the state of every peer (peer_table.hpp); made by init_rpc once the world size is known.
   std::unique_ptr<detail::PeerTable> peers;
@@ -152,17 +154,6 @@ struct Runtime::Impl {
   std::string name_of(int rank) const;
   // Why a peer that said goodbye is gone (as opposed to one that died): compared against by shutdown().
   static constexpr const char* kShutDownReason = "it shut down";
-  std::int64_t outbound_context() const noexcept {
-    return tensor_hooks.context_slot >= 0 ? current_call_context().get(tensor_hooks.context_slot) : -1;
-  }
-
-  // ---- calls.cpp: framing for a peer, both directions ----
-  // Lets distributed autograd record a send function for an outbound message; fills its header's autograd ids.
-  void stamp_autograd(detail::Message& m, int dst) const;
-  void attach_autograd(const detail::FrameHeader& h, int src, std::vector<at::Tensor>& tensors) const;
-  // `frame` framed with the device map to `rank` (an empty map before the world is known), for `conn` (whose CUDA IPC
-  // link, if it lends, carries CUDA tensors).
-  detail::OutFrame prepare_for(detail::Message&& m, int rank, detail::Connection* conn = nullptr) const;
 
   // ---- flow control and liveness (peers.cpp) ----
   // What peers' requests may hold here (RpcOptions::receive_budget_*, max_requests_held); shared by all connections.
@@ -261,8 +252,10 @@ namespace detail {
 void start_call(Runtime::Impl& rt, OutboundCall&& call) noexcept;
 // Starts again the calls held for `rank`'s replacement (RpcOptions::replacement_wait): a new incarnation took it.
 void restart_held_calls(Runtime::Impl& rt, int rank);
-// The owners of frames that are not parts of the runtime (calls.cpp, device_delivery.cpp).
+// What the parts use of the runtime (runtime_hosts.cpp).
 std::unique_ptr<CallHost> make_call_host(Runtime::Impl& rt);
+std::unique_ptr<RequestHost> make_request_host(Runtime::Impl& rt);
+// The owners of frames that are not parts of the runtime (calls.cpp, device_delivery.cpp).
 void route_replies(FrameDispatcher& frames);
 void route_device_delivery(Runtime::Impl& rt, FrameDispatcher& frames);
 }  // namespace detail
