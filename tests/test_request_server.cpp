@@ -78,8 +78,9 @@ struct Server {
   std::shared_ptr<corpc::test::TableConnection> conn;
   explicit Server(bool world_known = true) {
     if (world_known) host.world.open();
-    server.route(frames);
-    conn = std::make_shared<corpc::test::TableConnection>(io, "10.0.0.1:1", false, CallEngine::factory(host, 64));
+    route_requests(frames, server);
+    conn = std::make_shared<corpc::test::TableConnection>(io, "10.0.0.1:1",
+                                                          CallEngine::factory(host, 64, /*dialed=*/false));
     conn->peer_rank = 1;
   }
 

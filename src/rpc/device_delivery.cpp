@@ -40,7 +40,7 @@ void deliver_on_devices(Runtime::Impl& rt, const std::shared_ptr<Connection>& co
       const FrameHeader& h = held->head;
       if (h.kind == FrameKind::Request) {
         rt.requests->refuse(*conn, h, std::move(error), "(delivery to a CUDA device)");
-      } else if (conn->outgoing) {
+      } else if (RpcSession::of(*conn).outgoing) {
         CallEngine::of(*conn).fail_call(conn, h.id, std::move(error));
       }
     });
@@ -49,7 +49,7 @@ void deliver_on_devices(Runtime::Impl& rt, const std::shared_ptr<Connection>& co
 
 }  // namespace
 
-void route_device_delivery(Runtime::Impl& rt, FrameDispatcher& frames) {
+void route_device_delivery(FrameDispatcher& frames, Runtime::Impl& rt) {
   frames.on(Route::on_devices,
             [&rt](const std::shared_ptr<Connection>& c, Message&& m) { deliver_on_devices(rt, c, std::move(m)); });
 }

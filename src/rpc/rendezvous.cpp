@@ -215,10 +215,9 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
               co_await pause.async_wait(asio::use_awaitable);
               continue;
             }
-            auto conn = detail::make_tcp_connection(std::move(transport), connection_settings(), frame_handler(),
-                                                    close_handler(), std::move(address));
+            auto conn = detail::make_tcp_connection(std::move(transport), connection_settings(/*dialed=*/true),
+                                                    frame_handler(), close_handler(), std::move(address));
             conn->peer_rank = 0;
-            conn->outgoing = true;
             peers->set_outgoing(0, conn);
             conn->send(detail::prepare(hello_message(our_hello(true))));
             co_return;
@@ -244,7 +243,7 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
 // Turns a dialer away: an Error frame with id 0 (the connection itself), then close. Until it closes, nothing else it
 // sends is acted on.
 void Runtime::Impl::refuse(const std::shared_ptr<detail::Connection>& conn, const std::string& why) {
-  conn->hello_refused = true;
+  detail::RpcSession::of(*conn).hello_refused = true;
   send_error_frame(*conn, 0, std::make_exception_ptr(ProtocolError(why)), self.name, "rendezvous", /*traced=*/false);
   conn->close_when_flushed();
 }
@@ -268,7 +267,7 @@ void Runtime::Impl::refuse_answer(const std::shared_ptr<detail::Connection>& con
       fmt::format("the peer at {} answered as worker '{}' (rank {}) and {}", conn->remote_address, name_of(claimed.rank),
                   claimed.rank, why);
   refused_hellos.refused(conn->io(), self.name, "refused " + text + "; its connection is closed");
-  conn->hello_refused = true;
+  detail::RpcSession::of(*conn).hello_refused = true;
   conn->close(text);
 }
 
@@ -283,8 +282,9 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, de
   const int their_world = hello.world_size;
   const bool registering = hello.registering;
   const WireLimits& theirs = hello.limits;
-  if (!conn->outgoing && conn->peer_rank >= 0) return conn->close("protocol error: a second hello on one connection");
-  if (conn->outgoing) {
+  const bool answer_to_ours = detail::RpcSession::of(*conn).outgoing;
+  if (!answer_to_ours && conn->peer_rank >= 0) return conn->close("protocol error: a second hello on one connection");
+  if (answer_to_ours) {
     // The answer to our own Hello: who the peer is and what it accepts. Until it arrives we assume our own limits.
     if (info.rank != conn->peer_rank)
       return conn->close("protocol error: hello from rank " + std::to_string(info.rank));
@@ -551,24 +551,24 @@ void Runtime::Impl::on_world(detail::Message&& msg) {
   world_ready.set_value();
 }
 
-void Runtime::Impl::route_rendezvous() {
-  frames.on(detail::Route::hello, [this](const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {
-    on_hello(conn, std::move(msg));
-  });
-  frames.on(detail::Route::world, [this](const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {
+void detail::route_rendezvous(FrameDispatcher& frames, Runtime::Impl& rt) {
+  frames.on(Route::hello,
+            [&rt](const std::shared_ptr<Connection>& conn, Message&& msg) { rt.on_hello(conn, std::move(msg)); });
+  frames.on(Route::world, [&rt](const std::shared_ptr<Connection>& conn, Message&& msg) {
     // Only rank 0 publishes the table, on the connection we registered through.
-    if (!conn->outgoing || conn->peer_rank != 0) return conn->close("protocol error: a world table not from rank 0");
-    on_world(std::move(msg));
+    if (!RpcSession::of(*conn).outgoing || conn->peer_rank != 0)
+      return conn->close("protocol error: a world table not from rank 0");
+    rt.on_world(std::move(msg));
   });
   // The peer refused the connection itself (an Error frame with id 0).
-  frames.on(detail::Route::refusal, [this](const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {
+  frames.on(Route::refusal, [&rt](const std::shared_ptr<Connection>& conn, Message&& msg) {
     std::string why = "refused by peer";
     try {
-      std::rethrow_exception(decode_error(msg, name_of(conn->peer_rank), "rendezvous"));
+      std::rethrow_exception(decode_error(msg, rt.name_of(conn->peer_rank), "rendezvous"));
     } catch (const std::exception& e) {
       why = e.what();
     }
-    if (!world_ready.get_future().done()) world_ready.set_exception(RpcError("rendezvous refused: " + why));
+    if (!rt.world_ready.get_future().done()) rt.world_ready.set_exception(RpcError("rendezvous refused: " + why));
     conn->close(why);
   });
 }

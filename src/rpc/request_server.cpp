@@ -191,11 +191,13 @@ struct PooledRequest : WorkItem {
 
 RequestServer::RequestServer(RequestHost& host) : host_(host) {}
 
-void RequestServer::route(FrameDispatcher& frames) {
-  frames.on(Route::request, [this](const std::shared_ptr<Connection>& c, Message&& m) { on_request(c, std::move(m)); });
-  frames.on(Route::cancel, [this](const std::shared_ptr<Connection>& c, Message&& m) { on_cancel(c, std::move(m)); });
+void route_requests(FrameDispatcher& frames, RequestServer& server) {
+  frames.on(Route::request,
+            [&server](const std::shared_ptr<Connection>& c, Message&& m) { server.on_request(c, std::move(m)); });
+  frames.on(Route::cancel,
+            [&server](const std::shared_ptr<Connection>& c, Message&& m) { server.on_cancel(c, std::move(m)); });
   frames.on(Route::oversized,
-            [this](const std::shared_ptr<Connection>& c, Message&& m) { refuse_too_large(c, m.head); });
+            [&server](const std::shared_ptr<Connection>& c, Message&& m) { server.refuse_too_large(c, m.head); });
 }
 
 CallContext RequestServer::handler_context(std::int64_t context_id) const noexcept {
@@ -262,6 +264,7 @@ void RequestServer::on_cancel(const std::shared_ptr<Connection>& conn, Message&&
   if (admitted(conn, msg)) CallEngine::of(*conn).inbound().cancel(msg.head.id);
 }
 
+// A request whose header announced more than the receive budget: its bytes were dropped; answer it.
 void RequestServer::refuse_too_large(const std::shared_ptr<Connection>& conn, const FrameHeader& h) {
   if (h.kind != FrameKind::Request || conn->peer_rank < 0) return conn->close("protocol error: an oversized frame");
   const std::uint64_t size = sizeof(FrameHeader) + std::uint64_t{h.meta_len} + h.body_len + h.tensor_bytes;

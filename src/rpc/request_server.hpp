@@ -56,8 +56,11 @@ class RequestServer {
  public:
   explicit RequestServer(RequestHost& host);
 
-  // Registers its routes: request, cancel, oversized.
-  void route(FrameDispatcher& frames);
+  // Its frames (route_requests): a Request, a cancel (a Request with kFlagCancel), and a request whose bytes the
+  // transport dropped for its size (its header only).
+  void on_request(const std::shared_ptr<Connection>& conn, Message&& msg);
+  void on_cancel(const std::shared_ptr<Connection>& conn, Message&& msg);
+  void refuse_too_large(const std::shared_ptr<Connection>& conn, const FrameHeader& h);
 
   // The CallContext a request's reply is stamped in: the caller's autograd context id.
   CallContext handler_context(std::int64_t context_id) const noexcept;
@@ -73,12 +76,11 @@ class RequestServer {
 
  private:
   bool admitted(const std::shared_ptr<Connection>& conn, Message& msg);
-  void on_request(const std::shared_ptr<Connection>& conn, Message&& msg);
-  void on_cancel(const std::shared_ptr<Connection>& conn, Message&& msg);
-  // A request whose header announced more than the receive budget: its bytes were dropped; answer it.
-  void refuse_too_large(const std::shared_ptr<Connection>& conn, const FrameHeader& h);
 
   RequestHost& host_;
 };
+
+// Makes `server` the owner of the request, cancel and oversized routes.
+void route_requests(FrameDispatcher& frames, RequestServer& server);
 
 }  // namespace corpc::detail

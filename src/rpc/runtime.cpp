@@ -119,12 +119,12 @@ void Runtime::Impl::route_frames() {
   call_host = detail::make_call_host(*this);
   request_host = detail::make_request_host(*this);
   requests = std::make_unique<detail::RequestServer>(*request_host);
-  route_rendezvous();
-  requests->route(frames);
-  detail::route_replies(frames);
-  route_ipc_done();
-  route_goodbye();
-  detail::route_device_delivery(*this, frames);
+  detail::route_rendezvous(frames, *this);       // hello, world, refusal
+  detail::route_requests(frames, *requests);     // request, cancel, oversized
+  detail::route_replies(frames);                 // reply
+  detail::route_ipc_done(frames);                // ipc_done
+  detail::route_goodbye(frames, *peers);         // goodbye
+  detail::route_device_delivery(frames, *this);  // on_devices
 }
 
 void Runtime::Impl::start_threads() {

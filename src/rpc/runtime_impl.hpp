@@ -2,8 +2,9 @@
 //   io_threads.hpp        the I/O threads and their executors
 //   activity.hpp          calls and handlers in flight, requests per peer; waiting for quiet
 //   shutdown_rounds.hpp   rank 0's side of graceful shutdown's termination detection
-//   call_engine.hpp       a connection's calls, both ways: start, reply, deadlines, cancellation (kept on the connection)
-//   frame_dispatcher.hpp  which part each frame goes to (the parts register their routes: route_frames)
+//   call_engine.hpp       a connection's calls, both ways: start, reply, deadlines, cancellation; it is the connection's
+//                         session, with the rest of what we know of the connection (rpc_session.hpp)
+//   frame_dispatcher.hpp  which part each frame goes to (each owner registers its routes: route_frames)
 //   request_server.hpp    the peers' requests: lookup, execution (I/O thread or pool), replies and error frames
 //   environment.hpp       what the environment adds to the options
 //   peer_table.hpp        connections by rank, who speaks for each rank, which ranks are gone
@@ -158,7 +159,8 @@ struct Runtime::Impl {
   // ---- flow control and liveness (peers.cpp) ----
   // What peers' requests may hold here (RpcOptions::receive_budget_*, max_requests_held); shared by all connections.
   std::unique_ptr<detail::ReceiveBudget> receive_budget;
-  detail::ConnectionSettings connection_settings() const;
+  // `dialed`: for a connection we open (its session's RpcSession::outgoing).
+  detail::ConnectionSettings connection_settings(bool dialed) const;
   void init_flow_control();  // from options; before any connection exists
 
   // ---- peers.cpp ----
@@ -168,7 +170,6 @@ struct Runtime::Impl {
   void on_close(const std::shared_ptr<detail::Connection>& conn, const std::string& why);
   void mark_dead(int rank, const std::string& why);
   void fail_all_calls(std::exception_ptr error);
-  void route_goodbye();
   void accept_loop();
   void start_local_listener();
   void local_accept_loop();
@@ -211,7 +212,6 @@ struct Runtime::Impl {
   void refuse_answer(const std::shared_ptr<detail::Connection>& conn, const WorkerInfo& claimed, const std::string& why);
   void on_world(detail::Message&& msg);
   void on_world_update(detail::Message&& msg);  // a later table from rank 0: the ranks replaced since
-  void route_rendezvous();
   void publish_world_if_complete();
   // Takes `hello`'s sender as the new incarnation of its rank (RpcOptions::rejoin); `registration`: on rank 0, which
   // also sends it the current world table, and retries until `deadline` (default: a handshake timeout from now)
@@ -238,9 +238,6 @@ struct Runtime::Impl {
   // The CUDA IPC link for a connection to `rank` whose Hellos agreed to it (null otherwise).
   std::shared_ptr<detail::CudaIpcLink> cuda_ipc_link(int rank, bool theirs, const std::string& their_host);
   void cuda_ipc_failed(int rank, const std::string& why);
-  // An IpcDone frame: the peer is done with tensors we lent it.
-  void on_ipc_done(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg);
-  void route_ipc_done();
   // Tells the lender of `msg`'s CUDA IPC tensors (on `conn`) that their copies are done.
   void return_ipc_loans(const std::shared_ptr<detail::Connection>& conn, const detail::CudaIpcArrivals& arrivals);
 };
@@ -255,9 +252,13 @@ void restart_held_calls(Runtime::Impl& rt, int rank);
 // What the parts use of the runtime (runtime_hosts.cpp).
 std::unique_ptr<CallHost> make_call_host(Runtime::Impl& rt);
 std::unique_ptr<RequestHost> make_request_host(Runtime::Impl& rt);
-// The owners of frames that are not parts of the runtime (calls.cpp, device_delivery.cpp).
-void route_replies(FrameDispatcher& frames);
-void route_device_delivery(Runtime::Impl& rt, FrameDispatcher& frames);
+// The owners of frames register their routes (frame_dispatcher.hpp), each with one function of this form, called by
+// route_frames; the request side's is route_requests (request_server.hpp).
+void route_rendezvous(FrameDispatcher& frames, Runtime::Impl& rt);       // rendezvous.cpp
+void route_replies(FrameDispatcher& frames);                             // calls.cpp
+void route_ipc_done(FrameDispatcher& frames);                            // same_host.cpp
+void route_goodbye(FrameDispatcher& frames, PeerTable& peers);           // peers.cpp
+void route_device_delivery(FrameDispatcher& frames, Runtime::Impl& rt);  // device_delivery.cpp
 }  // namespace detail
 
 void validate_worker_name(const std::string& name);

@@ -101,24 +101,21 @@ void Runtime::Impl::cuda_ipc_failed(int rank, const std::string& why) {
               rank, why);
 }
 
-// The lender's side: the I/O thread of the connection the tensors were lent on. The tensors are released here.
-void Runtime::Impl::route_ipc_done() {
-  frames.on(detail::Route::ipc_done, [this](const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {
-    on_ipc_done(conn, std::move(msg));
+// An IpcDone frame: the peer is done with tensors we lent it. The lender's side: the I/O thread of the connection
+// the tensors were lent on. The tensors are released here.
+void detail::route_ipc_done(FrameDispatcher& frames) {
+  frames.on(Route::ipc_done, [](const std::shared_ptr<Connection>& conn, Message&& msg) {
+    auto link = conn->cuda_ipc();
+    if (!link) return conn->close("protocol error: IpcDone on a connection without CUDA IPC");
+    IpcDone done;
+    try {
+      done = decode_ipc_done(msg.body.data(), msg.body.size());
+    } catch (const ProtocolError& e) {
+      return conn->close(std::string("protocol error: ") + e.what());
+    }
+    if (done.stop_lending) link->lending_failed("the peer could not map a tensor lent to it", /*for_good=*/true);
+    link->returned(done.ids);
   });
-}
-
-void Runtime::Impl::on_ipc_done(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {
-  auto link = conn->cuda_ipc();
-  if (!link) return conn->close("protocol error: IpcDone on a connection without CUDA IPC");
-  detail::IpcDone done;
-  try {
-    done = detail::decode_ipc_done(msg.body.data(), msg.body.size());
-  } catch (const ProtocolError& e) {
-    return conn->close(std::string("protocol error: ") + e.what());
-  }
-  if (done.stop_lending) link->lending_failed("the peer could not map a tensor lent to it", /*for_good=*/true);
-  link->returned(done.ids);
 }
 
 // The borrower's side, once the copies out of the lender's memory are done (or failed): on the same connection, so
