@@ -30,7 +30,7 @@ void deliver_on_devices(Runtime::Impl& rt, const std::shared_ptr<Connection>& co
       if (held->ipc) {
         // Every copy out of the lender's memory is done (or never started): its tensors may go back. A connection
         // lost meanwhile released them on the lender's side, which may have reused the memory under the copy.
-        rt.return_ipc_loans(conn, *held->ipc);
+        return_ipc_loans(conn, *held->ipc);
         if (!error && held->ipc->link && held->ipc->link->closed())
           error =
               std::make_exception_ptr(ConnectionError("the connection was lost while a CUDA IPC tensor was copied"));

@@ -203,7 +203,7 @@ void Runtime::Impl::close_everything(bool say_goodbye, const std::string& failur
   asio::post(main_io(), [this] {
     asio::error_code ec;
     acceptor->close(ec);
-    if (shm_listener) shm_listener->close();
+    same_host.close();
     if (local_acceptor) local_acceptor->close(ec);
   });
   // Give queued frames (replies, goodbyes) a moment to leave, then stop the I/O threads.

@@ -52,8 +52,8 @@ detail::Hello Runtime::Impl::our_hello(bool registering, int to_rank, const std:
   // Our limits go with it, so that senders refuse oversized messages themselves instead of losing the connection.
   h.limits = options.limits;
   if (registering) h.devices = own_device_config();  // rank 0 checks every worker's maps against the others'
-  h.host = same_host_id;
-  h.cuda_ipc = cuda_ipc_offered;
+  h.host = same_host.host_id();
+  h.cuda_ipc = same_host.cuda_ipc_offered();
   h.rejoining = options.rejoin;
   h.local = local;
   h.incarnation = rank_proofs.incarnation;
@@ -158,7 +158,12 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
   // From here on the I/O threads may read `self`, and on_world fills in its host: this thread reads only its own copy
   // of the rank.
   const int my_rank = self.rank;
-  start_same_host();
+  same_host.start(main_io(), {.channel = options.same_host_channel,
+                              .cuda_ipc = options.cuda_ipc,
+                              .ring_bytes = options.same_host_ring_bytes,
+                              .handshake_timeout = options.handshake_timeout,
+                              .secret = auth.secret,
+                              .worker = self.name});
   asio::post(main_io(), [this] {
     accept_loop();
     local_accept_loop();
@@ -296,7 +301,7 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, de
         return refuse_answer(conn, info, *unproven);
     }
     conn->peer_limits = theirs;
-    dial_same_host(conn, hello);
+    same_host.dial(conn, hello);
     conn->release_sends();
     return;
   }
@@ -325,7 +330,7 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, de
       return admit_rejoined(conn, hello, answer, /*registration=*/false);
     if (auto refusal = peers->claim(info.rank, conn)) return refuse_claim(conn, info, *refusal);
     conn->peer_limits = theirs;
-    offer_same_host(conn, hello, answer);
+    same_host.offer(conn, hello, answer);
     conn->send(detail::prepare(hello_message(answer)));
     return;
   }
@@ -345,7 +350,7 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, de
     return peers->claim(info.rank, conn, [&] {
       identities.set(info.rank, {hello.incarnation, hello.public_key});
       conn->peer_limits = theirs;
-      offer_same_host(conn, hello, answer);
+      same_host.offer(conn, hello, answer);
       conn->send(detail::prepare(hello_message(answer)));
     });
   });
@@ -377,7 +382,7 @@ void Runtime::Impl::admit_rejoined(const std::shared_ptr<detail::Connection>& co
   auto [refusal, old] = peers->revive(rank, conn, at, [&] {
     activity->forget_peer(rank);
     conn->peer_limits = hello.limits;
-    offer_same_host(conn, hello, answer);
+    same_host.offer(conn, hello, answer);
     conn->send(detail::prepare(hello_message(answer)));
   });
   if (refusal) {

@@ -9,6 +9,7 @@
 //   environment.hpp       what the environment adds to the options
 //   peer_table.hpp        connections by rank, who speaks for each rank, which ranks are gone
 //   rendezvous_state.hpp  rank 0's registrations; the wait for the world table and the requests that come before it
+//   same_host.hpp         the same-host channel and CUDA IPC per peer: what we offer, set-up, IpcDone frames
 // The rest is shared by the files that implement the runtime:
 //   runtime.cpp     public surface, init_rpc
 //   calls.cpp       start_call (the connection for a call) and the replies to our calls
@@ -17,7 +18,6 @@
 //   peers.cpp       connections: dialing, accepting, closing, peer death
 //   shutdown.cpp    graceful shutdown
 //   rendezvous.cpp  finding every worker at start
-//   same_host.cpp   the same-host channel and CUDA IPC per peer
 // Threads: I/O threads own connections and timers; the worker pool runs handlers; any thread may call. Fields say
 // which lock or thread guards them.
 #pragma once
@@ -45,6 +45,7 @@
 #include "rpc/rank_identities.hpp"
 #include "rpc/rendezvous_state.hpp"
 #include "rpc/replacement_waits.hpp"
+#include "rpc/same_host.hpp"
 #include "rpc/shutdown_rounds.hpp"
 #include "transport/auth.hpp"
 #include "transport/connection.hpp"
@@ -85,15 +86,8 @@ struct Runtime::Impl {
   std::optional<asio::local::stream_protocol::acceptor> local_acceptor;
   detail::LocalAddress local;                         // ours, as our Hello announces it
   std::vector<detail::LocalAddress> local_addresses;  // by rank, from the world table (written with `workers`)
-  // The same-host channel (same_host.cpp): this host's identity when the channel is on (empty: off), and the Unix
-  // socket on which dialers pass their segments (on the main I/O thread; none if it could not be bound).
-  std::string same_host_id;
-  std::unique_ptr<detail::ShmListener> shm_listener;
-  std::atomic<bool> same_host_warned{false};
-  // CUDA IPC (src/memory/cuda_ipc.hpp), on connections whose same-host channel is set up: whether we announce it (set with
-  // same_host_id, before any Hello), and whether a failure was logged at warn already.
-  bool cuda_ipc_offered = false;
-  std::atomic<bool> cuda_ipc_warned{false};
+  // The same-host channel and CUDA IPC per peer (same_host.hpp); started by rendezvous before any Hello.
+  detail::SameHost same_host;
   std::unique_ptr<ThreadPool> pool;
 
   // The parts that own frames (frame_dispatcher.hpp), made and wired by route_frames before any connection exists;
@@ -229,17 +223,6 @@ struct Runtime::Impl {
   // Rank 0: why a registration's claim is not proven (the launcher's credential), or nullopt.
   std::optional<std::string> unproven_registration(const detail::Hello& hello, bool replacing) const;
 
-  // ---- same_host.cpp ----
-  void start_same_host();
-  void offer_same_host(const std::shared_ptr<detail::Connection>& conn, const detail::Hello& theirs,
-                       detail::Hello& answer);
-  void dial_same_host(const std::shared_ptr<detail::Connection>& conn, const detail::Hello& answer);
-  void same_host_failed(int rank, const std::string& why);
-  // The CUDA IPC link for a connection to `rank` whose Hellos agreed to it (null otherwise).
-  std::shared_ptr<detail::CudaIpcLink> cuda_ipc_link(int rank, bool theirs, const std::string& their_host);
-  void cuda_ipc_failed(int rank, const std::string& why);
-  // Tells the lender of `msg`'s CUDA IPC tensors (on `conn`) that their copies are done.
-  void return_ipc_loans(const std::shared_ptr<detail::Connection>& conn, const detail::CudaIpcArrivals& arrivals);
 };
 
 Runtime::Impl& runtime_impl(Runtime& rt) noexcept;
@@ -253,10 +236,9 @@ void restart_held_calls(Runtime::Impl& rt, int rank);
 std::unique_ptr<CallHost> make_call_host(Runtime::Impl& rt);
 std::unique_ptr<RequestHost> make_request_host(Runtime::Impl& rt);
 // The owners of frames register their routes (frame_dispatcher.hpp), each with one function of this form, called by
-// route_frames; the request side's is route_requests (request_server.hpp).
+// route_frames; the parts' are beside them: route_requests (request_server.hpp), route_ipc_done (same_host.hpp).
 void route_rendezvous(FrameDispatcher& frames, Runtime::Impl& rt);       // rendezvous.cpp
 void route_replies(FrameDispatcher& frames);                             // calls.cpp
-void route_ipc_done(FrameDispatcher& frames);                            // same_host.cpp
 void route_goodbye(FrameDispatcher& frames, PeerTable& peers);           // peers.cpp
 void route_device_delivery(FrameDispatcher& frames, Runtime::Impl& rt);  // device_delivery.cpp
 }  // namespace detail
