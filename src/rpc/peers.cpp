@@ -204,7 +204,7 @@ void Runtime::Impl::close_everything(bool say_goodbye, const std::string& failur
     asio::error_code ec;
     acceptor->close(ec);
     same_host.close();
-    if (local_acceptor) local_acceptor->close(ec);
+    local_listener.close();
   });
   // Give queued frames (replies, goodbyes) a moment to leave, then stop the I/O threads.
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);

@@ -55,7 +55,7 @@ detail::Hello Runtime::Impl::our_hello(bool registering, int to_rank, const std:
   h.host = same_host.host_id();
   h.cuda_ipc = same_host.cuda_ipc_offered();
   h.rejoining = options.rejoin;
-  h.local = local;
+  h.local = local_listener.address();
   h.incarnation = rank_proofs.incarnation;
   h.public_key = rank_key->public_key();
   if (registering) {
@@ -150,10 +150,12 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
   // address rank 0 sees them at (filled in there).
   const bool specific = listen_host != "0.0.0.0" && listen_host != "::";
   self.host = self.rank == 0 ? master_host : specific ? listen_host : "";
-  start_local_listener();  // before our registration: it carries where peers on our host connect to us
+  // Before our registration: it carries where peers on our host connect to us. With TLS every connection carries it,
+  // as the peers expect.
+  if (options.same_host_socket && !options.tls) local_listener.start(*local_host, main_io(), self.name);
   if (self.rank == 0) {
     // Registered before accepting anyone: a worker's registration may be processed the moment we accept it.
-    registrations.add_own(self, own_device_config(), local);
+    registrations.add_own(self, own_device_config(), local_listener.address());
   }
   // From here on the I/O threads may read `self`, and on_world fills in its host: this thread reads only its own copy
   // of the rank.
@@ -166,7 +168,7 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
                               .worker = self.name});
   asio::post(main_io(), [this] {
     accept_loop();
-    local_accept_loop();
+    local_listener.accept();
     if (self.rank == 0) publish_world_if_complete();  // a world of one
   });
 

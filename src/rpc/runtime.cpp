@@ -118,6 +118,7 @@ bool Runtime::spawn_background(Task<void> task, Background how) noexcept {
 void Runtime::Impl::route_frames() {
   call_host = detail::make_call_host(*this);
   request_host = detail::make_request_host(*this);
+  local_host = detail::make_local_listener_host(*this);
   requests = std::make_unique<detail::RequestServer>(*request_host);
   detail::route_rendezvous(frames, *this);       // hello, world, refusal
   detail::route_requests(frames, *requests);     // request, cancel, oversized

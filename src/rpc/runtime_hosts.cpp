@@ -1,5 +1,6 @@
-// What the runtime's parts use of it: one RuntimeHost serves both the call engines (CallHost) and the request side
-// (RequestHost), so that requests and replies are framed for a peer by the same function (frame_for).
+// What the runtime's parts use of it: one RuntimeHost serves the call engines (CallHost), the request side
+// (RequestHost), so that requests and replies are framed for a peer by the same function (frame_for), and the
+// same-host listener (LocalListener::Host).
 #include "corpc/rpc/detail/outbound.hpp"
 #include "rpc/call_engine.hpp"
 #include "rpc/request_server.hpp"
@@ -18,7 +19,7 @@ void cancel_call(const CancelHook& h) noexcept {
   if (conn) CallEngine::of(*conn).cancel(conn, h.b);
 }
 
-class RuntimeHost final : public CallHost, public RequestHost {
+class RuntimeHost final : public CallHost, public RequestHost, public LocalListener::Host {
  public:
   explicit RuntimeHost(Runtime::Impl& rt) : rt_(rt) {}
 
@@ -68,6 +69,14 @@ class RuntimeHost final : public CallHost, public RequestHost {
   int autograd_context_slot() const override { return rt_.tensor_hooks.context_slot; }
   std::uint64_t max_request_bytes() const override { return rt_.options.limits.max_request_bytes; }
 
+  // LocalListener::Host: an accepted Unix socket is served as a TCP one is, without a port to report.
+  asio::io_context& pick_io() override { return rt_.pick_io(); }
+  void serve_local(asio::ip::tcp::socket socket) override {
+    rt_.accepted++;
+    rt_.serve_accepted(std::move(socket), "127.0.0.1", 0);
+  }
+  void local_accept_failed() override { rt_.accept_errors++; }
+
  private:
   Runtime::Impl& rt_;
 };
@@ -76,5 +85,8 @@ class RuntimeHost final : public CallHost, public RequestHost {
 
 std::unique_ptr<CallHost> make_call_host(Runtime::Impl& rt) { return std::make_unique<RuntimeHost>(rt); }
 std::unique_ptr<RequestHost> make_request_host(Runtime::Impl& rt) { return std::make_unique<RuntimeHost>(rt); }
+std::unique_ptr<LocalListener::Host> make_local_listener_host(Runtime::Impl& rt) {
+  return std::make_unique<RuntimeHost>(rt);
+}
 
 }  // namespace corpc::detail

@@ -10,6 +10,7 @@
 //   peer_table.hpp        connections by rank, who speaks for each rank, which ranks are gone
 //   rendezvous_state.hpp  rank 0's registrations; the wait for the world table and the requests that come before it
 //   same_host.hpp         the same-host channel and CUDA IPC per peer: what we offer, set-up, IpcDone frames
+//   local_listener.hpp    the abstract Unix socket that peers on this host dial instead of our TCP port
 // The rest is shared by the files that implement the runtime:
 //   runtime.cpp     public surface, init_rpc
 //   calls.cpp       start_call (the connection for a call) and the replies to our calls
@@ -40,6 +41,7 @@
 #include "rpc/request_server.hpp"
 #include "rpc/hello.hpp"
 #include "rpc/io_threads.hpp"
+#include "rpc/local_listener.hpp"
 #include "rpc/environment.hpp"
 #include "rpc/peer_table.hpp"
 #include "rpc/rank_identities.hpp"
@@ -80,11 +82,10 @@ struct Runtime::Impl {
   asio::io_context& main_io() { return io_threads->main(); }
   asio::io_context& pick_io() { return io_threads->pick(); }
   std::optional<asio::ip::tcp::acceptor> acceptor;  // on the main I/O thread; created with the threads
-  // Peers on this host connect here rather than to `acceptor` (local_listener.cpp): the same connections over an
-  // abstract Unix socket, on the main I/O thread. None when it is off (RpcOptions::same_host_socket, TLS) or cannot
-  // be bound; `local` then stays empty.
-  std::optional<asio::local::stream_protocol::acceptor> local_acceptor;
-  detail::LocalAddress local;                         // ours, as our Hello announces it
+  // Peers on this host connect here rather than to `acceptor` (local_listener.hpp): the same connections over an
+  // abstract Unix socket, on the main I/O thread. Not started when it is off (RpcOptions::same_host_socket, TLS);
+  // its address is then empty, as when it cannot be bound.
+  detail::LocalListener local_listener;
   std::vector<detail::LocalAddress> local_addresses;  // by rank, from the world table (written with `workers`)
   // The same-host channel and CUDA IPC per peer (same_host.hpp); started by rendezvous before any Hello.
   detail::SameHost same_host;
@@ -95,6 +96,7 @@ struct Runtime::Impl {
   detail::FrameDispatcher frames;
   std::unique_ptr<detail::CallHost> call_host;        // what each connection's call engine uses of this runtime
   std::unique_ptr<detail::RequestHost> request_host;  // what the request side uses of it
+  std::unique_ptr<detail::LocalListener::Host> local_host;  // and the same-host listener (not a frame owner)
   std::unique_ptr<detail::RequestServer> requests;    // the peers' requests
 
   // Connections and the state of every peer (peer_table.hpp); made by init_rpc once the world size is known.
@@ -165,8 +167,6 @@ struct Runtime::Impl {
   void mark_dead(int rank, const std::string& why);
   void fail_all_calls(std::exception_ptr error);
   void accept_loop();
-  void start_local_listener();
-  void local_accept_loop();
   // An accepted socket (TCP, or a Unix one adopted into a TCP socket object: `port` 0): authenticates it, then
   // serves it. `address`: the peer's, as the connection records it.
   void serve_accepted(asio::ip::tcp::socket socket, std::string address, std::uint16_t port);
@@ -235,6 +235,7 @@ void restart_held_calls(Runtime::Impl& rt, int rank);
 // What the parts use of the runtime (runtime_hosts.cpp).
 std::unique_ptr<CallHost> make_call_host(Runtime::Impl& rt);
 std::unique_ptr<RequestHost> make_request_host(Runtime::Impl& rt);
+std::unique_ptr<LocalListener::Host> make_local_listener_host(Runtime::Impl& rt);
 // The owners of frames register their routes (frame_dispatcher.hpp), each with one function of this form, called by
 // route_frames; the parts' are beside them: route_requests (request_server.hpp), route_ipc_done (same_host.hpp).
 void route_rendezvous(FrameDispatcher& frames, Runtime::Impl& rt);       // rendezvous.cpp
