@@ -33,10 +33,9 @@ struct Recorder {
 
 // A connection we dialed, with the session the runtime's connections carry (only its RPC state: no calls here).
 std::shared_ptr<Connection> dialed_connection(asio::io_context& io) {
-  return corpc::test::table_connection(
-      io, "10.0.0.1:1", [](asio::io_context&) -> std::unique_ptr<ConnectionSession> {
-        return std::make_unique<RpcSession>(/*dialed=*/true);
-      });
+  return corpc::test::table_connection(io, "10.0.0.1:1", [](asio::io_context&) -> std::unique_ptr<ConnectionSession> {
+    return std::make_unique<RpcSession>(/*dialed=*/true);
+  });
 }
 
 Message frame(FrameKind kind, std::uint64_t id, std::uint16_t flags = 0) {

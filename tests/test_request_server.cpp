@@ -213,7 +213,8 @@ TEST_CASE("RequestServer: a request cancelled while queued for the pool is answe
   s.host.pool_.run_all();
   CHECK(runs == 0);
   REQUIRE(s.conn->sent.size() == 1);
-  EXPECT_CONTAINS(EXPECT_THROWS_AS(rethrow(s.conn->sent[0], "pooled"), RemoteError), "corpc::CancelledError: cancelled");
+  EXPECT_CONTAINS(EXPECT_THROWS_AS(rethrow(s.conn->sent[0], "pooled"), RemoteError),
+                  "corpc::CancelledError: cancelled");
   CHECK(s.activity().handlers_running() == 0);
 }
 

@@ -31,8 +31,12 @@ class SetUpRecorder final : public Connection {
 };
 
 SameHost::Settings on() {
-  return {.channel = true, .cuda_ipc = false, .ring_bytes = 1 << 20, .handshake_timeout = std::chrono::seconds(1),
-          .secret = "secret", .worker = "worker0"};
+  return {.channel = true,
+          .cuda_ipc = false,
+          .ring_bytes = 1 << 20,
+          .handshake_timeout = std::chrono::seconds(1),
+          .secret = "secret",
+          .worker = "worker0"};
 }
 
 // A peer's Hello (or answer) from host `host`, offering a channel with `cookie` when it is not empty.

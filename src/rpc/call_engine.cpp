@@ -10,8 +10,7 @@
 namespace corpc::detail {
 
 CallEngine::CallEngine(asio::io_context& io, CallHost& host, std::size_t max_in_flight, bool dialed)
-    : RpcSession(dialed),
-      host_(host), max_in_flight_(max_in_flight), deadline_timer_(io) {
+    : RpcSession(dialed), host_(host), max_in_flight_(max_in_flight), deadline_timer_(io) {
   pending_.set_limit(max_in_flight);
 }
 

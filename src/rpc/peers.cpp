@@ -59,11 +59,11 @@ std::shared_ptr<detail::Connection> Runtime::Impl::connection_to(int rank) {
       }
       // Every dialed connection starts with who we are and what we accept, signed for this connection; what we send
       // after it waits for the answer to prove that the peer is the rank we dialled (on_hello).
-      c = detail::dial_tcp_connection(
-          pick_io(), rank, host, port, std::move(local_socket), connection_settings(/*dialed=*/true), frame_handler(),
-          close_handler(), auth, [this, rank](const std::string& transcript) {
-            return detail::prepare(hello_message(our_hello(false, rank, transcript)));
-          });
+      c = detail::dial_tcp_connection(pick_io(), rank, host, port, std::move(local_socket),
+                                      connection_settings(/*dialed=*/true), frame_handler(), close_handler(), auth,
+                                      [this, rank](const std::string& transcript) {
+                                        return detail::prepare(hello_message(our_hello(false, rank, transcript)));
+                                      });
     }
     return c;
   });

@@ -56,63 +56,8 @@ detail::Hello Runtime::Impl::our_hello(bool registering, int to_rank, const std:
   h.cuda_ipc = same_host.cuda_ipc_offered();
   h.rejoining = options.rejoin;
   h.local = local_listener.address();
-  h.incarnation = rank_proofs.incarnation;
-  h.public_key = rank_key->public_key();
-  if (registering) {
-    if (!rank_proofs.credential.empty()) h.proof = detail::credential_proof(rank_proofs.credential, h.public_key);
-  } else if (to_rank >= 0) {
-    h.proof = rank_key->sign(detail::hello_statement(side, self.rank, h.incarnation, to_rank, transcript));
-    h.certificate = certificate;
-  }
+  proofs->prove(h, registering, to_rank, transcript, side);
   return h;
-}
-
-std::optional<std::string> Runtime::Impl::unproven_claim(const detail::Hello& hello, detail::HelloSide side,
-                                                         const std::string& transcript) {
-  const int rank = hello.self.rank;
-  const std::string who = "rank " + std::to_string(rank);
-  const auto known = identities.get(rank);
-  if (hello.incarnation < known.incarnation)
-    return fmt::format("it claims incarnation {} of {}, which incarnation {} replaced", hello.incarnation, who,
-                       known.incarnation);
-  std::string key = known.public_key;
-  if (hello.incarnation > known.incarnation) {
-    // A replacement rank 0 admitted after we took the world table: rank 0 vouches for its key.
-    if (!detail::verify_signature(identities.get(0).public_key,
-                                  detail::certificate_statement(rank, hello.incarnation, hello.public_key),
-                                  hello.certificate))
-      return fmt::format("it claims incarnation {} of {} without rank 0's certificate for it", hello.incarnation, who);
-    key = hello.public_key;
-  }
-  if (key.empty() || hello.public_key != key) return fmt::format("its key is not the one {} registered with", who);
-  if (!detail::verify_signature(key, detail::hello_statement(side, rank, hello.incarnation, self.rank, transcript),
-                                hello.proof))
-    return fmt::format("it cannot prove it is {} (no valid signature of {}'s key for this connection)", who, who);
-  if (hello.incarnation > known.incarnation) identities.advance(rank, {hello.incarnation, key});
-  return std::nullopt;
-}
-
-std::optional<std::string> Runtime::Impl::unproven_registration(const detail::Hello& hello, bool replacing) const {
-  const int rank = hello.self.rank;
-  const std::string who = "rank " + std::to_string(rank);
-  if (rank_proofs.launcher_key.empty()) {
-    // Under a launcher that deals no credentials (torchrun, Slurm) the first registration of a rank is taken as it
-    // comes, and its key is the rank from then on; a replacement could be anyone holding the secret.
-    if (replacing)
-      return "a replacement must prove it is " + who +
-             ", and this job's launcher deals no rank credentials (launch_processes and corpcrun do)";
-    return std::nullopt;
-  }
-  const std::string credential = detail::rank_credential(rank_proofs.launcher_key, rank, hello.incarnation);
-  if (!detail::credential_proof_matches(credential, hello.public_key, hello.proof))
-    return fmt::format("it does not hold the launcher's credential for {}, incarnation {}", who, hello.incarnation);
-  if (replacing) {
-    const auto known = identities.get(rank);
-    if (hello.incarnation <= known.incarnation)
-      return fmt::format("incarnation {} of {} is not newer than incarnation {}, which registered already",
-                         hello.incarnation, who, known.incarnation);
-  }
-  return std::nullopt;
 }
 
 std::string Runtime::Impl::own_device_config() const {
@@ -299,7 +244,7 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, de
     // whoever listens at its address now: after the rank died, any process. Nothing of ours follows our Hello until
     // the answer proves, for this connection, that it comes from the rank we dialled.
     if (world.known()) {
-      if (auto unproven = unproven_claim(hello, detail::HelloSide::acceptor, conn->handshake_transcript()))
+      if (auto unproven = proofs->unproven_claim(hello, detail::HelloSide::acceptor, conn->handshake_transcript()))
         return refuse_answer(conn, info, *unproven);
     }
     conn->peer_limits = theirs;
@@ -322,8 +267,8 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, de
     // predecessor here. A later one (a second connection, or one dialed after this process learnt the incarnation from
     // the world table) is an ordinary claim: taking it as a replacement would close the live connection to the same
     // process, and the calls on it.
-    const bool new_incarnation = hello.incarnation > identities.get(info.rank).incarnation;
-    if (auto unproven = unproven_claim(hello, detail::HelloSide::dialer, conn->handshake_transcript()))
+    const bool new_incarnation = hello.incarnation > proofs->identities().get(info.rank).incarnation;
+    if (auto unproven = proofs->unproven_claim(hello, detail::HelloSide::dialer, conn->handshake_transcript()))
       return refuse_claim(conn, info, *unproven);
     if (world.known() && workers[info.rank].name != info.name)
       return refuse(
@@ -341,16 +286,18 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, de
     if (workers[info.rank].name != info.name)
       return refuse(
           conn, "rank " + std::to_string(info.rank) + " is '" + workers[info.rank].name + "', not '" + info.name + "'");
-    if (auto unproven = unproven_registration(hello, /*replacing=*/true)) return refuse_claim(conn, info, *unproven);
+    if (auto unproven = proofs->unproven_registration(hello, /*replacing=*/true))
+      return refuse_claim(conn, info, *unproven);
     return admit_rejoined(conn, hello, answer, /*registration=*/true);
   }
   if (world.known()) return refuse(conn, "the world is already complete");
-  if (auto unproven = unproven_registration(hello, /*replacing=*/false)) return refuse_claim(conn, info, *unproven);
+  if (auto unproven = proofs->unproven_registration(hello, /*replacing=*/false))
+    return refuse_claim(conn, info, *unproven);
   if (info.host.empty()) info.host = conn->remote_address;
   // Admitted as the rank's speaker and answered in the same step as the registration is recorded.
   auto outcome = registrations.add(info, conn, std::move(hello.devices), hello.local, [&] {
     return peers->claim(info.rank, conn, [&] {
-      identities.set(info.rank, {hello.incarnation, hello.public_key});
+      proofs->identities().set(info.rank, {hello.incarnation, hello.public_key});
       conn->peer_limits = theirs;
       same_host.offer(conn, hello, answer);
       conn->send(detail::prepare(hello_message(answer)));
@@ -406,7 +353,7 @@ void Runtime::Impl::admit_rejoined(const std::shared_ptr<detail::Connection>& co
               hello.self.name, rank, at.host, at.port);
   detail::restart_held_calls(*this, rank);
   if (!registration) return;
-  identities.set(rank, {hello.incarnation, hello.public_key});
+  proofs->identities().set(rank, {hello.incarnation, hello.public_key});
   detail::Message table;
   table.head.kind = detail::FrameKind::World;
   Writer w(table.body);
@@ -415,7 +362,7 @@ void Runtime::Impl::admit_rejoined(const std::shared_ptr<detail::Connection>& co
   configs[rank] = hello.devices;
   w.put(configs);
   w.put(peers->current_local_addresses(local_addresses));
-  w.put(identities.all());
+  w.put(proofs->identities().all());
   // Every other live rank takes the new incarnation's key and addresses from this table at once (on_world_update),
   // so that none dials its predecessor's address, where any process may listen now, or waits to be dialled first.
   detail::Message update = table;
@@ -428,7 +375,7 @@ void Runtime::Impl::admit_rejoined(const std::shared_ptr<detail::Connection>& co
     }
   }
   // What the new incarnation shows its peers that have not taken the update yet: rank 0's word for its key.
-  w.put(rank_key->sign(detail::certificate_statement(rank, hello.incarnation, hello.public_key)));
+  w.put(proofs->certify(rank, hello.incarnation, hello.public_key));
   conn->send(detail::prepare(std::move(table)));
 }
 
@@ -444,7 +391,7 @@ void Runtime::Impl::publish_world_if_complete() {
   w.put(complete->device_configs);  // every worker checks the job's device maps itself, and reaches the same verdict
   world_device_configs = complete->device_configs;  // a rank that rejoins gets them too
   w.put(complete->local);
-  w.put(identities.all());
+  w.put(proofs->identities().all());
   w.put(std::string());  // no certificate: every rank's key is in the table
   for (auto& c : complete->registrants) {
     detail::Message copy = table;
@@ -498,8 +445,8 @@ void Runtime::Impl::on_world_update(detail::Message&& msg) {
   }
   for (int r = 0; r < world_size; ++r) {
     if (r == self.rank || r == 0 || t.keys[r].public_key.empty()) continue;
-    if (t.keys[r].incarnation <= identities.get(r).incarnation) continue;
-    if (!identities.advance(r, t.keys[r])) continue;
+    if (t.keys[r].incarnation <= proofs->identities().get(r).incarnation) continue;
+    if (!proofs->identities().advance(r, t.keys[r])) continue;
     const auto old = peers->replaced(r, {t.workers[r].host, t.workers[r].port, t.locals[r]});
     activity->forget_peer(r);
     for (const auto& c : old) c->close("worker '" + t.workers[r].name + "' was replaced by a new incarnation");
@@ -540,8 +487,8 @@ void Runtime::Impl::on_world(detail::Message&& msg) {
   }
   workers = std::move(table);
   local_addresses = std::move(locals);
-  identities.set_all(std::move(keys));
-  certificate = std::move(our_certificate);
+  proofs->identities().set_all(std::move(keys));
+  proofs->set_certificate(std::move(our_certificate));
   {
     // Only the host can differ (rank 0 fills in the address it saw); the rest of self is read unlocked everywhere.
     std::lock_guard lock(self_host_mutex);

@@ -239,10 +239,11 @@ void RequestServer::on_request(const std::shared_ptr<Connection>& conn, Message&
                   "");
   }
   if (entry->signature != 0 && msg.head.signature != 0 && entry->signature != msg.head.signature) {
-    return refuse(*conn, msg.head,
-                  std::make_exception_ptr(ArgumentTypeError("arguments do not match '" + entry->name + "' on worker '" +
-                                                            host_.self_name() + "', which takes " + entry->signature_text)),
-                  entry->name);
+    return refuse(
+        *conn, msg.head,
+        std::make_exception_ptr(ArgumentTypeError("arguments do not match '" + entry->name + "' on worker '" +
+                                                  host_.self_name() + "', which takes " + entry->signature_text)),
+        entry->name);
   }
   if (!(msg.head.flags & kFlagControl)) host_.activity().handler_started();
   // A plain function on the I/O thread runs to completion before this thread could read a cancel: it needs no token.
@@ -269,10 +270,10 @@ void RequestServer::refuse_too_large(const std::shared_ptr<Connection>& conn, co
   if (h.kind != FrameKind::Request || conn->peer_rank < 0) return conn->close("protocol error: an oversized frame");
   const std::uint64_t size = sizeof(FrameHeader) + std::uint64_t{h.meta_len} + h.body_len + h.tensor_bytes;
   refuse(*conn, h,
-         std::make_exception_ptr(MessageTooLargeError(
-             "a request of " + std::to_string(size) + " bytes is over the " +
-             std::to_string(host_.max_request_bytes()) + " that worker '" + host_.self_name() +
-             "' may hold (its RpcOptions::receive_budget_per_connection / _per_process)")),
+         std::make_exception_ptr(
+             MessageTooLargeError("a request of " + std::to_string(size) + " bytes is over the " +
+                                  std::to_string(host_.max_request_bytes()) + " that worker '" + host_.self_name() +
+                                  "' may hold (its RpcOptions::receive_budget_per_connection / _per_process)")),
          "");
 }
 

@@ -219,10 +219,7 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   impl->self.name = std::move(name);
   impl->self.rank = rank;
   impl->world_size = world_size;
-  impl->rank_key = detail::RankKey::generate();
-  impl->rank_proofs = detail::rank_proofs_from_environment();
-  impl->identities.resize(world_size);
-  if (rank == 0) impl->identities.set(0, {impl->rank_proofs.incarnation, impl->rank_key->public_key()});
+  impl->proofs = std::make_unique<detail::HelloProofs>(rank, world_size, detail::rank_proofs_from_environment());
   impl->peers = std::make_unique<detail::PeerTable>(world_size);
   impl->activity = std::make_unique<detail::Activity>(world_size);
   impl->route_frames();

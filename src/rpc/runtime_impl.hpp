@@ -7,6 +7,7 @@
 //   frame_dispatcher.hpp  which part each frame goes to (each owner registers its routes: route_frames)
 //   request_server.hpp    the peers' requests: lookup, execution (I/O thread or pool), replies and error frames
 //   environment.hpp       what the environment adds to the options
+//   hello_proofs.hpp      which rank we are and each peer is, proven: our Hellos' proofs, the judgement of theirs
 //   peer_table.hpp        connections by rank, who speaks for each rank, which ranks are gone
 //   rendezvous_state.hpp  rank 0's registrations; the wait for the world table and the requests that come before it
 //   same_host.hpp         the same-host channel and CUDA IPC per peer: what we offer, set-up, IpcDone frames
@@ -40,6 +41,7 @@
 #include "rpc/frame_dispatcher.hpp"
 #include "rpc/request_server.hpp"
 #include "rpc/hello.hpp"
+#include "rpc/hello_proofs.hpp"
 #include "rpc/io_threads.hpp"
 #include "rpc/local_listener.hpp"
 #include "rpc/environment.hpp"
@@ -59,14 +61,8 @@ namespace corpc {
 struct Runtime::Impl {
   RpcOptions options;
   detail::AuthConfig auth;  // from options.secret / CORPC_SECRET
-  // Which rank this process is, proven (transport/rank_identity.hpp): our key pair (made by init_rpc), what the launcher
-  // dealt us, and rank 0's certificate for our incarnation when we replaced a rank after the world was published
-  // (written by on_world before init_rpc returns). `identities`: every rank's incarnation and key; rank 0 fills it as
-  // ranks register, the others take it with the world table; a newer incarnation replaces one under its lock.
-  std::optional<detail::RankKey> rank_key;
-  detail::RankProofs rank_proofs;
-  std::string certificate;
-  detail::RankIdentities identities;
+  // Which rank this process is and which rank each peer is, proven (hello_proofs.hpp); made by init_rpc.
+  std::unique_ptr<detail::HelloProofs> proofs;
   // Fixed before the I/O threads start, except self.host of a worker listening on a wildcard address: on_world fills
   // it in (under self_host_mutex) while other I/O threads may be answering Hellos with a copy of self.
   WorkerInfo self;
@@ -94,10 +90,10 @@ struct Runtime::Impl {
   // The parts that own frames (frame_dispatcher.hpp), made and wired by route_frames before any connection exists;
   // declared before the connections, which use them until they are gone.
   detail::FrameDispatcher frames;
-  std::unique_ptr<detail::CallHost> call_host;        // what each connection's call engine uses of this runtime
-  std::unique_ptr<detail::RequestHost> request_host;  // what the request side uses of it
+  std::unique_ptr<detail::CallHost> call_host;              // what each connection's call engine uses of this runtime
+  std::unique_ptr<detail::RequestHost> request_host;        // what the request side uses of it
   std::unique_ptr<detail::LocalListener::Host> local_host;  // and the same-host listener (not a frame owner)
-  std::unique_ptr<detail::RequestServer> requests;    // the peers' requests
+  std::unique_ptr<detail::RequestServer> requests;          // the peers' requests
 
   // Connections and the state of every peer (peer_table.hpp); made by init_rpc once the world size is known.
   std::unique_ptr<detail::PeerTable> peers;
@@ -216,13 +212,6 @@ struct Runtime::Impl {
   // (rank_identity.hpp); a registration (to rank 0) carries the launcher's credential instead.
   detail::Hello our_hello(bool registering, int to_rank = -1, const std::string& transcript = {},
                           detail::HelloSide side = detail::HelloSide::dialer) const;
-  // Why a Hello's claim of its rank and incarnation is not proven for `transcript` as `side`'s, or nullopt
-  // (rank_identity.hpp); a newer incarnation with rank 0's certificate is taken into `identities`.
-  std::optional<std::string> unproven_claim(const detail::Hello& hello, detail::HelloSide side,
-                                            const std::string& transcript);
-  // Rank 0: why a registration's claim is not proven (the launcher's credential), or nullopt.
-  std::optional<std::string> unproven_registration(const detail::Hello& hello, bool replacing) const;
-
 };
 
 Runtime::Impl& runtime_impl(Runtime& rt) noexcept;

@@ -27,12 +27,12 @@ class ShmListener;
 class SameHost {
  public:
   struct Settings {
-    bool channel = false;                             // RpcOptions::same_host_channel
-    bool cuda_ipc = false;                            // RpcOptions::cuda_ipc (offered only where the process can)
-    std::uint64_t ring_bytes = 0;                     // RpcOptions::same_host_ring_bytes
-    std::chrono::milliseconds handshake_timeout{0};   // a dialed channel's set-up, at most
-    std::string secret;                               // binds a channel's claim to its connection (channel_claim)
-    std::string worker;                               // our name, for the log
+    bool channel = false;                            // RpcOptions::same_host_channel
+    bool cuda_ipc = false;                           // RpcOptions::cuda_ipc (offered only where the process can)
+    std::uint64_t ring_bytes = 0;                    // RpcOptions::same_host_ring_bytes
+    std::chrono::milliseconds handshake_timeout{0};  // a dialed channel's set-up, at most
+    std::string secret;                              // binds a channel's claim to its connection (channel_claim)
+    std::string worker;                              // our name, for the log
   };
   SameHost();
   ~SameHost();
@@ -61,7 +61,7 @@ class SameHost {
   std::shared_ptr<CudaIpcLink> cuda_ipc_link(int rank, bool theirs, const std::string& their_host);
   void cuda_ipc_failed(int rank, const std::string& why);
 
-  Settings settings_;            // written by start, read-only afterwards, as are the two below
+  Settings settings_;  // written by start, read-only afterwards, as are the two below
   std::string host_id_;
   bool cuda_ipc_offered_ = false;
   std::unique_ptr<ShmListener> listener_;
