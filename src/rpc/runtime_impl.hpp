@@ -15,7 +15,8 @@
 // The rest is shared by the files that implement the runtime:
 //   runtime.cpp     public surface, init_rpc
 //   calls.cpp       start_call (the connection for a call) and the replies to our calls
-//   runtime_hosts.cpp  what the parts use of the runtime (CallHost, RequestHost), framing for a peer both ways
+//   runtime_hosts.cpp  what the parts use of the runtime (CallHost, RequestHost, LocalListener::Host), framing for a
+//                      peer both ways
 //   device_delivery.cpp  frames whose tensors go to CUDA devices first
 //   peers.cpp       connections: dialing, accepting, closing, peer death
 //   shutdown.cpp    graceful shutdown
