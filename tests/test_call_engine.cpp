@@ -57,9 +57,9 @@ struct Wire {
   asio::io_context io;
   TestHost host;
   std::shared_ptr<corpc::test::TableConnection> conn;
-  explicit Wire(std::size_t max_in_flight = 64) {
-    conn = std::make_shared<corpc::test::TableConnection>(io, "10.0.0.1:1", true,
-                                                          CallEngine::factory(host, max_in_flight));
+  explicit Wire(std::size_t max_in_flight = 64, bool dialed = true) {
+    conn = std::make_shared<corpc::test::TableConnection>(io, "10.0.0.1:1",
+                                                          CallEngine::factory(host, max_in_flight, dialed));
     conn->peer_rank = 1;
   }
   CallEngine& engine() { return CallEngine::of(*conn); }
@@ -238,8 +238,7 @@ TEST_CASE("CallEngine: a call over the peer's limits throws before it is registe
 }
 
 TEST_CASE("CallEngine: a reply on a connection that carries none of our calls is a protocol error") {
-  Wire w;
-  w.conn->outgoing = false;
+  Wire w(64, /*dialed=*/false);
   w.reply(1, 1);
   CHECK(w.conn->closed);
   EXPECT_CONTAINS(w.conn->closed_why, "no calls of ours");

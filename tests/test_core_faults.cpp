@@ -229,7 +229,7 @@ int flood_with_strangers(const WorkerInfo& target, int n) {
 }
 
 // The name of this worker's same-host channel socket (abstract: no file), as `ss -xlp` shows it to anyone on the host.
-std::string shm_socket_here() { return runtime_impl(Runtime::get()).shm_listener->name(); }
+std::string shm_socket_here() { return runtime_impl(Runtime::get()).same_host.socket_name(); }
 
 // Opens `n` connections to the abstract Unix socket `name` (with its leading NUL), sends each 64 random bytes and
 // closes it: each fails the channel's set-up there. Returns how many connected.

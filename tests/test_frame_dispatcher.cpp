@@ -31,6 +31,13 @@ struct Recorder {
   }
 };
 
+// A connection we dialed, with the session the runtime's connections carry (only its RPC state: no calls here).
+std::shared_ptr<Connection> dialed_connection(asio::io_context& io) {
+  return corpc::test::table_connection(io, "10.0.0.1:1", [](asio::io_context&) -> std::unique_ptr<ConnectionSession> {
+    return std::make_unique<RpcSession>(/*dialed=*/true);
+  });
+}
+
 Message frame(FrameKind kind, std::uint64_t id, std::uint16_t flags = 0) {
   Message m;
   m.head.kind = kind;
@@ -61,7 +68,7 @@ TEST_CASE("FrameDispatcher: each kind goes to its owner; an error for id 0 is a 
 
 TEST_CASE("FrameDispatcher: dispatch hands the frame to the registered owner, once, in order") {
   asio::io_context io;
-  auto conn = corpc::test::table_connection(io, "10.0.0.1:1", true);
+  auto conn = dialed_connection(io);
   Recorder r;
   r.frames.dispatch(conn, frame(FrameKind::Request, 7));
   r.frames.dispatch(conn, frame(FrameKind::Response, 8));
@@ -75,7 +82,7 @@ TEST_CASE("FrameDispatcher: dispatch hands the frame to the registered owner, on
 
 TEST_CASE("FrameDispatcher: tensors bound for devices go to device delivery first, whatever their kind") {
   asio::io_context io;
-  auto conn = corpc::test::table_connection(io, "10.0.0.1:1", true);
+  auto conn = dialed_connection(io);
   Recorder r;
   Message m = frame(FrameKind::Response, 3);
   m.devices = {0};
@@ -86,13 +93,15 @@ TEST_CASE("FrameDispatcher: tensors bound for devices go to device delivery firs
 
 TEST_CASE("FrameDispatcher: nothing a connection whose Hello was refused says is routed; an unowned route drops") {
   asio::io_context io;
-  auto conn = corpc::test::table_connection(io, "10.0.0.1:1", true);
+  auto conn = dialed_connection(io);
   Recorder r;
-  conn->hello_refused = true;
+  RpcSession& session = RpcSession::of(*conn);
+  session.hello_refused = true;
   for (auto kind : {FrameKind::Hello, FrameKind::Request, FrameKind::Response, FrameKind::Goodbye})
     r.frames.dispatch(conn, frame(kind, 1));
   CHECK(r.seen.empty());
-  conn->hello_refused = false;
+  CHECK(session.said_goodbye);  // recorded all the same: the refused peer's close is an orderly one
+  session.hello_refused = false;
   FrameDispatcher empty;
   empty.dispatch(conn, frame(FrameKind::Request, 1));  // no owner: dropped, nothing else happens
   r.frames.on(Route::goodbye, nullptr);

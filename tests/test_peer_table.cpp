@@ -52,7 +52,7 @@ TEST_CASE("PeerTable: our connection is dialed once; a dead rank refuses calls w
   auto dial = [&](const PeerTable::Address* moved) {
     CHECK(moved == nullptr);  // nobody rejoined
     ++dials;
-    auto c = table_connection(io, "10.0.0.1", true);
+    auto c = table_connection(io, "10.0.0.1");
     c->peer_rank = 1;
     return c;
   };
@@ -106,7 +106,7 @@ TEST_CASE("PeerTable: a new incarnation revives a dead rank once its predecessor
   auto dial_at = [&](std::string* where) {
     return [&, where](const PeerTable::Address* moved) {
       *where = moved ? moved->host + ":" + std::to_string(moved->port) : "table";
-      auto c = table_connection(io, "10.0.0.1", true);
+      auto c = table_connection(io, "10.0.0.1");
       c->peer_rank = 1;
       return c;
     };
@@ -154,13 +154,13 @@ TEST_CASE("PeerTable: a loopback to ourselves does not keep the table open; a co
   asio::io_context io;
   PeerTable table(2);
   table.outgoing_to(0, "w0", [&](const PeerTable::Address*) {
-    auto c = table_connection(io, "", true);
+    auto c = table_connection(io, "");
     c->peer_rank = 0;
     return c;
   });
   CHECK_FALSE(table.any_open(0));
   table.outgoing_to(1, "w1", [&](const PeerTable::Address*) {
-    auto c = table_connection(io, "10.0.0.1", true);
+    auto c = table_connection(io, "10.0.0.1");
     c->peer_rank = 1;
     return c;
   });

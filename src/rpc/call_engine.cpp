@@ -9,14 +9,14 @@
 
 namespace corpc::detail {
 
-CallEngine::CallEngine(asio::io_context& io, CallHost& host, std::size_t max_in_flight)
-    : host_(host), max_in_flight_(max_in_flight), deadline_timer_(io) {
+CallEngine::CallEngine(asio::io_context& io, CallHost& host, std::size_t max_in_flight, bool dialed)
+    : RpcSession(dialed), host_(host), max_in_flight_(max_in_flight), deadline_timer_(io) {
   pending_.set_limit(max_in_flight);
 }
 
-SessionFactory CallEngine::factory(CallHost& host, std::size_t max_in_flight) {
-  return [&host, max_in_flight](asio::io_context& io) -> std::unique_ptr<ConnectionSession> {
-    return std::make_unique<CallEngine>(io, host, max_in_flight);
+SessionFactory CallEngine::factory(CallHost& host, std::size_t max_in_flight, bool dialed) {
+  return [&host, max_in_flight, dialed](asio::io_context& io) -> std::unique_ptr<ConnectionSession> {
+    return std::make_unique<CallEngine>(io, host, max_in_flight, dialed);
   };
 }
 
@@ -95,7 +95,7 @@ void CallEngine::start(const std::shared_ptr<Connection>& conn, OutboundCall&& c
 }
 
 void CallEngine::on_reply(const std::shared_ptr<Connection>& conn, Message&& msg) {
-  if (!conn->outgoing) return conn->close("protocol error: a reply on a connection that carries no calls of ours");
+  if (!outgoing) return conn->close("protocol error: a reply on a connection that carries no calls of ours");
   PendingCall p;
   std::vector<OutFrame> ready;  // a call that waited for room, now sent (allocates only then)
   switch (pending_.take(msg.head.id, p, ready)) {

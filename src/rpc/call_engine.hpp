@@ -1,6 +1,7 @@
 // A connection's calls, both ways: ours that await replies on it (their ids, deadlines, the per-peer limit,
 // cancellation) and the peer's requests running here that a cancel frame can still stop. One per connection, kept
-// as its session (transport/connection.hpp), so it lives exactly as long as the connection.
+// as its session (transport/connection.hpp) with the rest of what the runtime knows of it (rpc_session.hpp), so it
+// lives exactly as long as the connection.
 //
 // A call's walk: start() frames the call for the peer, checks it against the peer's limits, registers it (with its
 // deadline) and sends it on the connection; on_reply() completes it from the reply; a cancel (the caller's future),
@@ -26,6 +27,7 @@
 #include "rpc/activity.hpp"
 #include "rpc/inbound_calls.hpp"
 #include "rpc/pending_calls.hpp"
+#include "rpc/rpc_session.hpp"
 #include "transport/connection.hpp"
 #include "transport/frames.hpp"
 
@@ -62,14 +64,14 @@ class CallHost {
   virtual std::chrono::milliseconds default_timeout() const = 0;
 };
 
-class CallEngine final : public ConnectionSession {
+class CallEngine final : public RpcSession {
  public:
-  // `max_in_flight`: RpcOptions::max_calls_in_flight_per_peer.
-  CallEngine(asio::io_context& io, CallHost& host, std::size_t max_in_flight);
+  // `max_in_flight`: RpcOptions::max_calls_in_flight_per_peer; `dialed`: the connection is ours (RpcSession::outgoing).
+  CallEngine(asio::io_context& io, CallHost& host, std::size_t max_in_flight, bool dialed);
 
   static CallEngine& of(Connection& conn) noexcept { return static_cast<CallEngine&>(*conn.session()); }
-  // The session factory of the runtime's connections (ConnectionSettings::make_session).
-  static SessionFactory factory(CallHost& host, std::size_t max_in_flight);
+  // The session factory of the runtime's connections (ConnectionSettings::make_session), dialed or accepted.
+  static SessionFactory factory(CallHost& host, std::size_t max_in_flight, bool dialed);
 
   // Sends `call` on `conn` (whose engine this is). Throws, having touched nothing, if it cannot be framed or is over
   // the peer's limits; from then on every outcome reaches call.complete.

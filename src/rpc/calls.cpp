@@ -1,5 +1,5 @@
 // The runtime's side of outgoing calls: start_call picks the connection to the callee and hands the call to that
-// connection's call engine (call_engine.hpp); RuntimeCallHost is what an engine uses of the runtime.
+// connection's call engine (call_engine.hpp); replies go to that engine (route_replies).
 #include "corpc/rpc/detail/outbound.hpp"
 #include "rpc/call_engine.hpp"
 #include "rpc/runtime_impl.hpp"
@@ -65,74 +65,11 @@ void start_call(Runtime::Impl& rt, OutboundCall&& call) noexcept {
   }
 }
 
-namespace {
-
-// Cancelling the future of a call (see CancelHook): the call is looked up by its connection and request id, on the
-// connection that carries our calls to its callee now (a connection since closed failed the call already).
-void cancel_call(const CancelHook& h) noexcept {
-  Runtime* runtime = Runtime::try_get();
-  if (!runtime) return;
-  auto conn = runtime_impl(*runtime).peers->outgoing_if(static_cast<int>(h.a), static_cast<Connection*>(h.p));
-  if (conn) CallEngine::of(*conn).cancel(conn, h.b);
-}
-
-class RuntimeCallHost final : public CallHost {
- public:
-  explicit RuntimeCallHost(Runtime::Impl& rt) : rt_(rt) {}
-
-  std::string name_of(int rank) const override { return rt_.name_of(rank); }
-  OutFrame frame_for(Message&& m, int rank, Connection& conn) override {
-    rt_.stamp_autograd(m, rank);
-    return rt_.prepare_for(std::move(m), rank, &conn);
-  }
-  void received_tensors(const FrameHeader& h, int src, std::vector<at::Tensor>& tensors) override {
-    rt_.attach_autograd(h, src, tensors);
-  }
-  void arm_cancel(CancelSlot& slot, Connection& conn, std::uint64_t id) override {
-    CancelHook hook;
-    hook.fn = &cancel_call;
-    hook.p = &conn;
-    hook.a = static_cast<std::uint64_t>(conn.peer_rank);
-    hook.b = id;
-    slot.arm_cancel(std::move(hook));
-  }
-  Activity& activity() override { return *rt_.activity; }
-  std::chrono::milliseconds default_timeout() const override { return rt_.options.rpc_timeout; }
-
- private:
-  Runtime::Impl& rt_;
-};
-
-}  // namespace
-
-std::unique_ptr<CallHost> make_call_host(Runtime::Impl& rt) { return std::make_unique<RuntimeCallHost>(rt); }
-
 void route_replies(FrameDispatcher& frames) {
   frames.on(Route::reply,
             [](const std::shared_ptr<Connection>& c, Message&& m) { CallEngine::of(*c).on_reply(c, std::move(m)); });
 }
 
 }  // namespace detail
-
-void Runtime::Impl::stamp_autograd(detail::Message& m, int dst) const {
-  m.head.context_id = outbound_context();
-  m.head.message_id = -1;
-  if (m.head.context_id != -1 && !m.tensors.empty() && tensor_hooks.on_send)
-    m.head.message_id = tensor_hooks.on_send(m.head.context_id, dst, m.tensors);
-}
-
-void Runtime::Impl::attach_autograd(const detail::FrameHeader& h, int src, std::vector<at::Tensor>& tensors) const {
-  if (h.context_id != -1 && h.message_id != -1 && !tensors.empty() && tensor_hooks.on_recv)
-    tensor_hooks.on_recv(h.context_id, h.message_id, src, tensors);
-}
-
-detail::OutFrame Runtime::Impl::prepare_for(detail::Message&& m, int rank, detail::Connection* conn) const {
-  if (rank < 0 || rank >= static_cast<int>(device_maps.size()) || rank >= static_cast<int>(workers.size()))
-    return detail::prepare(std::move(m));
-  // Only frames with CUDA tensors mapped to the peer can be lent anything: the others skip the link's lock.
-  const bool lendable = conn && !device_maps[rank].empty() && !m.tensors.empty();
-  return detail::prepare(std::move(m), device_maps[rank], workers[rank].name,
-                         lendable ? conn->cuda_ipc_for_lending() : nullptr);
-}
 
 }  // namespace corpc

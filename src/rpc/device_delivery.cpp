@@ -30,7 +30,7 @@ void deliver_on_devices(Runtime::Impl& rt, const std::shared_ptr<Connection>& co
       if (held->ipc) {
         // Every copy out of the lender's memory is done (or never started): its tensors may go back. A connection
         // lost meanwhile released them on the lender's side, which may have reused the memory under the copy.
-        rt.return_ipc_loans(conn, *held->ipc);
+        return_ipc_loans(conn, *held->ipc);
         if (!error && held->ipc->link && held->ipc->link->closed())
           error =
               std::make_exception_ptr(ConnectionError("the connection was lost while a CUDA IPC tensor was copied"));
@@ -40,7 +40,7 @@ void deliver_on_devices(Runtime::Impl& rt, const std::shared_ptr<Connection>& co
       const FrameHeader& h = held->head;
       if (h.kind == FrameKind::Request) {
         rt.requests->refuse(*conn, h, std::move(error), "(delivery to a CUDA device)");
-      } else if (conn->outgoing) {
+      } else if (RpcSession::of(*conn).outgoing) {
         CallEngine::of(*conn).fail_call(conn, h.id, std::move(error));
       }
     });
@@ -49,7 +49,7 @@ void deliver_on_devices(Runtime::Impl& rt, const std::shared_ptr<Connection>& co
 
 }  // namespace
 
-void route_device_delivery(Runtime::Impl& rt, FrameDispatcher& frames) {
+void route_device_delivery(FrameDispatcher& frames, Runtime::Impl& rt) {
   frames.on(Route::on_devices,
             [&rt](const std::shared_ptr<Connection>& c, Message&& m) { deliver_on_devices(rt, c, std::move(m)); });
 }

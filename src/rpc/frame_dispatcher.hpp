@@ -16,7 +16,8 @@
 //   on_devices  any frame with tensors bound for CUDA    device delivery (device_delivery.cpp), which dispatches
 //               devices                                  it again once they are there
 // Ping and Pong are answered by the transport and go nowhere. A connection whose Hello was refused is closing once
-// the refusal is out: nothing more it says is routed.
+// the refusal is out: nothing more it says is routed. The owners register their routes with one function each, of
+// one form: route_<owner>(FrameDispatcher&, what it needs), called by route_frames.
 #pragma once
 
 #include <array>
@@ -26,6 +27,7 @@
 #include <optional>
 
 #include "corpc/wire/detail/message.hpp"
+#include "rpc/rpc_session.hpp"
 #include "transport/connection.hpp"
 
 namespace corpc::detail {
@@ -68,7 +70,11 @@ class FrameDispatcher {
   void on(Route route, Handler handler) { routes_[static_cast<std::size_t>(route)] = std::move(handler); }
 
   void dispatch(const std::shared_ptr<Connection>& conn, Message&& msg) const {
-    if (conn->hello_refused) return;
+    RpcSession& session = RpcSession::of(*conn);
+    // Recorded before anything is routed, a refused peer's too: its close is then an orderly one (peers.cpp).
+    if (msg.head.kind == FrameKind::Goodbye) [[unlikely]]
+      session.said_goodbye = true;
+    if (session.hello_refused) return;
     if (conn->delivering_refused()) return to(Route::oversized, conn, std::move(msg));
     if (!msg.devices.empty()) [[unlikely]]
       return to(Route::on_devices, conn, std::move(msg));

@@ -25,14 +25,14 @@ void Runtime::Impl::init_flow_control() {
   detail::configure_host_memory_defaults();  // unless the program configured the process's host memory itself
 }
 
-detail::ConnectionSettings Runtime::Impl::connection_settings() const {
+detail::ConnectionSettings Runtime::Impl::connection_settings(bool dialed) const {
   detail::ConnectionSettings s;
   s.limits = options.limits;
   s.budget = receive_budget.get();
   s.budget_per_connection = options.receive_budget_per_connection;
   s.max_write_backlog = options.max_write_backlog_bytes;
   s.liveness_timeout = options.liveness_timeout;
-  s.make_session = detail::CallEngine::factory(*call_host, options.max_calls_in_flight_per_peer);
+  s.make_session = detail::CallEngine::factory(*call_host, options.max_calls_in_flight_per_peer, dialed);
   return s;
 }
 
@@ -42,12 +42,11 @@ std::shared_ptr<detail::Connection> Runtime::Impl::connection_to(int rank) {
     if (rank == self.rank) {
       c = detail::make_loopback_connection(
           pick_io(), options.limits, frame_handler(),
-          detail::CallEngine::factory(*call_host, options.max_calls_in_flight_per_peer));
+          detail::CallEngine::factory(*call_host, options.max_calls_in_flight_per_peer, /*dialed=*/true));
       c->peer_rank = rank;
-      c->outgoing = true;
     } else {
-      // peer_rank and outgoing are set by the dialer before the dial starts: from then on the connection's I/O thread
-      // reads them (the peer's Hello answer), so writing them here again would race with it (TSan, under load).
+      // peer_rank is set by the dialer before the dial starts, and the direction when its session is made: from then
+      // on the connection's I/O thread reads them (the peer's Hello answer), so writing them here would race with it.
       const std::string& host = moved ? moved->host : workers[rank].host;
       const std::uint16_t port = moved ? moved->port : workers[rank].port;
       // A peer on our host is dialed on its Unix socket (local_listener.cpp), if it has one.
@@ -60,11 +59,11 @@ std::shared_ptr<detail::Connection> Runtime::Impl::connection_to(int rank) {
       }
       // Every dialed connection starts with who we are and what we accept, signed for this connection; what we send
       // after it waits for the answer to prove that the peer is the rank we dialled (on_hello).
-      c = detail::dial_tcp_connection(
-          pick_io(), rank, host, port, std::move(local_socket), connection_settings(), frame_handler(),
-          close_handler(), auth, [this, rank](const std::string& transcript) {
-            return detail::prepare(hello_message(our_hello(false, rank, transcript)));
-          });
+      c = detail::dial_tcp_connection(pick_io(), rank, host, port, std::move(local_socket),
+                                      connection_settings(/*dialed=*/true), frame_handler(), close_handler(), auth,
+                                      [this, rank](const std::string& transcript) {
+                                        return detail::prepare(hello_message(our_hello(false, rank, transcript)));
+                                      });
     }
     return c;
   });
@@ -74,12 +73,14 @@ void Runtime::Impl::fail_all_calls(std::exception_ptr error) {
   for (auto& c : peers->outgoing_connections()) detail::CallEngine::of(*c).closed(error);
 }
 
+namespace detail {
 // A Goodbye's body says the peer stops after an error; on_close words its departure with it. Bounded: it is only words.
-void Runtime::Impl::route_goodbye() {
-  frames.on(detail::Route::goodbye, [this](const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {
-    if (!msg.body.empty()) peers->set_farewell(conn->peer_rank, msg.body.substr(0, 4096));
+void route_goodbye(FrameDispatcher& frames, PeerTable& peers) {
+  frames.on(Route::goodbye, [&peers](const std::shared_ptr<Connection>& conn, Message&& msg) {
+    if (!msg.body.empty()) peers.set_farewell(conn->peer_rank, msg.body.substr(0, 4096));
   });
 }
+}  // namespace detail
 
 void Runtime::Impl::mark_dead(int rank, const std::string& why) {
   std::vector<std::function<void(int, const std::string&)>> listeners;
@@ -101,14 +102,15 @@ void Runtime::Impl::on_close(const std::shared_ptr<detail::Connection>& conn, co
   const auto loss = peers->remove(conn);
   const bool was_closing = loss.while_closing;
   std::string reason = why;
-  if (conn->said_goodbye) {
+  const detail::RpcSession& session = detail::RpcSession::of(*conn);
+  if (session.said_goodbye) {
     const auto farewell = peers->farewell(rank);
     reason = farewell.empty() ? std::string(kShutDownReason) : "it stopped after an error: " + farewell;
   }
   // The death is recorded before anyone learns of it through a failed call: a caller woken by that failure (e.g.
   // shutdown() on a worker whose master died) must find the rank already dead.
   // An answer we refused (an impostor at the rank's address) says nothing of the rank itself.
-  const bool impostor = conn->outgoing && conn->hello_refused;
+  const bool impostor = session.outgoing && session.hello_refused;
   if (world.known() && rank >= 0 && loss.speaks_for_rank && !was_closing && !impostor) mark_dead(rank, reason);
   // Our requests on this connection cannot be answered any more, whatever the reason.
   const std::string who = "worker '" + name_of(rank) + "' (rank " + std::to_string(rank) + ")";
@@ -119,7 +121,7 @@ void Runtime::Impl::on_close(const std::shared_ptr<detail::Connection>& conn, co
   if (!world.known()) {
     if (self.rank == 0) {
       registrations.forget(conn);  // a worker that left before the world was complete may come back
-    } else if (conn->outgoing && rank == 0) {
+    } else if (session.outgoing && rank == 0) {
       world_ready.set_exception(ConnectionError("lost rank 0 during rendezvous: " + why));
     }
     return;
@@ -166,8 +168,8 @@ void Runtime::Impl::serve_accepted(asio::ip::tcp::socket socket, std::string add
                                      fmt::format("refused a connection from {}: {}", from, refused));
           co_return;
         }
-        auto conn = detail::make_tcp_connection(std::move(transport), connection_settings(), frame_handler(),
-                                                close_handler(), std::move(address));
+        auto conn = detail::make_tcp_connection(std::move(transport), connection_settings(/*dialed=*/false),
+                                                frame_handler(), close_handler(), std::move(address));
         if (!peers->add_incoming(conn)) conn->close("shutting down");
       },
       asio::detached);
@@ -201,8 +203,8 @@ void Runtime::Impl::close_everything(bool say_goodbye, const std::string& failur
   asio::post(main_io(), [this] {
     asio::error_code ec;
     acceptor->close(ec);
-    if (shm_listener) shm_listener->close();
-    if (local_acceptor) local_acceptor->close(ec);
+    same_host.close();
+    local_listener.close();
   });
   // Give queued frames (replies, goodbyes) a moment to leave, then stop the I/O threads.
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);

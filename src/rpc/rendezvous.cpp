@@ -52,67 +52,12 @@ detail::Hello Runtime::Impl::our_hello(bool registering, int to_rank, const std:
   // Our limits go with it, so that senders refuse oversized messages themselves instead of losing the connection.
   h.limits = options.limits;
   if (registering) h.devices = own_device_config();  // rank 0 checks every worker's maps against the others'
-  h.host = same_host_id;
-  h.cuda_ipc = cuda_ipc_offered;
+  h.host = same_host.host_id();
+  h.cuda_ipc = same_host.cuda_ipc_offered();
   h.rejoining = options.rejoin;
-  h.local = local;
-  h.incarnation = rank_proofs.incarnation;
-  h.public_key = rank_key->public_key();
-  if (registering) {
-    if (!rank_proofs.credential.empty()) h.proof = detail::credential_proof(rank_proofs.credential, h.public_key);
-  } else if (to_rank >= 0) {
-    h.proof = rank_key->sign(detail::hello_statement(side, self.rank, h.incarnation, to_rank, transcript));
-    h.certificate = certificate;
-  }
+  h.local = local_listener.address();
+  proofs->prove(h, registering, to_rank, transcript, side);
   return h;
-}
-
-std::optional<std::string> Runtime::Impl::unproven_claim(const detail::Hello& hello, detail::HelloSide side,
-                                                         const std::string& transcript) {
-  const int rank = hello.self.rank;
-  const std::string who = "rank " + std::to_string(rank);
-  const auto known = identities.get(rank);
-  if (hello.incarnation < known.incarnation)
-    return fmt::format("it claims incarnation {} of {}, which incarnation {} replaced", hello.incarnation, who,
-                       known.incarnation);
-  std::string key = known.public_key;
-  if (hello.incarnation > known.incarnation) {
-    // A replacement rank 0 admitted after we took the world table: rank 0 vouches for its key.
-    if (!detail::verify_signature(identities.get(0).public_key,
-                                  detail::certificate_statement(rank, hello.incarnation, hello.public_key),
-                                  hello.certificate))
-      return fmt::format("it claims incarnation {} of {} without rank 0's certificate for it", hello.incarnation, who);
-    key = hello.public_key;
-  }
-  if (key.empty() || hello.public_key != key) return fmt::format("its key is not the one {} registered with", who);
-  if (!detail::verify_signature(key, detail::hello_statement(side, rank, hello.incarnation, self.rank, transcript),
-                                hello.proof))
-    return fmt::format("it cannot prove it is {} (no valid signature of {}'s key for this connection)", who, who);
-  if (hello.incarnation > known.incarnation) identities.advance(rank, {hello.incarnation, key});
-  return std::nullopt;
-}
-
-std::optional<std::string> Runtime::Impl::unproven_registration(const detail::Hello& hello, bool replacing) const {
-  const int rank = hello.self.rank;
-  const std::string who = "rank " + std::to_string(rank);
-  if (rank_proofs.launcher_key.empty()) {
-    // Under a launcher that deals no credentials (torchrun, Slurm) the first registration of a rank is taken as it
-    // comes, and its key is the rank from then on; a replacement could be anyone holding the secret.
-    if (replacing)
-      return "a replacement must prove it is " + who +
-             ", and this job's launcher deals no rank credentials (launch_processes and corpcrun do)";
-    return std::nullopt;
-  }
-  const std::string credential = detail::rank_credential(rank_proofs.launcher_key, rank, hello.incarnation);
-  if (!detail::credential_proof_matches(credential, hello.public_key, hello.proof))
-    return fmt::format("it does not hold the launcher's credential for {}, incarnation {}", who, hello.incarnation);
-  if (replacing) {
-    const auto known = identities.get(rank);
-    if (hello.incarnation <= known.incarnation)
-      return fmt::format("incarnation {} of {} is not newer than incarnation {}, which registered already",
-                         hello.incarnation, who, known.incarnation);
-  }
-  return std::nullopt;
 }
 
 std::string Runtime::Impl::own_device_config() const {
@@ -150,18 +95,25 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
   // address rank 0 sees them at (filled in there).
   const bool specific = listen_host != "0.0.0.0" && listen_host != "::";
   self.host = self.rank == 0 ? master_host : specific ? listen_host : "";
-  start_local_listener();  // before our registration: it carries where peers on our host connect to us
+  // Before our registration: it carries where peers on our host connect to us. With TLS every connection carries it,
+  // as the peers expect.
+  if (options.same_host_socket && !options.tls) local_listener.start(*local_host, main_io(), self.name);
   if (self.rank == 0) {
     // Registered before accepting anyone: a worker's registration may be processed the moment we accept it.
-    registrations.add_own(self, own_device_config(), local);
+    registrations.add_own(self, own_device_config(), local_listener.address());
   }
   // From here on the I/O threads may read `self`, and on_world fills in its host: this thread reads only its own copy
   // of the rank.
   const int my_rank = self.rank;
-  start_same_host();
+  same_host.start(main_io(), {.channel = options.same_host_channel,
+                              .cuda_ipc = options.cuda_ipc,
+                              .ring_bytes = options.same_host_ring_bytes,
+                              .handshake_timeout = options.handshake_timeout,
+                              .secret = auth.secret,
+                              .worker = self.name});
   asio::post(main_io(), [this] {
     accept_loop();
-    local_accept_loop();
+    local_listener.accept();
     if (self.rank == 0) publish_world_if_complete();  // a world of one
   });
 
@@ -215,10 +167,9 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
               co_await pause.async_wait(asio::use_awaitable);
               continue;
             }
-            auto conn = detail::make_tcp_connection(std::move(transport), connection_settings(), frame_handler(),
-                                                    close_handler(), std::move(address));
+            auto conn = detail::make_tcp_connection(std::move(transport), connection_settings(/*dialed=*/true),
+                                                    frame_handler(), close_handler(), std::move(address));
             conn->peer_rank = 0;
-            conn->outgoing = true;
             peers->set_outgoing(0, conn);
             conn->send(detail::prepare(hello_message(our_hello(true))));
             co_return;
@@ -244,7 +195,7 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
 // Turns a dialer away: an Error frame with id 0 (the connection itself), then close. Until it closes, nothing else it
 // sends is acted on.
 void Runtime::Impl::refuse(const std::shared_ptr<detail::Connection>& conn, const std::string& why) {
-  conn->hello_refused = true;
+  detail::RpcSession::of(*conn).hello_refused = true;
   send_error_frame(*conn, 0, std::make_exception_ptr(ProtocolError(why)), self.name, "rendezvous", /*traced=*/false);
   conn->close_when_flushed();
 }
@@ -268,7 +219,7 @@ void Runtime::Impl::refuse_answer(const std::shared_ptr<detail::Connection>& con
       fmt::format("the peer at {} answered as worker '{}' (rank {}) and {}", conn->remote_address, name_of(claimed.rank),
                   claimed.rank, why);
   refused_hellos.refused(conn->io(), self.name, "refused " + text + "; its connection is closed");
-  conn->hello_refused = true;
+  detail::RpcSession::of(*conn).hello_refused = true;
   conn->close(text);
 }
 
@@ -283,8 +234,9 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, de
   const int their_world = hello.world_size;
   const bool registering = hello.registering;
   const WireLimits& theirs = hello.limits;
-  if (!conn->outgoing && conn->peer_rank >= 0) return conn->close("protocol error: a second hello on one connection");
-  if (conn->outgoing) {
+  const bool answer_to_ours = detail::RpcSession::of(*conn).outgoing;
+  if (!answer_to_ours && conn->peer_rank >= 0) return conn->close("protocol error: a second hello on one connection");
+  if (answer_to_ours) {
     // The answer to our own Hello: who the peer is and what it accepts. Until it arrives we assume our own limits.
     if (info.rank != conn->peer_rank)
       return conn->close("protocol error: hello from rank " + std::to_string(info.rank));
@@ -292,11 +244,11 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, de
     // whoever listens at its address now: after the rank died, any process. Nothing of ours follows our Hello until
     // the answer proves, for this connection, that it comes from the rank we dialled.
     if (world.known()) {
-      if (auto unproven = unproven_claim(hello, detail::HelloSide::acceptor, conn->handshake_transcript()))
+      if (auto unproven = proofs->unproven_claim(hello, detail::HelloSide::acceptor, conn->handshake_transcript()))
         return refuse_answer(conn, info, *unproven);
     }
     conn->peer_limits = theirs;
-    dial_same_host(conn, hello);
+    same_host.dial(conn, hello);
     conn->release_sends();
     return;
   }
@@ -315,8 +267,8 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, de
     // predecessor here. A later one (a second connection, or one dialed after this process learnt the incarnation from
     // the world table) is an ordinary claim: taking it as a replacement would close the live connection to the same
     // process, and the calls on it.
-    const bool new_incarnation = hello.incarnation > identities.get(info.rank).incarnation;
-    if (auto unproven = unproven_claim(hello, detail::HelloSide::dialer, conn->handshake_transcript()))
+    const bool new_incarnation = hello.incarnation > proofs->identities().get(info.rank).incarnation;
+    if (auto unproven = proofs->unproven_claim(hello, detail::HelloSide::dialer, conn->handshake_transcript()))
       return refuse_claim(conn, info, *unproven);
     if (world.known() && workers[info.rank].name != info.name)
       return refuse(
@@ -325,7 +277,7 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, de
       return admit_rejoined(conn, hello, answer, /*registration=*/false);
     if (auto refusal = peers->claim(info.rank, conn)) return refuse_claim(conn, info, *refusal);
     conn->peer_limits = theirs;
-    offer_same_host(conn, hello, answer);
+    same_host.offer(conn, hello, answer);
     conn->send(detail::prepare(hello_message(answer)));
     return;
   }
@@ -334,18 +286,20 @@ void Runtime::Impl::on_hello(const std::shared_ptr<detail::Connection>& conn, de
     if (workers[info.rank].name != info.name)
       return refuse(
           conn, "rank " + std::to_string(info.rank) + " is '" + workers[info.rank].name + "', not '" + info.name + "'");
-    if (auto unproven = unproven_registration(hello, /*replacing=*/true)) return refuse_claim(conn, info, *unproven);
+    if (auto unproven = proofs->unproven_registration(hello, /*replacing=*/true))
+      return refuse_claim(conn, info, *unproven);
     return admit_rejoined(conn, hello, answer, /*registration=*/true);
   }
   if (world.known()) return refuse(conn, "the world is already complete");
-  if (auto unproven = unproven_registration(hello, /*replacing=*/false)) return refuse_claim(conn, info, *unproven);
+  if (auto unproven = proofs->unproven_registration(hello, /*replacing=*/false))
+    return refuse_claim(conn, info, *unproven);
   if (info.host.empty()) info.host = conn->remote_address;
   // Admitted as the rank's speaker and answered in the same step as the registration is recorded.
   auto outcome = registrations.add(info, conn, std::move(hello.devices), hello.local, [&] {
     return peers->claim(info.rank, conn, [&] {
-      identities.set(info.rank, {hello.incarnation, hello.public_key});
+      proofs->identities().set(info.rank, {hello.incarnation, hello.public_key});
       conn->peer_limits = theirs;
-      offer_same_host(conn, hello, answer);
+      same_host.offer(conn, hello, answer);
       conn->send(detail::prepare(hello_message(answer)));
     });
   });
@@ -377,7 +331,7 @@ void Runtime::Impl::admit_rejoined(const std::shared_ptr<detail::Connection>& co
   auto [refusal, old] = peers->revive(rank, conn, at, [&] {
     activity->forget_peer(rank);
     conn->peer_limits = hello.limits;
-    offer_same_host(conn, hello, answer);
+    same_host.offer(conn, hello, answer);
     conn->send(detail::prepare(hello_message(answer)));
   });
   if (refusal) {
@@ -399,7 +353,7 @@ void Runtime::Impl::admit_rejoined(const std::shared_ptr<detail::Connection>& co
               hello.self.name, rank, at.host, at.port);
   detail::restart_held_calls(*this, rank);
   if (!registration) return;
-  identities.set(rank, {hello.incarnation, hello.public_key});
+  proofs->identities().set(rank, {hello.incarnation, hello.public_key});
   detail::Message table;
   table.head.kind = detail::FrameKind::World;
   Writer w(table.body);
@@ -408,7 +362,7 @@ void Runtime::Impl::admit_rejoined(const std::shared_ptr<detail::Connection>& co
   configs[rank] = hello.devices;
   w.put(configs);
   w.put(peers->current_local_addresses(local_addresses));
-  w.put(identities.all());
+  w.put(proofs->identities().all());
   // Every other live rank takes the new incarnation's key and addresses from this table at once (on_world_update),
   // so that none dials its predecessor's address, where any process may listen now, or waits to be dialled first.
   detail::Message update = table;
@@ -421,7 +375,7 @@ void Runtime::Impl::admit_rejoined(const std::shared_ptr<detail::Connection>& co
     }
   }
   // What the new incarnation shows its peers that have not taken the update yet: rank 0's word for its key.
-  w.put(rank_key->sign(detail::certificate_statement(rank, hello.incarnation, hello.public_key)));
+  w.put(proofs->certify(rank, hello.incarnation, hello.public_key));
   conn->send(detail::prepare(std::move(table)));
 }
 
@@ -437,7 +391,7 @@ void Runtime::Impl::publish_world_if_complete() {
   w.put(complete->device_configs);  // every worker checks the job's device maps itself, and reaches the same verdict
   world_device_configs = complete->device_configs;  // a rank that rejoins gets them too
   w.put(complete->local);
-  w.put(identities.all());
+  w.put(proofs->identities().all());
   w.put(std::string());  // no certificate: every rank's key is in the table
   for (auto& c : complete->registrants) {
     detail::Message copy = table;
@@ -491,8 +445,8 @@ void Runtime::Impl::on_world_update(detail::Message&& msg) {
   }
   for (int r = 0; r < world_size; ++r) {
     if (r == self.rank || r == 0 || t.keys[r].public_key.empty()) continue;
-    if (t.keys[r].incarnation <= identities.get(r).incarnation) continue;
-    if (!identities.advance(r, t.keys[r])) continue;
+    if (t.keys[r].incarnation <= proofs->identities().get(r).incarnation) continue;
+    if (!proofs->identities().advance(r, t.keys[r])) continue;
     const auto old = peers->replaced(r, {t.workers[r].host, t.workers[r].port, t.locals[r]});
     activity->forget_peer(r);
     for (const auto& c : old) c->close("worker '" + t.workers[r].name + "' was replaced by a new incarnation");
@@ -533,8 +487,8 @@ void Runtime::Impl::on_world(detail::Message&& msg) {
   }
   workers = std::move(table);
   local_addresses = std::move(locals);
-  identities.set_all(std::move(keys));
-  certificate = std::move(our_certificate);
+  proofs->identities().set_all(std::move(keys));
+  proofs->set_certificate(std::move(our_certificate));
   {
     // Only the host can differ (rank 0 fills in the address it saw); the rest of self is read unlocked everywhere.
     std::lock_guard lock(self_host_mutex);
@@ -551,24 +505,24 @@ void Runtime::Impl::on_world(detail::Message&& msg) {
   world_ready.set_value();
 }
 
-void Runtime::Impl::route_rendezvous() {
-  frames.on(detail::Route::hello, [this](const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {
-    on_hello(conn, std::move(msg));
-  });
-  frames.on(detail::Route::world, [this](const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {
+void detail::route_rendezvous(FrameDispatcher& frames, Runtime::Impl& rt) {
+  frames.on(Route::hello,
+            [&rt](const std::shared_ptr<Connection>& conn, Message&& msg) { rt.on_hello(conn, std::move(msg)); });
+  frames.on(Route::world, [&rt](const std::shared_ptr<Connection>& conn, Message&& msg) {
     // Only rank 0 publishes the table, on the connection we registered through.
-    if (!conn->outgoing || conn->peer_rank != 0) return conn->close("protocol error: a world table not from rank 0");
-    on_world(std::move(msg));
+    if (!RpcSession::of(*conn).outgoing || conn->peer_rank != 0)
+      return conn->close("protocol error: a world table not from rank 0");
+    rt.on_world(std::move(msg));
   });
   // The peer refused the connection itself (an Error frame with id 0).
-  frames.on(detail::Route::refusal, [this](const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg) {
+  frames.on(Route::refusal, [&rt](const std::shared_ptr<Connection>& conn, Message&& msg) {
     std::string why = "refused by peer";
     try {
-      std::rethrow_exception(decode_error(msg, name_of(conn->peer_rank), "rendezvous"));
+      std::rethrow_exception(decode_error(msg, rt.name_of(conn->peer_rank), "rendezvous"));
     } catch (const std::exception& e) {
       why = e.what();
     }
-    if (!world_ready.get_future().done()) world_ready.set_exception(RpcError("rendezvous refused: " + why));
+    if (!rt.world_ready.get_future().done()) rt.world_ready.set_exception(RpcError("rendezvous refused: " + why));
     conn->close(why);
   });
 }

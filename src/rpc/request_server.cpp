@@ -4,7 +4,6 @@
 #include "core/trace_recorder.hpp"
 #include "rpc/call_engine.hpp"
 #include "rpc/error_frames.hpp"
-#include "rpc/runtime_impl.hpp"
 
 namespace corpc::detail {
 
@@ -17,7 +16,7 @@ class RequestScope {
   RequestScope(RequestServer& server, std::shared_ptr<Connection> conn, const FrameHeader& h, const HandlerEntry& entry,
                std::stop_token stop)
       : server_(server),
-        rt_(server.runtime()),
+        host_(server.host()),
         conn_(std::move(conn)),
         id_(h.id),
         src_(conn_->peer_rank),
@@ -28,7 +27,7 @@ class RequestScope {
         deadline_(h.deadline_ms ? Clock::now() + std::chrono::milliseconds(h.deadline_ms) : Clock::time_point::max()) {}
   RequestScope(RequestScope&& o) noexcept
       : server_(o.server_),
-        rt_(o.rt_),
+        host_(o.host_),
         conn_(std::move(o.conn_)),
         id_(o.id_),
         src_(o.src_),
@@ -55,13 +54,12 @@ class RequestScope {
     try {
       out.head.kind = FrameKind::Response;
       out.head.id = id_;
-      {
+      // Stamped in the caller's autograd context. A result that cannot be encoded becomes an error frame.
+      OutFrame frame = [&] {
         CallContextScope scope(server_.handler_context(ctx_));
-        rt_.stamp_autograd(out, src_);
-      }
-      // A result that cannot be encoded becomes an error frame.
-      OutFrame frame = rt_.prepare_for(std::move(out), src_, conn_.get());
-      check_limits(frame, conn_->peer_limits, rt_.name_of(src_));
+        return host_.frame_for(std::move(out), src_, *conn_);
+      }();
+      check_limits(frame, conn_->peer_limits, host_.name_of(src_));
       if (frame.staged) [[unlikely]] {  // CUDA tensors still being copied out: replied from the copy's completion
         auto self = std::make_shared<RequestScope>(std::move(*this));
         auto conn = self->conn_;
@@ -109,12 +107,12 @@ class RequestScope {
     credit_.release();
     if (stop_.stop_possible()) CallEngine::of(*conn_).inbound().remove(id_);
     if (!counted_) return;
-    rt_.activity->request_handled(src_);
-    rt_.activity->handler_done();
+    host_.activity().request_handled(src_);
+    host_.activity().handler_done();
   }
 
   RequestServer& server_;
-  Runtime::Impl& rt_;
+  RequestHost& host_;
   std::shared_ptr<Connection> conn_;
   std::uint64_t id_;
   int src_;
@@ -128,7 +126,7 @@ class RequestScope {
 };
 
 // Runs `entry` on `msg` on the calling thread; the reply leaves from here, or when the handler's future completes.
-void run_request(Runtime::Impl& rt, RequestScope scope, const HandlerEntry& entry, Message& msg, int src) {
+void run_request(RequestHost& host, RequestScope scope, const HandlerEntry& entry, Message& msg, int src) {
   trace::detail::ScopedRecord slice(
       [&] {  // the handler's synchronous part (a coroutine's, up to its first suspension)
         return trace::detail::Record{.kind = trace::detail::Kind::run,
@@ -144,7 +142,7 @@ void run_request(Runtime::Impl& rt, RequestScope scope, const HandlerEntry& entr
   }
   try {
     CallContextScope ctx_scope(scope.handler_context());
-    rt.attach_autograd(msg.head, src, msg.tensors);
+    host.received_tensors(msg.head, src, msg.tensors);
     Inbound in{src, entry.name, Reader(msg.body.data(), msg.body.size()), &msg};
     in.args.tensors = &msg.tensors;
     in.args.peer = src;
@@ -174,16 +172,16 @@ void run_request(Runtime::Impl& rt, RequestScope scope, const HandlerEntry& entr
 
 // A request handed to the worker pool: owns its message until it runs.
 struct PooledRequest : WorkItem {
-  Runtime::Impl& rt;
+  RequestHost& host;
   RequestScope scope;
   const HandlerEntry& entry;
   Message msg;
   int src;
-  PooledRequest(Runtime::Impl& r, RequestScope s, const HandlerEntry& e, Message&& m, int source)
-      : rt(r), scope(std::move(s)), entry(e), msg(std::move(m)), src(source) {
+  PooledRequest(RequestHost& h, RequestScope s, const HandlerEntry& e, Message&& m, int source)
+      : host(h), scope(std::move(s)), entry(e), msg(std::move(m)), src(source) {
     run = [](WorkItem* w) noexcept {
       auto* self = static_cast<PooledRequest*>(w);
-      run_request(self->rt, std::move(self->scope), self->entry, self->msg, self->src);
+      run_request(self->host, std::move(self->scope), self->entry, self->msg, self->src);
       delete self;
     };
   }
@@ -191,18 +189,20 @@ struct PooledRequest : WorkItem {
 
 }  // namespace
 
-RequestServer::RequestServer(Runtime::Impl& runtime) : rt_(runtime) {}
+RequestServer::RequestServer(RequestHost& host) : host_(host) {}
 
-void RequestServer::route(FrameDispatcher& frames) {
-  frames.on(Route::request, [this](const std::shared_ptr<Connection>& c, Message&& m) { on_request(c, std::move(m)); });
-  frames.on(Route::cancel, [this](const std::shared_ptr<Connection>& c, Message&& m) { on_cancel(c, std::move(m)); });
+void route_requests(FrameDispatcher& frames, RequestServer& server) {
+  frames.on(Route::request,
+            [&server](const std::shared_ptr<Connection>& c, Message&& m) { server.on_request(c, std::move(m)); });
+  frames.on(Route::cancel,
+            [&server](const std::shared_ptr<Connection>& c, Message&& m) { server.on_cancel(c, std::move(m)); });
   frames.on(Route::oversized,
-            [this](const std::shared_ptr<Connection>& c, Message&& m) { refuse_too_large(c, m.head); });
+            [&server](const std::shared_ptr<Connection>& c, Message&& m) { server.refuse_too_large(c, m.head); });
 }
 
 CallContext RequestServer::handler_context(std::int64_t context_id) const noexcept {
   CallContext c;
-  if (rt_.tensor_hooks.context_slot >= 0) c.set(rt_.tensor_hooks.context_slot, context_id);
+  if (const int slot = host_.autograd_context_slot(); slot >= 0) c.set(slot, context_id);
   return c;
 }
 CallContext RequestServer::handler_context(std::int64_t context_id, std::stop_token stop,
@@ -220,7 +220,7 @@ CallContext RequestServer::handler_context(std::int64_t context_id, std::stop_to
 // a request behind it finds no rank on the connection yet. Refusing it then closed a healthy peer's connection, and
 // lost us to it, whenever our table came late (a busy machine: issue 62).
 bool RequestServer::admitted(const std::shared_ptr<Connection>& conn, Message& msg) {
-  if (rt_.world.park_if_unknown(conn, msg)) return false;
+  if (host_.park_until_world(conn, msg)) return false;
   if (conn->peer_rank < 0) {
     conn->close("protocol error: a request before hello");
     return false;
@@ -230,21 +230,22 @@ bool RequestServer::admitted(const std::shared_ptr<Connection>& conn, Message& m
 
 void RequestServer::on_request(const std::shared_ptr<Connection>& conn, Message&& msg) {
   if (!admitted(conn, msg)) return;
-  const HandlerEntry* entry = global_registry().find(msg.head.function);
+  const HandlerEntry* entry = host_.function(msg.head.function);
   if (!entry) {
     return refuse(*conn, msg.head,
                   std::make_exception_ptr(UnknownFunctionError(
                       "no function with id " + std::to_string(msg.head.function) + " is registered on worker '" +
-                      rt_.self.name + "' (different binaries? register it by name)")),
+                      host_.self_name() + "' (different binaries? register it by name)")),
                   "");
   }
   if (entry->signature != 0 && msg.head.signature != 0 && entry->signature != msg.head.signature) {
-    return refuse(*conn, msg.head,
-                  std::make_exception_ptr(ArgumentTypeError("arguments do not match '" + entry->name + "' on worker '" +
-                                                            rt_.self.name + "', which takes " + entry->signature_text)),
-                  entry->name);
+    return refuse(
+        *conn, msg.head,
+        std::make_exception_ptr(ArgumentTypeError("arguments do not match '" + entry->name + "' on worker '" +
+                                                  host_.self_name() + "', which takes " + entry->signature_text)),
+        entry->name);
   }
-  if (!(msg.head.flags & kFlagControl)) rt_.activity->handler_started();
+  if (!(msg.head.flags & kFlagControl)) host_.activity().handler_started();
   // A plain function on the I/O thread runs to completion before this thread could read a cancel: it needs no token.
   const bool runs_to_completion_here = entry->execution == Execution::io_thread && entry->run_sync;
   RequestScope scope(*this, conn, msg.head, *entry,
@@ -252,9 +253,9 @@ void RequestServer::on_request(const std::shared_ptr<Connection>& conn, Message&
   scope.hold(conn->take_receive_credit());
   const int src = conn->peer_rank;
   if (entry->execution == Execution::io_thread) {
-    run_request(rt_, std::move(scope), *entry, msg, src);
+    run_request(host_, std::move(scope), *entry, msg, src);
   } else {
-    rt_.pool->enqueue(new PooledRequest(rt_, std::move(scope), *entry, std::move(msg), src));
+    host_.pool().enqueue(new PooledRequest(host_, std::move(scope), *entry, std::move(msg), src));
   }
 }
 
@@ -264,14 +265,15 @@ void RequestServer::on_cancel(const std::shared_ptr<Connection>& conn, Message&&
   if (admitted(conn, msg)) CallEngine::of(*conn).inbound().cancel(msg.head.id);
 }
 
+// A request whose header announced more than the receive budget: its bytes were dropped; answer it.
 void RequestServer::refuse_too_large(const std::shared_ptr<Connection>& conn, const FrameHeader& h) {
   if (h.kind != FrameKind::Request || conn->peer_rank < 0) return conn->close("protocol error: an oversized frame");
   const std::uint64_t size = sizeof(FrameHeader) + std::uint64_t{h.meta_len} + h.body_len + h.tensor_bytes;
   refuse(*conn, h,
-         std::make_exception_ptr(MessageTooLargeError(
-             "a request of " + std::to_string(size) + " bytes is over the " +
-             std::to_string(rt_.options.limits.max_request_bytes) + " that worker '" + rt_.self.name +
-             "' may hold (its RpcOptions::receive_budget_per_connection / _per_process)")),
+         std::make_exception_ptr(
+             MessageTooLargeError("a request of " + std::to_string(size) + " bytes is over the " +
+                                  std::to_string(host_.max_request_bytes()) + " that worker '" + host_.self_name() +
+                                  "' may hold (its RpcOptions::receive_budget_per_connection / _per_process)")),
          "");
 }
 
@@ -280,12 +282,12 @@ void RequestServer::refuse(Connection& conn, const FrameHeader& h, std::exceptio
                            std::string_view function) {
   const bool counted = !(h.flags & kFlagControl);
   send_error(conn, h.id, std::move(error), function, counted);
-  if (counted) rt_.activity->request_handled(conn.peer_rank);
+  if (counted) host_.activity().request_handled(conn.peer_rank);
 }
 
 void RequestServer::send_error(Connection& conn, std::uint64_t id, std::exception_ptr error, std::string_view function,
                                bool traced) {
-  send_error_frame(conn, id, std::move(error), rt_.self.name, function, traced);
+  send_error_frame(conn, id, std::move(error), host_.self_name(), function, traced);
 }
 
 }  // namespace corpc::detail

@@ -118,13 +118,15 @@ bool Runtime::spawn_background(Task<void> task, Background how) noexcept {
 // Every frame kind gets its owner before any connection exists (frame_dispatcher.hpp).
 void Runtime::Impl::route_frames() {
   call_host = detail::make_call_host(*this);
-  requests = std::make_unique<detail::RequestServer>(*this);
-  route_rendezvous();
-  requests->route(frames);
-  detail::route_replies(frames);
-  route_ipc_done();
-  route_goodbye();
-  detail::route_device_delivery(*this, frames);
+  request_host = detail::make_request_host(*this);
+  local_host = detail::make_local_listener_host(*this);
+  requests = std::make_unique<detail::RequestServer>(*request_host);
+  detail::route_rendezvous(frames, *this);       // hello, world, refusal
+  detail::route_requests(frames, *requests);     // request, cancel, oversized
+  detail::route_replies(frames);                 // reply
+  detail::route_ipc_done(frames);                // ipc_done
+  detail::route_goodbye(frames, *peers);         // goodbye
+  detail::route_device_delivery(frames, *this);  // on_devices
 }
 
 void Runtime::Impl::start_threads() {
@@ -218,10 +220,7 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   impl->self.name = std::move(name);
   impl->self.rank = rank;
   impl->world_size = world_size;
-  impl->rank_key = detail::RankKey::generate();
-  impl->rank_proofs = detail::rank_proofs_from_environment();
-  impl->identities.resize(world_size);
-  if (rank == 0) impl->identities.set(0, {impl->rank_proofs.incarnation, impl->rank_key->public_key()});
+  impl->proofs = std::make_unique<detail::HelloProofs>(rank, world_size, detail::rank_proofs_from_environment());
   impl->peers = std::make_unique<detail::PeerTable>(world_size);
   impl->activity = std::make_unique<detail::Activity>(world_size);
   impl->route_frames();

@@ -2,20 +2,25 @@
 //   io_threads.hpp        the I/O threads and their executors
 //   activity.hpp          calls and handlers in flight, requests per peer; waiting for quiet
 //   shutdown_rounds.hpp   rank 0's side of graceful shutdown's termination detection
-//   call_engine.hpp       a connection's calls, both ways: start, reply, deadlines, cancellation (kept on the connection)
-//   frame_dispatcher.hpp  which part each frame goes to (the parts register their routes: route_frames)
+//   call_engine.hpp       a connection's calls, both ways: start, reply, deadlines, cancellation; it is the connection's
+//                         session, with the rest of what we know of the connection (rpc_session.hpp)
+//   frame_dispatcher.hpp  which part each frame goes to (each owner registers its routes: route_frames)
 //   request_server.hpp    the peers' requests: lookup, execution (I/O thread or pool), replies and error frames
 //   environment.hpp       what the environment adds to the options
+//   hello_proofs.hpp      which rank we are and each peer is, proven: our Hellos' proofs, the judgement of theirs
 //   peer_table.hpp        connections by rank, who speaks for each rank, which ranks are gone
 //   rendezvous_state.hpp  rank 0's registrations; the wait for the world table and the requests that come before it
+//   same_host.hpp         the same-host channel and CUDA IPC per peer: what we offer, set-up, IpcDone frames
+//   local_listener.hpp    the abstract Unix socket that peers on this host dial instead of our TCP port
 // The rest is shared by the files that implement the runtime:
 //   runtime.cpp     public surface, init_rpc
-//   calls.cpp       start_call (the connection for a call), what a call engine uses of the runtime, framing for a peer
+//   calls.cpp       start_call (the connection for a call) and the replies to our calls
+//   runtime_hosts.cpp  what the parts use of the runtime (CallHost, RequestHost, LocalListener::Host), framing for a
+//                      peer both ways
 //   device_delivery.cpp  frames whose tensors go to CUDA devices first
 //   peers.cpp       connections: dialing, accepting, closing, peer death
 //   shutdown.cpp    graceful shutdown
 //   rendezvous.cpp  finding every worker at start
-//   same_host.cpp   the same-host channel and CUDA IPC per peer
 // Threads: I/O threads own connections and timers; the worker pool runs handlers; any thread may call. Fields say
 // which lock or thread guards them.
 #pragma once
@@ -37,12 +42,15 @@
 #include "rpc/frame_dispatcher.hpp"
 #include "rpc/request_server.hpp"
 #include "rpc/hello.hpp"
+#include "rpc/hello_proofs.hpp"
 #include "rpc/io_threads.hpp"
+#include "rpc/local_listener.hpp"
 #include "rpc/environment.hpp"
 #include "rpc/peer_table.hpp"
 #include "rpc/rank_identities.hpp"
 #include "rpc/rendezvous_state.hpp"
 #include "rpc/replacement_waits.hpp"
+#include "rpc/same_host.hpp"
 #include "rpc/shutdown_rounds.hpp"
 #include "transport/auth.hpp"
 #include "transport/connection.hpp"
@@ -54,14 +62,8 @@ namespace corpc {
 struct Runtime::Impl {
   RpcOptions options;
   detail::AuthConfig auth;  // from options.secret / CORPC_SECRET
-  // Which rank this process is, proven (transport/rank_identity.hpp): our key pair (made by init_rpc), what the launcher
-  // dealt us, and rank 0's certificate for our incarnation when we replaced a rank after the world was published
-  // (written by on_world before init_rpc returns). `identities`: every rank's incarnation and key; rank 0 fills it as
-  // ranks register, the others take it with the world table; a newer incarnation replaces one under its lock.
-  std::optional<detail::RankKey> rank_key;
-  detail::RankProofs rank_proofs;
-  std::string certificate;
-  detail::RankIdentities identities;
+  // Which rank this process is and which rank each peer is, proven (hello_proofs.hpp); made by init_rpc.
+  std::unique_ptr<detail::HelloProofs> proofs;
   // Fixed before the I/O threads start, except self.host of a worker listening on a wildcard address: on_world fills
   // it in (under self_host_mutex) while other I/O threads may be answering Hellos with a copy of self.
   WorkerInfo self;
@@ -77,28 +79,22 @@ struct Runtime::Impl {
   asio::io_context& main_io() { return io_threads->main(); }
   asio::io_context& pick_io() { return io_threads->pick(); }
   std::optional<asio::ip::tcp::acceptor> acceptor;  // on the main I/O thread; created with the threads
-  // Peers on this host connect here rather than to `acceptor` (local_listener.cpp): the same connections over an
-  // abstract Unix socket, on the main I/O thread. None when it is off (RpcOptions::same_host_socket, TLS) or cannot
-  // be bound; `local` then stays empty.
-  std::optional<asio::local::stream_protocol::acceptor> local_acceptor;
-  detail::LocalAddress local;                         // ours, as our Hello announces it
+  // Peers on this host connect here rather than to `acceptor` (local_listener.hpp): the same connections over an
+  // abstract Unix socket, on the main I/O thread. Not started when it is off (RpcOptions::same_host_socket, TLS);
+  // its address is then empty, as when it cannot be bound.
+  detail::LocalListener local_listener;
   std::vector<detail::LocalAddress> local_addresses;  // by rank, from the world table (written with `workers`)
-  // The same-host channel (same_host.cpp): this host's identity when the channel is on (empty: off), and the Unix
-  // socket on which dialers pass their segments (on the main I/O thread; none if it could not be bound).
-  std::string same_host_id;
-  std::unique_ptr<detail::ShmListener> shm_listener;
-  std::atomic<bool> same_host_warned{false};
-  // CUDA IPC (src/memory/cuda_ipc.hpp), on connections whose same-host channel is set up: whether we announce it (set with
-  // same_host_id, before any Hello), and whether a failure was logged at warn already.
-  bool cuda_ipc_offered = false;
-  std::atomic<bool> cuda_ipc_warned{false};
+  // The same-host channel and CUDA IPC per peer (same_host.hpp); started by rendezvous before any Hello.
+  detail::SameHost same_host;
   std::unique_ptr<ThreadPool> pool;
 
   // The parts that own frames (frame_dispatcher.hpp), made and wired by route_frames before any connection exists;
   // declared before the connections, which use them until they are gone.
   detail::FrameDispatcher frames;
-  std::unique_ptr<detail::CallHost> call_host;      // what each connection's call engine uses of this runtime
-  std::unique_ptr<detail::RequestServer> requests;  // the peers' requests
+  std::unique_ptr<detail::CallHost> call_host;              // what each connection's call engine uses of this runtime
+  std::unique_ptr<detail::RequestHost> request_host;        // what the request side uses of it
+  std::unique_ptr<detail::LocalListener::Host> local_host;  // and the same-host listener (not a frame owner)
+  std::unique_ptr<detail::RequestServer> requests;          // the peers' requests
 
   // Connections and the state of every peer (peer_table.hpp); made by init_rpc once the world size is known.
   std::unique_ptr<detail::PeerTable> peers;
@@ -152,22 +148,12 @@ struct Runtime::Impl {
   std::string name_of(int rank) const;
   // Why a peer that said goodbye is gone (as opposed to one that died): compared against by shutdown().
   static constexpr const char* kShutDownReason = "it shut down";
-  std::int64_t outbound_context() const noexcept {
-    return tensor_hooks.context_slot >= 0 ? current_call_context().get(tensor_hooks.context_slot) : -1;
-  }
-
-  // ---- calls.cpp: framing for a peer, both directions ----
-  // Lets distributed autograd record a send function for an outbound message; fills its header's autograd ids.
-  void stamp_autograd(detail::Message& m, int dst) const;
-  void attach_autograd(const detail::FrameHeader& h, int src, std::vector<at::Tensor>& tensors) const;
-  // `frame` framed with the device map to `rank` (an empty map before the world is known), for `conn` (whose CUDA IPC
-  // link, if it lends, carries CUDA tensors).
-  detail::OutFrame prepare_for(detail::Message&& m, int rank, detail::Connection* conn = nullptr) const;
 
   // ---- flow control and liveness (peers.cpp) ----
   // What peers' requests may hold here (RpcOptions::receive_budget_*, max_requests_held); shared by all connections.
   std::unique_ptr<detail::ReceiveBudget> receive_budget;
-  detail::ConnectionSettings connection_settings() const;
+  // `dialed`: for a connection we open (its session's RpcSession::outgoing).
+  detail::ConnectionSettings connection_settings(bool dialed) const;
   void init_flow_control();  // from options; before any connection exists
 
   // ---- peers.cpp ----
@@ -177,10 +163,7 @@ struct Runtime::Impl {
   void on_close(const std::shared_ptr<detail::Connection>& conn, const std::string& why);
   void mark_dead(int rank, const std::string& why);
   void fail_all_calls(std::exception_ptr error);
-  void route_goodbye();
   void accept_loop();
-  void start_local_listener();
-  void local_accept_loop();
   // An accepted socket (TCP, or a Unix one adopted into a TCP socket object: `port` 0): authenticates it, then
   // serves it. `address`: the peer's, as the connection records it.
   void serve_accepted(asio::ip::tcp::socket socket, std::string address, std::uint16_t port);
@@ -220,7 +203,6 @@ struct Runtime::Impl {
   void refuse_answer(const std::shared_ptr<detail::Connection>& conn, const WorkerInfo& claimed, const std::string& why);
   void on_world(detail::Message&& msg);
   void on_world_update(detail::Message&& msg);  // a later table from rank 0: the ranks replaced since
-  void route_rendezvous();
   void publish_world_if_complete();
   // Takes `hello`'s sender as the new incarnation of its rank (RpcOptions::rejoin); `registration`: on rank 0, which
   // also sends it the current world table, and retries until `deadline` (default: a handshake timeout from now)
@@ -231,27 +213,6 @@ struct Runtime::Impl {
   // (rank_identity.hpp); a registration (to rank 0) carries the launcher's credential instead.
   detail::Hello our_hello(bool registering, int to_rank = -1, const std::string& transcript = {},
                           detail::HelloSide side = detail::HelloSide::dialer) const;
-  // Why a Hello's claim of its rank and incarnation is not proven for `transcript` as `side`'s, or nullopt
-  // (rank_identity.hpp); a newer incarnation with rank 0's certificate is taken into `identities`.
-  std::optional<std::string> unproven_claim(const detail::Hello& hello, detail::HelloSide side,
-                                            const std::string& transcript);
-  // Rank 0: why a registration's claim is not proven (the launcher's credential), or nullopt.
-  std::optional<std::string> unproven_registration(const detail::Hello& hello, bool replacing) const;
-
-  // ---- same_host.cpp ----
-  void start_same_host();
-  void offer_same_host(const std::shared_ptr<detail::Connection>& conn, const detail::Hello& theirs,
-                       detail::Hello& answer);
-  void dial_same_host(const std::shared_ptr<detail::Connection>& conn, const detail::Hello& answer);
-  void same_host_failed(int rank, const std::string& why);
-  // The CUDA IPC link for a connection to `rank` whose Hellos agreed to it (null otherwise).
-  std::shared_ptr<detail::CudaIpcLink> cuda_ipc_link(int rank, bool theirs, const std::string& their_host);
-  void cuda_ipc_failed(int rank, const std::string& why);
-  // An IpcDone frame: the peer is done with tensors we lent it.
-  void on_ipc_done(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg);
-  void route_ipc_done();
-  // Tells the lender of `msg`'s CUDA IPC tensors (on `conn`) that their copies are done.
-  void return_ipc_loans(const std::shared_ptr<detail::Connection>& conn, const detail::CudaIpcArrivals& arrivals);
 };
 
 Runtime::Impl& runtime_impl(Runtime& rt) noexcept;
@@ -261,10 +222,16 @@ namespace detail {
 void start_call(Runtime::Impl& rt, OutboundCall&& call) noexcept;
 // Starts again the calls held for `rank`'s replacement (RpcOptions::replacement_wait): a new incarnation took it.
 void restart_held_calls(Runtime::Impl& rt, int rank);
-// The owners of frames that are not parts of the runtime (calls.cpp, device_delivery.cpp).
+// What the parts use of the runtime (runtime_hosts.cpp).
 std::unique_ptr<CallHost> make_call_host(Runtime::Impl& rt);
-void route_replies(FrameDispatcher& frames);
-void route_device_delivery(Runtime::Impl& rt, FrameDispatcher& frames);
+std::unique_ptr<RequestHost> make_request_host(Runtime::Impl& rt);
+std::unique_ptr<LocalListener::Host> make_local_listener_host(Runtime::Impl& rt);
+// The owners of frames register their routes (frame_dispatcher.hpp), each with one function of this form, called by
+// route_frames; the parts' are beside them: route_requests (request_server.hpp), route_ipc_done (same_host.hpp).
+void route_rendezvous(FrameDispatcher& frames, Runtime::Impl& rt);       // rendezvous.cpp
+void route_replies(FrameDispatcher& frames);                             // calls.cpp
+void route_goodbye(FrameDispatcher& frames, PeerTable& peers);           // peers.cpp
+void route_device_delivery(FrameDispatcher& frames, Runtime::Impl& rt);  // device_delivery.cpp
 }  // namespace detail
 
 void validate_worker_name(const std::string& name);

@@ -30,7 +30,8 @@ class Connection;
 class CudaIpcLink;
 class ShmChannel;
 
-// What the layer above keeps per connection (the RPC layer: its calls in flight both ways). Made by the creator's
+// What the layer above keeps per connection (the RPC layer: its calls in flight both ways, the direction, whether the
+// peer said goodbye or was refused). Made by the creator's
 // factory when the connection is, so it is there before the first frame can arrive; destroyed with the connection.
 // The transport never looks inside.
 class ConnectionSession {
@@ -149,9 +150,6 @@ class Connection : public std::enable_shared_from_this<Connection> {
   virtual std::shared_ptr<CudaIpcLink> cuda_ipc_for_lending() { return nullptr; }
 
   int peer_rank = -1;          // known after the Hello (or at once for dialed connections); I/O thread
-  bool said_goodbye = false;   // the peer announced an orderly close
-  bool hello_refused = false;  // its Hello was refused: nothing more it sends is acted on; I/O thread
-  bool outgoing = false;       // we dialed it: our requests to peer_rank go here, and only its replies are accepted
   std::string remote_address;  // the peer's IP as we see it
   SharedLimits peer_limits;    // what the peer accepts (from its Hello; ours until then)
 

@@ -100,7 +100,6 @@ std::shared_ptr<Connection> dial_tcp_connection(asio::io_context& io, int peer_r
   auto c = std::make_shared<TcpConnection>(Transport(asio::ip::tcp::socket(io)), settings, std::move(on_frame),
                                            std::move(on_close));
   c->peer_rank = peer_rank;
-  c->outgoing = true;
   c->hold_sends();  // nothing is sealed or written before the handshake is done (connect)
   c->dial(std::move(host), port, std::move(local_socket), std::move(auth), std::move(first));
   return c;

@@ -135,7 +135,6 @@ asio::awaitable<void> TcpConnection::read_frames(std::shared_ptr<Connection> bas
                              .bytes = h.tensor_bytes,
                              .name = {}});
     }
-    if (h.kind == FrameKind::Goodbye) said_goodbye = true;
     if (closed_) co_return;
     if (tls_batch.open == 0) batch_begin(io());
     delivering_ = &credit;
