@@ -18,11 +18,10 @@
 // Needs a CUDA device and a CUDA build of libtorch (the tensors are made and compared by ATen's CUDA kernels). Without
 // either it says which is missing and exits with status 2. Whether they are there is asked in a forked child:
 // querying the CUDA driver initializes it, and the ranks, forked from this process, could then not use CUDA at all.
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <ATen/ATen.h>
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -32,9 +31,10 @@
 #include <string>
 #include <vector>
 
+#include "corpc/corpc.hpp"
+
 #include "../src/memory/cuda_transfer.hpp"
 #include "bench_util.hpp"
-#include "corpc/corpc.hpp"
 
 using namespace corpc;
 using Clock = std::chrono::steady_clock;

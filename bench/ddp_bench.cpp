@@ -9,6 +9,8 @@
 // PyTorch's DDP. --phases: each rank also prints its mean milliseconds per step in forward, backward (for overlap:
 // including the end-of-backward wait for the last buckets), allreduce (after) and optimizer step, and the CPU time
 // the whole process (every thread: Gloo's too) spent per step, which the machine's load changes far less than wall time.
+#include <corpc/ddp/ddp.hpp>
+#include <corpc/rpc/launch.hpp>
 #include <sys/resource.h>
 
 #include <chrono>
@@ -16,9 +18,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
-
-#include <corpc/ddp/ddp.hpp>
-#include <corpc/rpc/launch.hpp>
 
 #include "bench_util.hpp"
 #include "ddp_models.hpp"

@@ -1,9 +1,9 @@
 // The benchmark models, built identically in bench/pytorch_ddp_bench.py (each side prints its parameter count).
 #pragma once
 
-#include <cstdint>
-
 #include <torch/torch.h>
+
+#include <cstdint>
 
 namespace corpc::bench {
 

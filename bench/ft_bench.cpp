@@ -31,6 +31,11 @@
 // The launcher's warnings (each restart) go to stderr; the ranks log errors only (CORPC_LOG=error unless set).
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
+#include <corpc/corpc.hpp>
+#include <corpc/ddp/checkpoint.hpp>
+#include <corpc/ddp/ddp.hpp>
+#include <corpc/ddp/elastic.hpp>
+#include <corpc/ddp/fault_tolerant.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -40,12 +45,6 @@
 #include <filesystem>
 #include <string>
 #include <vector>
-
-#include <corpc/corpc.hpp>
-#include <corpc/ddp/checkpoint.hpp>
-#include <corpc/ddp/ddp.hpp>
-#include <corpc/ddp/elastic.hpp>
-#include <corpc/ddp/fault_tolerant.hpp>
 
 #include "bench_util.hpp"
 #include "ft_events.hpp"

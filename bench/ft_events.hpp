@@ -4,6 +4,7 @@
 // convention of the numbers in their tables.
 #pragma once
 
+#include <corpc/ddp/fault_tolerant.hpp>
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -21,8 +22,6 @@
 #include <string>
 #include <system_error>
 #include <vector>
-
-#include <corpc/ddp/fault_tolerant.hpp>
 
 #include "bench_util.hpp"
 

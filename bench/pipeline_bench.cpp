@@ -42,10 +42,9 @@
 // bubble column) record host time, which on a GPU is when kernels were queued, not when they ran; the peak column
 // counts the CPU allocator only. PyTorch's side gets --device too (bench/pytorch_pipeline.py: the tutorial's shards
 // on the device, tensors crossing RPC on the CPU).
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
-
-#include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/sgd.h>
 #include <torch/version.h>
@@ -57,15 +56,16 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
-#include <iomanip>
 #include <functional>
+#include <iomanip>
 #include <map>
 #include <sstream>
 
-#include "../tools/gantt.hpp"
-#include "bench_util.hpp"
 #include "corpc/corpc.hpp"
 #include "corpc/pipeline/pipeline.hpp"
+
+#include "../tools/gantt.hpp"
+#include "bench_util.hpp"
 #include "resnet_shards.hpp"
 
 using namespace corpc;
@@ -223,8 +223,8 @@ const std::vector<ActionCosts>& layer_costs(const Config& c, long splits) {
     const c10::Device device(c.device);
     auto net = resnet50(c.width, c.classes);
     net->to(device);
-    costs = profile_layer_costs(net, random_images(micro, c.image, 5).to(device), 2,
-                                [&] { synchronize_device(c.device); });
+    costs =
+        profile_layer_costs(net, random_images(micro, c.image, 5).to(device), 2, [&] { synchronize_device(c.device); });
   }
   return costs;
 }
@@ -764,8 +764,8 @@ int main(int argc, char** argv) {
               out << ' ' << n << ':';
               for (std::size_t i = 0; i < b.size(); ++i) out << (i ? "," : "") << b[i];
               if (simulated.count(n))  // seconds per step: this cut's against the slowest-stage cut's
-                out << '(' << std::fixed << std::setprecision(3) << simulated[n].first << '/'
-                    << simulated[n].second << std::defaultfloat << ')';
+                out << '(' << std::fixed << std::setprecision(3) << simulated[n].first << '/' << simulated[n].second
+                    << std::defaultfloat << ')';
             }
             out << '\n';
             if (!trace_path.empty() && trace.write(trace_path))
@@ -1048,10 +1048,10 @@ int main(int argc, char** argv) {
       if (runs.empty()) return std::string("-");
       if (all_valid(runs)) return spread(times(runs));
       const PipeliningRun& r = **std::find_if(runs.begin(), runs.end(), [](auto* x) { return x->check != "ok"; });
-      std::string why = r.result == "FAILED:timeout"          ? "hang (timeout)"
-                        : r.result.rfind("FAILED:", 0) == 0    ? r.result.substr(7)
-                        : r.check == "NAN"                     ? "NaN loss"
-                                                               : "wrong loss";
+      std::string why = r.result == "FAILED:timeout"        ? "hang (timeout)"
+                        : r.result.rfind("FAILED:", 0) == 0 ? r.result.substr(7)
+                        : r.check == "NAN"                  ? "NaN loss"
+                                                            : "wrong loss";
       const auto t = times(runs);
       return (t.empty() ? "" : spread(t) + ", ") + why;
     };
@@ -1138,8 +1138,7 @@ int main(int argc, char** argv) {
     if (!pipelining_single.empty()) {
       const auto use = usage_cells(one_process(pipelining_single_usage));
       std::printf("; PyTorch %s (the pipelining script's reference) %s s, CPU %s s, threads (intra,inter-op) %s",
-                  c.pipelining_torch.c_str(), spread(pipelining_single).c_str(), use.first.c_str(),
-                  use.second.c_str());
+                  c.pipelining_torch.c_str(), spread(pipelining_single).c_str(), use.first.c_str(), use.second.c_str());
     }
     if (!other.label.empty())
       std::printf("; libtorch %s (corpc's, its own run) %.2f s", other.label.c_str(), other.single);

@@ -37,6 +37,9 @@
 // replacement's first commit. Numbers only, no thresholds. The ranks log errors only (CORPC_LOG=error unless set).
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
+#include <corpc/corpc.hpp>
+#include <corpc/ddp/fault_tolerant.hpp>
+#include <corpc/ddp/pipeline_replicas.hpp>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -56,10 +59,6 @@
 #include <thread>
 #include <utility>
 #include <vector>
-
-#include <corpc/corpc.hpp>
-#include <corpc/ddp/fault_tolerant.hpp>
-#include <corpc/ddp/pipeline_replicas.hpp>
 
 #include "bench_util.hpp"
 #include "ft_events.hpp"
@@ -305,9 +304,11 @@ void run_rank(const Config& c, const std::string& mode, const std::string& dir, 
   log("done", pp.committed_steps() + offset);
   if (c.verbose && phase_steps > 0) {
     const double n = static_cast<double>(phase_steps);
-    std::fprintf(stderr, "# %s worker %d, per steady step (%lld): step() %.2f ms = actions %.2f + averaging after them "
-                 "%.2f + the rest %.2f\n", mode.c_str(), rank, static_cast<long long>(phase_steps), phase_wall / n,
-                 phase_actions / n, phase_tail / n, (phase_wall - phase_actions - phase_tail) / n);
+    std::fprintf(stderr,
+                 "# %s worker %d, per steady step (%lld): step() %.2f ms = actions %.2f + averaging after them "
+                 "%.2f + the rest %.2f\n",
+                 mode.c_str(), rank, static_cast<long long>(phase_steps), phase_wall / n, phase_actions / n,
+                 phase_tail / n, (phase_wall - phase_actions - phase_tail) / n);
   }
   corpc::shutdown();
 }

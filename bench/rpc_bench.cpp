@@ -18,21 +18,21 @@
 // Ratio = corpc time per call / raw time per call (for async64: raw calls/s / corpc calls/s); > 1: corpc is slower.
 // The async cases also report the CPU time both processes spent per call, over all their threads (each process's
 // CPU clock), and the kernel's share of it: what bounds calls/s on a machine whose cores are all busy.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <asio.hpp>
+#include <fmt/core.h>
+#include <limits.h>
 #include <pthread.h>
 #include <sched.h>
 #include <time.h>
-#include <unistd.h>
-
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/version.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
-#include <asio.hpp>
 #include <atomic>
 #include <chrono>
-#include <limits>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -40,7 +40,7 @@
 #include <deque>
 #include <fstream>
 #include <iostream>
-#include <limits.h>
+#include <limits>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -49,13 +49,12 @@
 #include <thread>
 #include <vector>
 
-#include <fmt/core.h>
-
-#include "../tools/tls_certs.hpp"
-#include "bench_util.hpp"
 #include "corpc/corpc.hpp"
 #include "corpc/rref/rref.hpp"
+
 #include "../src/transport/shm_channel.hpp"
+#include "../tools/tls_certs.hpp"
+#include "bench_util.hpp"
 
 using asio::ip::tcp;
 using Clock = std::chrono::steady_clock;

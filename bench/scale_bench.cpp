@@ -30,6 +30,8 @@
 // the phases after set-up, where every rank holds 2(N-1) connections.
 // --phase-times prints when each phase began (CLOCK_MONOTONIC seconds) on stderr, to cut a profile by phase.
 // Ranks are forked, so libtorch's pages are shared between them; a spawned rank would load its own.
+#include <dirent.h>
+#include <fmt/core.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -40,16 +42,14 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <dirent.h>
 #include <fstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
-#include <fmt/core.h>
+#include "corpc/corpc.hpp"
 
 #include "bench_util.hpp"
-#include "corpc/corpc.hpp"
 
 namespace {
 

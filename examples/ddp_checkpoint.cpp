@@ -3,11 +3,11 @@
 //
 //   ./build/examples/ddp_checkpoint                                            # 2 local ranks
 //   torchrun --no_python --standalone --nproc_per_node=2 -r 1 -t 1 ./build/examples/ddp_checkpoint
-#include <cstdio>
-#include <filesystem>
-
 #include <corpc/ddp/checkpoint.hpp>
 #include <corpc/ddp/ddp.hpp>
+
+#include <cstdio>
+#include <filesystem>
 
 #include "ddp_main.hpp"
 

@@ -12,6 +12,8 @@
 // back in the quorum. Batches depend only on (step, rank); every trainer starts from torch::manual_seed(0).
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
+#include <corpc/corpc.hpp>
+#include <corpc/ddp/fault_tolerant.hpp>
 
 #include <chrono>
 #include <csignal>
@@ -20,9 +22,6 @@
 #include <exception>
 #include <string>
 #include <thread>
-
-#include <corpc/corpc.hpp>
-#include <corpc/ddp/fault_tolerant.hpp>
 
 #include "../bench/bench_util.hpp"
 

@@ -2,12 +2,12 @@
 // is one rank; otherwise it launches `world` local ranks itself. Errors print and exit non-zero.
 #pragma once
 
+#include <corpc/rpc/launch.hpp>
+
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <functional>
-
-#include <corpc/rpc/launch.hpp>
 
 namespace corpc::examples {
 

@@ -10,10 +10,10 @@
 // Prints steps/s (synchronised steps of both trainers) and checks that both trainers end with the same dense layer.
 // --phases adds a table: each phase's mean µs per step and its share of the step, on each trainer (the phases:
 // systems::hybrid::kPhases), and the time of one allreduce of the dense gradients alone on the trainers' group.
+#include <torch/torch.h>
+
 #include <cstdio>
 #include <string>
-
-#include <torch/torch.h>
 
 #include "systems/common.hpp"
 #include "systems/hybrid.hpp"

@@ -5,12 +5,12 @@
 //   srun -n 4 ./build/examples/ddp_train                         # (torchrun, corpcrun, srun, mpirun: launching.md)
 //
 // At the end every rank checks that its parameters equal rank 0's bit for bit, and rank 0 prints the loss.
+#include <corpc/ddp/ddp.hpp>
+#include <corpc/rpc/launch.hpp>
+
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
-
-#include <corpc/ddp/ddp.hpp>
-#include <corpc/rpc/launch.hpp>
 
 namespace {
 

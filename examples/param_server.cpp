@@ -8,12 +8,13 @@
 // --mode async: the server applies each gradient as it arrives. --mode batch: one update per round of all trainers'
 // gradients, every trainer's call completing when the round is full. Prints steps/s (all trainers together, after
 // --warmup steps each) and the trained model's accuracy on held-out data.
+#include "systems/param_server.hpp"
+
 #include <chrono>
 #include <cstdio>
 #include <string>
 
 #include "systems/common.hpp"
-#include "systems/param_server.hpp"
 
 using namespace systems::ps;
 

@@ -17,6 +17,10 @@
 // until every replica is back. Batches depend only on (step, replica); the model only on --seed.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
+#include <corpc/corpc.hpp>
+#include <corpc/ddp/fault_tolerant.hpp>
+#include <corpc/ddp/pipeline_replicas.hpp>
+#include <corpc/pipeline/schedule.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -30,11 +34,6 @@
 #include <thread>
 #include <utility>
 #include <vector>
-
-#include <corpc/corpc.hpp>
-#include <corpc/ddp/fault_tolerant.hpp>
-#include <corpc/ddp/pipeline_replicas.hpp>
-#include <corpc/pipeline/schedule.hpp>
 
 #include "../bench/bench_util.hpp"
 

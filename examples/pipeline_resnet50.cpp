@@ -13,11 +13,12 @@
 #include <chrono>
 #include <cstdio>
 
-#include "../bench/bench_util.hpp"
-#include "corpc/corpc.hpp"
 #include "corpc/autograd/dist_autograd.hpp"
 #include "corpc/autograd/optimizer.hpp"
+#include "corpc/corpc.hpp"
 #include "corpc/rref/rref.hpp"
+
+#include "../bench/bench_util.hpp"
 #include "resnet/resnet_shards.hpp"
 
 using namespace corpc;

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Sets up, builds and runs the test suite on the three libtorch lines users have — Debian 12's libtorch 1.13 (g++ 12)
 # on this machine, Debian testing's libtorch 2.14 (g++ 16) and Debian 13's libtorch 2.6 (g++ 14) in roots that
-# scripts/root.sh makes or reuses — then a bounded fuzzing run (scripts/fuzz.sh), then the runtime's tests under
-# AddressSanitizer + UBSan and under ThreadSanitizer (scripts/sanitize.sh). Each part prints
+# scripts/root.sh makes or reuses — then the layout check (scripts/format.sh), a bounded fuzzing run (scripts/fuzz.sh),
+# then the runtime's tests under AddressSanitizer + UBSan and under ThreadSanitizer (scripts/sanitize.sh). Each part prints
 # "NAME: N passed, N failed[, N skipped]"; the last line adds them up: "N passed, N failed, N skipped".
 #   scripts/test.sh           everything (what CI runs)
 #   scripts/test.sh --quick   the plain suite on libtorch 1.13 only (no other line, fuzzing or sanitized builds)
@@ -46,7 +46,7 @@ if [[ "${1:-}" != "--quick" ]]; then
   parts+=("wait_roots"
           "scripts/root.sh run forky scripts/suite.sh libtorch-2.14 build-forky $unity -Dbenchmarks=disabled"
           'CORPC_SUITE_EXCLUDE=$trixie_exclude CORPC_SUITE_SKIP=$trixie_skip scripts/root.sh run trixie scripts/suite.sh libtorch-2.6 build-trixie $unity -Dbenchmarks=disabled'
-          scripts/fuzz.sh scripts/sanitize.sh)
+          scripts/format.sh scripts/fuzz.sh scripts/sanitize.sh)
 fi
 # The multi-process suites on a busy machine (issue 62): 2 rounds of flow, rpc, soak and systems on the 1.13 build
 # under a CPU hog with a second corpc job beside them (scripts/load_test.sh; docs/testing.md#load). Not in --quick.

@@ -2,6 +2,8 @@
 // write for the test process to read after the launch, and a model's state to compare bit for bit.
 #pragma once
 
+#include <torch/torch.h>
+
 #include <cstdint>
 #include <fstream>
 #include <iterator>
@@ -10,8 +12,6 @@
 #include <string>
 #include <type_traits>
 #include <vector>
-
-#include <torch/torch.h>
 
 namespace corpc::test {
 

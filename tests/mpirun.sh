@@ -56,4 +56,14 @@ status=$?
 [[ $status == 137 ]] || { cat "$work/out"; fail "a job with a killed rank: status $status, not 137"; }
 grep -q 'the job has been aborted' "$work/out" || { cat "$work/out"; fail "mpirun's report of the killed rank"; }
 no_leftovers "a killed rank"
+# A rank 0 that never comes up (it sleeps instead of starting corpc): the other ranks give up within their init
+# timeout (CORPC_INIT_TIMEOUT_MS, 3 s here), each naming rank 0's address and where it came from; mpirun then ends
+# the job (status 1, not timeout's 124) and leaves no process.
+CORPC_INIT_TIMEOUT_MS=3000 run_mpirun 3 -x CORPC_INIT_TIMEOUT_MS \
+  sh -c '[ "$OMPI_COMM_WORLD_RANK" = 0 ] && exec sleep 100; exec "$0"' "$hello" >"$work/out" 2>&1
+status=$?
+[[ $status != 0 && $status != 124 ]] || { cat "$work/out"; fail "a job whose rank 0 never came up: status $status"; }
+[[ $(grep -c 'could not reach rank 0 at 127.0.0.1:[0-9]* (MASTER_ADDR, MASTER_PORT) within the init timeout' "$work/out") == 2 ]] ||
+  { cat "$work/out"; fail "ranks 1 and 2 do not both say that rank 0 never came up, naming MASTER_ADDR"; }
+no_leftovers "a rank 0 that never came up"
 echo "mpirun test: passed"

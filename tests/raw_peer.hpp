@@ -3,22 +3,23 @@
 #pragma once
 
 #include <asio.hpp>
+
 #include <array>
 #include <chrono>
 #include <exception>
 #include <fstream>
 #include <functional>
+#include <map>
+#include <memory>
 #include <string>
 #include <utility>
 
+#include "corpc/rpc/worker_info.hpp"
+
 #include "../src/rpc/environment.hpp"
 #include "../src/transport/auth.hpp"
-#include "corpc/rpc/worker_info.hpp"
-#include "../src/transport/frames.hpp"
 #include "../src/transport/frame_seal.hpp"
-
-#include <map>
-#include <memory>
+#include "../src/transport/frames.hpp"
 
 namespace corpc {
 // The Hello a dialing worker sends first (src/rpc/rendezvous.cpp), for tests that impersonate one.
@@ -34,7 +35,9 @@ inline std::map<int, std::shared_ptr<detail::FrameSeal>>& raw_seals() {
   static std::map<int, std::shared_ptr<detail::FrameSeal>> seals;
   return seals;
 }
-inline void forget_seal(const asio::ip::tcp::socket& s) { raw_seals().erase(const_cast<asio::ip::tcp::socket&>(s).native_handle()); }
+inline void forget_seal(const asio::ip::tcp::socket& s) {
+  raw_seals().erase(const_cast<asio::ip::tcp::socket&>(s).native_handle());
+}
 inline bool is_sealed(asio::ip::tcp::socket& s) { return raw_seals().count(s.native_handle()) > 0; }
 
 // `bytes` (frames back to back; the last may be cut short) as `s` sends them: each whole frame followed by its tag

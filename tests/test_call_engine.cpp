@@ -11,9 +11,10 @@
 #include <string>
 #include <vector>
 
+#include "corpc/rpc/detail/call.hpp"
+
 #include "../src/rpc/call_engine.hpp"
 #include "../src/rpc/error_frames.hpp"
-#include "corpc/rpc/detail/call.hpp"
 #include "fake_connection.hpp"
 #include "support.hpp"  // last: puts doctest's CHECK back over glog's (torch headers above)
 

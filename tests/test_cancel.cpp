@@ -1,14 +1,14 @@
 // Cancellation and deadlines over real sockets: a cancelled call stops its callee (before it starts, mid-run, during
 // a large transfer), a deadline stops the work on every worker of a chain, and nothing stays counted afterwards.
-#include <doctest/doctest.h>
-
 #include <ATen/ATen.h>
+#include <doctest/doctest.h>
 
 #include <atomic>
 #include <thread>
 
 #include "corpc/autograd/dist_autograd.hpp"
 #include "corpc/rref/rref.hpp"
+
 #include "support.hpp"
 
 namespace test_cancel {  // this file's names, apart from the files it shares an executable with
@@ -215,8 +215,7 @@ TEST_CASE("cancelling during a large tensor transfer: the callee never runs the 
     // The dropped reference's delete is a call of this worker's own, in flight until the owner answers it.
     for (int i = 0; i < 1000 && in_flight() != 0; ++i) std::this_thread::sleep_for(10ms);
     EXPECT_EQ(in_flight(), 0u);
-    for (int i = 0; i < 1000 && dist_autograd::live_contexts(1).wait() != 0; ++i)
-      std::this_thread::sleep_for(10ms);
+    for (int i = 0; i < 1000 && dist_autograd::live_contexts(1).wait() != 0; ++i) std::this_thread::sleep_for(10ms);
     EXPECT_EQ(dist_autograd::live_contexts(1).wait(), 0u);
     EXPECT_EQ(dist_autograd::live_contexts(), 0u);
   });

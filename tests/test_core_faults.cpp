@@ -3,18 +3,17 @@
 // peers that hold the secret and claim a rank that is taken, or a rank they cannot prove (a live rank that has not
 // dialled yet, as itself or as its replacement; a dead rank's replacement at rank 0), strangers flooding a worker whose
 // stderr nobody reads, and a peer announcing a large frame and sending nothing.
-#include <doctest/doctest.h>
-
 #include <ATen/ATen.h>
+#include <asio.hpp>
+#include <doctest/doctest.h>
 #include <fcntl.h>
+#include <malloc.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <unistd.h>
 
-#include <asio.hpp>
-#include <malloc.h>
 #include <algorithm>
 #include <cstddef>
 #include <cstdio>
@@ -25,9 +24,10 @@
 #include <optional>
 #include <thread>
 
+#include "corpc/autograd/dist_autograd.hpp"
+
 #include "../src/rpc/hello.hpp"
 #include "../src/rpc/runtime_impl.hpp"
-#include "corpc/autograd/dist_autograd.hpp"
 #include "raw_peer.hpp"
 #include "support.hpp"
 
@@ -78,7 +78,6 @@ std::string whoami_via(int rank) { return rpc_sync<&whoami>(rank); }
 bool is_alive_here(int rank) { return Runtime::get().is_alive(rank); }
 std::string echo(std::string s) { return s; }
 
-
 // Reads exactly `len` bytes into `p` within 20 s; false on a close, an error or the limit.
 bool read_within(asio::io_context& io, asio::ip::tcp::socket& s, void* p, std::size_t len) {
   bool finished = false;
@@ -96,13 +95,12 @@ std::optional<corpc::detail::FrameHeader> next_frame(asio::io_context& io, asio:
   corpc::detail::FrameHeader h;
   if (!read_within(io, s, &h, sizeof h)) return std::nullopt;
   // A sealed connection's frames are followed by their tag (src/transport/frame_seal.hpp): read and dropped here.
-  std::string payload(std::size_t{h.meta_len} + h.body_len + h.tensor_bytes +
-                          (is_sealed(s) ? corpc::detail::FrameSeal::kTagBytes : 0),
-                      '\0');
+  std::string payload(
+      std::size_t{h.meta_len} + h.body_len + h.tensor_bytes + (is_sealed(s) ? corpc::detail::FrameSeal::kTagBytes : 0),
+      '\0');
   if (!read_within(io, s, payload.data(), payload.size())) return std::nullopt;
   return h;
 }
-
 
 std::string serialized(const corpc::detail::FrameHeader& h, const std::string& body = {}) {
   return std::string(reinterpret_cast<const char*>(&h), sizeof h) + body;
@@ -408,7 +406,8 @@ TEST_CASE("a second connection claiming a connected rank is refused; the real ra
         unknown.function = 0x5eed;
         corpc::detail::FrameHeader goodbye;
         goodbye.kind = corpc::detail::FrameKind::Goodbye;
-        asio::write(s, asio::buffer(sealed(s, claim(get_worker_info(2), 3, serialized(unknown) + serialized(goodbye)))));
+        asio::write(s,
+                    asio::buffer(sealed(s, claim(get_worker_info(2), 3, serialized(unknown) + serialized(goodbye)))));
         expect_claim_refused(io, s);
         s.close();
         EXPECT(rpc_sync<&is_alive_here>(1, 2));                  // worker1 still counts the real worker2 alive ...
@@ -515,8 +514,8 @@ TEST_CASE("replies forged on a claimed rank's behalf close only the claimant; th
 // Rank 0 runs `flood` against rank 1, whose stderr nobody reads. Rank 1 must still answer, and its log hold at most
 // RefusalLog::kInFull (src/core/refusal_log.hpp) lines containing `refusal` and a summary containing `summary`;
 // `then` runs last on rank 0. Both ranks then shut down gracefully.
-void expect_flood_summarised(const std::function<void()>& flood, const std::string& refusal,
-                             const std::string& summary, const std::function<void()>& then = {}) {
+void expect_flood_summarised(const std::function<void()>& flood, const std::string& refusal, const std::string& summary,
+                             const std::function<void()>& then = {}) {
   launch_processes(
       2,
       [&](int rank) {
@@ -547,13 +546,13 @@ TEST_CASE("strangers flooding a worker whose stderr nobody reads: it answers, su
 
 TEST_CASE("strangers flooding a worker's same-host channel socket: a few lines and a summary, and it still answers") {
   constexpr int kStrangers = 1000;
-  expect_flood_summarised(
-      [] { EXPECT(flood_unix_socket(rpc_sync<&shm_socket_here>(1), kStrangers) > kStrangers / 2); },
-      "refused a set-up", "more set-ups refused on its Unix socket", [] {
-        // The job's own channel is untouched: a large tensor still goes through it both ways.
-        const at::Tensor big = at::arange(1 << 20, at::kFloat);
-        EXPECT(at::equal(rpc_sync<&echo_tensor>(1, big), big));
-      });
+  expect_flood_summarised([] { EXPECT(flood_unix_socket(rpc_sync<&shm_socket_here>(1), kStrangers) > kStrangers / 2); },
+                          "refused a set-up", "more set-ups refused on its Unix socket",
+                          [] {
+                            // The job's own channel is untouched: a large tensor still goes through it both ways.
+                            const at::Tensor big = at::arange(1 << 20, at::kFloat);
+                            EXPECT(at::equal(rpc_sync<&echo_tensor>(1, big), big));
+                          });
 }
 
 TEST_CASE("a peer announcing a large frame and sending nothing commits no memory on the receiver") {

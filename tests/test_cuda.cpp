@@ -8,9 +8,8 @@
 // is skipped without them, so on CI machines this binary only reports skipped cases.
 //
 // Whether they are there is asked in a forked child (tests/gpu_probe.hpp): this process never touches CUDA itself.
-#include <doctest/doctest.h>
-
 #include <ATen/ATen.h>
+#include <doctest/doctest.h>
 #include <torch/autograd.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/linear.h>
@@ -18,11 +17,12 @@
 
 #include <cstdio>
 
-#include "../src/memory/cuda_transfer.hpp"
 #include "corpc/autograd/dist_autograd.hpp"
 #include "corpc/autograd/optimizer.hpp"
 #include "corpc/rref/remote_module.hpp"
 #include "corpc/rref/rref.hpp"
+
+#include "../src/memory/cuda_transfer.hpp"
 #include "gpu_probe.hpp"
 #include "leak_checks.hpp"
 #include "support.hpp"

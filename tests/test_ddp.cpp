@@ -6,8 +6,13 @@
 // ulps per step (~1e-7 relative). After a few SGD steps on O(1) values, 1e-5 absolute + 1e-5 relative is loose
 // enough for reordering and tight enough that any missing, doubled or stale gradient (errors of order lr * grad,
 // ~1e-2) fails. The fp16 hook rounds each gradient to 11 significant bits (~5e-4 relative): 5e-3 there.
+#include <corpc/autograd/dist_autograd.hpp>
+#include <corpc/autograd/optimizer.hpp>
+#include <corpc/ddp/checkpoint.hpp>
+#include <corpc/ddp/ddp.hpp>
+#include <corpc/ddp/elastic.hpp>
+#include <corpc/ddp/rpc_store.hpp>
 #include <doctest/doctest.h>
-
 #include <unistd.h>
 
 #include <cstdio>
@@ -15,13 +20,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <corpc/ddp/checkpoint.hpp>
-#include <corpc/ddp/ddp.hpp>
-#include <corpc/ddp/elastic.hpp>
-#include <corpc/ddp/rpc_store.hpp>
-#include <corpc/autograd/dist_autograd.hpp>
-#include <corpc/autograd/optimizer.hpp>
 
 #include "support.hpp"
 
@@ -665,8 +663,8 @@ std::string under_torchrun(const std::string& command) {
 
 // Whether torchrun is installed (Debian's python3-torch): where it is, the command above starts ranks on every line.
 // Decided once, before the cases are registered, so that its cases are reported as skipped rather than passed.
-const bool g_no_torchrun = !corpc::test::run_is_for("test_ddp.cpp") ||
-                           std::system("command -v torchrun >/dev/null 2>&1") != 0;
+const bool g_no_torchrun =
+    !corpc::test::run_is_for("test_ddp.cpp") || std::system("command -v torchrun >/dev/null 2>&1") != 0;
 }  // namespace
 
 #ifdef CORPC_DDP_EXAMPLE

@@ -5,9 +5,8 @@
 // CUDA device (all Debian's CPU libtorch can make), which reaches every check that happens before a copy; the copies
 // themselves need a GPU (the last test cases, skipped without one). CUDA IPC's decisions, wire format and bookkeeping
 // are tested here too; its copies need a GPU and a CUDA build of libtorch.
-#include <doctest/doctest.h>
-
 #include <ATen/ATen.h>
+#include <doctest/doctest.h>
 
 #include <cstdlib>
 #include <optional>
@@ -15,15 +14,16 @@
 #include <utility>
 #include <vector>
 
+#include "corpc/autograd/dist_autograd.hpp"
+#include "corpc/rref/rref.hpp"
+
 #include "../src/memory/cuda_ipc.hpp"
 #include "../src/memory/cuda_transfer.hpp"
-#include "../src/wire/device_map.hpp"
 #include "../src/memory/device_transfer.hpp"
 #include "../src/rpc/environment.hpp"
 #include "../src/rpc/hello.hpp"
+#include "../src/wire/device_map.hpp"
 #include "../src/wire/tensor_meta.hpp"
-#include "corpc/autograd/dist_autograd.hpp"
-#include "corpc/rref/rref.hpp"
 #include "gpu_probe.hpp"
 #include "raw_peer.hpp"
 #include "support.hpp"
@@ -792,10 +792,24 @@ TEST_CASE("launcher variables: Slurm's node list and job id give rank 0's addres
   DOCTEST_CHECK(cd::first_slurm_host("a-b,c[1-2]") == "a-b");
   DOCTEST_CHECK_THROWS_AS(cd::first_slurm_host("node[1-2"), UsageError);
 
-  const char* const vars[] = {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
-                              "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_JOB_ID",
-                              "SLURM_JOBID", "SLURM_STEP_ID", "SLURM_STEPID", "SLURM_STEP_RESV_PORTS",
-                              "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE"};
+  const char* const vars[] = {"RANK",
+                              "WORLD_SIZE",
+                              "MASTER_ADDR",
+                              "MASTER_PORT",
+                              "SLURM_PROCID",
+                              "SLURM_NTASKS",
+                              "SLURM_STEP_NODELIST",
+                              "SLURM_JOB_NODELIST",
+                              "SLURM_NODELIST",
+                              "SLURM_JOB_ID",
+                              "SLURM_JOBID",
+                              "SLURM_STEP_ID",
+                              "SLURM_STEPID",
+                              "SLURM_STEP_RESV_PORTS",
+                              "OMPI_COMM_WORLD_RANK",
+                              "OMPI_COMM_WORLD_SIZE",
+                              "PMI_RANK",
+                              "PMI_SIZE"};
   struct Saved {
     std::vector<std::pair<std::string, std::optional<std::string>>> values;
     ~Saved() {

@@ -1,16 +1,17 @@
 // Distributed autograd and DistributedOptimizer against the same computation in one process.
 #include <doctest/doctest.h>
-
-#include <mutex>
 #include <torch/autograd.h>
+#include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
-#include <torch/nn/functional/loss.h>
+
+#include <mutex>
 
 #include "corpc/autograd/dist_autograd.hpp"
 #include "corpc/autograd/optimizer.hpp"
 #include "corpc/rref/remote_module.hpp"
+
 #include "leak_checks.hpp"
 #include "support.hpp"
 

@@ -3,23 +3,21 @@
 // deterministic by stopping the worker first, starting the phase (its messages are then surely in flight to a frozen
 // peer), then killing it. (Covered elsewhere: SIGKILL mid-call, test_rpc; of an RRef owner while its value is being
 // made, test_rref; SIGKILL and SIGSTOP during a pipeline step, test_pipeline; of the master, test_rpc.)
+#include <ATen/ATen.h>
 #include <doctest/doctest.h>
-
 #include <signal.h>
 #include <sys/wait.h>
+#include <torch/optim/sgd.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <fstream>
 #include <thread>
 
-#include <ATen/ATen.h>
-
 #include "corpc/autograd/dist_autograd.hpp"
-#include <torch/optim/sgd.h>
-
 #include "corpc/autograd/optimizer.hpp"
 #include "corpc/rref/rref.hpp"
+
 #include "leak_checks.hpp"
 #include "stop_process.hpp"
 #include "support.hpp"
@@ -231,9 +229,7 @@ TEST_CASE("with RpcOptions::replacement_wait a call to a dead rank waits for its
           ::raise(SIGKILL);
         }
         if (rank == 1) {
-          until([] {
-            return ::access(held_flag().c_str(), F_OK) == 0 && ::access(rejoin_flag(0).c_str(), F_OK) == 0;
-          });
+          until([] { return ::access(held_flag().c_str(), F_OK) == 0 && ::access(rejoin_flag(0).c_str(), F_OK) == 0; });
           ::unlink(held_flag().c_str());
           ::unlink(rejoin_flag(0).c_str());
           init_rpc(worker_name(1), 1, 3, o);
@@ -257,8 +253,9 @@ TEST_CASE("with RpcOptions::replacement_wait a call to a dead rank waits for its
       restart_once);
 }
 
-TEST_CASE("with RpcOptions::replacement_wait a rank that never comes back: TimeoutError at a nearer deadline, "
-          "ConnectionError past the wait") {
+TEST_CASE(
+    "with RpcOptions::replacement_wait a rank that never comes back: TimeoutError at a nearer deadline, "
+    "ConnectionError past the wait") {
   RpcOptions o = quick_options();
   o.replacement_wait = 1s;
   expect_only_rank_lost(2, "signal", [&] {
@@ -270,8 +267,9 @@ TEST_CASE("with RpcOptions::replacement_wait a rank that never comes back: Timeo
           until([] { return !sees_alive(2); });
           auto what = EXPECT_THROWS_AS(rpc_async<&add>(2, with_timeout(100ms), 1, 2).wait(20s), TimeoutError);
           EXPECT_CONTAINS(what, "call to '");
-          EXPECT_CONTAINS(what, "timed out after 100 ms, waiting for a new incarnation of the rank: worker 'worker2' "
-                                "(rank 2) is gone");
+          EXPECT_CONTAINS(what,
+                          "timed out after 100 ms, waiting for a new incarnation of the rank: worker 'worker2' "
+                          "(rank 2) is gone");
           what = EXPECT_THROWS_AS(rpc_async<&add>(2, 1, 2).wait(20s), ConnectionError);
           EXPECT_CONTAINS(what, "worker 'worker2' (rank 2) is gone: ");
           EXPECT_CONTAINS(what, "no new incarnation took its place within RpcOptions::replacement_wait (1000 ms)");

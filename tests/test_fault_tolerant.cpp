@@ -5,8 +5,8 @@
 // optimizer state must be bit for bit those of the others, and equal (rtol 1e-5) to one process that replays the
 // logged steps: each step's gradient the mean over the batches of the members that took part.
 #include <doctest/doctest.h>
-
 #include <signal.h>
+#include <torch/torch.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -16,11 +16,10 @@
 #include <sstream>
 #include <thread>
 
-#include <torch/torch.h>
-
 #include "corpc/ddp/fault_tolerant.hpp"
 #include "corpc/rpc/call.hpp"
 #include "corpc/rpc/runtime.hpp"
+
 #include "ft_support.hpp"
 #include "support.hpp"
 

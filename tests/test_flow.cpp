@@ -1,8 +1,7 @@
 // Flow control and liveness: a slow consumer's memory stays within its receive budget while a producer
 // floods it, oversized requests fail typed, calls to one peer wait for room, and a silent peer is declared gone.
-#include <doctest/doctest.h>
-
 #include <ATen/ATen.h>
+#include <doctest/doctest.h>
 #include <unistd.h>
 
 #include <csignal>

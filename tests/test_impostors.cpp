@@ -2,24 +2,23 @@
 // relay without it that passes the handshake on to the real replacement) must get no request answered as that rank,
 // no reply accepted, and no Hello of ours to replay elsewhere; and a peer that never met the rank's replacement must
 // reach it, not the address of its dead predecessor.
+#include <asio.hpp>
 #include <doctest/doctest.h>
-
 #include <signal.h>
 #include <unistd.h>
 
-#include <asio.hpp>
 #include <atomic>
 #include <chrono>
 #include <cstring>
 #include <fstream>
 #include <functional>
 #include <future>
+#include <memory>
 #include <optional>
 #include <sstream>
-#include <vector>
-#include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "../src/rpc/hello.hpp"
 #include "../src/rpc/runtime_impl.hpp"
@@ -131,9 +130,7 @@ class Squatter {
       accept_unix();
     });
   }
-  void serve(asio::ip::tcp::socket s) {
-    asio::co_spawn(io_, session(cd::Transport(std::move(s))), asio::detached);
-  }
+  void serve(asio::ip::tcp::socket s) { asio::co_spawn(io_, session(cd::Transport(std::move(s))), asio::detached); }
   asio::awaitable<void> session(cd::Transport t) {
     try {
       const cd::AuthConfig config{secret_, 10s, nullptr};
@@ -210,7 +207,8 @@ class Squatter {
 
 }  // namespace
 
-TEST_CASE("a process with the secret at a dead rank's address answers nothing as that rank; the replacement is reached") {
+TEST_CASE(
+    "a process with the secret at a dead rank's address answers nothing as that rank; the replacement is reached") {
   // worker1 is SIGKILLed before worker2 ever dialled it; a process holding the secret (here a thread of worker2's)
   // takes its TCP port and Unix socket. worker2's calls to worker1 used to go to it and take its forged replies, and
   // the signed Hello worker2 sent it could be replayed to worker1's replacement, which took it as worker2's. Now the
@@ -424,7 +422,8 @@ TEST_CASE("the same-host channel is taken only with its connection's claim, not 
                        [&](const std::string& c) { return cd::channel_claim(secret, transcript, c); });
     auto present = [&](const std::string& claim) {
       std::promise<std::string> failure;
-      auto dial = cd::dial_shm_channel(listener.name(), claim, 1 << 20, [](std::shared_ptr<cd::ShmChannel>) {}, 10s);
+      auto dial = cd::dial_shm_channel(
+          listener.name(), claim, 1 << 20, [](std::shared_ptr<cd::ShmChannel>) {}, 10s);
       asio::co_spawn(io, std::move(dial),
                      [&](std::exception_ptr e, std::string why) { failure.set_value(e ? "it threw" : why); });
       return failure.get_future().get();

@@ -1,14 +1,12 @@
 // How ranks start and how they end: launch_processes' start methods (spawn runs this binary again, so every case
 // here also runs, replayed, in the ranks of the cases after it), a launcher's RANK, and ranks that leave without
 // shutdown() or after an error. Each exit path must end without a signal, and no rank of a failed job may exit 0.
-#include <doctest/doctest.h>
-
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/csrc/autograd/autograd.h>
-
+#include <doctest/doctest.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <unistd.h>
 
 #include <array>
@@ -368,7 +366,7 @@ TEST_CASE("under a launcher (RANK and WORLD_SIZE set) launch_processes runs this
   ::setenv("RANK", "1", 1);
   ::setenv("WORLD_SIZE", "2", 1);
   if (!launched_rank()) {
-    CHECK(launching_before);       // the test program, started by nobody: it launches ...
+    CHECK(launching_before);      // the test program, started by nobody: it launches ...
     CHECK(!launching_process());  // ... until a launcher's variables say it is one of the ranks
   }
   const pid_t here = ::getpid();

@@ -2,8 +2,8 @@
 // through veth pairs on a bridge (in a namespace of its own), so connections really cross interfaces and a link can be
 // cut. Needs root and iproute2 (CI runs as root); elsewhere each case says why it is skipped. Addresses are private to
 // the namespaces this test creates (10.213.x.0/24) and disappear with them.
+#include <ATen/ATen.h>
 #include <doctest/doctest.h>
-
 #include <fcntl.h>
 #include <sched.h>
 #include <unistd.h>
@@ -12,10 +12,9 @@
 #include <string>
 #include <thread>
 
-#include <ATen/ATen.h>
-
 #include "corpc/autograd/dist_autograd.hpp"
 #include "corpc/rref/rref.hpp"
+
 #include "leak_checks.hpp"
 #include "support.hpp"
 

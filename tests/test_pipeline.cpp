@@ -1,18 +1,17 @@
 // Pipeline schedules against the unsplit model in one process; memory of 1F1B against GPipe; balancing; a dead stage.
 #include <doctest/doctest.h>
-
 #include <signal.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/sgd.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <map>
 #include <utility>
 
-#include <torch/nn/functional/loss.h>
-#include <torch/optim/sgd.h>
-
 #include "corpc/pipeline/pipeline.hpp"
 #include "corpc/pipeline/schedule_csv.hpp"
+
 #include "resnet_shards.hpp"
 #include "stop_process.hpp"
 #include "support.hpp"
@@ -76,8 +75,8 @@ PipelineOptions layout(Schedule schedule, int stages, int micro_batches, std::ve
   const int workers = stages / min_stages_per_worker(schedule);
   for (int w = 1; w <= workers; ++w) o.workers.push_back("worker" + std::to_string(w) + "/cpu");
   o.balance = !balance.empty() ? std::move(balance)
-              : stages == 2  ? std::vector<int>{5, 6}
-                             : std::vector<int>{3, 3, 3, 2};
+              : stages == 2    ? std::vector<int>{5, 6}
+                               : std::vector<int>{3, 3, 3, 2};
   return o;
 }
 
@@ -180,8 +179,8 @@ TEST_CASE(
                   false);  // BatchNorm in eval mode: micro-batches then compute exactly what the whole batch does
               auto result = sync_wait(pipe.train_step(x, y));
               auto params = pipe.parameters();
-              INFO(to_string(schedule) << ", " << stages << " stages, " << micro << " micro-batches, cut "
-                                       << cut[0] << "," << cut[1] << (stages == 4 ? ",..." : ""));
+              INFO(to_string(schedule) << ", " << stages << " stages, " << micro << " micro-batches, cut " << cut[0]
+                                       << "," << cut[1] << (stages == 4 ? ",..." : ""));
               EXPECT(close(result.loss, ref_loss));
               expect_same_parameters(params, ref_params);
               auto plan = pipe.plan(micro);

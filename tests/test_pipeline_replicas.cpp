@@ -4,8 +4,8 @@
 // committed once with one list of replicas, every replica's stages bit for bit alike at the end, and equal to one
 // process replaying the logged steps (each step's loss the mean over the replicas that took part).
 #include <doctest/doctest.h>
-
 #include <signal.h>
+#include <torch/torch.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -14,13 +14,12 @@
 #include <sstream>
 #include <thread>
 
-#include <torch/torch.h>
-
 #include "corpc/ddp/pipeline_replicas.hpp"
 #include "corpc/rpc/call.hpp"
 #include "corpc/rpc/runtime.hpp"
-#include "stop_process.hpp"
+
 #include "ft_support.hpp"
+#include "stop_process.hpp"
 #include "support.hpp"
 
 namespace test_pipeline_replicas {  // this file's names, apart from the files it shares an executable with

@@ -2,13 +2,12 @@
 // RemoteModule built from options and shared with other workers, timeouts on proxies, literal strings and torch's
 // small value types as arguments, and an object that hands out references to itself.
 #include <doctest/doctest.h>
-
 #include <torch/nn/modules/embedding.h>
 
 #include "corpc/rref/remote_module.hpp"
+
 #include "leak_checks.hpp"
 #include "support.hpp"
-
 
 // ---- a parameter type without a default constructor ------------------------------------------------------------------
 namespace {

@@ -9,8 +9,9 @@
 #include <string>
 #include <vector>
 
-#include "../src/ddp/quorum_rounds.hpp"
 #include "corpc/rpc/errors.hpp"
+
+#include "../src/ddp/quorum_rounds.hpp"
 #include "support.hpp"  // last: puts doctest's CHECK back over glog's (torch headers above)
 
 namespace test_quorum_rounds {  // this file's names, apart from the files it shares an executable with

@@ -12,11 +12,12 @@
 #include <string>
 #include <vector>
 
+#include "corpc/rpc/detail/call.hpp"
+
 #include "../src/rpc/call_engine.hpp"
 #include "../src/rpc/error_frames.hpp"
 #include "../src/rpc/rendezvous_state.hpp"
 #include "../src/rpc/request_server.hpp"
-#include "corpc/rpc/detail/call.hpp"
 #include "fake_connection.hpp"
 #include "support.hpp"  // last: puts doctest's CHECK back over glog's (torch headers above)
 

@@ -1,7 +1,7 @@
 // RPC over real sockets: every test forks real worker processes that talk over 127.0.0.1.
-#include <doctest/doctest.h>
-
 #include <ATen/ATen.h>
+#include <asio.hpp>
+#include <doctest/doctest.h>
 #include <pthread.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -9,7 +9,6 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include <asio.hpp>
 #include <algorithm>
 #include <cerrno>
 #include <cstddef>
@@ -782,7 +781,11 @@ TEST_CASE("under AddressSanitizer a rank that leaks fails with LeakSanitizer's r
   // This suite runs with CORPC_RANK_LEAK_CHECK=1 (tests/meson.build): every rank's leaks are checked as it exits.
   try {
     launch_processes(
-        2, [](int rank) { if (rank == 1) leak_some_memory(); }, launch_options(60s));
+        2,
+        [](int rank) {
+          if (rank == 1) leak_some_memory();
+        },
+        launch_options(60s));
     FAIL("the leaking rank was expected to fail");
   } catch (const LaunchError& e) {
     INFO(e.what());

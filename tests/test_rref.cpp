@@ -1,16 +1,16 @@
 // Remote references over real sockets: creation, the fork scenarios, deletion, failures, serialized objects.
-#include <doctest/doctest.h>
-
 #include <ATen/ATen.h>
+#include <doctest/doctest.h>
 #include <signal.h>
+#include <torch/nn/modules/linear.h>
 
 #include <thread>
 
+#include "corpc/rref/remote_module.hpp"
 #include "corpc/rref/rref.hpp"
+
 #include "leak_checks.hpp"
 #include "support.hpp"
-#include <torch/nn/modules/linear.h>
-#include "corpc/rref/remote_module.hpp"
 
 namespace test_rref {  // this file's names, apart from the files it shares an executable with
 

@@ -81,8 +81,8 @@ TEST_CASE("for every schedule the chosen cut's simulated step is no longer than 
         const double theirs = simulated_step_seconds(s, workers, v, micro, layers, partition);
         CHECK(chosen.partition_seconds == doctest::Approx(theirs));
         CHECK(chosen.simulated_seconds <= theirs + 1e-12);
-        CHECK(chosen.simulated_seconds == doctest::Approx(simulated_step_seconds(s, workers, v, micro, layers,
-                                                                                 chosen.balance)));
+        CHECK(chosen.simulated_seconds ==
+              doctest::Approx(simulated_step_seconds(s, workers, v, micro, layers, chosen.balance)));
         CHECK(chosen.exhaustive == (workers * v <= 4));  // C(22, 3) = 1540 cuts; C(22, 7) is past the bound
         int sum = 0;
         for (int b : chosen.balance) {

@@ -1,11 +1,10 @@
 // The same-host channel: between two workers on one host, large tensor data goes through a shared ring.
 // Every check runs on the channel and on TCP (the option off), compares element for element, and asserts through
 // the process's counters which path each message took, so that a silent fall-back to TCP fails the test.
-#include <doctest/doctest.h>
-
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <dirent.h>
+#include <doctest/doctest.h>
 #include <sys/mman.h>
 #include <unistd.h>
 

@@ -3,14 +3,12 @@
 // growing, and at the end no reference and no context is left anywhere.
 //   meson test -C build soak                                                   ~20 s (CI)
 //   CORPC_SOAK_SECONDS=600 build/tests/test_channels -sf='*/test_soak.cpp'    the long run (docs/testing.md)
+#include <ATen/ATen.h>
 #include <doctest/doctest.h>
-
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
-
-#include <ATen/ATen.h>
 
 #if defined(__SANITIZE_THREAD__)
 #include <sanitizer/common_interface_defs.h>
@@ -18,6 +16,7 @@
 
 #include "corpc/autograd/dist_autograd.hpp"
 #include "corpc/rref/rref.hpp"
+
 #include "leak_checks.hpp"
 #include "support.hpp"
 

@@ -1,7 +1,6 @@
 // The tutorials' training systems (examples/systems/) end to end: real processes, results against one process.
-#include <doctest/doctest.h>
-
 #include <ATen/ATen.h>
+#include <doctest/doctest.h>
 
 #include <sstream>
 
@@ -78,7 +77,7 @@ TEST_CASE("batch-updating parameter server: one update per round, parameters equ
             << " elements (tolerance " << kAtol << "), its largest value " << want[i].abs().max().item<double>();
         throw std::runtime_error(why.str());
       }
-      EXPECT(!at::equal(got.params[0], ps::init_parameters(kSeed)[0]));  // it did train
+      EXPECT(!at::equal(got.params[0], ps::init_parameters(kSeed)[0]));     // it did train
       auto dropped = ps::reference_batch_updating(1, kRounds, kSeed, kLr);  // trainer 1's gradients lost
       EXPECT((dropped[0] - want[0]).abs().max().item<double>() > 100 * kAtol);
     }

@@ -1,13 +1,12 @@
 // TLS on every connection (RpcOptions::tls / CORPC_TLS_*): jobs over TLS, peers that must be refused, and what an
 // observer on the wire sees. Certificates are made fresh for each test (tools/tls_certs.hpp).
-#include <doctest/doctest.h>
-
 #include <ATen/ATen.h>
+#include <asio.hpp>
+#include <asio/experimental/awaitable_operators.hpp>
+#include <doctest/doctest.h>
 #include <stdlib.h>
 #include <unistd.h>
 
-#include <asio.hpp>
-#include <asio/experimental/awaitable_operators.hpp>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -16,10 +15,11 @@
 #include <thread>
 
 #include "corpc/rref/rref.hpp"
+
+#include "../tools/tls_certs.hpp"
 #include "raw_peer.hpp"
 #include "stopped_worker.hpp"
 #include "support.hpp"
-#include "../tools/tls_certs.hpp"
 
 namespace test_tls {  // this file's names, apart from the files it shares an executable with
 
@@ -267,7 +267,7 @@ TEST_CASE("over TLS a stopped worker misses its deadlines, then is declared unre
   ThrowawayPki pki;
   auto options = tls_options(pki.issue("worker"));
   options.liveness_timeout = 1s * time_scale();  // short for the test (the default is 15 s); stretched when sanitized
-  options.rpc_timeout = 60s;      // longer than the test allows: only a deadline or the liveness check ends a call
+  options.rpc_timeout = 60s;  // longer than the test allows: only a deadline or the liveness check ends a call
   expect_stopped_worker2_declared_unreachable(options, [] {
     // A call with its own deadline ends at it, naming the worker, before the liveness check fails the rest.
     auto late = EXPECT_THROWS_AS(rpc_async<&add>(2, with_timeout(300ms), 1, 2).wait(20s), TimeoutError);

@@ -1,8 +1,7 @@
 // Job traces (corpc/core/trace.hpp): a real 3-worker run with tracing on leaves one merged Chrome trace that parses as
 // JSON, has a track per worker, the events of what was done, and a matching end for every flow start.
-#include <doctest/doctest.h>  // its macros spelled DOCTEST_*: torch's headers bring glog's CHECK
-
 #include <ATen/ATen.h>
+#include <doctest/doctest.h>  // its macros spelled DOCTEST_*: torch's headers bring glog's CHECK
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -12,10 +11,11 @@
 #include <set>
 #include <sstream>
 
-#include "../tools/mini_json.hpp"
 #include "corpc/autograd/dist_autograd.hpp"
 #include "corpc/core/trace.hpp"
 #include "corpc/rref/rref.hpp"
+
+#include "../tools/mini_json.hpp"
 #include "support.hpp"
 
 // Outside any namespace, so that the slices carry the plain names ("add → worker1").

@@ -1,9 +1,8 @@
 // Tensor transfer paths: large receives reuse pooled memory (no page faults in steady state), and every
 // path carries the same bytes, element for element.
-#include <doctest/doctest.h>
-
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <doctest/doctest.h>
 #include <sys/resource.h>
 
 #include "../src/memory/host_block_cache.hpp"

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "corpc/core/trace.hpp"
+
 #include "gantt.hpp"
 #include "mini_json.hpp"
 

@@ -3,10 +3,6 @@
 // and Python benchmarks run the same network.
 #pragma once
 
-#include <array>
-#include <cstdint>
-#include <vector>
-
 #include <torch/nn/module.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -14,6 +10,10 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/pooling.h>
 #include <torch/nn/pimpl.h>
+
+#include <array>
+#include <cstdint>
+#include <vector>
 
 namespace corpc::examples {
 

@@ -3,14 +3,13 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <corpc/corpc.hpp>
 
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <functional>
 #include <string>
-
-#include <corpc/corpc.hpp>
 
 #include "../../bench/bench_util.hpp"
 

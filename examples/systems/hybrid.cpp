@@ -1,16 +1,15 @@
 #include "hybrid.hpp"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <corpc/autograd/dist_autograd.hpp>
+#include <corpc/autograd/optimizer.hpp>
+#include <corpc/ddp/ddp.hpp>
+#include <corpc/rref/remote_module.hpp>
 #include <torch/torch.h>
 
 #include <chrono>
 #include <cmath>
 #include <mutex>
-
-#include <corpc/autograd/dist_autograd.hpp>
-#include <corpc/autograd/optimizer.hpp>
-#include <corpc/ddp/ddp.hpp>
-#include <corpc/rref/remote_module.hpp>
 
 namespace systems::hybrid {
 

@@ -8,6 +8,8 @@
 //   corpc::rpc_async<&run_trainer>("trainer0", table, 0, config);                    // starts a trainer's loop
 #pragma once
 
+#include <corpc/corpc.hpp>
+#include <corpc/rref/remote_module.hpp>
 #include <torch/nn/modules/embedding.h>
 
 #include <cstddef>
@@ -15,9 +17,6 @@
 #include <iterator>
 #include <string>
 #include <vector>
-
-#include <corpc/corpc.hpp>
-#include <corpc/rref/remote_module.hpp>
 
 namespace systems::hybrid {
 

@@ -15,13 +15,12 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <corpc/corpc.hpp>
+#include <corpc/rref/rref.hpp>
 
 #include <cstdint>
 #include <mutex>
 #include <vector>
-
-#include <corpc/corpc.hpp>
-#include <corpc/rref/rref.hpp>
 
 namespace systems::ps {
 

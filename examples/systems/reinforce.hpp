@@ -10,6 +10,8 @@
 // interleaving of the observers' calls does not change what is learnt.
 #pragma once
 
+#include <corpc/corpc.hpp>
+#include <corpc/rref/rref.hpp>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
@@ -19,9 +21,6 @@
 #include <memory>
 #include <mutex>
 #include <vector>
-
-#include <corpc/corpc.hpp>
-#include <corpc/rref/rref.hpp>
 
 #include "cartpole.hpp"
 

@@ -12,15 +12,15 @@
 /// ```
 #pragma once
 
-#include "corpc/rpc/errors.hpp"
 #include "corpc/core/future.hpp"
 #include "corpc/core/scope.hpp"
 #include "corpc/core/sync_wait.hpp"
 #include "corpc/core/task.hpp"
 #include "corpc/core/this_call.hpp"
+#include "corpc/core/trace.hpp"
 #include "corpc/core/when_all.hpp"
 #include "corpc/memory/host_memory.hpp"
 #include "corpc/rpc/call.hpp"
-#include "corpc/rpc/runtime.hpp"
+#include "corpc/rpc/errors.hpp"
 #include "corpc/rpc/launch.hpp"
-#include "corpc/core/trace.hpp"
+#include "corpc/rpc/runtime.hpp"

@@ -16,6 +16,7 @@
 #include "corpc/core/when_all.hpp"
 #include "corpc/detail/torch_compat.hpp"
 #include "corpc/rpc/call.hpp"
+
 #include "core/trace_recorder.hpp"
 
 namespace corpc::dist_autograd {

@@ -10,9 +10,10 @@
 #include <mutex>
 #include <stdexcept>
 
-#include "corpc/core/executor.hpp"
-#include "core/trace_recorder.hpp"
 #include "corpc/core/errors.hpp"
+#include "corpc/core/executor.hpp"
+
+#include "core/trace_recorder.hpp"
 
 namespace corpc::trace {
 

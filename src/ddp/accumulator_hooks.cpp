@@ -1,13 +1,14 @@
 // The hooks on the parameters' gradient accumulators: the first one of a backward pass starts it (and arms the
 // end-of-backward wait), each one puts its parameter's gradient into its bucket; and find_unused_parameters, which
 // tells beforehand which accumulators a backward will not reach.
-#include <unordered_set>
-
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <unordered_set>
+
 #include "corpc/autograd/dist_autograd.hpp"
+
 #include "ddp/gradient_sync.hpp"
 
 namespace corpc::ddp {

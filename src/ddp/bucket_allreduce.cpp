@@ -1,13 +1,14 @@
 // The buckets' allreduce: each bucket is launched once all its gradients are in, strictly in bucket order (so that
 // communication overlaps the rest of backward), and the end-of-backward wait puts the averages where the gradients
 // belong: .grad (or its bucket view), or the distributed autograd context of the pass.
-#include <string>
-
 #include <torch/csrc/autograd/variable.h>
+
+#include <string>
 
 #include "corpc/autograd/dist_autograd.hpp"
 #include "corpc/rpc/errors.hpp"
 #include "corpc/rpc/runtime.hpp"
+
 #include "ddp/gradient_sync.hpp"
 
 namespace corpc::ddp {

@@ -1,7 +1,8 @@
 // save_checkpoint / load_checkpoint (see corpc/ddp/checkpoint.hpp). One archive: "model/..." and "optimizer/...".
+#include "corpc/ddp/checkpoint.hpp"
+
 #include <cstdio>
 
-#include "corpc/ddp/checkpoint.hpp"
 #include "corpc/rpc/errors.hpp"
 
 namespace corpc::ddp {

@@ -1,9 +1,10 @@
 // launch_with_restarts (see corpc/ddp/elastic.hpp): launch_processes in a loop.
+#include "corpc/ddp/elastic.hpp"
+
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 
-#include "corpc/ddp/elastic.hpp"
 #include "core/log.hpp"
 
 namespace corpc::ddp {

@@ -2,14 +2,16 @@
 // (ft_member.hpp) asks of it. At a new epoch, a Gloo group of the members and DDP on it; an attempt zeroes the
 // gradients and runs the caller's forward and backward; a committed one takes the optimizer step.
 
-#include <memory>
-#include <string>
+#include "corpc/ddp/fault_tolerant.hpp"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
-#include "corpc/ddp/fault_tolerant.hpp"
+#include <memory>
+#include <string>
+
 #include "corpc/ddp/rpc_store.hpp"
 #include "corpc/rpc/errors.hpp"
+
 #include "ddp/ft_member.hpp"
 #include "ddp/process_group.hpp"
 

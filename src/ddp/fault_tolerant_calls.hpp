@@ -4,12 +4,12 @@
 // defines it.
 #pragma once
 
+#include <ATen/ATen.h>
+
 #include <cstdint>
 #include <string>
 #include <tuple>
 #include <vector>
-
-#include <ATen/ATen.h>
 
 #include "corpc/core/future.hpp"
 

@@ -2,15 +2,16 @@
 // vote, the state a member serves to, and loads from, another, and the coordinator's abort passed on to the trainer.
 #include "ddp/ft_member.hpp"
 
+#include <torch/serialize.h>
+
 #include <algorithm>
 #include <cstring>
 #include <sstream>
 
-#include <torch/serialize.h>
-
 #include "corpc/rpc/call.hpp"
 #include "corpc/rpc/errors.hpp"
 #include "corpc/rpc/runtime.hpp"
+
 #include "ddp/fault_tolerant_calls.hpp"
 #include "ddp/ft_messages.hpp"
 

@@ -5,15 +5,15 @@
 // what differs between them is a Trainer.
 #pragma once
 
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <torch/nn/module.h>
-#include <torch/optim/optimizer.h>
 
 #include "corpc/core/future.hpp"
 #include "corpc/ddp/quorum.hpp"

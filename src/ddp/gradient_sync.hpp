@@ -82,7 +82,7 @@ struct GradientSync::State : std::enable_shared_from_this<GradientSync::State> {
   void fill_slot_locked(Bucket& b, size_t k);
   void mark_ready_locked(size_t i);
   at::Tensor wait_bucket_locked(size_t bi);
-  void finish_backward();  // launch_rest_locked, then write_back_locked
+  void finish_backward();     // launch_rest_locked, then write_back_locked
   void launch_rest_locked();  // every bucket not launched yet, with what its gradients hold now (zero if none)
   void write_back_locked();   // waits for every bucket; the averages into .grad (or the pass's context)
 

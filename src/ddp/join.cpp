@@ -2,6 +2,7 @@
 // inputs keeps answering the others' collectives until none trains, then every rank adopts the model of one that
 // trained to the end.
 #include "corpc/rpc/errors.hpp"
+
 #include "ddp/gradient_sync.hpp"
 
 namespace corpc::ddp {

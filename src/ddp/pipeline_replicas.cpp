@@ -5,11 +5,11 @@
 // attempt waiting for a lost mate. Without it, the same step on fixed groups.
 #include "corpc/ddp/pipeline_replicas.hpp"
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
 #include <algorithm>
 #include <mutex>
 #include <string>
-
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "corpc/core/sync_wait.hpp"
 #include "corpc/core/trace.hpp"
@@ -17,6 +17,7 @@
 #include "corpc/rpc/call.hpp"
 #include "corpc/rpc/errors.hpp"
 #include "corpc/rpc/runtime.hpp"
+
 #include "ddp/ft_member.hpp"
 #include "ddp/ft_messages.hpp"
 #include "ddp/process_group.hpp"

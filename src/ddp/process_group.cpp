@@ -1,24 +1,25 @@
 // The env:// rendezvous for DDP: a store (see init_process_group's comment for which) and a Gloo group on it.
+#include "ddp/process_group.hpp"
+
 #include <signal.h>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <unistd.h>
 
 #include <atomic>
 #include <stdexcept>
 #include <string>
 
-#include <torch/csrc/distributed/c10d/FileStore.hpp>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
-
 #include "corpc/ddp/ddp.hpp"
-#include "ddp/process_group.hpp"
 #include "corpc/ddp/rpc_store.hpp"
 #include "corpc/detail/torch_compat.hpp"
+#include "corpc/rpc/errors.hpp"
 #include "corpc/rpc/runtime.hpp"
+
 #include "memory/host_allocator.hpp"
 #include "rpc/environment.hpp"
-#include "corpc/rpc/errors.hpp"
 
 namespace corpc::ddp {
 namespace {

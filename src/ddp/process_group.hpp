@@ -1,10 +1,10 @@
 // A Gloo group on a given store, shared by init_process_group and the fault-tolerant trainer's groups per epoch.
 #pragma once
 
-#include <chrono>
-
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
 
 namespace corpc::ddp::detail {
 

@@ -16,6 +16,7 @@
 #include "corpc/rpc/call.hpp"
 #include "corpc/rpc/errors.hpp"
 #include "corpc/rpc/runtime.hpp"
+
 #include "ddp/fault_tolerant_calls.hpp"
 #include "ddp/ft_messages.hpp"
 #include "ddp/quorum_rounds.hpp"
@@ -43,8 +44,7 @@ struct QuorumCoordinator::State {
     for (auto& a : out.aborts) {
       try {  // best effort: a member that misses it fails its step by its own timeouts
         (void)rpc_async<&ft_detail::abort_attempt>(a.rank, a.epoch, a.step, a.why);
-      } catch (const std::exception&) {
-      }
+      } catch (const std::exception&) {}
     }
   }
 
@@ -172,8 +172,7 @@ QuorumCoordinator::~QuorumCoordinator() {
   Outbox out;
   {
     std::lock_guard lock(state_->mutex);
-    state_->rounds.stop("the quorum coordinator on " + ft_detail::worker_text(state_->self_rank) + " has stopped",
-                        out);
+    state_->rounds.stop("the quorum coordinator on " + ft_detail::worker_text(state_->self_rank) + " has stopped", out);
   }
   State::send(out);
 }

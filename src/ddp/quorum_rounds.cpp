@@ -5,6 +5,7 @@
 #include <iterator>
 
 #include "corpc/rpc/errors.hpp"
+
 #include "ddp/ft_messages.hpp"
 
 namespace corpc::ddp::ft_detail {
@@ -33,9 +34,7 @@ std::pair<int, int> QuorumRounds::place_of(int rank) const {
   return it == place_.end() ? std::pair<int, int>{-1 - rank, 0} : it->second;
 }
 
-size_t QuorumRounds::group_size(int group) const {
-  return group < 0 ? 1 : groups_[static_cast<size_t>(group)].size();
-}
+size_t QuorumRounds::group_size(int group) const { return group < 0 ? 1 : groups_[static_cast<size_t>(group)].size(); }
 
 // ---- rounds ----
 
@@ -87,8 +86,7 @@ std::string QuorumRounds::missing_state(const Holdings& h, std::int64_t& refused
   refused_step = h.step;
   if (global_step_ > 0 && (!h.any_state || h.step < global_step_)) {
     refused_step = global_step_;
-    std::string missing =
-        "no live member holds the state of step " + std::to_string(global_step_) + " to recover from";
+    std::string missing = "no live member holds the state of step " + std::to_string(global_step_) + " to recover from";
     if (!holders_.empty()) missing += " (it was committed by " + workers_text(holders_) + ", none of which asks now)";
     return missing;
   }
@@ -103,10 +101,10 @@ std::string QuorumRounds::missing_state(const Holdings& h, std::int64_t& refused
 void QuorumRounds::refuse_round(const std::vector<int>& members, std::int64_t step, const std::string& missing,
                                 Outbox& out) {
   for (int r : members) {
-    out.refusals.emplace_back(std::move(round_.at(r).reply),
-                              std::make_exception_ptr(RpcError("fault-tolerant training: " + worker_text(r) +
-                                                               " cannot run step " + std::to_string(step) + ": " +
-                                                               missing)));
+    out.refusals.emplace_back(
+        std::move(round_.at(r).reply),
+        std::make_exception_ptr(RpcError("fault-tolerant training: " + worker_text(r) + " cannot run step " +
+                                         std::to_string(step) + ": " + missing)));
     round_.erase(r);
   }
   round_deadline_.reset();
@@ -128,9 +126,9 @@ void QuorumRounds::open_epoch(const std::vector<int>& members, const Holdings& h
     if (auto d = h.donor.find(position); d != h.donor.end() && d->second == r)
       for (int b : h.behind)
         if (place_of(b).second == position) serve.push_back(b);
-    out.quorums.emplace_back(std::move(round_.at(r).reply),
-                             QuorumAnswer{epoch_, h.step, members_, recovers ? h.donor.at(position) : -1, serve,
-                                          failure_epoch_, failure_});
+    out.quorums.emplace_back(
+        std::move(round_.at(r).reply),
+        QuorumAnswer{epoch_, h.step, members_, recovers ? h.donor.at(position) : -1, serve, failure_epoch_, failure_});
     round_.erase(r);
   }
   round_deadline_.reset();
@@ -151,8 +149,7 @@ void QuorumRounds::close_round_if_ready(Clock::time_point now, Outbox& out) {
   std::int64_t refused_step = 0;
   if (const std::string missing = missing_state(h, refused_step); !missing.empty())
     refuse_round(members, refused_step, missing, out);  // rather than restarting history
-  else
-    open_epoch(members, h, out);
+  else open_epoch(members, h, out);
 }
 
 Future<QuorumAnswer> QuorumRounds::ask(int rank, std::int64_t committed, bool has_state, bool failed,

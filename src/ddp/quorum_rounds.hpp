@@ -23,6 +23,7 @@
 
 #include "corpc/core/future.hpp"
 #include "corpc/ddp/quorum.hpp"
+
 #include "ddp/fault_tolerant_calls.hpp"
 
 namespace corpc::ddp::ft_detail {

@@ -1,4 +1,6 @@
 // RpcStore (see corpc/ddp/rpc_store.hpp): the table on the server worker and one RPC per store operation.
+#include "corpc/ddp/rpc_store.hpp"
+
 #include <algorithm>
 #include <condition_variable>
 #include <list>
@@ -9,7 +11,6 @@
 #include <unordered_map>
 
 #include "corpc/core/task.hpp"
-#include "corpc/ddp/rpc_store.hpp"
 #include "corpc/rpc/call.hpp"
 #include "corpc/rpc/errors.hpp"
 

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "corpc/wire/codec.hpp"
+
 #include "wire/tensor_meta.hpp"
 
 namespace corpc::detail {

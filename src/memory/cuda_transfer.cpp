@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "corpc/wire/errors.hpp"
+
 #include "memory/cuda_ipc.hpp"
 #include "memory/cuda_transfer.hpp"
 

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include "corpc/wire/errors.hpp"
+
 #include "memory/cuda_transfer.hpp"
 
 namespace corpc::detail::cuda {

@@ -10,6 +10,7 @@
 #include <new>
 
 #include "corpc/detail/torch_compat.hpp"
+
 #include "memory/host_block_cache.hpp"
 
 namespace corpc::detail {

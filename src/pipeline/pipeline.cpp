@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "corpc/rpc/worker_info.hpp"
+
 #include "core/exception_text.hpp"
 
 namespace corpc::pipeline {

@@ -12,8 +12,9 @@
 
 #include "corpc/core/detail/continuation.hpp"
 #include "corpc/pipeline/pipeline.hpp"
-#include "memory/host_allocator.hpp"
+
 #include "core/trace_recorder.hpp"
+#include "memory/host_allocator.hpp"
 #include "pipeline/split_backward.hpp"
 
 namespace corpc::pipeline::detail {
@@ -322,8 +323,7 @@ class StepRun {
     if (a.stage == last_) {
       const at::Tensor& target = targets_.at(a.micro);
       // A mean over the batch is the sum of the micro-batches' means weighted by their shares; a sum needs none.
-      const double share =
-          mean_over_ > 0 ? static_cast<double>(target.size(0)) / static_cast<double>(mean_over_) : 1.0;
+      const double share = mean_over_ > 0 ? static_cast<double>(target.size(0)) / static_cast<double>(mean_over_) : 1.0;
       h.output = host_->loss(y, target.to(st.device)) * share;
       report_.losses[a.micro] = h.output.item<double>();
     } else {
@@ -401,8 +401,8 @@ class StepRun {
   // found by position because the actions are reordered at run time.
   void after(const Action& a, const ActionRecord& record) {
     if (hooks_) {
-      if ((a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardWeight) &&
-          --backwards_left_[a.stage] == 0 && hooks_->stage_backward_done)
+      if ((a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardWeight) && --backwards_left_[a.stage] == 0 &&
+          hooks_->stage_backward_done)
         hooks_->stage_backward_done(a.stage);
       if (hooks_->after_action) hooks_->after_action(a);
     }
@@ -421,8 +421,8 @@ class StepRun {
   std::vector<at::Tensor>& targets_;
   const std::int64_t mean_over_;
   const StageHooks* hooks_;
-  const int last_;  // the last stage's index
-  std::map<int, int> backwards_left_;  // per stage: the Bs and Ws still to run
+  const int last_;                            // the last stage's index
+  std::map<int, int> backwards_left_;         // per stage: the Bs and Ws still to run
   std::map<std::pair<int, int>, Held> held_;  // by (stage, micro-batch): from its F to its last backward
   std::vector<Future<void>> sends_;
   WorkerReport report_;
@@ -457,8 +457,8 @@ Task<WorkerReport> run_actions(std::shared_ptr<Host> host, std::int64_t step, st
 Task<WorkerReport> run_step(std::uint64_t id, std::int64_t step, std::vector<Action> actions,
                             std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets, std::int64_t mean_over) {
   auto host = host_or_throw(id);
-  WorkerReport report = co_await run_actions(host, step, std::move(actions), std::move(inputs), std::move(targets),
-                                             mean_over, nullptr);
+  WorkerReport report =
+      co_await run_actions(host, step, std::move(actions), std::move(inputs), std::move(targets), mean_over, nullptr);
   for (auto& [s, st] : host->stages)
     if (st.optimizer) st.optimizer->step();
   co_return report;

@@ -5,6 +5,7 @@
 #include <chrono>
 
 #include "corpc/pipeline/balance.hpp"
+
 #include "pipeline/split_backward.hpp"
 
 namespace corpc::pipeline {

@@ -2,10 +2,10 @@
 
 #include <torch/csrc/autograd/function.h>
 
-#include "corpc/detail/torch_compat.hpp"
-
 #include <memory>
 #include <vector>
+
+#include "corpc/detail/torch_compat.hpp"
 
 namespace corpc::pipeline::detail {
 

@@ -24,6 +24,7 @@
 
 #include "corpc/core/call_context.hpp"
 #include "corpc/rpc/detail/outbound.hpp"
+
 #include "rpc/activity.hpp"
 #include "rpc/inbound_calls.hpp"
 #include "rpc/pending_calls.hpp"

@@ -1,6 +1,7 @@
 // The runtime's side of outgoing calls: start_call picks the connection to the callee and hands the call to that
 // connection's call engine (call_engine.hpp); replies go to that engine (route_replies).
 #include "corpc/rpc/detail/outbound.hpp"
+
 #include "rpc/call_engine.hpp"
 #include "rpc/runtime_impl.hpp"
 
@@ -25,15 +26,15 @@ bool hold_for_replacement(Runtime::Impl& rt, OutboundCall& call) {
     timeout = std::min(timeout, std::chrono::ceil<std::chrono::milliseconds>(inherited - now));
   const std::string who = "worker '" + rt.name_of(dst) + "' (rank " + std::to_string(dst) + ")";
   const bool deadline_first = timeout <= rt.options.replacement_wait;
-  auto expired = deadline_first
-                     ? std::make_exception_ptr(TimeoutError(
-                           "call to '" + std::string(call.function) + "' on worker '" + rt.name_of(dst) +
-                           "' timed out after " + std::to_string(timeout.count()) +
-                           " ms, waiting for a new incarnation of the rank: " + who + " is gone: " + why))
-                     : std::make_exception_ptr(ConnectionError(
-                           who + " is gone: " + why + "; no new incarnation took its place within " +
-                           "RpcOptions::replacement_wait (" + std::to_string(rt.options.replacement_wait.count()) +
-                           " ms)"));
+  auto expired =
+      deadline_first
+          ? std::make_exception_ptr(
+                TimeoutError("call to '" + std::string(call.function) + "' on worker '" + rt.name_of(dst) +
+                             "' timed out after " + std::to_string(timeout.count()) +
+                             " ms, waiting for a new incarnation of the rank: " + who + " is gone: " + why))
+          : std::make_exception_ptr(ConnectionError(
+                who + " is gone: " + why + "; no new incarnation took its place within " +
+                "RpcOptions::replacement_wait (" + std::to_string(rt.options.replacement_wait.count()) + " ms)"));
   const auto until = now + std::min(timeout, rt.options.replacement_wait);
   if (!rt.replacement_waits.hold(dst, std::move(call), now + timeout, until, std::move(expired), rt.pick_io()))
     return false;

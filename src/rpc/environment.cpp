@@ -2,7 +2,6 @@
 #include "rpc/environment.hpp"
 
 #include <algorithm>
-
 #include <cstdlib>
 #include <initializer_list>
 #include <string_view>
@@ -75,8 +74,8 @@ RpcOptions with_environment(RpcOptions options) {
   if (options.cuda_ipc == defaults.cuda_ipc && switched_off("CORPC_CUDA_IPC")) options.cuda_ipc = false;
   if (!options.rejoin && rejoin_from_environment()) options.rejoin = true;
   if (options.init_timeout == defaults.init_timeout)
-    options.init_timeout = std::chrono::milliseconds(
-        env_int({"CORPC_INIT_TIMEOUT_MS"}, static_cast<int>(defaults.init_timeout.count())));
+    options.init_timeout =
+        std::chrono::milliseconds(env_int({"CORPC_INIT_TIMEOUT_MS"}, static_cast<int>(defaults.init_timeout.count())));
   if (options.replacement_wait == defaults.replacement_wait)
     options.replacement_wait = std::chrono::milliseconds(env_int({"CORPC_REPLACEMENT_WAIT_MS"}, 0));
   return options;
@@ -135,6 +134,20 @@ std::string master_address_from_environment() {
       if (auto list = env_or_empty(name); !list.empty()) return first_slurm_host(list);
   }
   return {};
+}
+
+std::string master_source_from_environment() {
+  std::string address = "MASTER_ADDR", port = "MASTER_PORT";
+  if (env_or_empty("MASTER_ADDR").empty() && rank_from_slurm()) {
+    for (const char* name : {"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"}) {
+      if (env_or_empty(name).empty()) continue;
+      address = std::string("the first host of ") + name;
+      break;
+    }
+  }
+  if (env_int({"MASTER_PORT"}, -1) < 0 && rank_from_slurm())
+    port = env_int({"SLURM_STEP_RESV_PORTS"}, -1) > 0 ? "SLURM_STEP_RESV_PORTS" : "a port derived from SLURM_JOB_ID";
+  return address + ", " + port;
 }
 
 int master_port_from_environment() {

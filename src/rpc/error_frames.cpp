@@ -1,13 +1,15 @@
 // Error frames: how a failure travels back to the caller as a typed exception.
+#include "rpc/error_frames.hpp"
+
 #include <cxxabi.h>
 
 #include <cstdlib>
 #include <memory>
 
-#include "rpc/error_frames.hpp"
 #include "corpc/rpc/errors.hpp"
 #include "corpc/wire/codec.hpp"
 #include "corpc/wire/errors.hpp"
+
 #include "core/trace_recorder.hpp"
 
 namespace corpc {

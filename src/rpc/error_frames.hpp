@@ -8,6 +8,7 @@
 #include <string_view>
 
 #include "corpc/wire/detail/message.hpp"
+
 #include "transport/connection.hpp"
 
 namespace corpc {

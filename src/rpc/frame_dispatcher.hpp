@@ -27,6 +27,7 @@
 #include <optional>
 
 #include "corpc/wire/detail/message.hpp"
+
 #include "rpc/rpc_session.hpp"
 #include "transport/connection.hpp"
 

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "corpc/core/detail/blocking.hpp"
+
 #include "core/thread_name.hpp"
 #include "core/trace_recorder.hpp"
 

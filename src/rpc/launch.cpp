@@ -58,7 +58,8 @@ std::optional<int> launched_rank() {
 }
 
 bool launching_process() {
-  if (detail::spawn_target() || detail::launched_by_launch_processes()) return false;  // a rank launch_processes started
+  if (detail::spawn_target() || detail::launched_by_launch_processes())
+    return false;  // a rank launch_processes started
   return detail::rank_from_environment() < 0 || detail::world_size_from_environment() < 0;  // else a launcher's rank
 }
 
@@ -72,8 +73,8 @@ void launch_processes(int world_size, const std::function<void(int rank)>& fn, L
   if (target && call <= target->call && !g_running_spawned_rank) {
     if (call < target->call) return detail::replay_outcome(call);  // it ran in the caller
     detail::apply_spawn_environment();
-    for (const char* v : {detail::kSpawnRank, detail::kSpawnCall, detail::kReportFd, detail::kSpawnHistory,
-                          detail::kSpawnEnvironment})
+    for (const char* v :
+         {detail::kSpawnRank, detail::kSpawnCall, detail::kReportFd, detail::kSpawnHistory, detail::kSpawnEnvironment})
       ::unsetenv(v);
     ::fcntl(target->report_fd, F_SETFD, FD_CLOEXEC);
     g_running_spawned_rank = true;

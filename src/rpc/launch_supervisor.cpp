@@ -21,9 +21,9 @@
 #include "rpc/environment.hpp"
 #include "rpc/fork_safety.hpp"
 #include "rpc/launch_protocol.hpp"
-#include "transport/launcher_key.hpp"
 #include "rpc/rank_process.hpp"
 #include "transport/auth.hpp"
+#include "transport/launcher_key.hpp"
 
 namespace corpc::detail {
 namespace {

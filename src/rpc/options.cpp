@@ -4,6 +4,7 @@
 #include <set>
 
 #include "corpc/core/errors.hpp"
+
 #include "wire/device_map.hpp"
 
 namespace corpc {

@@ -7,10 +7,10 @@
 // its loss, or the loss of ours, makes the rank dead). A second claimant is refused while the holder is alive.
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <cstdint>
 #include <optional>
 #include <set>
 #include <string>
@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "corpc/rpc/errors.hpp"
+
 #include "rpc/hello.hpp"
 #include "transport/connection.hpp"
 

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "corpc/rpc/detail/outbound.hpp"
+
 #include "transport/frames.hpp"
 
 namespace corpc::detail {

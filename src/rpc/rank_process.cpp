@@ -1,12 +1,11 @@
 // A rank's process: how it starts (fork, or fork and exec of this program), runs, reports and ends.
 #include "rpc/rank_process.hpp"
 
+#include <execinfo.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <unistd.h>
-
-#include <execinfo.h>
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/lsan_interface.h>
 #endif
@@ -19,13 +18,14 @@
 #include <fstream>
 #include <string_view>
 
+#include "corpc/rpc/errors.hpp"
+
 #include "core/exception_text.hpp"
 #include "core/log.hpp"
-#include "corpc/rpc/errors.hpp"
 #include "rpc/environment.hpp"
 #include "rpc/launch_protocol.hpp"
-#include "transport/launcher_key.hpp"
 #include "rpc/runtime_exit.hpp"
+#include "transport/launcher_key.hpp"
 
 namespace corpc::detail {
 namespace {

@@ -1,7 +1,7 @@
 // The function registry: copy-on-write snapshots, read without a lock.
-#include <algorithm>
-
 #include "corpc/rpc/detail/registry.hpp"
+
+#include <algorithm>
 
 namespace corpc::detail {
 

@@ -1,12 +1,13 @@
 // Rendezvous: every rank registers with rank 0, which answers with the full table once all are there.
 // Ranks may start in any order: the others retry reaching rank 0 until RpcOptions::init_timeout.
 #include "corpc/rpc/call.hpp"
-#include "memory/cuda_transfer.hpp"
-#include "wire/device_map.hpp"
-#include "rpc/hello.hpp"
+
 #include "core/log.hpp"
+#include "memory/cuda_transfer.hpp"
 #include "rpc/error_frames.hpp"
+#include "rpc/hello.hpp"
 #include "rpc/runtime_impl.hpp"
+#include "wire/device_map.hpp"
 
 namespace corpc {
 
@@ -26,6 +27,94 @@ std::string loopback_address_of(asio::io_context& io, const std::string& host) {
   return results.begin()->endpoint().address().to_string();
 }
 
+// A rank's registration with rank 0, as init_rpc waits for it: whether a connection was made, and the last reason
+// one was not (any thread may ask; the dial runs on the main I/O thread).
+class RankZeroDial {
+ public:
+  void failed(std::string why) {
+    std::lock_guard lock(mutex_);
+    last_failure_ = std::move(why);
+  }
+  void connected() {
+    std::lock_guard lock(mutex_);
+    connected_ = true;
+  }
+  // What init_rpc says when the world table did not come in time.
+  std::string why_not(const Runtime::Impl::MasterAddress& master, std::chrono::milliseconds timeout) const {
+    std::lock_guard lock(mutex_);
+    const std::string within = " within the init timeout (" + std::to_string(timeout.count()) +
+                               " ms: RpcOptions::init_timeout, CORPC_INIT_TIMEOUT_MS)";
+    if (connected_) return "init_rpc: workers did not all arrive" + within + " (no answer from rank 0)";
+    return "could not reach rank 0 at " + master.host + ":" + std::to_string(master.port) + " (" + master.source + ")" +
+           within + (last_failure_.empty() ? "" : ": " + last_failure_);
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  bool connected_ = false;
+  std::string last_failure_;
+};
+
+// Dials rank 0 until it answers the handshake or `deadline` passes, then sends our registration (a Hello). Rank 0 not
+// listening yet is retried every 50 ms; a handshake that stalls, three times in all; a refusal (another secret) ends
+// the rendezvous at once.
+asio::awaitable<void> register_with_rank_zero(Runtime::Impl& rt, Runtime::Impl::MasterAddress master,
+                                              std::chrono::steady_clock::time_point deadline,
+                                              std::shared_ptr<RankZeroDial> dial) {
+  asio::io_context& io = rt.main_io();
+  asio::steady_timer pause(io);
+  int interrupted = 0;  // handshakes with rank 0 that stalled or broke off
+  for (;;) {
+    detail::Transport transport{asio::ip::tcp::socket(io)};
+    std::string failure;
+    std::string address;  // rank 0's, as connected: the connection need not ask the socket
+    try {
+      asio::ip::tcp::resolver resolver(io);
+      const std::string port = std::to_string(master.port);
+      auto endpoints = co_await resolver.async_resolve(master.host, port, asio::use_awaitable);
+      auto connected = co_await asio::async_connect(transport.socket(), endpoints, asio::use_awaitable);
+      address = connected.address().to_string();
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+    if (failure.empty()) {
+      std::string refused;
+      try {
+        co_await detail::authenticate(transport, rt.auth, detail::AuthRole::dialer);
+      } catch (const detail::HandshakeInterrupted& e) {
+        // A rank 0 too busy to answer within the handshake timeout (or one that gave up on us for that reason) is
+        // tried again on a fresh connection: three handshakes in all, as a dial has (tcp_dial.cpp).
+        if (++interrupted < 3) failure = e.what();
+        else refused = std::string(e.what()) + " (3 attempts)";
+      } catch (const std::exception& e) {
+        refused = e.what();
+      }
+      if (!refused.empty()) {  // a different secret does not get better by retrying
+        rt.world_ready.set_exception(ConnectionError("rank 0 at " + master.host + ":" + std::to_string(master.port) +
+                                                     " refused us: " + refused));
+        co_return;
+      }
+    }
+    if (!failure.empty()) {
+      dial->failed(failure);
+      if (std::chrono::steady_clock::now() >= deadline) {
+        rt.world_ready.set_exception(TimeoutError(dial->why_not(master, rt.options.init_timeout)));
+        co_return;
+      }
+      pause.expires_after(std::chrono::milliseconds(50));
+      co_await pause.async_wait(asio::use_awaitable);
+      continue;
+    }
+    dial->connected();
+    auto conn = detail::make_tcp_connection(std::move(transport), rt.connection_settings(/*dialed=*/true),
+                                            rt.frame_handler(), rt.close_handler(), std::move(address));
+    conn->peer_rank = 0;
+    rt.peers->set_outgoing(0, conn);
+    conn->send(detail::prepare(hello_message(rt.our_hello(true))));
+    co_return;
+  }
+}
+
 }  // namespace
 
 detail::Message hello_message(const detail::Hello& hello) {
@@ -41,7 +130,7 @@ detail::Message hello_message(const WorkerInfo& self, int world_size, bool rende
 }
 
 detail::Hello Runtime::Impl::our_hello(bool registering, int to_rank, const std::string& transcript,
-                                      detail::HelloSide side) const {
+                                       detail::HelloSide side) const {
   detail::Hello h;
   {
     std::lock_guard lock(self_host_mutex);
@@ -68,7 +157,9 @@ std::string Runtime::Impl::own_device_config() const {
   return detail::encode_device_config(c);
 }
 
-void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t master_port, int listen_fd) {
+void Runtime::Impl::rendezvous(const MasterAddress& master, int listen_fd) {
+  const std::string& master_host = master.host;
+  const std::uint16_t master_port = master.port;
   std::string listen_host = options.listen_address;
   if (listen_host.empty()) {
     listen_host = loopback_address_of(main_io(), master_host);
@@ -118,77 +209,19 @@ void Runtime::Impl::rendezvous(const std::string& master_host, std::uint16_t mas
   });
 
   const auto deadline = std::chrono::steady_clock::now() + options.init_timeout;
-  if (my_rank != 0) {
-    asio::co_spawn(
-        main_io(),
-        [this, master_host, master_port, deadline]() -> asio::awaitable<void> {
-          asio::steady_timer pause(main_io());
-          int interrupted = 0;  // handshakes with rank 0 that stalled or broke off
-          for (;;) {
-            detail::Transport transport{asio::ip::tcp::socket(main_io())};
-            std::string failure;
-            std::string address;  // rank 0's, as connected: the connection need not ask the socket
-            try {
-              asio::ip::tcp::resolver resolver(main_io());
-              auto endpoints =
-                  co_await resolver.async_resolve(master_host, std::to_string(master_port), asio::use_awaitable);
-              address = (co_await asio::async_connect(transport.socket(), endpoints, asio::use_awaitable))
-                            .address()
-                            .to_string();
-            } catch (const std::exception& e) {
-              failure = e.what();
-            }
-            if (failure.empty()) {
-              std::string refused;
-              try {
-                co_await detail::authenticate(transport, auth, detail::AuthRole::dialer);
-              } catch (const detail::HandshakeInterrupted& e) {
-                // A rank 0 too busy to answer within the handshake timeout (or one that gave up on us for that
-                // reason) is tried again on a fresh connection: three handshakes in all, as a dial has (tcp_dial.cpp).
-                if (++interrupted < 3) failure = e.what();
-                else refused = std::string(e.what()) + " (3 attempts)";
-              } catch (const std::exception& e) {
-                refused = e.what();
-              }
-              if (!refused.empty()) {  // a different secret does not get better by retrying
-                world_ready.set_exception(ConnectionError("rank 0 at " + master_host + ":" +
-                                                          std::to_string(master_port) + " refused us: " + refused));
-                co_return;
-              }
-            }
-            if (!failure.empty()) {
-              if (std::chrono::steady_clock::now() >= deadline) {
-                world_ready.set_exception(TimeoutError("could not reach rank 0 at " + master_host + ":" +
-                                                       std::to_string(master_port) +
-                                                       " within the init timeout: " + failure));
-                co_return;
-              }
-              pause.expires_after(std::chrono::milliseconds(50));
-              co_await pause.async_wait(asio::use_awaitable);
-              continue;
-            }
-            auto conn = detail::make_tcp_connection(std::move(transport), connection_settings(/*dialed=*/true),
-                                                    frame_handler(), close_handler(), std::move(address));
-            conn->peer_rank = 0;
-            peers->set_outgoing(0, conn);
-            conn->send(detail::prepare(hello_message(our_hello(true))));
-            co_return;
-          }
-        },
-        asio::detached);
-  }
+  auto dial = std::make_shared<RankZeroDial>();
+  if (my_rank != 0) asio::co_spawn(main_io(), register_with_rank_zero(*this, master, deadline, dial), asio::detached);
 
   auto ready = world_ready.get_future();
   try {
     ready.wait(options.init_timeout + std::chrono::milliseconds(200));
   } catch (const TimeoutError&) {
-    const std::string missing = registrations.missing(world_size);
-    throw TimeoutError(
-        "init_rpc: workers did not all arrive within " + std::to_string(options.init_timeout.count()) + " ms" +
-        (my_rank == 0 ? " (missing ranks: " + missing + "; " + std::to_string(accepted.load()) +
-                            " connections accepted, " + std::to_string(accept_errors.load()) + " accept errors, " +
-                            std::to_string(refused_connections.load()) + " refused by the handshake)"
-                      : " (no answer from rank 0)"));
+    if (my_rank != 0) throw TimeoutError(dial->why_not(master, options.init_timeout));
+    throw TimeoutError("init_rpc: workers did not all arrive within " + std::to_string(options.init_timeout.count()) +
+                       " ms (missing ranks: " + registrations.missing(world_size) + "; " +
+                       std::to_string(accepted.load()) + " connections accepted, " +
+                       std::to_string(accept_errors.load()) + " accept errors, " +
+                       std::to_string(refused_connections.load()) + " refused by the handshake)");
   }
 }
 
@@ -215,9 +248,8 @@ void Runtime::Impl::refuse_claim(const std::shared_ptr<detail::Connection>& conn
 // impostor at its address says nothing of the rank itself.
 void Runtime::Impl::refuse_answer(const std::shared_ptr<detail::Connection>& conn, const WorkerInfo& claimed,
                                   const std::string& why) {
-  const std::string text =
-      fmt::format("the peer at {} answered as worker '{}' (rank {}) and {}", conn->remote_address, name_of(claimed.rank),
-                  claimed.rank, why);
+  const std::string text = fmt::format("the peer at {} answered as worker '{}' (rank {}) and {}", conn->remote_address,
+                                       name_of(claimed.rank), claimed.rank, why);
   refused_hellos.refused(conn->io(), self.name, "refused " + text + "; its connection is closed");
   detail::RpcSession::of(*conn).hello_refused = true;
   conn->close(text);

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "corpc/rpc/worker_info.hpp"
+
 #include "rpc/hello.hpp"
 #include "transport/connection.hpp"
 

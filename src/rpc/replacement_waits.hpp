@@ -5,6 +5,9 @@
 // first. Any thread may use it; one lock guards it, never held while a call is started or completed.
 #pragma once
 
+#include <asio/io_context.hpp>
+#include <asio/steady_timer.hpp>
+
 #include <chrono>
 #include <cstdint>
 #include <exception>
@@ -14,9 +17,6 @@
 #include <mutex>
 #include <string>
 #include <vector>
-
-#include <asio/io_context.hpp>
-#include <asio/steady_timer.hpp>
 
 #include "corpc/rpc/detail/outbound.hpp"
 

@@ -10,14 +10,14 @@
 #include <exception>
 #include <memory>
 #include <stop_token>
-#include <string_view>
-
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "corpc/core/call_context.hpp"
 #include "corpc/core/executor.hpp"
 #include "corpc/rpc/detail/registry.hpp"
+
 #include "rpc/activity.hpp"
 #include "rpc/frame_dispatcher.hpp"
 #include "rpc/pending_calls.hpp"

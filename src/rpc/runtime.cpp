@@ -4,13 +4,14 @@
 
 #include "corpc/core/detail/event.hpp"
 #include "corpc/rpc/call.hpp"
-#include "wire/device_map.hpp"
+
 #include "core/log.hpp"
-#include "rpc/runtime_exit.hpp"
-#include "rpc/environment.hpp"
-#include "rpc/runtime_impl.hpp"
 #include "core/thread_name.hpp"
 #include "core/trace_recorder.hpp"
+#include "rpc/environment.hpp"
+#include "rpc/runtime_exit.hpp"
+#include "rpc/runtime_impl.hpp"
+#include "wire/device_map.hpp"
 
 namespace corpc {
 
@@ -171,6 +172,7 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   options.set_devices(std::move(options.devices));
   std::string host;
   int port = -1;
+  std::string host_source = "init_method";  // where host and port came from, for messages
   if (options.init_method.rfind("tcp://", 0) == 0) {
     auto hp = options.init_method.substr(6);
     auto colon = hp.rfind(':');
@@ -181,11 +183,12 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   } else if (options.init_method == "env://") {
     host = detail::master_address_from_environment();
     port = detail::master_port_from_environment();
+    host_source = detail::master_source_from_environment();
     if (host.empty() || port <= 0) {
-      throw UsageError("init_method env:// needs MASTER_ADDR and MASTER_PORT (" + detail::rank_variable() +
-                       " is set" + (detail::rank_variable() == "SLURM_PROCID"
-                                        ? ", but neither MASTER_ADDR nor SLURM_STEP_NODELIST/SLURM_JOB_NODELIST)"
-                                        : "; set both for every rank, e.g. mpirun -x MASTER_ADDR -x MASTER_PORT)"));
+      throw UsageError("init_method env:// needs MASTER_ADDR and MASTER_PORT (" + detail::rank_variable() + " is set" +
+                       (detail::rank_variable() == "SLURM_PROCID"
+                            ? ", but neither MASTER_ADDR nor SLURM_STEP_NODELIST/SLURM_JOB_NODELIST)"
+                            : "; set both for every rank, e.g. mpirun -x MASTER_ADDR -x MASTER_PORT)"));
     }
   } else {
     throw UsageError("unknown init_method '" + options.init_method + "' (use env:// or tcp://host:port)");
@@ -238,7 +241,7 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   g_runtime = std::move(rt);
   g_runtime_ptr.store(g_runtime.get(), std::memory_order_release);
   try {
-    raw->rendezvous(host, static_cast<std::uint16_t>(port), listen_fd);
+    raw->rendezvous({host, static_cast<std::uint16_t>(port), host_source}, listen_fd);
   } catch (...) {
     g_runtime_ptr.store(nullptr, std::memory_order_release);
     raw->close_everything(false);

@@ -2,6 +2,7 @@
 // (RequestHost), so that requests and replies are framed for a peer by the same function (frame_for), and the
 // same-host listener (LocalListener::Host).
 #include "corpc/rpc/detail/outbound.hpp"
+
 #include "rpc/call_engine.hpp"
 #include "rpc/request_server.hpp"
 #include "rpc/runtime_impl.hpp"

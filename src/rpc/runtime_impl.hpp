@@ -36,25 +36,26 @@
 
 #include "corpc/rpc/detail/registry.hpp"
 #include "corpc/rpc/runtime.hpp"
-#include "transport/refusal_log.hpp"
+
 #include "rpc/activity.hpp"
 #include "rpc/call_engine.hpp"
+#include "rpc/environment.hpp"
 #include "rpc/frame_dispatcher.hpp"
-#include "rpc/request_server.hpp"
 #include "rpc/hello.hpp"
 #include "rpc/hello_proofs.hpp"
 #include "rpc/io_threads.hpp"
 #include "rpc/local_listener.hpp"
-#include "rpc/environment.hpp"
 #include "rpc/peer_table.hpp"
 #include "rpc/rank_identities.hpp"
 #include "rpc/rendezvous_state.hpp"
 #include "rpc/replacement_waits.hpp"
+#include "rpc/request_server.hpp"
 #include "rpc/same_host.hpp"
 #include "rpc/shutdown_rounds.hpp"
 #include "transport/auth.hpp"
 #include "transport/connection.hpp"
 #include "transport/rank_identity.hpp"
+#include "transport/refusal_log.hpp"
 #include "transport/shm_channel.hpp"
 
 namespace corpc {
@@ -194,13 +195,20 @@ struct Runtime::Impl {
   void join_background() noexcept;
 
   // ---- rendezvous.cpp ----
-  void rendezvous(const std::string& master_host, std::uint16_t master_port, int listen_fd);
+  // Where rank 0 listens, and where the program or the environment said so (for messages).
+  struct MasterAddress {
+    std::string host;
+    std::uint16_t port = 0;
+    std::string source;  // "init_method", "MASTER_ADDR, MASTER_PORT", ...
+  };
+  void rendezvous(const MasterAddress& master, int listen_fd);
   void on_hello(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg);
   void refuse(const std::shared_ptr<detail::Connection>& conn, const std::string& why);
   // Refuses a Hello that claimed `claimed`, whose rank is taken (`why`), and says so in our log.
   void refuse_claim(const std::shared_ptr<detail::Connection>& conn, const WorkerInfo& claimed, const std::string& why);
   // Refuses the answer to our Hello on `conn`, which claimed `claimed` and did not prove it (`why`).
-  void refuse_answer(const std::shared_ptr<detail::Connection>& conn, const WorkerInfo& claimed, const std::string& why);
+  void refuse_answer(const std::shared_ptr<detail::Connection>& conn, const WorkerInfo& claimed,
+                     const std::string& why);
   void on_world(detail::Message&& msg);
   void on_world_update(detail::Message&& msg);  // a later table from rank 0: the ranks replaced since
   void publish_world_if_complete();

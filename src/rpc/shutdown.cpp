@@ -10,8 +10,9 @@
 #include <tuple>
 
 #include "corpc/rpc/call.hpp"
-#include "rpc/runtime_impl.hpp"
+
 #include "core/trace_recorder.hpp"
+#include "rpc/runtime_impl.hpp"
 
 namespace corpc {
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <asio/local/stream_protocol.hpp>
+
 #include <string>
 #include <string_view>
 

@@ -11,6 +11,7 @@
 
 #include "corpc/transport/errors.hpp"
 #include "corpc/wire/errors.hpp"
+
 #include "transport/mac.hpp"
 
 namespace corpc::detail {

@@ -20,11 +20,13 @@
 #pragma once
 
 #include <asio.hpp>
+
 #include <chrono>
 #include <memory>
 #include <string>
 
 #include "corpc/transport/errors.hpp"
+
 #include "transport/stream.hpp"
 
 namespace corpc::detail {

@@ -10,7 +10,6 @@
 // The TCP connection is tcp_connection.hpp with its tcp_*.cpp; the loopback connection is loopback_connection.cpp.
 #pragma once
 
-#include "transport/auth.hpp"
 #include <asio.hpp>
 
 #include <functional>
@@ -21,6 +20,8 @@
 #include <vector>
 
 #include "corpc/transport/errors.hpp"
+
+#include "transport/auth.hpp"
 #include "transport/frames.hpp"
 #include "transport/receive_budget.hpp"
 

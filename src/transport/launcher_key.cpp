@@ -10,6 +10,7 @@
 #include <string>
 
 #include "corpc/core/errors.hpp"
+
 #include "transport/mac.hpp"
 #include "transport/rank_identity.hpp"
 

@@ -6,9 +6,7 @@
 
 namespace corpc::detail {
 
-bool random_bytes(unsigned char* out, std::size_t n) noexcept {
-  return RAND_bytes(out, static_cast<int>(n)) == 1;
-}
+bool random_bytes(unsigned char* out, std::size_t n) noexcept { return RAND_bytes(out, static_cast<int>(n)) == 1; }
 
 void hex_into(const unsigned char* bytes, std::size_t n, char* out) noexcept {
   static constexpr char digits[] = "0123456789abcdef";

@@ -6,6 +6,7 @@
 #include <array>
 
 #include "corpc/transport/errors.hpp"
+
 #include "transport/mac.hpp"
 
 namespace corpc::detail {
@@ -21,7 +22,9 @@ Sha256Mac hmac(std::string_view key, std::string_view message) {
   return out;
 }
 
-std::string bytes_of(const Sha256Mac& mac) { return std::string(reinterpret_cast<const char*>(mac.data()), mac.size()); }
+std::string bytes_of(const Sha256Mac& mac) {
+  return std::string(reinterpret_cast<const char*>(mac.data()), mac.size());
+}
 
 // Fixed-width fields: no two (rank, incarnation, ...) tuples share an encoding.
 void append_u32(std::string& out, std::uint32_t v) {
@@ -82,7 +85,7 @@ std::string RankKey::sign(std::string_view message) const {
 bool verify_signature(std::string_view public_key, std::string_view message, std::string_view signature) {
   if (public_key.size() != kPublicKeyBytes || signature.size() != kSignatureBytes) return false;
   Pkey key(EVP_PKEY_new_raw_public_key(EVP_PKEY_ED25519, nullptr,
-                                      reinterpret_cast<const unsigned char*>(public_key.data()), public_key.size()));
+                                       reinterpret_cast<const unsigned char*>(public_key.data()), public_key.size()));
   MdCtx ctx(EVP_MD_CTX_new());
   if (!key || !ctx || EVP_DigestVerifyInit(ctx.get(), nullptr, nullptr, nullptr, key.get()) != 1) return false;
   return EVP_DigestVerify(ctx.get(), reinterpret_cast<const unsigned char*>(signature.data()), signature.size(),

@@ -31,7 +31,7 @@ class RankKey {
   ~RankKey();
 
   const std::string& public_key() const noexcept { return public_key_; }  // 32 bytes
-  std::string sign(std::string_view message) const;                        // 64 bytes
+  std::string sign(std::string_view message) const;                       // 64 bytes
 
  private:
   struct Impl;

@@ -15,11 +15,12 @@
 #include <string_view>
 #include <system_error>
 
-#include "transport/abstract_socket.hpp"
-#include "transport/auth.hpp"
 #include "corpc/transport/errors.hpp"
 #include "corpc/wire/errors.hpp"
+
 #include "core/log.hpp"
+#include "transport/abstract_socket.hpp"
+#include "transport/auth.hpp"
 
 namespace corpc::detail {
 
@@ -344,7 +345,8 @@ asio::awaitable<void> ShmListener::session(asio::local::stream_protocol::socket 
   }
   for (int i = 0; i < nfds; ++i) ::close(fds[i]);
   timer.cancel();
-  if (!refused.empty()) refusals_.refused(io_, worker_, fmt::format("refused a set-up on its Unix socket: {}", refused));
+  if (!refused.empty())
+    refusals_.refused(io_, worker_, fmt::format("refused a set-up on its Unix socket: {}", refused));
 }
 
 asio::awaitable<std::string> dial_shm_channel(std::string socket_name, std::string cookie, std::uint64_t ring_bytes,

@@ -3,14 +3,13 @@
 #include <openssl/err.h>
 #include <openssl/ssl.h>
 #include <openssl/x509.h>
-
 #include <sys/socket.h>
 
 #include <cstdlib>
 
 #include "corpc/transport/errors.hpp"
-#include "corpc/wire/errors.hpp"
 #include "corpc/transport/tls.hpp"
+#include "corpc/wire/errors.hpp"
 
 namespace corpc::detail {
 

@@ -189,9 +189,9 @@ class TcpConnection final : public Connection {
 
   std::mutex wmutex_;  // guards everything below, and the socket's descriptor against close while a sender writes
   std::unique_ptr<FrameSeal> seal_out_;  // tags the frames we send, in wire order (null: not sealed)
-  std::shared_ptr<ShmChannel> shm_;   // the same-host channel, once set up
-  std::function<void()> shm_wanted_;  // sets shm_ up, until a large message calls for it (taken then)
-  std::shared_ptr<CudaIpcLink> ipc_;  // CUDA IPC with the peer, once agreed and attached
+  std::shared_ptr<ShmChannel> shm_;      // the same-host channel, once set up
+  std::function<void()> shm_wanted_;     // sets shm_ up, until a large message calls for it (taken then)
+  std::shared_ptr<CudaIpcLink> ipc_;     // CUDA IPC with the peer, once agreed and attached
   std::string stage_;
   std::vector<Seg> segs_;
   std::size_t seg_i_ = 0, seg_done_ = 0;
@@ -201,8 +201,8 @@ class TcpConnection final : public Connection {
   bool connected_ = false;
   bool closed_ = false;
   bool close_when_flushed_ = false;
-  bool holding_ = false;             // hold_sends() .. release_sends()
-  std::vector<OutFrame> held_;       // sent while holding, in order
+  bool holding_ = false;        // hold_sends() .. release_sends()
+  std::vector<OutFrame> held_;  // sent while holding, in order
 };
 
 }  // namespace corpc::detail

@@ -14,8 +14,9 @@
 #include <cerrno>
 #include <cstring>
 
-#include "corpc/core/executor.hpp"
 #include "corpc/core/detail/deferred_work.hpp"
+#include "corpc/core/executor.hpp"
+
 #include "core/trace_recorder.hpp"
 #include "memory/cuda_ipc.hpp"
 #include "transport/shm_transfer.hpp"

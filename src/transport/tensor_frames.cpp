@@ -6,12 +6,13 @@
 #include <limits>
 
 #include "corpc/wire/codec.hpp"
-#include "transport/frames.hpp"
+
 #include "memory/cuda_ipc.hpp"
 #include "memory/cuda_transfer.hpp"
-#include "wire/device_map.hpp"
 #include "memory/host_block_cache.hpp"
+#include "transport/frames.hpp"
 #include "transport/shm_transfer.hpp"
+#include "wire/device_map.hpp"
 #include "wire/tensor_meta.hpp"
 
 namespace corpc {

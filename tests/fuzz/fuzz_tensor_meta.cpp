@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "corpc/wire/errors.hpp"
+
 #include "wire/tensor_meta.hpp"
 
 namespace {

@@ -77,7 +77,6 @@ bool blocking_forbidden() noexcept;
 /// Throws UsageError naming `what` if the calling thread must not block.
 void check_may_block(const char* what);
 
-
 // ---- executors ----------------------------------------------------------------------------------------------------
 
 /// A set of threads draining one FIFO queue. `stop()` finishes queued jobs, then joins. While a pool thread blocks

@@ -13,11 +13,11 @@
 /// a new gradient accumulator (set_), and DDP re-attaches its hooks to the current ones before every forward.
 #pragma once
 
-#include <optional>
-#include <string>
-
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/torch.h>
+
+#include <optional>
+#include <string>
 
 namespace corpc::ddp {
 

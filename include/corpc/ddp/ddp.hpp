@@ -30,6 +30,9 @@
 /// The process group: Gloo on CPU tensors. A NCCL group (CUDA builds) can be passed in as any c10d::ProcessGroup.
 #pragma once
 
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/torch.h>
+
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -37,9 +40,6 @@
 #include <string>
 #include <type_traits>
 #include <utility>
-
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#include <torch/torch.h>
 
 namespace corpc::ddp {
 

@@ -55,6 +55,8 @@
 /// takeover.
 #pragma once
 
+#include <torch/torch.h>
+
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -63,8 +65,6 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
-
-#include <torch/torch.h>
 
 #include "corpc/ddp/ddp.hpp"
 #include "corpc/ddp/quorum.hpp"

@@ -51,15 +51,15 @@
 /// A restarted worker's replica comes back only while some live replica holds the state at each position.
 #pragma once
 
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/optim/optimizer.h>
+
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
-
-#include <torch/nn/modules/container/sequential.h>
-#include <torch/optim/optimizer.h>
 
 #include "corpc/ddp/quorum.hpp"
 #include "corpc/pipeline/pipeline.hpp"
@@ -116,7 +116,7 @@ struct ReplicaStepReport {
   pipeline::WorkerReport worker;  ///< this worker's actions in the committed attempt (timeline.hpp)
   /// One stage's averaging over the replicas, on the clock of `worker`'s records (trace::now_ns).
   struct Averaging {
-    int stage = 0;  ///< the stage
+    int stage = 0;                 ///< the stage
     std::int64_t started_ns = 0;   ///< when it started: the stage's last backward was done
     std::int64_t finished_ns = 0;  ///< when the averages were in the stage's gradients
   };

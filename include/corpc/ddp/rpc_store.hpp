@@ -15,11 +15,11 @@
 /// Values written by add() are decimal strings, as in c10d's TCPStore.
 #pragma once
 
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
 #include <chrono>
 #include <string>
 #include <vector>
-
-#include <torch/csrc/distributed/c10d/Store.hpp>
 
 namespace corpc::ddp {
 

@@ -168,8 +168,8 @@ inline double simulate_step(std::vector<std::vector<Action>> plan, const std::ve
 inline double simulated_step_seconds(Schedule schedule, int workers, int stages_per_worker, int micro_batches,
                                      const std::vector<ActionCosts>& layers, const std::vector<int>& balance,
                                      double send_seconds = 0) {
-  return simulate_step(make_schedule(schedule, workers, stages_per_worker, micro_batches),
-                       stage_costs(layers, balance), send_seconds);
+  return simulate_step(make_schedule(schedule, workers, stages_per_worker, micro_batches), stage_costs(layers, balance),
+                       send_seconds);
 }
 
 /// What balance_for_schedule chose.

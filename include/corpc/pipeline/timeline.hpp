@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "corpc/pipeline/schedule.hpp"
 #include "corpc/core/trace.hpp"
+#include "corpc/pipeline/schedule.hpp"
 #include "corpc/wire/codec.hpp"
 
 namespace corpc::pipeline {

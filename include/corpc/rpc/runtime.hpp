@@ -17,9 +17,9 @@
 #include <typeindex>
 #include <vector>
 
-#include "corpc/rpc/errors.hpp"
 #include "corpc/core/executor.hpp"
 #include "corpc/core/scope.hpp"
+#include "corpc/rpc/errors.hpp"
 #include "corpc/rpc/options.hpp"
 #include "corpc/rpc/worker_info.hpp"
 

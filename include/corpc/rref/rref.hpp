@@ -201,5 +201,5 @@ RRef<T> remote(const WorkerRef& to, const CallOptions& options, A&&... args) {
 }  // namespace corpc
 
 // The definitions of the members above, and an RRef as an argument or a result.
-#include "corpc/rref/detail/rref_members.hpp"
 #include "corpc/rref/detail/codec.hpp"
+#include "corpc/rref/detail/rref_members.hpp"

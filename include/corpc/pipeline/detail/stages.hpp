@@ -23,8 +23,7 @@ namespace corpc::pipeline::detail {
 
 // The loss and the optimizer factory as the stages take them (the public names: pipeline::LossFn, OptimizerFactory).
 using StageLoss = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
-using StageOptimizerFactory =
-    std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor> params)>;
+using StageOptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor> params)>;
 
 // Where the stages of one pipeline are (sent to each worker that hosts some).
 struct StagePlacement {
@@ -75,4 +74,3 @@ std::uint64_t next_pipeline_id();
 // Run on the I/O thread where their frame arrives: they hand a value to a waiting action, or fail its step.
 CORPC_IO_THREAD_FUNCTION(&corpc::pipeline::detail::deliver);
 CORPC_IO_THREAD_FUNCTION(&corpc::pipeline::detail::abort_step);
-

@@ -14,8 +14,8 @@
 #include <optional>
 #include <string_view>
 
-#include "corpc/rpc/errors.hpp"
 #include "corpc/core/future.hpp"
+#include "corpc/rpc/errors.hpp"
 #include "corpc/wire/detail/message.hpp"
 
 namespace corpc {

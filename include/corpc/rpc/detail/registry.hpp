@@ -11,9 +11,9 @@
 #include <string_view>
 #include <vector>
 
+#include "corpc/core/future.hpp"
 #include "corpc/rpc/errors.hpp"
 #include "corpc/rpc/registry.hpp"
-#include "corpc/core/future.hpp"
 #include "corpc/wire/codec.hpp"
 #include "corpc/wire/detail/message.hpp"
 

@@ -14,7 +14,6 @@
 
 #include "corpc/core/future.hpp"
 #include "corpc/rpc/runtime.hpp"
-
 #include "corpc/rref/context.hpp"
 
 namespace corpc {
