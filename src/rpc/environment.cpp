@@ -8,6 +8,8 @@
 
 #include "corpc/rpc/errors.hpp"
 
+#include "rpc/launch_protocol.hpp"
+
 namespace corpc::detail {
 
 namespace {
@@ -167,22 +169,20 @@ int listen_fd_from_environment() { return env_int({"CORPC_LISTEN_FD"}, -1); }
 
 bool agent_store_from_environment() { return env_or_empty("TORCHELASTIC_USE_AGENT_STORE") == "True"; }
 
-bool launched_by_launch_processes() { return !env_or_empty("CORPC_LAUNCHED").empty(); }
+bool launched_by_launch_processes() { return !env_or_empty(kLaunched).empty(); }
 
-bool rejoin_from_environment() { return env_or_empty("CORPC_REJOIN") == "1"; }
+bool rejoin_from_environment() { return env_or_empty(kRejoin) == "1"; }
 
-int rank_restart_from_environment() { return std::max(0, env_int({"CORPC_RANK_RESTART"}, 0)); }
+int rank_restart_from_environment() { return std::max(0, env_int({kRankRestart}, 0)); }
 
 bool rank_leak_check_from_environment() { return !switched_off("CORPC_RANK_LEAK_CHECK"); }
 
-bool started_by_corpc_launcher() {
-  return launched_by_launch_processes() || !env_or_empty("CORPC_RANK_CREDENTIAL").empty();
-}
+bool started_by_corpc_launcher() { return launched_by_launch_processes() || !env_or_empty(kRankCredential).empty(); }
 
 RankProofs rank_proofs_from_environment() {
   RankProofs p;
-  p.launcher_key = env_or_empty("CORPC_RANK_KEY");
-  p.credential = env_or_empty("CORPC_RANK_CREDENTIAL");
+  p.launcher_key = env_or_empty(kRankKey);
+  p.credential = env_or_empty(kRankCredential);
   p.incarnation = static_cast<std::uint32_t>(rank_restart_from_environment());
   return p;
 }
