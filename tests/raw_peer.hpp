@@ -72,13 +72,17 @@ inline asio::ip::tcp::socket raw_socket(asio::io_context& io, const WorkerInfo& 
   return s;
 }
 
-// The name of the abstract Unix socket on which process `pid` takes connections from its host ("" if none).
+// The name of the abstract Unix socket on which process `pid` takes connections from its host ("" if none). Looked for
+// a few times: the kernel lists the table a page at a time, and on a busy host, whose sockets come and go between
+// pages, a row may be left out of one reading.
 inline std::string rpc_socket_of(int pid) {
-  std::ifstream in("/proc/self/net/unix");
   const std::string prefix = "@corpc-rpc-" + std::to_string(pid) + "-";
-  for (std::string line; std::getline(in, line);) {
-    const auto at = line.find(prefix);
-    if (at != std::string::npos) return line.substr(at + 1);
+  for (int reading = 0; reading < 5; ++reading) {
+    std::ifstream in("/proc/self/net/unix");
+    for (std::string line; std::getline(in, line);) {
+      const auto at = line.find(prefix);
+      if (at != std::string::npos) return line.substr(at + 1);
+    }
   }
   return {};
 }

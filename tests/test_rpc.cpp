@@ -2,6 +2,8 @@
 #include <ATen/ATen.h>
 #include <asio.hpp>
 #include <doctest/doctest.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <pthread.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -15,8 +17,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <set>
-#include <sstream>
+#include <map>
 #include <system_error>
 #include <thread>
 
@@ -93,51 +94,53 @@ Future<int> future_result(int v) { return make_ready_future(v * 2); }
 
 int process_id() { return static_cast<int>(::getpid()); }
 
-// Calls `row` with the fields of each line of a /proc/net table (its heading skipped).
-template <typename Row>
-void proc_net_rows(const char* table, Row&& row) {
-  std::ifstream in(table);
-  std::string line;
-  std::getline(in, line);  // the heading
-  while (std::getline(in, line)) {
-    std::istringstream fields(line);
-    std::vector<std::string> f;
-    for (std::string x; fields >> x;) f.push_back(x);
-    row(f);
-  }
-}
-
-// This process's sockets, as the kernel lists them: TCP connections that are established, and Unix stream sockets
-// that are connected (a worker's connections to peers on its host, when it takes the Unix socket).
+// This process's sockets, asked of each of its descriptors (not read from /proc/net: the kernel lists those tables a
+// page at a time, and on a busy host, whose connections come and go between pages, a row may come twice or not at all):
+// TCP connections that are established, and Unix stream sockets that are connected (a worker's connections to peers on
+// its host, when it takes the Unix socket).
 struct SocketCensus {
   int tcp_established = 0;
-  int tcp_dialed = 0;  // established TCP connections whose far end is one of the ports asked about
+  // Established TCP connections we dialed to one of the ports asked about: (local port, remote port).
+  std::vector<std::pair<std::uint16_t, std::uint16_t>> dialed;
   int unix_connected = 0;
   std::string tcp;  // every established TCP connection, "local port->remote port", for failure messages
 };
 SocketCensus own_sockets(const std::vector<std::uint16_t>& dialed_ports = {}) {
-  std::set<std::string> ours;  // inodes of the sockets among our descriptors
-  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
-    std::error_code ec;
-    const std::string target = std::filesystem::read_symlink(entry.path(), ec).string();
-    if (!ec && target.rfind("socket:[", 0) == 0) ours.insert(target.substr(8, target.size() - 9));
-  }
-  const auto port_of = [](const std::string& address) {  // "0100007F:1F90" -> 8080
-    return static_cast<std::uint16_t>(std::stoul(address.substr(address.rfind(':') + 1), nullptr, 16));
+  const auto int_option = [](int fd, int option) {
+    int value = -1;
+    socklen_t size = sizeof value;
+    return ::getsockopt(fd, SOL_SOCKET, option, &value, &size) == 0 ? value : -1;
   };
+  const auto port_of = [](const sockaddr_storage& a) {
+    return ntohs(a.ss_family == AF_INET6 ? reinterpret_cast<const sockaddr_in6&>(a).sin6_port
+                                         : reinterpret_cast<const sockaddr_in&>(a).sin_port);
+  };
+  const std::uint16_t own_port = get_worker_info().port;
   SocketCensus census;
-  for (const char* table : {"/proc/self/net/tcp", "/proc/self/net/tcp6"})
-    proc_net_rows(table, [&](const std::vector<std::string>& f) {  // sl local remote st ... inode (10th)
-      if (f.size() <= 9 || f[3] != "01" || !ours.count(f[9])) return;
-      census.tcp_established++;
-      const std::uint16_t remote = port_of(f[2]);
-      if (std::find(dialed_ports.begin(), dialed_ports.end(), remote) != dialed_ports.end()) census.tcp_dialed++;
-      census.tcp += " " + std::to_string(port_of(f[1])) + "->" + std::to_string(remote);
-    });
-  // Num RefCount Protocol Flags Type St Inode
-  proc_net_rows("/proc/self/net/unix", [&](const std::vector<std::string>& f) {
-    if (f.size() > 6 && f[4] == "0001" && f[5] == "03" && ours.count(f[6])) census.unix_connected++;
-  });
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    const int fd = std::stoi(entry.path().filename().string());
+    const int domain = int_option(fd, SO_DOMAIN);  // -1: not a socket (or closed since the listing)
+    if (int_option(fd, SO_TYPE) != SOCK_STREAM) continue;
+    sockaddr_storage local{}, remote{};
+    socklen_t local_size = sizeof local, remote_size = sizeof remote;
+    const bool connected = ::getpeername(fd, reinterpret_cast<sockaddr*>(&remote), &remote_size) == 0;
+    if (domain == AF_UNIX) {
+      census.unix_connected += connected;
+      continue;
+    }
+    tcp_info info{};
+    socklen_t info_size = sizeof info;
+    if ((domain != AF_INET && domain != AF_INET6) || !connected ||
+        ::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &info_size) != 0 || info.tcpi_state != TCP_ESTABLISHED ||
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_size) != 0)
+      continue;
+    census.tcp_established++;
+    const std::uint16_t from = port_of(local), to = port_of(remote);
+    // One we accepted has our own port at our end, whatever port the dialer's end happens to have.
+    if (from != own_port && std::find(dialed_ports.begin(), dialed_ports.end(), to) != dialed_ports.end())
+      census.dialed.emplace_back(from, to);
+    census.tcp += " " + std::to_string(from) + "->" + std::to_string(to);
+  }
   return census;
 }
 
@@ -147,13 +150,27 @@ void expect_count(int got, int want, const std::string& what) {
     throw std::runtime_error(what + ": " + std::to_string(got) + " where " + std::to_string(want) + " were expected");
 }
 
-// Our established TCP connections to the other ranks' ports: the ones we dialed. (Connections a stranger opened to us
-// do not count: on a busy host another job's ranks may dial a stale port that is ours now, until we refuse them.)
-int own_tcp_to_peers() {
-  std::vector<std::uint16_t> ports;
+// Our established TCP connections to `rank`'s port (every other rank's, for -1): the ones we dialed, as
+// "local port->remote port (rank)". Connections opened to us do not count, whoever opened them: on a busy host another
+// job's ranks may dial a stale port that is ours now, until we refuse them.
+std::vector<std::string> own_tcp_to(int rank) {
+  std::map<std::uint16_t, int> rank_at;
   for (const auto& w : get_worker_infos())
-    if (w.rank != get_worker_info().rank) ports.push_back(w.port);
-  return own_sockets(ports).tcp_dialed;
+    if (w.rank != get_worker_info().rank && (rank < 0 || w.rank == rank)) rank_at[w.port] = w.rank;
+  std::vector<std::uint16_t> ports;
+  for (const auto& [port, r] : rank_at) ports.push_back(port);
+  std::vector<std::string> dialed;
+  for (const auto& [local, remote] : own_sockets(ports).dialed)
+    dialed.push_back(std::to_string(local) + "->" + std::to_string(remote) + " (rank " +
+                     std::to_string(rank_at[remote]) + ")");
+  return dialed;
+}
+
+// `dialed` (own_tcp_to) has `want` connections, or the test fails naming them.
+void expect_dialed(const std::vector<std::string>& dialed, std::size_t want, const std::string& what) {
+  std::string seen;
+  for (const auto& d : dialed) seen += " " + d;
+  expect_count(static_cast<int>(dialed.size()), static_cast<int>(want), what + " (seen:" + seen + ")");
 }
 
 // Whether one process may hold a full Unix listen backlog of connections (the kernel's somaxconn of them, plus the
@@ -190,18 +207,6 @@ std::vector<int> fill_backlog(const std::string& name) {
     if (error == EAGAIN) return queued;
     throw std::system_error(error, std::generic_category(), "connect to a stopped worker's Unix socket");
   }
-}
-
-// Whether some TCP connection on this host is established to `port` (whoever holds it).
-bool tcp_established_to(std::uint16_t port) {
-  char wanted[8];
-  std::snprintf(wanted, sizeof wanted, ":%04X", port);
-  bool found = false;
-  for (const char* table : {"/proc/self/net/tcp", "/proc/self/net/tcp6"})
-    proc_net_rows(table, [&](const std::vector<std::string>& f) {  // sl local remote st ...
-      if (f.size() > 3 && f[3] == "01" && f[2].ends_with(wanted)) found = true;
-    });
-  return found;
 }
 
 // Run on the I/O thread that reads their request (marked below, at global scope).
@@ -664,7 +669,8 @@ TEST_CASE("workers on one host connect over a Unix socket; one that turns it off
           if (rank == 0) {
             const std::vector<std::uint16_t> peers{get_worker_info(1).port, get_worker_info(2).port};
             const auto before = own_sockets(peers);
-            expect_count(before.tcp_dialed, 0, "TCP connections to peers before any call:" + before.tcp);
+            expect_count(static_cast<int>(before.dialed.size()), 0,
+                         "TCP connections to peers before any call:" + before.tcp);
             EXPECT_EQ(rpc_sync<&add>(1, 1, 2), 3);
             EXPECT_EQ(rpc_sync<&add>(2, 3, 4), 7);
             EXPECT_EQ(rpc_sync<&whoami_via>(1, 2), worker_name(2));  // 1 -> 2 too
@@ -672,7 +678,7 @@ TEST_CASE("workers on one host connect over a Unix socket; one that turns it off
             const auto after = own_sockets(peers);
             const std::string seen = "; TCP connections before:" + before.tcp + ", after:" + after.tcp;
             expect_count(after.unix_connected - before.unix_connected, rank2_on ? 2 : 1, "new Unix connections" + seen);
-            expect_count(after.tcp_dialed, rank2_on ? 0 : 1, "TCP connections to peers" + seen);
+            expect_count(static_cast<int>(after.dialed.size()), rank2_on ? 0 : 1, "TCP connections to peers" + seen);
           }
           shutdown(true);
         },
@@ -690,8 +696,8 @@ TEST_CASE("workers on one host connect over a Unix socket; one that turns it off
         EXPECT_EQ(rpc_sync<&add>(1, 1, 2), 3);
         const auto after = own_sockets(peer);
         EXPECT_EQ(after.unix_connected, before.unix_connected);
-        EXPECT_EQ(before.tcp_dialed, 0);
-        EXPECT_EQ(after.tcp_dialed, 1);
+        EXPECT_EQ(static_cast<int>(before.dialed.size()), 0);
+        EXPECT_EQ(static_cast<int>(after.dialed.size()), 1);
       },
       off);
 }
@@ -709,23 +715,22 @@ TEST_CASE("a peer whose Unix socket takes no more connections is dialed over TCP
           const int target = rpc_sync<&process_id>(1);
           const std::string name = rpc_socket_of(target);
           EXPECT(!name.empty());
-          EXPECT_EQ(rpc_sync<&own_tcp_to_peers>(2), 1);  // its registration with rank 0
-          const std::uint16_t port = get_worker_info(1).port;
-          EXPECT(!tcp_established_to(port));  // everyone else reached rank 1 over its Unix socket
+          expect_dialed(rpc_sync<&own_tcp_to>(2, -1), 1, "rank 2's TCP connections to peers");  // its registration
+          expect_dialed(own_tcp_to(1), 0, "rank 0's TCP connections to rank 1");  // it took the Unix socket
           stop_process(target);
           const std::vector<int> queued = fill_backlog(name);
           auto reply = rpc_async<&whoami_via>(2, 1);
           // The kernel completes a TCP handshake for a stopped listener: rank 2's dial shows as established.
           const auto give_up = std::chrono::steady_clock::now() + 30s * time_scale();
-          while (!tcp_established_to(port) && std::chrono::steady_clock::now() < give_up)
-            std::this_thread::sleep_for(1ms);
-          const bool over_tcp = tcp_established_to(port);
+          std::vector<std::string> to_rank1;
+          while ((to_rank1 = rpc_sync<&own_tcp_to>(2, 1)).empty() && std::chrono::steady_clock::now() < give_up)
+            std::this_thread::sleep_for(5ms);
           for (const int fd : queued) ::close(fd);  // rank 1 reads these as strangers that hung up
           ::kill(target, SIGCONT);
           EXPECT(queued.size() > 0);
-          EXPECT(over_tcp);
+          expect_dialed(to_rank1, 1, "rank 2's TCP connections to rank 1 while its Unix socket was full");
           EXPECT_EQ(reply.wait(), worker_name(1));
-          EXPECT_EQ(rpc_sync<&own_tcp_to_peers>(2), 2);
+          expect_dialed(rpc_sync<&own_tcp_to>(2, -1), 2, "rank 2's TCP connections to peers after the fallback");
           EXPECT_EQ(rpc_sync<&whoami_via>(1, 2), worker_name(2));  // and rank 1 still serves and dials
         }
         shutdown(true);
