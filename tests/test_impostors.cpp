@@ -239,7 +239,7 @@ TEST_CASE(
           {
             // It even shows worker1's real public key (the world table's); it cannot sign with it.
             Squatter squatter(1, static_cast<std::uint16_t>(port), unix_name,
-                              runtime_impl(Runtime::get()).proofs->identities().get(1).public_key);
+                              runtime_impl(Runtime::get()).rendezvous->proofs().identities().get(1).public_key);
             std::string error;
             try {
               const int forged = rpc_async<&add>(1, with_timeout(30s), 20, 22).wait(60s);

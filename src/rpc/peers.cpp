@@ -59,11 +59,11 @@ std::shared_ptr<detail::Connection> Runtime::Impl::connection_to(int rank) {
       }
       // Every dialed connection starts with who we are and what we accept, signed for this connection; what we send
       // after it waits for the answer to prove that the peer is the rank we dialled (on_hello).
-      c = detail::dial_tcp_connection(pick_io(), rank, host, port, std::move(local_socket),
-                                      connection_settings(/*dialed=*/true), frame_handler(), close_handler(), auth,
-                                      [this, rank](const std::string& transcript) {
-                                        return detail::prepare(hello_message(our_hello(false, rank, transcript)));
-                                      });
+      c = detail::dial_tcp_connection(
+          pick_io(), rank, host, port, std::move(local_socket), connection_settings(/*dialed=*/true), frame_handler(),
+          close_handler(), auth, [this, rank](const std::string& transcript) {
+            return detail::prepare(hello_message(rendezvous->our_hello(false, rank, transcript)));
+          });
     }
     return c;
   });
@@ -111,18 +111,19 @@ void Runtime::Impl::on_close(const std::shared_ptr<detail::Connection>& conn, co
   // shutdown() on a worker whose master died) must find the rank already dead.
   // An answer we refused (an impostor at the rank's address) says nothing of the rank itself.
   const bool impostor = session.outgoing && session.hello_refused;
-  if (world.known() && rank >= 0 && loss.speaks_for_rank && !was_closing && !impostor) mark_dead(rank, reason);
+  const bool world_known = rendezvous->world().known();
+  if (world_known && rank >= 0 && loss.speaks_for_rank && !was_closing && !impostor) mark_dead(rank, reason);
   // Our requests on this connection cannot be answered any more, whatever the reason.
   const std::string who = "worker '" + name_of(rank) + "' (rank " + std::to_string(rank) + ")";
   auto error = was_closing ? std::make_exception_ptr(ShutdownError("corpc runtime shut down"))
                : impostor  ? std::make_exception_ptr(ConnectionError("cannot reach " + who + ": " + reason))
                            : std::make_exception_ptr(ConnectionError(who + " is gone: " + reason));
   detail::CallEngine::of(*conn).closed(error);
-  if (!world.known()) {
+  if (!world_known) {
     if (self.rank == 0) {
-      registrations.forget(conn);  // a worker that left before the world was complete may come back
+      rendezvous->registrations().forget(conn);  // a worker that left before the world was complete may come back
     } else if (session.outgoing && rank == 0) {
-      world_ready.set_exception(ConnectionError("lost rank 0 during rendezvous: " + why));
+      rendezvous->world_ready().set_exception(ConnectionError("lost rank 0 during rendezvous: " + why));
     }
     return;
   }

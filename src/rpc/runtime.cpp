@@ -8,6 +8,7 @@
 #include "core/log.hpp"
 #include "core/thread_name.hpp"
 #include "core/trace_recorder.hpp"
+#include "memory/cuda_transfer.hpp"
 #include "rpc/environment.hpp"
 #include "rpc/runtime_exit.hpp"
 #include "rpc/runtime_impl.hpp"
@@ -116,18 +117,38 @@ bool Runtime::spawn_background(Task<void> task, Background how) noexcept {
 
 // ---- threads -------------------------------------------------------------------------------------------------------
 
+namespace {
+// What the rendezvous is told of this worker: who it is, what it accepts and announces.
+detail::Rendezvous::Settings rendezvous_settings(const Runtime::Impl& rt) {
+  detail::DeviceConfig devices;
+  devices.device_count = detail::local_cuda_device_count();
+  devices.devices = rt.options.devices;
+  devices.maps = rt.options.device_maps;
+  return {.rank = rt.self.rank,
+          .world_size = rt.world_size,
+          .worker = rt.self.name,
+          .limits = rt.options.limits,
+          .rejoin = rt.options.rejoin,
+          .handshake_timeout = rt.options.handshake_timeout,
+          .device_config = detail::encode_device_config(devices)};
+}
+}  // namespace
+
 // Every frame kind gets its owner before any connection exists (frame_dispatcher.hpp).
 void Runtime::Impl::route_frames() {
   call_host = detail::make_call_host(*this);
   request_host = detail::make_request_host(*this);
   local_host = detail::make_local_listener_host(*this);
+  rendezvous_host = detail::make_rendezvous_host(*this);
   requests = std::make_unique<detail::RequestServer>(*request_host);
-  detail::route_rendezvous(frames, *this);       // hello, world, refusal
-  detail::route_requests(frames, *requests);     // request, cancel, oversized
-  detail::route_replies(frames);                 // reply
-  detail::route_ipc_done(frames);                // ipc_done
-  detail::route_goodbye(frames, *peers);         // goodbye
-  detail::route_device_delivery(frames, *this);  // on_devices
+  rendezvous = std::make_unique<detail::Rendezvous>(*rendezvous_host, rendezvous_settings(*this), *peers, same_host,
+                                                    detail::rank_proofs_from_environment());
+  detail::route_rendezvous(frames, *rendezvous);  // hello, world, refusal
+  detail::route_requests(frames, *requests);      // request, cancel, oversized
+  detail::route_replies(frames);                  // reply
+  detail::route_ipc_done(frames);                 // ipc_done
+  detail::route_goodbye(frames, *peers);          // goodbye
+  detail::route_device_delivery(frames, *this);   // on_devices
 }
 
 void Runtime::Impl::start_threads() {
@@ -151,7 +172,7 @@ void Runtime::Impl::stop_threads() {
 }
 
 std::string Runtime::Impl::name_of(int rank) const {
-  if (world.known() && rank >= 0 && rank < static_cast<int>(workers.size())) return workers[rank].name;
+  if (rendezvous->world().known() && rank >= 0 && rank < static_cast<int>(workers.size())) return workers[rank].name;
   return "rank " + std::to_string(rank);
 }
 
@@ -223,7 +244,6 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   impl->self.name = std::move(name);
   impl->self.rank = rank;
   impl->world_size = world_size;
-  impl->proofs = std::make_unique<detail::HelloProofs>(rank, world_size, detail::rank_proofs_from_environment());
   impl->peers = std::make_unique<detail::PeerTable>(world_size);
   impl->activity = std::make_unique<detail::Activity>(world_size);
   impl->route_frames();
@@ -241,7 +261,7 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   g_runtime = std::move(rt);
   g_runtime_ptr.store(g_runtime.get(), std::memory_order_release);
   try {
-    raw->rendezvous({host, static_cast<std::uint16_t>(port), host_source}, listen_fd);
+    raw->start_rendezvous({host, static_cast<std::uint16_t>(port), host_source}, listen_fd);
   } catch (...) {
     g_runtime_ptr.store(nullptr, std::memory_order_release);
     raw->close_everything(false);

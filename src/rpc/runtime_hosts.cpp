@@ -1,6 +1,6 @@
 // What the runtime's parts use of it: one RuntimeHost serves the call engines (CallHost), the request side
-// (RequestHost), so that requests and replies are framed for a peer by the same function (frame_for), and the
-// same-host listener (LocalListener::Host).
+// (RequestHost), so that requests and replies are framed for a peer by the same function (frame_for), the rendezvous
+// (RendezvousHost) and the same-host listener (LocalListener::Host).
 #include "corpc/rpc/detail/outbound.hpp"
 
 #include "rpc/call_engine.hpp"
@@ -20,11 +20,11 @@ void cancel_call(const CancelHook& h) noexcept {
   if (conn) CallEngine::of(*conn).cancel(conn, h.b);
 }
 
-class RuntimeHost final : public CallHost, public RequestHost, public LocalListener::Host {
+class RuntimeHost final : public CallHost, public RequestHost, public RendezvousHost, public LocalListener::Host {
  public:
   explicit RuntimeHost(Runtime::Impl& rt) : rt_(rt) {}
 
-  // Both ports.
+  // All three ports.
   std::string name_of(int rank) const override { return rt_.name_of(rank); }
   // A request or a reply: stamped with the current distributed-autograd context (a reply's: the caller's, set by the
   // request side), then framed with the device map to `rank` (an empty map before the world is known); CUDA tensors
@@ -64,11 +64,37 @@ class RuntimeHost final : public CallHost, public RequestHost, public LocalListe
   const std::string& self_name() const override { return rt_.self.name; }  // fixed before any connection exists
   const HandlerEntry* function(std::uint64_t function) const override { return global_registry().find(function); }
   bool park_until_world(const std::shared_ptr<Connection>& conn, Message& msg) override {
-    return rt_.world.park_if_unknown(conn, msg);
+    return rt_.rendezvous->world().park_if_unknown(conn, msg);
   }
   Executor& pool() override { return *rt_.pool; }
   int autograd_context_slot() const override { return rt_.tensor_hooks.context_slot; }
   std::uint64_t max_request_bytes() const override { return rt_.options.limits.max_request_bytes; }
+
+  // RendezvousHost.
+  WorkerInfo self() const override {
+    std::lock_guard lock(rt_.self_host_mutex);
+    return rt_.self;
+  }
+  LocalAddress local_address() const override { return rt_.local_listener.address(); }
+  void take_world(std::vector<WorkerInfo> workers, std::vector<LocalAddress> local,
+                  const std::vector<DeviceConfig>& configs) override {
+    std::vector<std::string> names;
+    for (const auto& w : workers) names.push_back(w.name);
+    auto resolved = resolve_device_maps(rt_.self.rank, names, configs);  // throws: the table is refused
+    for (const auto& w : workers) rt_.rank_by_name[w.name] = w.rank;
+    rt_.device_maps = std::move(resolved.by_rank);
+    rt_.rpc_devices = std::move(resolved.devices);
+    rt_.workers = std::move(workers);
+    rt_.local_addresses = std::move(local);
+    // Only the host can differ (rank 0 fills in the address it saw); the rest of self is read unlocked everywhere.
+    std::lock_guard lock(rt_.self_host_mutex);
+    rt_.self.host = rt_.workers[rt_.self.rank].host;
+  }
+  void forget_peer(int rank) override { rt_.activity->forget_peer(rank); }
+  void restart_held_calls(int rank) override { detail::restart_held_calls(rt_, rank); }
+  void dispatch(const std::shared_ptr<Connection>& conn, Message&& msg) override {
+    rt_.frames.dispatch(conn, std::move(msg));
+  }
 
   // LocalListener::Host: an accepted Unix socket is served as a TCP one is, without a port to report.
   asio::io_context& pick_io() override { return rt_.pick_io(); }
@@ -86,6 +112,7 @@ class RuntimeHost final : public CallHost, public RequestHost, public LocalListe
 
 std::unique_ptr<CallHost> make_call_host(Runtime::Impl& rt) { return std::make_unique<RuntimeHost>(rt); }
 std::unique_ptr<RequestHost> make_request_host(Runtime::Impl& rt) { return std::make_unique<RuntimeHost>(rt); }
+std::unique_ptr<RendezvousHost> make_rendezvous_host(Runtime::Impl& rt) { return std::make_unique<RuntimeHost>(rt); }
 std::unique_ptr<LocalListener::Host> make_local_listener_host(Runtime::Impl& rt) {
   return std::make_unique<RuntimeHost>(rt);
 }

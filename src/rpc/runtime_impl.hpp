@@ -7,20 +7,20 @@
 //   frame_dispatcher.hpp  which part each frame goes to (each owner registers its routes: route_frames)
 //   request_server.hpp    the peers' requests: lookup, execution (I/O thread or pool), replies and error frames
 //   environment.hpp       what the environment adds to the options
-//   hello_proofs.hpp      which rank we are and each peer is, proven: our Hellos' proofs, the judgement of theirs
+//   rendezvous.hpp        Hellos, registrations, the world table, ranks that rejoin; with them the proofs of identity
+//                         (hello_proofs.hpp) and the wait for the table (rendezvous_state.hpp)
 //   peer_table.hpp        connections by rank, who speaks for each rank, which ranks are gone
-//   rendezvous_state.hpp  rank 0's registrations; the wait for the world table and the requests that come before it
 //   same_host.hpp         the same-host channel and CUDA IPC per peer: what we offer, set-up, IpcDone frames
 //   local_listener.hpp    the abstract Unix socket that peers on this host dial instead of our TCP port
 // The rest is shared by the files that implement the runtime:
 //   runtime.cpp     public surface, init_rpc
 //   calls.cpp       start_call (the connection for a call) and the replies to our calls
-//   runtime_hosts.cpp  what the parts use of the runtime (CallHost, RequestHost, LocalListener::Host), framing for a
-//                      peer both ways
+//   runtime_hosts.cpp  what the parts use of the runtime (CallHost, RequestHost, RendezvousHost,
+//                      LocalListener::Host), framing for a peer both ways
 //   device_delivery.cpp  frames whose tensors go to CUDA devices first
 //   peers.cpp       connections: dialing, accepting, closing, peer death
 //   shutdown.cpp    graceful shutdown
-//   rendezvous.cpp  finding every worker at start
+//   rendezvous_start.cpp  finding every worker at start: listening, the registration with rank 0
 // Threads: I/O threads own connections and timers; the worker pool runs handlers; any thread may call. Fields say
 // which lock or thread guards them.
 #pragma once
@@ -42,12 +42,11 @@
 #include "rpc/environment.hpp"
 #include "rpc/frame_dispatcher.hpp"
 #include "rpc/hello.hpp"
-#include "rpc/hello_proofs.hpp"
 #include "rpc/io_threads.hpp"
 #include "rpc/local_listener.hpp"
 #include "rpc/peer_table.hpp"
 #include "rpc/rank_identities.hpp"
-#include "rpc/rendezvous_state.hpp"
+#include "rpc/rendezvous.hpp"
 #include "rpc/replacement_waits.hpp"
 #include "rpc/request_server.hpp"
 #include "rpc/same_host.hpp"
@@ -63,14 +62,12 @@ namespace corpc {
 struct Runtime::Impl {
   RpcOptions options;
   detail::AuthConfig auth;  // from options.secret / CORPC_SECRET
-  // Which rank this process is and which rank each peer is, proven (hello_proofs.hpp); made by init_rpc.
-  std::unique_ptr<detail::HelloProofs> proofs;
-  // Fixed before the I/O threads start, except self.host of a worker listening on a wildcard address: on_world fills
-  // it in (under self_host_mutex) while other I/O threads may be answering Hellos with a copy of self.
+  // Fixed before the I/O threads start, except self.host of a worker listening on a wildcard address: the world table
+  // fills it in (under self_host_mutex) while other I/O threads may be answering Hellos with a copy of self.
   WorkerInfo self;
   mutable std::mutex self_host_mutex;
   int world_size = 0;
-  std::vector<WorkerInfo> workers;  // by rank; written once by rendezvous before init_rpc returns
+  std::vector<WorkerInfo> workers;  // by rank; written once with the world table, before init_rpc returns
   std::unordered_map<std::string, int> rank_by_name;
 
   // The I/O threads (io_threads.hpp), made by start_threads. The rendezvous frames (Hello, World) are handled on the
@@ -94,6 +91,7 @@ struct Runtime::Impl {
   detail::FrameDispatcher frames;
   std::unique_ptr<detail::CallHost> call_host;              // what each connection's call engine uses of this runtime
   std::unique_ptr<detail::RequestHost> request_host;        // what the request side uses of it
+  std::unique_ptr<detail::RendezvousHost> rendezvous_host;  // and the rendezvous
   std::unique_ptr<detail::LocalListener::Host> local_host;  // and the same-host listener (not a frame owner)
   std::unique_ptr<detail::RequestServer> requests;          // the peers' requests
 
@@ -101,12 +99,14 @@ struct Runtime::Impl {
   std::unique_ptr<detail::PeerTable> peers;
   // Calls to dead ranks held for their replacement (RpcOptions::replacement_wait; replacement_waits.hpp).
   detail::ReplacementWaits replacement_waits;
+  // Hellos, registrations and the world table (rendezvous.hpp); made by route_frames. After the peer table, which it
+  // uses.
+  std::unique_ptr<detail::Rendezvous> rendezvous;
 
   std::atomic<std::uint64_t> accepted{0}, accept_errors{0},
       refused_connections{0};  // diagnostics for rendezvous failures
-  // What strangers and impostors provoke at will is logged at a bounded rate (after io_threads: its timer runs there).
+  // What strangers provoke at will is logged at a bounded rate (after io_threads: its timer runs there).
   detail::RefusalLog refused_handshakes{"accept", "connections refused"};
-  detail::RefusalLog refused_hellos{"hello", "hellos refused"};
   // Calls and handlers in flight, and requests per peer (activity.hpp); made by init_rpc once the world size is known.
   std::unique_ptr<detail::Activity> activity;
 
@@ -125,19 +125,10 @@ struct Runtime::Impl {
   // Declared after what its tasks' wake-ups touch; joined by shutdown() before the Impl goes.
   TaskScope background;
 
-  // Rendezvous (rendezvous_state.hpp): rank 0's registrations; every rank's wait for the world table, with the
-  // requests that arrive before it.
-  detail::Registrations registrations;
-  detail::WorldGate world;
   // The device map used with each rank, in both directions (device_map.hpp), and our CUDA devices that RPC uses;
-  // written once by on_world before init_rpc returns.
+  // written once with the world table, before init_rpc returns.
   std::vector<DeviceMap> device_maps;
   std::vector<c10::Device> rpc_devices;
-  std::string own_device_config() const;  // what we announce when registering
-  // Rank 0: every rank's announced device configuration, as published in the world table (for ranks that rejoin);
-  // written before the world is known.
-  std::vector<std::string> world_device_configs;
-  Promise<void> world_ready;
 
   // Graceful shutdown's rounds, on rank 0 (shutdown_rounds.hpp).
   detail::ShutdownRounds shutdown_rounds;
@@ -194,33 +185,16 @@ struct Runtime::Impl {
   // work that would start in it is dropped.
   void join_background() noexcept;
 
-  // ---- rendezvous.cpp ----
+  // ---- rendezvous_start.cpp ----
   // Where rank 0 listens, and where the program or the environment said so (for messages).
   struct MasterAddress {
     std::string host;
     std::uint16_t port = 0;
     std::string source;  // "init_method", "MASTER_ADDR, MASTER_PORT", ...
   };
-  void rendezvous(const MasterAddress& master, int listen_fd);
-  void on_hello(const std::shared_ptr<detail::Connection>& conn, detail::Message&& msg);
-  void refuse(const std::shared_ptr<detail::Connection>& conn, const std::string& why);
-  // Refuses a Hello that claimed `claimed`, whose rank is taken (`why`), and says so in our log.
-  void refuse_claim(const std::shared_ptr<detail::Connection>& conn, const WorkerInfo& claimed, const std::string& why);
-  // Refuses the answer to our Hello on `conn`, which claimed `claimed` and did not prove it (`why`).
-  void refuse_answer(const std::shared_ptr<detail::Connection>& conn, const WorkerInfo& claimed,
-                     const std::string& why);
-  void on_world(detail::Message&& msg);
-  void on_world_update(detail::Message&& msg);  // a later table from rank 0: the ranks replaced since
-  void publish_world_if_complete();
-  // Takes `hello`'s sender as the new incarnation of its rank (RpcOptions::rejoin); `registration`: on rank 0, which
-  // also sends it the current world table, and retries until `deadline` (default: a handshake timeout from now)
-  // while the predecessor's connection is not yet seen closed.
-  void admit_rejoined(const std::shared_ptr<detail::Connection>& conn, detail::Hello& hello, detail::Hello& answer,
-                      bool registration, std::optional<detail::Clock::time_point> deadline = std::nullopt);
-  // `to_rank`: the rank the Hello goes to, `side` and `transcript` (the connection's) what it is signed for
-  // (rank_identity.hpp); a registration (to rank 0) carries the launcher's credential instead.
-  detail::Hello our_hello(bool registering, int to_rank = -1, const std::string& transcript = {},
-                          detail::HelloSide side = detail::HelloSide::dialer) const;
+  // Listens, registers with rank 0 (or, on rank 0, waits for every registration) and returns once the world table is
+  // known; throws why not.
+  void start_rendezvous(const MasterAddress& master, int listen_fd);
 };
 
 Runtime::Impl& runtime_impl(Runtime& rt) noexcept;
@@ -233,19 +207,16 @@ void restart_held_calls(Runtime::Impl& rt, int rank);
 // What the parts use of the runtime (runtime_hosts.cpp).
 std::unique_ptr<CallHost> make_call_host(Runtime::Impl& rt);
 std::unique_ptr<RequestHost> make_request_host(Runtime::Impl& rt);
+std::unique_ptr<RendezvousHost> make_rendezvous_host(Runtime::Impl& rt);
 std::unique_ptr<LocalListener::Host> make_local_listener_host(Runtime::Impl& rt);
 // The owners of frames register their routes (frame_dispatcher.hpp), each with one function of this form, called by
-// route_frames; the parts' are beside them: route_requests (request_server.hpp), route_ipc_done (same_host.hpp).
-void route_rendezvous(FrameDispatcher& frames, Runtime::Impl& rt);       // rendezvous.cpp
+// route_frames; the parts' are beside them: route_requests (request_server.hpp), route_rendezvous (rendezvous.hpp),
+// route_ipc_done (same_host.hpp).
 void route_replies(FrameDispatcher& frames);                             // calls.cpp
 void route_goodbye(FrameDispatcher& frames, PeerTable& peers);           // peers.cpp
 void route_device_delivery(FrameDispatcher& frames, Runtime::Impl& rt);  // device_delivery.cpp
 }  // namespace detail
 
 void validate_worker_name(const std::string& name);
-// The first frame on every dialed connection (rendezvous.cpp).
-detail::Message hello_message(const detail::Hello& hello);
-// A plain one, without same-host fields (tests that play a peer by hand, tests/raw_peer.hpp).
-detail::Message hello_message(const WorkerInfo& self, int world_size, bool rendezvous, const WireLimits& limits);
 
 }  // namespace corpc
