@@ -38,10 +38,13 @@ class TestHost final : public RendezvousHost, public CallHost {
   explicit TestHost(int rank) : rank_(rank) {}
 
   // RendezvousHost: records what it is told.
-  WorkerInfo self() const override { return {name(rank_), rank_, "10.0.0.1", static_cast<std::uint16_t>(9000 + rank_)}; }
+  WorkerInfo self() const override {
+    return {name(rank_), rank_, "10.0.0.1", static_cast<std::uint16_t>(9000 + rank_)};
+  }
   LocalAddress local_address() const override { return {}; }
   std::string name_of(int rank) const override { return name(rank); }
-  void take_world(std::vector<WorkerInfo> workers, std::vector<LocalAddress>, const std::vector<DeviceConfig>&) override {
+  void take_world(std::vector<WorkerInfo> workers, std::vector<LocalAddress>,
+                  const std::vector<DeviceConfig>&) override {
     tables.push_back(std::move(workers));
   }
   void forget_peer(int rank) override { forgotten.push_back(rank); }
@@ -297,8 +300,9 @@ TEST_CASE("Rendezvous: two ranks that register one name fail the job at once; a 
   CHECK(w.host.tables.empty());
 }
 
-TEST_CASE("Rendezvous: a claim that comes before the table waits with what follows it, and goes back on its own "
-          "connection's thread, in order") {
+TEST_CASE(
+    "Rendezvous: a claim that comes before the table waits with what follows it, and goes back on its own "
+    "connection's thread, in order") {
   Worker w(1);
   HelloProofs p2(2, 3, {});
   asio::io_context conn_io;  // the connection's I/O thread, run below
@@ -333,8 +337,9 @@ TEST_CASE("Rendezvous: a claim that comes before the table waits with what follo
   CHECK(!w.rendezvous.world().park_if_unknown(c, after));  // nothing waits any more
 }
 
-TEST_CASE("Rendezvous: a rank that rejoins with the launcher's credential replaces its predecessor once that one is "
-          "gone; every other rank is told") {
+TEST_CASE(
+    "Rendezvous: a rank that rejoins with the launcher's credential replaces its predecessor once that one is "
+    "gone; every other rank is told") {
   const std::string key = random_secret();
   const auto dealt = [&](int rank, std::uint32_t incarnation) {
     return RankProofs{rank == 0 ? key : std::string(), rank_credential(key, rank, incarnation), incarnation};

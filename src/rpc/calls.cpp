@@ -19,7 +19,7 @@ namespace {
 bool hold_for_replacement(Runtime::Impl& rt, OutboundCall& call) {
   const int dst = call.dst;
   const std::string why = rt.peers->death(dst);
-  if (why.empty() || why == Runtime::Impl::kShutDownReason || !rt.peers->farewell(dst).empty()) return false;
+  if (why.empty() || why == detail::GracefulShutdown::kShutDownReason || !rt.peers->farewell(dst).empty()) return false;
   const auto now = ReplacementWaits::Clock::now();
   auto timeout = call.timeout.value_or(rt.options.rpc_timeout);
   if (const auto inherited = current_call_context().deadline; inherited != ReplacementWaits::Clock::time_point::max())

@@ -93,7 +93,7 @@ void Runtime::Impl::mark_dead(int rank, const std::string& why) {
     listeners = failure_listeners;
   }
   for (auto& l : listeners) l(rank, why);
-  check_rounds();
+  graceful->check_rounds();
 }
 
 void Runtime::Impl::on_close(const std::shared_ptr<detail::Connection>& conn, const std::string& why) {
@@ -105,7 +105,8 @@ void Runtime::Impl::on_close(const std::shared_ptr<detail::Connection>& conn, co
   const detail::RpcSession& session = detail::RpcSession::of(*conn);
   if (session.said_goodbye) {
     const auto farewell = peers->farewell(rank);
-    reason = farewell.empty() ? std::string(kShutDownReason) : "it stopped after an error: " + farewell;
+    reason = farewell.empty() ? std::string(detail::GracefulShutdown::kShutDownReason)
+                              : "it stopped after an error: " + farewell;
   }
   // The death is recorded before anyone learns of it through a failed call: a caller woken by that failure (e.g.
   // shutdown() on a worker whose master died) must find the rank already dead.
@@ -193,10 +194,10 @@ void Runtime::Impl::close_everything(bool say_goodbye, const std::string& failur
   for (auto& w : replacement_waits.close())
     w.call.complete(w.call.target, w.call.dst, nullptr,
                     std::make_exception_ptr(ShutdownError("corpc runtime shut down")));
-  fail_pending_rounds();
+  graceful->close_rounds();
   // While the threads still run (a stopped task resumes on them) and after its blocked calls have failed: after a
   // graceful shutdown the scope is empty already; otherwise its tasks unwind at their next await.
-  join_background();
+  graceful->join_background();
   for (auto& c : conns) {
     if (say_goodbye && failure.empty()) c->send(goodbye());
     c->close_when_flushed();

@@ -58,8 +58,7 @@ WorldTable decode_world(const Message& msg, int world_size) {
 
 }  // namespace
 
-Rendezvous::Rendezvous(RendezvousHost& host, Settings settings, PeerTable& peers, SameHost& same_host,
-                       RankProofs dealt)
+Rendezvous::Rendezvous(RendezvousHost& host, Settings settings, PeerTable& peers, SameHost& same_host, RankProofs dealt)
     : host_(host),
       settings_(std::move(settings)),
       peers_(peers),
@@ -224,12 +223,11 @@ void Rendezvous::on_registration(const std::shared_ptr<Connection>& conn, Hello&
 
 // On rank 0 as its registration (answered with the current table), elsewhere on its first connection to us. Either
 // way the rank is alive again here, listens where its Hello says, and its predecessor's requests are forgotten.
-void Rendezvous::admit_rejoined(const std::shared_ptr<Connection>& conn, Hello& hello, Hello& answer,
-                                bool registration, std::optional<Clock::time_point> deadline) {
+void Rendezvous::admit_rejoined(const std::shared_ptr<Connection>& conn, Hello& hello, Hello& answer, bool registration,
+                                std::optional<Clock::time_point> deadline) {
   const auto rejoin_deadline = deadline.value_or(Clock::now() + settings_.handshake_timeout);
   const int rank = hello.self.rank;
-  PeerTable::Address at{hello.self.host.empty() ? conn->remote_address : hello.self.host, hello.self.port,
-                        hello.local};
+  PeerTable::Address at{hello.self.host.empty() ? conn->remote_address : hello.self.host, hello.self.port, hello.local};
   hello.self.host = at.host;
   auto [refusal, old] = peers_.revive(rank, conn, at, [&] {
     host_.forget_peer(rank);

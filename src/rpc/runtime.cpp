@@ -143,6 +143,15 @@ void Runtime::Impl::route_frames() {
   requests = std::make_unique<detail::RequestServer>(*request_host);
   rendezvous = std::make_unique<detail::Rendezvous>(*rendezvous_host, rendezvous_settings(*this), *peers, same_host,
                                                     detail::rank_proofs_from_environment());
+  shutdown_host = detail::make_shutdown_host(*this);
+  graceful =
+      std::make_unique<detail::GracefulShutdown>(*shutdown_host,
+                                                 detail::GracefulShutdown::Settings{.rank = self.rank,
+                                                                                    .world_size = world_size,
+                                                                                    .worker = self.name,
+                                                                                    .timeout = options.shutdown_timeout,
+                                                                                    .rpc_timeout = options.rpc_timeout},
+                                                 *activity, *peers, background);
   detail::route_rendezvous(frames, *rendezvous);  // hello, world, refusal
   detail::route_requests(frames, *requests);      // request, cancel, oversized
   detail::route_replies(frames);                  // reply
@@ -276,9 +285,9 @@ namespace {
 // Ends the running runtime; the caller holds g_runtime_mutex. Returns what the job lost, in words ("" if nothing).
 std::string close_runtime(bool graceful, const std::string& failure) {
   auto& impl = runtime_impl(*g_runtime);
-  Runtime::Impl::ShutdownOutcome outcome;
-  if (graceful) outcome = impl.graceful_shutdown();
-  else if (trace::enabled()) impl.finish_trace(false);
+  detail::GracefulShutdown::Outcome outcome;
+  if (graceful) outcome = impl.graceful->run();
+  else if (trace::enabled()) impl.graceful->finish_trace(false);
   // A rank of a job that lost a rank (it died, or stopped after an error) must not exit as a success. Once the job
   // agreed that it is quiet, rank 0 may close first: a write that then meets its closed socket is not a death (seen
   // under load: "write failed: Broken pipe" recorded before rank 0's goodbye was read).
@@ -287,7 +296,7 @@ std::string close_runtime(bool graceful, const std::string& failure) {
     const auto farewell = impl.peers->farewell(0);
     const auto death = impl.peers->deaths()[0];
     if (!farewell.empty()) lost = "rank 0 stopped after an error (" + farewell + ")";
-    else if (!death.empty() && death != Runtime::Impl::kShutDownReason)
+    else if (!death.empty() && death != detail::GracefulShutdown::kShutDownReason)
       lost = "rank 0 died before the job ended (" + death + ")";
   }
   if (graceful && lost.empty() && !outcome.lost.empty()) lost = "the job lost " + outcome.lost;
@@ -336,7 +345,7 @@ std::string close_runtime_left_open(const std::string& error) {
     (void)close_runtime(false, error);
     return {};
   }
-  const std::string lost = impl.lost_ranks();
+  const std::string lost = impl.graceful->lost_ranks();
   if (!lost.empty() || on_runtime_thread(impl)) {
     const std::string why = !lost.empty() ? "left without calling corpc::shutdown() after the job lost " + lost
                                           : "left without calling corpc::shutdown(), from one of the runtime's threads";

@@ -1,6 +1,6 @@
 // What the runtime's parts use of it: one RuntimeHost serves the call engines (CallHost), the request side
 // (RequestHost), so that requests and replies are framed for a peer by the same function (frame_for), the rendezvous
-// (RendezvousHost) and the same-host listener (LocalListener::Host).
+// (RendezvousHost), graceful shutdown (ShutdownHost) and the same-host listener (LocalListener::Host).
 #include "corpc/rpc/detail/outbound.hpp"
 
 #include "rpc/call_engine.hpp"
@@ -20,11 +20,15 @@ void cancel_call(const CancelHook& h) noexcept {
   if (conn) CallEngine::of(*conn).cancel(conn, h.b);
 }
 
-class RuntimeHost final : public CallHost, public RequestHost, public RendezvousHost, public LocalListener::Host {
+class RuntimeHost final : public CallHost,
+                          public RequestHost,
+                          public RendezvousHost,
+                          public ShutdownHost,
+                          public LocalListener::Host {
  public:
   explicit RuntimeHost(Runtime::Impl& rt) : rt_(rt) {}
 
-  // All three ports.
+  // Each port.
   std::string name_of(int rank) const override { return rt_.name_of(rank); }
   // A request or a reply: stamped with the current distributed-autograd context (a reply's: the caller's, set by the
   // request side), then framed with the device map to `rank` (an empty map before the world is known); CUDA tensors
@@ -96,6 +100,9 @@ class RuntimeHost final : public CallHost, public RequestHost, public Rendezvous
     rt_.frames.dispatch(conn, std::move(msg));
   }
 
+  // ShutdownHost.
+  void start_call(OutboundCall&& call) override { detail::start_call(rt_, std::move(call)); }
+
   // LocalListener::Host: an accepted Unix socket is served as a TCP one is, without a port to report.
   asio::io_context& pick_io() override { return rt_.pick_io(); }
   void serve_local(asio::ip::tcp::socket socket) override {
@@ -113,6 +120,7 @@ class RuntimeHost final : public CallHost, public RequestHost, public Rendezvous
 std::unique_ptr<CallHost> make_call_host(Runtime::Impl& rt) { return std::make_unique<RuntimeHost>(rt); }
 std::unique_ptr<RequestHost> make_request_host(Runtime::Impl& rt) { return std::make_unique<RuntimeHost>(rt); }
 std::unique_ptr<RendezvousHost> make_rendezvous_host(Runtime::Impl& rt) { return std::make_unique<RuntimeHost>(rt); }
+std::unique_ptr<ShutdownHost> make_shutdown_host(Runtime::Impl& rt) { return std::make_unique<RuntimeHost>(rt); }
 std::unique_ptr<LocalListener::Host> make_local_listener_host(Runtime::Impl& rt) {
   return std::make_unique<RuntimeHost>(rt);
 }

@@ -1,7 +1,8 @@
 // The runtime's private state. Parts that own their state and are used through their own interface:
 //   io_threads.hpp        the I/O threads and their executors
 //   activity.hpp          calls and handlers in flight, requests per peer; waiting for quiet
-//   shutdown_rounds.hpp   rank 0's side of graceful shutdown's termination detection
+//   graceful_shutdown.hpp the rounds in which every worker waits for the job to be quiet before it closes, with rank
+//                         0's side (shutdown_rounds.hpp); the background scope's join
 //   call_engine.hpp       a connection's calls, both ways: start, reply, deadlines, cancellation; it is the connection's
 //                         session, with the rest of what we know of the connection (rpc_session.hpp)
 //   frame_dispatcher.hpp  which part each frame goes to (each owner registers its routes: route_frames)
@@ -19,7 +20,6 @@
 //                      LocalListener::Host), framing for a peer both ways
 //   device_delivery.cpp  frames whose tensors go to CUDA devices first
 //   peers.cpp       connections: dialing, accepting, closing, peer death
-//   shutdown.cpp    graceful shutdown
 //   rendezvous_start.cpp  finding every worker at start: listening, the registration with rank 0
 // Threads: I/O threads own connections and timers; the worker pool runs handlers; any thread may call. Fields say
 // which lock or thread guards them.
@@ -41,6 +41,7 @@
 #include "rpc/call_engine.hpp"
 #include "rpc/environment.hpp"
 #include "rpc/frame_dispatcher.hpp"
+#include "rpc/graceful_shutdown.hpp"
 #include "rpc/hello.hpp"
 #include "rpc/io_threads.hpp"
 #include "rpc/local_listener.hpp"
@@ -50,7 +51,6 @@
 #include "rpc/replacement_waits.hpp"
 #include "rpc/request_server.hpp"
 #include "rpc/same_host.hpp"
-#include "rpc/shutdown_rounds.hpp"
 #include "transport/auth.hpp"
 #include "transport/connection.hpp"
 #include "transport/rank_identity.hpp"
@@ -92,6 +92,7 @@ struct Runtime::Impl {
   std::unique_ptr<detail::CallHost> call_host;              // what each connection's call engine uses of this runtime
   std::unique_ptr<detail::RequestHost> request_host;        // what the request side uses of it
   std::unique_ptr<detail::RendezvousHost> rendezvous_host;  // and the rendezvous
+  std::unique_ptr<detail::ShutdownHost> shutdown_host;      // and graceful shutdown
   std::unique_ptr<detail::LocalListener::Host> local_host;  // and the same-host listener (not a frame owner)
   std::unique_ptr<detail::RequestServer> requests;          // the peers' requests
 
@@ -117,29 +118,22 @@ struct Runtime::Impl {
   std::mutex hooks_mutex;            // guards the one below
   std::vector<std::function<void(int, const std::string&)>> failure_listeners;
 
-  // Local idleness, for graceful shutdown (shutdown.cpp): the activity counters at zero and nothing in the
-  // background scope.
-  bool locally_idle() const {
-    return activity->idle([this] { return background.active() == 0; });
-  }
   // Declared after what its tasks' wake-ups touch; joined by shutdown() before the Impl goes.
   TaskScope background;
+  // Graceful shutdown (graceful_shutdown.hpp); made by route_frames. After what it uses: the counts, the peer table,
+  // the background scope.
+  std::unique_ptr<detail::GracefulShutdown> graceful;
 
   // The device map used with each rank, in both directions (device_map.hpp), and our CUDA devices that RPC uses;
   // written once with the world table, before init_rpc returns.
   std::vector<DeviceMap> device_maps;
   std::vector<c10::Device> rpc_devices;
 
-  // Graceful shutdown's rounds, on rank 0 (shutdown_rounds.hpp).
-  detail::ShutdownRounds shutdown_rounds;
-
   // ---- runtime.cpp ----
   void start_threads();
   void stop_threads();
   void route_frames();
   std::string name_of(int rank) const;
-  // Why a peer that said goodbye is gone (as opposed to one that died): compared against by shutdown().
-  static constexpr const char* kShutDownReason = "it shut down";
 
   // ---- flow control and liveness (peers.cpp) ----
   // What peers' requests may hold here (RpcOptions::receive_budget_*, max_requests_held); shared by all connections.
@@ -162,28 +156,6 @@ struct Runtime::Impl {
   // Fails what is in flight, says Goodbye if asked (carrying `failure`, the error this rank stops after: "" for an
   // orderly shutdown), closes every connection and stops the threads.
   void close_everything(bool say_goodbye, const std::string& failure = {});
-
-  // ---- shutdown.cpp ----
-  // Answers the shutdown rounds that every live rank has reported to.
-  void check_rounds();
-  // Fails the rounds peers still wait on (they shut down gracefully while this process does not), while the I/O
-  // threads that answer them still run; a continuation queued on a stopped thread would never run (and leak).
-  void fail_pending_rounds();
-  struct ShutdownOutcome {
-    bool quiet = false;  // every live rank agreed, with rank 0, that the job is quiet (not: rank 0 lost, timeout)
-    std::string lost;    // the ranks the job lost (rank 0's account once quiet, else this rank's own): "" if none
-  };
-  ShutdownOutcome graceful_shutdown();
-  // The ranks this runtime saw die or leave after an error, in words ("" if none).
-  std::string lost_ranks();
-  // Waits until locally_idle() or `deadline`; true if idle.
-  bool wait_locally_idle(std::chrono::steady_clock::time_point deadline);
-  // Writes this worker's part of the trace (corpc/core/trace.hpp); `meet`: then waits in one more round for every
-  // live worker to have written its own, after which rank 0 merges the parts.
-  void finish_trace(bool meet);
-  // Joins the background scope with a stop requested (its tasks unwind at their next await); after this, library
-  // work that would start in it is dropped.
-  void join_background() noexcept;
 
   // ---- rendezvous_start.cpp ----
   // Where rank 0 listens, and where the program or the environment said so (for messages).
@@ -208,6 +180,7 @@ void restart_held_calls(Runtime::Impl& rt, int rank);
 std::unique_ptr<CallHost> make_call_host(Runtime::Impl& rt);
 std::unique_ptr<RequestHost> make_request_host(Runtime::Impl& rt);
 std::unique_ptr<RendezvousHost> make_rendezvous_host(Runtime::Impl& rt);
+std::unique_ptr<ShutdownHost> make_shutdown_host(Runtime::Impl& rt);
 std::unique_ptr<LocalListener::Host> make_local_listener_host(Runtime::Impl& rt);
 // The owners of frames register their routes (frame_dispatcher.hpp), each with one function of this form, called by
 // route_frames; the parts' are beside them: route_requests (request_server.hpp), route_rendezvous (rendezvous.hpp),
