@@ -28,6 +28,27 @@ std::string loopback_address_of(asio::io_context& io, const std::string& host) {
   return results.begin()->endpoint().address().to_string();
 }
 
+// Opens `acceptor` on `host`:`port` (0: any), or takes `listen_fd`, a socket a launcher (corpc::launch_processes) bound
+// and listens on for us, so that no other process could take the port in between. Returns the port.
+std::uint16_t listen(asio::ip::tcp::acceptor& acceptor, const std::string& host, std::uint16_t port, int listen_fd) {
+  if (listen_fd >= 0) {
+    acceptor.assign(asio::ip::tcp::v4(), listen_fd);
+    return acceptor.local_endpoint().port();
+  }
+  asio::ip::tcp::resolver resolver(acceptor.get_executor());
+  auto endpoint = *resolver.resolve(host, std::to_string(port)).begin();
+  acceptor.open(endpoint.endpoint().protocol());
+  acceptor.set_option(asio::ip::tcp::acceptor::reuse_address(true));
+  try {
+    acceptor.bind(endpoint);
+  } catch (const std::system_error& e) {
+    throw ConnectionError("cannot listen on " + host + ":" + std::to_string(endpoint.endpoint().port()) + ": " +
+                          e.what());
+  }
+  acceptor.listen();
+  return acceptor.local_endpoint().port();
+}
+
 // A rank's registration with rank 0, as init_rpc waits for it: whether a connection was made, and the last reason
 // one was not (any thread may ask; the dial runs on the main I/O thread).
 class RankZeroDial {
@@ -119,34 +140,18 @@ asio::awaitable<void> register_with_rank_zero(Runtime::Impl& rt, Runtime::Impl::
 }  // namespace
 
 void Runtime::Impl::start_rendezvous(const MasterAddress& master, int listen_fd) {
-  const std::string& master_host = master.host;
-  const std::uint16_t master_port = master.port;
   std::string listen_host = options.listen_address;
   if (listen_host.empty()) {
-    listen_host = loopback_address_of(main_io(), master_host);
+    listen_host = loopback_address_of(main_io(), master.host);
     if (listen_host.empty()) listen_host = "0.0.0.0";
   }
-  if (self.rank == 0 && listen_fd >= 0) {
-    // A launcher (corpc::launch_processes) bound the port for us, so no other process can take it in between.
-    acceptor->assign(asio::ip::tcp::v4(), listen_fd);
-  } else {
-    asio::ip::tcp::resolver resolver(main_io());
-    auto endpoint = *resolver.resolve(listen_host, std::to_string(self.rank == 0 ? master_port : 0)).begin();
-    acceptor->open(endpoint.endpoint().protocol());
-    acceptor->set_option(asio::ip::tcp::acceptor::reuse_address(true));
-    try {
-      acceptor->bind(endpoint);
-    } catch (const std::system_error& e) {
-      throw ConnectionError("cannot listen on " + listen_host + ":" + std::to_string(endpoint.endpoint().port()) +
-                            ": " + e.what());
-    }
-    acceptor->listen();
-  }
-  self.port = acceptor->local_endpoint().port();
+  // Rank 0 listens where everyone finds it (a launcher may have bound the port for it: `listen_fd`); the others on a
+  // port the system picks.
+  self.port = listen(*acceptor, listen_host, self.rank == 0 ? master.port : 0, self.rank == 0 ? listen_fd : -1);
   // Rank 0 is where everyone found it. The others: the address they listen on if it is a specific one, else the
   // address rank 0 sees them at (filled in there).
   const bool specific = listen_host != "0.0.0.0" && listen_host != "::";
-  self.host = self.rank == 0 ? master_host : specific ? listen_host : "";
+  self.host = self.rank == 0 ? master.host : specific ? listen_host : "";
   // Before our registration: it carries where peers on our host connect to us. With TLS every connection carries it,
   // as the peers expect.
   if (options.same_host_socket && !options.tls) local_listener.start(*local_host, main_io(), self.name);

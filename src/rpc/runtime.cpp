@@ -187,19 +187,11 @@ std::string Runtime::Impl::name_of(int rank) const {
 
 // ---- init ----------------------------------------------------------------------------------------------------------
 
-void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
-  validate_worker_name(name);
-  options = detail::with_environment(std::move(options));
-  if (rank < 0) rank = detail::rank_from_environment();
-  if (world_size < 0) world_size = detail::world_size_from_environment();
-  if (rank < 0 || world_size <= 0 || rank >= world_size)
-    throw UsageError("init_rpc: need 0 <= rank < world_size (got rank " + std::to_string(rank) + ", world size " +
-                     std::to_string(world_size) + " from " + detail::rank_variable() + "/" +
-                     detail::world_size_variable() + "); set RANK and WORLD_SIZE or pass them");
-  // Device maps set field by field skip set_device_map's checks: made here, before anything starts. The checks
-  // against the other workers follow at rendezvous.
-  for (const auto& [worker, map] : options.device_maps) detail::check_invertible(map, worker);
-  options.set_devices(std::move(options.devices));
+namespace {
+
+// Where rank 0 listens: init_method's tcp://host:port, or env://'s MASTER_ADDR and MASTER_PORT (or what a launcher's
+// variables give instead); throws UsageError naming what is missing or malformed.
+Runtime::Impl::MasterAddress master_address(const RpcOptions& options) {
   std::string host;
   int port = -1;
   std::string host_source = "init_method";  // where host and port came from, for messages
@@ -224,6 +216,45 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
     throw UsageError("unknown init_method '" + options.init_method + "' (use env:// or tcp://host:port)");
   }
   if (port <= 0 || port > 65535) throw UsageError("invalid master port " + std::to_string(port));
+  return {host, static_cast<std::uint16_t>(port), host_source};
+}
+
+// The handshake's settings from the options; says once in the log what protects this worker's port.
+detail::AuthConfig auth_config(const RpcOptions& options, const std::string& worker) {
+  detail::AuthConfig auth;
+  auth.secret = options.secret;
+  auth.timeout = options.handshake_timeout;
+  auth.seal_frames = options.seal_frames;
+  const auto& tls = options.tls;
+  if (tls) {
+    auth.tls = detail::make_tls_context(*tls);
+    detail::log(detail::LogLevel::info, worker, "init_rpc", "TLS 1.3 on every connection ({} peer certificates)",
+                tls->verify_peer ? "verifying" : "NOT verifying");
+  }
+  if (auth.secret.empty() && !(tls && tls->verify_peer)) {
+    detail::log(detail::LogLevel::warn, worker, "init_rpc",
+                "no shared secret (RpcOptions::secret or CORPC_SECRET): any process that can reach this worker's port "
+                "can call its functions");
+  }
+  return auth;
+}
+
+}  // namespace
+
+void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
+  validate_worker_name(name);
+  options = detail::with_environment(std::move(options));
+  if (rank < 0) rank = detail::rank_from_environment();
+  if (world_size < 0) world_size = detail::world_size_from_environment();
+  if (rank < 0 || world_size <= 0 || rank >= world_size)
+    throw UsageError("init_rpc: need 0 <= rank < world_size (got rank " + std::to_string(rank) + ", world size " +
+                     std::to_string(world_size) + " from " + detail::rank_variable() + "/" +
+                     detail::world_size_variable() + "); set RANK and WORLD_SIZE or pass them");
+  // Device maps set field by field skip set_device_map's checks: made here, before anything starts. The checks
+  // against the other workers follow at rendezvous.
+  for (const auto& [worker, map] : options.device_maps) detail::check_invertible(map, worker);
+  options.set_devices(std::move(options.devices));
+  const auto master = master_address(options);
 
   std::lock_guard lock(g_runtime_mutex);
   if (g_runtime) throw UsageError("init_rpc called twice: this process already runs a corpc runtime");
@@ -236,20 +267,7 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   auto impl = std::make_unique<Runtime::Impl>();
   impl->options = options;
   impl->init_flow_control();
-  impl->auth.secret = options.secret;
-  impl->auth.timeout = options.handshake_timeout;
-  impl->auth.seal_frames = options.seal_frames;
-  const auto& tls = options.tls;
-  if (tls) {
-    impl->auth.tls = detail::make_tls_context(*tls);
-    detail::log(detail::LogLevel::info, name, "init_rpc", "TLS 1.3 on every connection ({} peer certificates)",
-                tls->verify_peer ? "verifying" : "NOT verifying");
-  }
-  if (impl->auth.secret.empty() && !(tls && tls->verify_peer)) {
-    detail::log(detail::LogLevel::warn, name, "init_rpc",
-                "no shared secret (RpcOptions::secret or CORPC_SECRET): any process that can reach this worker's port "
-                "can call its functions");
-  }
+  impl->auth = auth_config(options, name);
   impl->self.name = std::move(name);
   impl->self.rank = rank;
   impl->world_size = world_size;
@@ -270,7 +288,7 @@ void init_rpc(std::string name, int rank, int world_size, RpcOptions options) {
   g_runtime = std::move(rt);
   g_runtime_ptr.store(g_runtime.get(), std::memory_order_release);
   try {
-    raw->start_rendezvous({host, static_cast<std::uint16_t>(port), host_source}, listen_fd);
+    raw->start_rendezvous(master, listen_fd);
   } catch (...) {
     g_runtime_ptr.store(nullptr, std::memory_order_release);
     raw->close_everything(false);

@@ -105,6 +105,11 @@ class TcpConnection final : public Connection {
 
   // Writing.
   void send_frame(OutFrame&& f, bool released);  // `released`: a held frame, now going out
+  // Under the write lock: `f`'s tag, into `tag`, over exactly what goes on the socket; null without a seal.
+  const FrameSeal::Tag* seal_outgoing(const OutFrame& f, FrameSeal::Tag& tag);
+  // Under the write lock, with nothing queued: writes `f` from this thread, stages what the socket did not take, and
+  // closes the connection (unlocking first) if the write failed.
+  void write_now(OutFrame& f, const FrameSeal::Tag* sealed, std::unique_lock<std::mutex>& lock);
   bool corked_here() const noexcept {
     return tls_batch.open > 0 && tls_batch.io == &const_cast<TcpConnection*>(this)->io();
   }

@@ -29,6 +29,9 @@ asio::awaitable<void> TcpConnection::read_loop(std::shared_ptr<TcpConnection> se
   }
 }
 
+// One coroutine, although long: its helpers that wait (read_more, discard, check_seal) run only when the buffer runs dry
+// or for rare frames, while a helper coroutine for the common steps (the header, the payload) would allocate a frame
+// of its own for every message read.
 asio::awaitable<void> TcpConnection::read_frames(std::shared_ptr<Connection> base) {
   for (;;) {
     while (rend_ - rbeg_ < sizeof(FrameHeader)) {

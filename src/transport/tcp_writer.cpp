@@ -114,19 +114,8 @@ void TcpConnection::send_frame(OutFrame&& f, bool released) {
   // next call) then gains nothing by waiting, and staging it would cost a wake-up of the I/O thread for the posted
   // flush, the fallback that staged frames need. Whether TLS is on is read only once connected: until then the
   // dial's I/O thread is setting it up (and nothing is written anyway).
-  // The frame's tag, over exactly what goes on the socket (the tensors that went into the ring do not), taken in
-  // the order frames are written: under the write lock, as the frame is written or staged.
   FrameSeal::Tag tag;
-  const FrameSeal::Tag* sealed = nullptr;
-  if (seal_out_) {
-    seal_out_->begin();
-    seal_out_->add(&f.head, sizeof f.head);
-    seal_out_->add(f.meta.data(), f.meta.size());
-    seal_out_->add(f.body.data(), f.body.size());
-    for (const auto& t : f.tensors) seal_out_->add(t.data_ptr(), static_cast<std::size_t>(t.nbytes()));
-    tag = seal_out_->tag();
-    sealed = &tag;
-  }
+  const FrameSeal::Tag* sealed = seal_outgoing(f, tag);
   bool coalesce = false;
   if (tls_batch.io == nullptr && connected_ && !transport_.encrypted()) {
     coalesce = !f.send_now && sender_batch_frames > 0;
@@ -145,7 +134,24 @@ void TcpConnection::send_frame(OutFrame&& f, bool released) {
     }
     return;
   }
-  // Nothing queued: write straight from the sending thread.
+  write_now(f, sealed, lock);
+}
+
+// The frame's tag, over exactly what goes on the socket (the tensors that went into the ring do not), taken in the
+// order frames are written: under the write lock, as the frame is written or staged.
+const FrameSeal::Tag* TcpConnection::seal_outgoing(const OutFrame& f, FrameSeal::Tag& tag) {
+  if (!seal_out_) return nullptr;
+  seal_out_->begin();
+  seal_out_->add(&f.head, sizeof f.head);
+  seal_out_->add(f.meta.data(), f.meta.size());
+  seal_out_->add(f.body.data(), f.body.size());
+  for (const auto& t : f.tensors) seal_out_->add(t.data_ptr(), static_cast<std::size_t>(t.nbytes()));
+  tag = seal_out_->tag();
+  return &tag;
+}
+
+// Nothing queued: straight from the sending thread.
+void TcpConnection::write_now(OutFrame& f, const FrameSeal::Tag* sealed, std::unique_lock<std::mutex>& lock) {
   iovec iov[kMaxIov];
   int n = 0;
   std::size_t total = 0;
