@@ -30,7 +30,8 @@ std::string loopback_address_of(asio::io_context& io, const std::string& host) {
 
 // Opens `acceptor` on `host`:`port` (0: any), or takes `listen_fd`, a socket a launcher (corpc::launch_processes) bound
 // and listens on for us, so that no other process could take the port in between. Returns the port.
-std::uint16_t listen(asio::ip::tcp::acceptor& acceptor, const std::string& host, std::uint16_t port, int listen_fd) {
+std::uint16_t open_listener(asio::ip::tcp::acceptor& acceptor, const std::string& host, std::uint16_t port,
+                            int listen_fd) {
   if (listen_fd >= 0) {
     acceptor.assign(asio::ip::tcp::v4(), listen_fd);
     return acceptor.local_endpoint().port();
@@ -147,7 +148,7 @@ void Runtime::Impl::start_rendezvous(const MasterAddress& master, int listen_fd)
   }
   // Rank 0 listens where everyone finds it (a launcher may have bound the port for it: `listen_fd`); the others on a
   // port the system picks.
-  self.port = listen(*acceptor, listen_host, self.rank == 0 ? master.port : 0, self.rank == 0 ? listen_fd : -1);
+  self.port = open_listener(*acceptor, listen_host, self.rank == 0 ? master.port : 0, self.rank == 0 ? listen_fd : -1);
   // Rank 0 is where everyone found it. The others: the address they listen on if it is a specific one, else the
   // address rank 0 sees them at (filled in there).
   const bool specific = listen_host != "0.0.0.0" && listen_host != "::";
