@@ -103,6 +103,8 @@ class Rendezvous {
   HelloProofs& proofs() noexcept { return proofs_; }
 
  private:
+  using Clock = std::chrono::steady_clock;
+
   void on_answer(const std::shared_ptr<Connection>& conn, const Hello& hello);
   void on_claim(const std::shared_ptr<Connection>& conn, Hello& hello, Message& msg);
   void on_registration(const std::shared_ptr<Connection>& conn, Hello& hello);
