@@ -44,7 +44,13 @@ for kind in "${which[@]}"; do
       -Dcpp_args=-fno-omit-frame-pointer -Dbenchmarks=disabled -Dexamples=disabled "${unity[@]}" >/dev/null
   fi
   mapfile -t targets < <(scripts/test_targets.py "$dir" "$(IFS=,; echo "${chosen[*]}")")
-  ninja -C "$dir" "${targets[@]}" >/dev/null
+  # A build that fails says why here (the compiler's errors are in ninja's output) and counts as a failed part.
+  if ! ninja -C "$dir" "${targets[@]}" >"$dir/build.log" 2>&1; then
+    grep -E -A8 'error|FAILED' "$dir/build.log" | head -60 || true
+    echo "sanitize $kind: the build failed (whole log: $dir/build.log)"
+    total_fail=$((total_fail + 1))
+    continue
+  fi
   set +e
   meson test -C "$dir" --no-rebuild --print-errorlogs --num-processes 2 --timeout-multiplier 3 "${chosen[@]}"
   set -e
