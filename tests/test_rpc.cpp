@@ -99,7 +99,6 @@ int process_id() { return static_cast<int>(::getpid()); }
 // TCP connections that are established, and Unix stream sockets that are connected (a worker's connections to peers on
 // its host, when it takes the Unix socket).
 struct SocketCensus {
-  int tcp_established = 0;
   // Established TCP connections we dialed to one of the ports asked about: (local port, remote port).
   std::vector<std::pair<std::uint16_t, std::uint16_t>> dialed;
   int unix_connected = 0;
@@ -134,7 +133,6 @@ SocketCensus own_sockets(const std::vector<std::uint16_t>& dialed_ports = {}) {
         ::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &info_size) != 0 || info.tcpi_state != TCP_ESTABLISHED ||
         ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_size) != 0)
       continue;
-    census.tcp_established++;
     const std::uint16_t from = port_of(local), to = port_of(remote);
     // One we accepted has our own port at our end, whatever port the dialer's end happens to have.
     if (from != own_port && std::find(dialed_ports.begin(), dialed_ports.end(), to) != dialed_ports.end())
