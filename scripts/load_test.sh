@@ -39,6 +39,8 @@ else
 fi
 side_log=$dir/meson-logs/load-side-status.txt  # not load-side.txt: meson writes that one
 : >"$side_log"
+failed_tests=$dir/meson-logs/load-failed-tests.txt  # printed again at the end of scripts/test.sh's run
+: >"$failed_tests"
 setsid timeout "$limit" bash -c '
   while :; do
     meson test -C "$0" --no-rebuild --num-processes 1 --logbase load-side "${@}" >/dev/null 2>&1
@@ -62,11 +64,13 @@ for round in $(seq "$rounds"); do
       echo "load round $round: $suite FAILED ($((SECONDS - start)) s, load $(cut -d' ' -f1 /proc/loadavg))"
       cat "$dir/meson-logs/$log.out"
       echo "load round $round: $suite's whole log: $dir/meson-logs/$log.txt"
+      scripts/failed_tests.py "$dir/meson-logs/$log.json" >>"$failed_tests"
     fi
   done
 done
 stop_load
 trap - EXIT
 echo "load: the job beside ours ran ${side_suites[*]} $(grep -c . "$side_log") time(s), $(grep -c 'status 0' "$side_log") passing"
+[[ $fail == 0 ]] || echo "load: why it failed: $failed_tests"
 echo "load: $ok passed, $fail failed"
 [[ $fail == 0 ]]

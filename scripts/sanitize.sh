@@ -57,6 +57,10 @@ for kind in "${which[@]}"; do
   log=$dir/meson-logs/testlog.txt
   pass=$(awk '/^Ok:/ {print $2}' "$log" | tail -1)
   fail=$(awk '/^(Fail|Timeout|Unexpected Pass):/ {s += $NF} END {print s + 0}' "$log")
+  if [[ ${fail:-0} -ne 0 ]]; then  # printed again at the end of scripts/test.sh's run
+    scripts/failed_tests.py "$dir/meson-logs/testlog.json" >"$dir/meson-logs/failed-tests.txt"
+    echo "sanitize $kind: why it failed: $dir/meson-logs/failed-tests.txt"
+  fi
   echo "sanitize $kind: ${pass:-0} passed, ${fail:-0} failed"
   total_pass=$((total_pass + ${pass:-0}))
   total_fail=$((total_fail + ${fail:-0}))

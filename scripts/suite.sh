@@ -66,5 +66,10 @@ if [[ -n ${CORPC_SUITE_SKIP:-} ]]; then
   echo "suite $name: ${CORPC_SUITE_SKIP%%:*} skipped:${CORPC_SUITE_SKIP#*:}"
   skipped=$((skipped + 1))
 fi
+# What each failed test said where it failed, in a file scripts/test.sh prints again at the end of its run.
+if [[ $status -ne 0 || $fail -ne 0 ]]; then
+  scripts/failed_tests.py "$dir/meson-logs/testlog.json" >"$dir/meson-logs/failed-tests.txt"
+  echo "suite $name: why it failed: $dir/meson-logs/failed-tests.txt"
+fi
 echo "suite $name: $ok passed, $fail failed, $skipped skipped"
 [[ $status -eq 0 && $fail -eq 0 ]]

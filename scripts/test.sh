@@ -13,6 +13,7 @@ scripts/setup.sh
 mkdir -p build
 log=build/parts.log
 : >"$log"
+: >build/why.log  # the files in which failed parts say what failed (scripts/failed_tests.py)
 
 # With a CUDA toolkit on the machine, the 1.13 build compiles the CUDA data path against its runtime API (Debian's
 # libtorch is CPU-only, so Meson's `auto` would build the stub): the path keeps compiling in CI.
@@ -76,6 +77,7 @@ for part in "${parts[@]}"; do
     part_status=${PIPESTATUS[0]}
   fi
   set -e
+  sed -nE 's/^.*: why it failed: (\S+)$/\1/p' build/part.log >>build/why.log
   line=$(grep -E '^[a-z0-9. -]+: [0-9]+ passed, [0-9]+ failed(, [0-9]+ skipped)?$' build/part.log | tail -1)
   if [[ -z $line ]]; then
     echo "$part ended without its summary line (status $part_status)"
@@ -93,6 +95,13 @@ for part in "${parts[@]}"; do
     break
   fi
 done
+# A CI's report may keep only the end of this output: each failed test's reason comes again here, beside the counts.
+if [[ -s build/why.log ]]; then
+  echo "=== why the failed parts failed"
+  while read -r file; do
+    [[ -f $file ]] && head -200 "$file"
+  done <build/why.log
+fi
 echo "=== parts ($(date +%T))"
 cat "$log"
 echo "$ok passed, $fail failed, $skipped skipped"
