@@ -99,7 +99,7 @@ done
 if [[ -s build/why.log ]]; then
   echo "=== why the failed parts failed"
   while read -r file; do
-    [[ -f $file ]] && head -200 "$file"
+    if [[ -f $file ]]; then head -200 "$file"; fi
   done <build/why.log
 fi
 echo "=== parts ($(date +%T))"

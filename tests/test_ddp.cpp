@@ -13,6 +13,7 @@
 #include <corpc/ddp/elastic.hpp>
 #include <corpc/ddp/rpc_store.hpp>
 #include <doctest/doctest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -668,11 +669,19 @@ std::string under_torchrun(const std::string& command) {
 // Runs a shell command with its output kept: "" when it exits 0, else its status and the last lines it printed
 // (torchrun's and the ranks'), for the failure message.
 std::string run_and_explain(const std::string& command) {
-  const std::string log = "/tmp/corpc-test-ddp-run-" + std::to_string(::getpid()) + ".log";
+  // Made by mkstemp (ours, mode 0600): a name another user of the host guessed and linked elsewhere is never written.
+  char name[] = "/tmp/corpc-test-ddp-run-XXXXXX";
+  const int fd = ::mkstemp(name);
+  REQUIRE(fd >= 0);
+  ::close(fd);
+  const std::string log = name;
   const int status = std::system(("(" + command + ") > " + log + " 2>&1").c_str());
   std::string why;
   if (status != 0) {
-    why = "`" + command + "` exited with status " + std::to_string(status) + "; its last lines:\n";
+    why = "`" + command + "` " +
+          (WIFSIGNALED(status) ? "was killed by signal " + std::to_string(WTERMSIG(status))
+                               : "exited with status " + std::to_string(WEXITSTATUS(status))) +
+          "; its last lines:\n";
     std::ifstream in(log);
     std::deque<std::string> tail;
     for (std::string line; std::getline(in, line);) {
