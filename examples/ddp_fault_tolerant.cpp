@@ -10,6 +10,10 @@
 // with a checksum of its parameters: the trainers of the last quorum print the same one. A replacement that would
 // arrive after the last step still needs a donor, so the trainers go on past --steps (slowly) until every trainer is
 // back in the quorum. Batches depend only on (step, rank); every trainer starts from torch::manual_seed(0).
+//
+// Under a launcher that does not start a lost rank again (srun, mpirun), pass --no-replacements: the survivors then
+// train to --steps without the lost trainer and end (srun -n 4 ./ddp_fault_tolerant --kill-every 20 --no-replacements;
+// srun's own status is then the killed task's, the survivors' 0).
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <corpc/corpc.hpp>
@@ -33,6 +37,8 @@ struct Config {
   std::int64_t kill_every = 0;  // 0: no faults
   int max_rank_restarts = -1;   // -1: as many as there are kills
   int timeout_s = 300;
+  bool no_replacements = false;  // a lost trainer is not started again: the survivors end at --steps without it
+  int pause_ms = 0;              // a pause in every step: time to watch the job, or for a launcher to act
 };
 
 // The trainer (RPC rank) that kills itself at the start of `step`, or -1: every kill_every-th step but step 0.
@@ -73,7 +79,7 @@ void trainer(const Config& c, int rank) {
   bool waiting = false;
   // Past --steps only while a trainer is missing: its replacement joins at one of the members' steps and recovers
   // from one of them. Those steps are slowed down, so that few are taken while it starts.
-  while (ft.committed_steps() < c.steps || last_members < c.trainers) {
+  while (ft.committed_steps() < c.steps || (!c.no_replacements && last_members < c.trainers)) {
     if (ft.committed_steps() >= c.steps) {
       if (!waiting) {
         std::printf("trainer %d: %lld steps done, training on slowly until every trainer is back\n", rank,
@@ -91,6 +97,7 @@ void trainer(const Config& c, int rank) {
         std::fflush(stdout);
         ::raise(SIGKILL);
       }
+      if (c.pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(c.pause_ms));
       auto [x, y] = batch(q.step, rank);
       auto loss = torch::mse_loss(ft.forward(x), y);
       loss.backward();
@@ -121,6 +128,8 @@ void run_rank(const Config& c, int rank) {
   corpc::bench::set_blas_threads(1);
   corpc::RpcOptions options;  // a restarted rank rejoins the running job (CORPC_REJOIN=1, set by the launcher)
   options.worker_thread_init = [] { at::set_num_threads(1); };
+  // No replacement comes: the job ends well when the survivors finish, so a lost trainer does not fail shutdown().
+  options.lost_rank_fails_shutdown = !c.no_replacements;
   corpc::init_rpc(rank == 0 ? "coordinator" : "trainer" + std::to_string(rank), rank, c.trainers + 1, options);
   if (rank == 0) {
     corpc::ddp::QuorumCoordinator coordinator;
@@ -140,12 +149,13 @@ void run_rank(const Config& c, int rank) {
 int main(int argc, char** argv) {
   Config c;
   try {
-    corpc::bench::Flags flags(argc, argv, {"trainers", "steps", "kill-every", "max-rank-restarts", "timeout"},
-                              {"help"});
+    corpc::bench::Flags flags(argc, argv,
+                              {"trainers", "steps", "kill-every", "max-rank-restarts", "timeout", "pause-ms"},
+                              {"help", "no-replacements"});
     if (flags.has("help")) {
       std::printf(
           "usage: ddp_fault_tolerant [--trainers N] [--steps S] [--kill-every K] [--max-rank-restarts R] "
-          "[--timeout SECONDS]\n");
+          "[--timeout SECONDS] [--no-replacements] [--pause-ms MS]\n");
       return 0;
     }
     flags.check();
@@ -154,8 +164,10 @@ int main(int argc, char** argv) {
     c.kill_every = flags.get_int<std::int64_t>("kill-every", c.kill_every);
     c.max_rank_restarts = flags.get_int<int>("max-rank-restarts", c.max_rank_restarts);
     c.timeout_s = flags.get_int<int>("timeout", c.timeout_s);
-    if (c.trainers < 1 || c.steps < 0 || c.kill_every < 0 || c.timeout_s <= 0)
-      throw corpc::bench::FlagError("--trainers, --steps, --kill-every and --timeout must be positive");
+    c.no_replacements = flags.has("no-replacements");
+    c.pause_ms = flags.get_int<int>("pause-ms", c.pause_ms);
+    if (c.trainers < 1 || c.steps < 0 || c.kill_every < 0 || c.timeout_s <= 0 || c.pause_ms < 0)
+      throw corpc::bench::FlagError("--trainers, --steps, --kill-every, --timeout and --pause-ms must be positive");
     if (c.kill_every > 0 && c.trainers < 2)
       throw corpc::bench::FlagError("--kill-every needs at least 2 trainers (a replacement recovers from another)");
   } catch (const corpc::bench::FlagError& e) {
@@ -164,7 +176,8 @@ int main(int argc, char** argv) {
   }
   corpc::LaunchOptions options;
   options.timeout = std::chrono::seconds(c.timeout_s);
-  options.max_rank_restarts = c.max_rank_restarts >= 0 ? c.max_rank_restarts : static_cast<int>(kills(c));
+  options.max_rank_restarts =
+      c.max_rank_restarts >= 0 ? c.max_rank_restarts : (c.no_replacements ? 0 : static_cast<int>(kills(c)));
   try {
     corpc::launch_processes(
         c.trainers + 1, [&](int rank) { run_rank(c, rank); }, options);

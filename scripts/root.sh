@@ -12,8 +12,7 @@
 # The plain trixie root has Debian's CPU libtorch-dev; --cuda makes a second trixie root with libtorch-cuda-dev
 # (contrib, built on CUDA 12.4 from non-free: about 2.3 GB installed), for compiling and linking corpc's CUDA path
 # without a GPU. The two cannot share a root: libtorch-cuda-dev conflicts with libtorch-dev. --pytorch makes a third
-# trixie root, with Debian's python3-torch 2.6 (CPU) and no compiler, for the 2.6 comparisons; it is kept apart so
-# that the CI's trixie root does not grow.
+# trixie root, with Debian's python3-torch 2.6 (CPU) and no compiler, for the 2.6 comparisons.
 # Roots live under $CORPC_ROOTS (default /var/tmp/corpc-roots), outside any clone, so that later runs on the same
 # machine reuse them. Needs root (mmdebstrap's chroot mode, mounts in a private mount namespace).
 # CORPC_MMDEBSTRAP_QUIET= (set, empty) shows mmdebstrap's own output: why a package set cannot be installed.
@@ -44,7 +43,9 @@ if [[ $release == forky ]]; then
   components="main"
   aptopts=(--aptopt='Acquire::Check-Valid-Until "false"')
 elif [[ $flavour == cpu ]]; then
-  packages=("${common[@]}" libtorch-dev libgloo-dev iproute2)  # iproute2: test_multihost's network namespaces
+  # iproute2: test_multihost's network namespaces; python3-torch: torchrun (tests/torchrun.sh, test_ddp's torchrun
+  # cases), 44 MB more to fetch, about 30 s more to make the root.
+  packages=("${common[@]}" libtorch-dev libgloo-dev iproute2 python3-torch)
   components="main"
 elif [[ $flavour == pytorch ]]; then
   # Python only: the interpreter, torch, numpy; OpenBLAS as in the CPU root (python3-torch pulls in the reference BLAS,

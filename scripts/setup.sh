@@ -14,9 +14,9 @@ packages=(g++ meson ninja-build pkg-config cmake libtorch-dev libgloo-dev libasi
           clang-format-14
           # scripts/docs.sh (meson test docs): the reference docs, which fail on any undocumented public name.
           doxygen
-          # The launchers' tests (tests/torchrun.sh, mpirun.sh, slurm.sh): torchrun, Open MPI's mpirun, and a
-          # one-node Slurm cluster the test starts (slurmctld, slurmd, munged).
-          python3-torch openmpi-bin slurm-wlm munge)
+          # The launchers' tests (tests/torchrun.sh, mpirun.sh, slurm.sh): torchrun, Open MPI's mpirun, MPICH's
+          # mpiexec (mpirun stays Open MPI's), and the Slurm clusters the test starts (slurmctld, slurmd, munged).
+          python3-torch openmpi-bin mpich slurm-wlm munge)
 if [[ "${1:-}" == "--pytorch" ]]; then
   packages+=(gnuplot-nox)
 fi

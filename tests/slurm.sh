@@ -4,14 +4,14 @@
 # variables (SLURM_PROCID, SLURM_NTASKS, SLURM_STEP_NODELIST or SLURM_JOB_NODELIST, SLURM_JOB_ID: no MASTER_ADDR or
 # MASTER_PORT); the batch script is the one docs/launching.md shows. Skipped (exit 77, which Meson reports as SKIP)
 # when not root, when Slurm or munge is not installed, or when the daemons do not start (their logs are printed).
-#   tests/slurm.sh RPC_HELLO DDP_TRAIN DDP_FAULT_TOLERANT                one node (this host, on 127.0.0.1)
-#   tests/slurm.sh --two-nodes RPC_HELLO DDP_TRAIN DDP_FAULT_TOLERANT    two nodes: slurmctld and the clients in one
+#   tests/slurm.sh RPC_HELLO DDP_TRAIN DDP_FAULT_TOLERANT PIPELINE_REPLICAS               one node (this host)
+#   tests/slurm.sh --two-nodes RPC_HELLO DDP_TRAIN DDP_FAULT_TOLERANT PIPELINE_REPLICAS   two nodes: slurmctld and the clients in one
 #       network namespace, a slurmd in each of two others, on a bridge (10.214.x.0/24; test_multihost's way), with
 #       the node names in an /etc/hosts of this test's own mount namespace (needs iproute2 too)
 set -uo pipefail
 two=
 if [[ ${1:-} == --two-nodes ]]; then two=1; shift; fi
-hello=$1 ddp=$2 ft=$3
+hello=$1 ddp=$2 ft=$3 replicas=$4
 name="slurm test${two:+ (two nodes)}"
 skip() { echo "$name: skipped ($*)"; exit 77; }
 fail() { echo "$name: FAIL: $*" >&2; exit 1; }
@@ -103,6 +103,7 @@ if [[ -n $two ]]; then
   # nsenter, not `ip netns exec`: that mounts a new /sys, without the cgroup file system slurmd needs.
   in_ctl=(nsenter --net=/run/netns/"$prefix-ctl")
   nodes=(node1 node2)
+  extra_conf="SlurmdTimeout=10"
   node_lines="NodeName=node1 NodeAddr=$(addr 2) CPUs=4 State=UNKNOWN
 NodeName=node2 NodeAddr=$(addr 3) CPUs=4 State=UNKNOWN"
 fi
@@ -138,6 +139,7 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 MailProg=/bin/true
+${extra_conf:-}
 $node_lines
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
@@ -152,22 +154,30 @@ for _ in $(seq 100); do [[ -S $work/munge/munge.sock ]] && break; sleep 0.1; don
 [[ -S $work/munge/munge.sock ]] || { logs; skip "munged did not start"; }
 "${mark[@]}" "${in_ctl[@]}" slurmctld -D -f "$work/slurm.conf" >"$work/slurmctld.out.log" 2>&1 &
 daemons+=($!)
-for node in "${nodes[@]}"; do
-  in_node=()
+declare -A slurmd_pid
+start_slurmd() {
+  local node=$1 in_node=()
   # Each node its own host name too (a UTS namespace): Gloo, under DDP, finds its address by resolving it.
   [[ -n $two ]] && in_node=(nsenter --net=/run/netns/"$prefix-$node" unshare --uts sh -c 'hostname "$0" && exec "$@"' "$node")
   mkdir -p "$work/spool/$node"
-  "${mark[@]}" "${in_node[@]}" slurmd -D -N "$node" -f "$work/slurm.conf" >"$work/slurmd-$node.out.log" 2>&1 &
+  "${mark[@]}" "${in_node[@]}" slurmd -D -N "$node" -f "$work/slurm.conf" >>"$work/slurmd-$node.out.log" 2>&1 &
   daemons+=($!)
-done
-# Ready when every node is idle (bounded: 60 s).
-want=$(printf 'idle\n%.0s' "${nodes[@]}")
+  slurmd_pid[$node]=$!
+}
+# Whether every node is idle within 60 s.
+nodes_idle() {
+  local want
+  want=$(printf 'idle\n%.0s' "${nodes[@]}")
+  for _ in $(seq 300); do
+    [[ $("${in_ctl[@]}" timeout 10 sinfo -h -N -o '%t' 2>/dev/null) == "$want" ]] && return 0
+    for pid in "${daemons[@]}"; do kill -0 "$pid" 2>/dev/null || return 1; done  # a daemon that gave up
+    sleep 0.2
+  done
+  return 1
+}
+for node in "${nodes[@]}"; do start_slurmd "$node"; done
 ready=
-for _ in $(seq 300); do
-  if [[ $("${in_ctl[@]}" timeout 10 sinfo -h -N -o '%t' 2>/dev/null) == "$want" ]]; then ready=1; break; fi
-  for pid in "${daemons[@]}"; do kill -0 "$pid" 2>/dev/null || break 2; done  # a daemon that gave up
-  sleep 0.2
-done
+nodes_idle && ready=1
 [[ -n $ready ]] || {
   logs
   "${in_ctl[@]}" timeout 10 sinfo -N -l
@@ -196,6 +206,21 @@ if [[ -n $two ]]; then
   grep -q '^ddp_train: 4 ranks, 5 steps, .*parameters identical$' "$work/out" || { cat "$work/out"; fail "ddp_train's output"; }
   echo "$name: srun ddp_train ($SECONDS s)"
 
+  # Pipeline replicas (2 replicas of a 2-stage 1F1B pipeline, 5 tasks on the two nodes: srun's block distribution
+  # puts the last task, a worker of position 1, on node2): each position's stage averaged over its replicas, the
+  # workers at each position end with equal parameters.
+  run_srun -N 2 -n 5 sh -c 'echo "task $SLURM_PROCID on $SLURMD_NODENAME"; exec "$0" "$@"' "$replicas" --replicas 2 \
+    --stages 2 --steps 20 >"$work/out" 2>&1 || { cat "$work/out"; fail "pipeline_replicas under srun on two nodes"; }
+  grep -q '^task 3 on node1$' "$work/out" && grep -q '^task 4 on node2$' "$work/out" ||
+    { cat "$work/out"; fail "pipeline_replicas: the tasks are not where the test expects them"; }
+  grep -q '^coordinator: 20 steps committed' "$work/out" || { cat "$work/out"; fail "pipeline_replicas' commits"; }
+  for position in 0 1; do
+    sums=$(sed -n "s/^worker [1-4] (replica [01], position $position): done, 20 steps committed, .*parameter checksum //p" "$work/out")
+    [[ $(wc -l <<<"$sums") == 2 && $(sort -u <<<"$sums" | wc -l) == 1 ]] ||
+      { cat "$work/out"; fail "pipeline_replicas: the replicas' stage $position differs"; }
+  done
+  echo "$name: srun pipeline_replicas ($SECONDS s)"
+
   # The batch script of docs/launching.md on two nodes.
   cat >"$work/job.sh" <<EOF
 #!/bin/bash
@@ -209,6 +234,50 @@ EOF
     { cat "$work/out" "$work/batch.out"; fail "the batch job on two nodes"; }
   grep -q '^counter on worker2: 15$' "$work/batch.out" || { cat "$work/batch.out"; fail "the batch job's output"; }
   echo "$name: sbatch ($SECONDS s)"
+
+  # A node that fails (every process in node2's network namespace killed: its slurmd, slurmstepd, tasks) while
+  # fault-tolerant DDP without replacements runs there: 4 tasks, block distribution (tasks 0-2 on node1, 3 on
+  # node2), 1200 steps of 50 ms or more. slurmctld marks node2 down SlurmdTimeout (10 s here) or more after the kill.
+  node2_net=$(stat -L -c %i /run/netns/"$prefix-node2")
+  fail_node2_during() {  # srun's extra flags: runs the job, kills node2 once every trainer ran a step, waits for srun
+    "${mark[@]}" "${in_ctl[@]}" timeout 300 srun --time=5 -N 2 -n 4 "$@" "$ft" --trainers 3 --steps 1200 \
+      --pause-ms 50 --no-replacements >"$work/out" 2>&1 &
+    local srun_pid=$! p
+    for _ in $(seq 600); do [[ $(grep -c '^trainer [123]: step 0, epoch 1' "$work/out") == 3 ]] && break; sleep 0.1; done
+    for p in /proc/[0-9]*; do
+      [[ $(readlink "$p/ns/net" 2>/dev/null) == "net:[$node2_net]" ]] && kill -KILL "${p#/proc/}" 2>/dev/null
+    done
+    wait "${slurmd_pid[node2]}"  # no longer a daemon to stop (nodes_idle would take it for one that gave up)
+    local alive=()
+    for p in "${daemons[@]}"; do [[ $p == "${slurmd_pid[node2]}" ]] || alive+=("$p"); done
+    daemons=("${alive[@]}")
+    down_while_running=
+    while kill -0 $srun_pid 2>/dev/null; do
+      [[ $("${in_ctl[@]}" timeout 10 sinfo -h -N -n node2 -o '%t' 2>/dev/null) == down* ]] && down_while_running=1
+      [[ -n $down_while_running ]] && break
+      sleep 0.5
+    done
+    wait $srun_pid
+  } 2>/dev/null  # bash's own "Killed" line for node2's slurmd
+  # srun's defaults: slurmctld cancels the step when it marks node2 down, and the survivors on node1 with it.
+  fail_node2_during
+  status=$?
+  [[ $status != 0 ]] || { cat "$work/out"; fail "a node failure with srun's defaults gave status 0"; }
+  grep -q 'CANCELLED AT .* DUE TO NODE FAILURE' "$work/out" || { cat "$work/out"; fail "the step was not cancelled for the node"; }
+  grep -q '^coordinator: 1200 steps committed' "$work/out" && { cat "$work/out"; fail "the job ran to its end"; }
+  echo "$name: a failed node, srun's defaults: the step is cancelled ($SECONDS s)"
+  # --no-kill: the step keeps its survivors, which train on to step 1200 without the lost node's trainer.
+  start_slurmd node2  # ReturnToService=2: the node is idle again once its slurmd registers
+  nodes_idle || { logs; fail "node2 did not come back"; }
+  fail_node2_during --no-kill
+  status=$?
+  [[ -n $down_while_running ]] || { cat "$work/out"; fail "the job ended before slurmctld marked node2 down (status $status)"; }
+  grep -q '^coordinator: 1200 steps committed' "$work/out" || { cat "$work/out"; fail "the survivors did not reach step 1200 (status $status)"; }
+  sums=$(sed -n 's/^trainer [123]: done, 1200 steps committed, .*parameter checksum //p' "$work/out" | sort -u)
+  survivors=$(grep -c '^trainer [123]: done, 1200 steps committed' "$work/out")
+  [[ $survivors == 2 && $(wc -l <<<"$sums") == 1 ]] ||
+    { cat "$work/out"; fail "not two survivors with equal parameters at step 1200 (status $status)"; }
+  echo "$name: a failed node, --no-kill: the survivors train on, srun's status $status ($SECONDS s)"
 
   # A missing node: three nodes asked of this two-node cluster; with --immediate srun gives up at once.
   run_srun --immediate -N 3 -n 3 "$hello" >"$work/out" 2>&1 &&
@@ -239,6 +308,21 @@ grep -q '^coordinator: 20 steps committed' "$work/out" || { cat "$work/out"; fai
 [[ $(grep -c '^trainer [123]: done, 20 steps committed' "$work/out") == 3 ]] || { cat "$work/out"; fail "the trainers' ends"; }
 
 echo "$name: srun ddp_fault_tolerant ($SECONDS s)"
+# Fault-tolerant DDP with a trainer lost and not replaced (srun starts no task again): trainer 2 kills itself at step
+# 20, the coordinator and the two survivors train on to step 40 and exit 0, the survivors' parameters equal; srun's
+# defaults leave the other tasks running and its status is the killed task's.
+run_srun -n 4 "$ft" --trainers 3 --steps 40 --kill-every 20 --no-replacements >"$work/out" 2>&1
+status=$?
+[[ $status != 0 ]] || { cat "$work/out"; fail "a step with a killed trainer gave status 0"; }
+grep -q '^trainer 2: killing itself at the start of step 20$' "$work/out" || { cat "$work/out"; fail "trainer 2 was not killed"; }
+grep -q 'task 2: Killed' "$work/out" || { cat "$work/out"; fail "srun does not report the killed task"; }
+grep -q '^coordinator: 40 steps committed' "$work/out" || { cat "$work/out"; fail "the coordinator did not commit 40 steps"; }
+sums=$(sed -n 's/^trainer [13]: done, 40 steps committed, .*parameter checksum //p' "$work/out" | sort -u)
+[[ $(grep -c '^trainer [13]: done, 40 steps committed' "$work/out") == 2 && $(wc -l <<<"$sums") == 1 ]] ||
+  { cat "$work/out"; fail "the survivors did not both end at step 40 with equal parameters"; }
+grep -q '^trainer 2: done' "$work/out" && { cat "$work/out"; fail "the killed trainer came back"; }
+
+echo "$name: srun ddp_fault_tolerant, a trainer lost, the survivors train on ($SECONDS s)"
 # The batch script docs/launching.md shows (the program's path aside), through sbatch --wait.
 cat >"$work/job.sh" <<EOF
 #!/bin/bash
@@ -279,5 +363,13 @@ run_srun -n 3 --kill-on-bad-exit=1 sh -c '[ "$SLURM_PROCID" = 1 ] && kill -KILL 
 grep -q 'task 1: Killed' "$work/out" || { cat "$work/out"; fail "the killed task is not reported"; }
 
 echo "$name: a killed task ($SECONDS s)"
+# --no-kill is about nodes: a task that dies still ends the step when --kill-on-bad-exit asks for it (the two-node
+# test shows what --no-kill does for a failed node).
+run_srun -n 3 --no-kill --kill-on-bad-exit=1 sh -c '[ "$SLURM_PROCID" = 1 ] && kill -KILL $$; exec sleep 60' \
+  >"$work/out" 2>&1 && { cat "$work/out"; fail "--no-kill -K1 with a killed task gave status 0"; }
+grep -q 'task 1: Killed' "$work/out" && grep -q 'STEP .* CANCELLED AT' "$work/out" ||
+  { cat "$work/out"; fail "--no-kill -K1 let the step run on"; }
+
+echo "$name: a killed task, --no-kill --kill-on-bad-exit=1 ($SECONDS s)"
 teardown
 echo "$name: passed ($SECONDS s)"

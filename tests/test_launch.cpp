@@ -310,6 +310,52 @@ TEST_CASE("a job that lost a rank fails on every rank, and the rank that leaves 
   }
 }
 
+TEST_CASE(
+    "with lost_rank_fails_shutdown off, the survivors of a lost rank shut down cleanly; rank 0's loss still fails") {
+  // What a fault-tolerant job under srun or mpirun (no replacement) does: rank 1 dies, ranks 0 and 2 end as successes.
+  auto survivors = [](int rank) {
+    auto options = quick_options();
+    options.lost_rank_fails_shutdown = false;
+    init_rpc(worker_name(rank), -1, -1, options);
+    if (rank == 1) ::raise(SIGKILL);
+    try {
+      for (;;) (void)rpc_sync<&add>(1, 1, 1);  // until rank 1 is gone
+    } catch (const ConnectionError&) {}
+    if (rpc_sync<&add>(2 - rank, rank, 1) != rank + 1) throw std::runtime_error("wrong sum between the survivors");
+    shutdown();
+  };
+  try {
+    launch_processes(3, survivors, spawned());
+    FAIL("the launch was expected to report rank 1");
+  } catch (const LaunchError& e) {
+    INFO(e.what());
+    REQUIRE(e.failures().size() == 1);
+    CHECK(e.failures()[0].rank == 1);
+    CHECK(reason_of(e, 1).find("killed by signal") != std::string::npos);
+  }
+  // Rank 0 lost: the others' shutdown still fails, naming it.
+  try {
+    launch_processes(
+        2,
+        [](int rank) {
+          auto options = quick_options();
+          options.lost_rank_fails_shutdown = false;
+          init_rpc(worker_name(rank), -1, -1, options);
+          if (rank == 0) ::raise(SIGKILL);
+          try {
+            for (;;) (void)rpc_sync<&add>(0, 1, 1);  // until rank 0 is gone
+          } catch (const ConnectionError&) {}
+          shutdown();
+        },
+        spawned());
+    FAIL("the launch was expected to fail");
+  } catch (const LaunchError& e) {
+    INFO(e.what());
+    CHECK(reason_of(e, 0).find("killed by signal") != std::string::npos);
+    CHECK(reason_of(e, 1).find("rank 0") != std::string::npos);
+  }
+}
+
 TEST_CASE("a rank that stops after an error tells the others why; their shutdown() fails with it") {
   try {
     launch_processes(

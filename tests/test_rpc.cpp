@@ -746,6 +746,24 @@ TEST_CASE("a job whose rank 0 is on ::1 stays on loopback and works (skipped wit
   loopback_job("::1");
 }
 
+TEST_CASE("a rank 0 whose port another process holds fails at once, saying where the port came from") {
+  // What a torchrun job meets when another socket took the port its agent chose and released.
+  asio::io_context io;
+  asio::ip::tcp::acceptor holder(io, {asio::ip::make_address("127.0.0.1"), 0});  // listening: the port is taken
+  const auto port = holder.local_endpoint().port();
+  launch_processes(
+      1,
+      [port](int) {
+        auto options = quick_options();
+        options.init_method = "tcp://127.0.0.1:" + std::to_string(port);
+        auto why = EXPECT_THROWS_AS(init_rpc("solo", 0, 1, options), ConnectionError);
+        EXPECT(why.find("cannot listen on 127.0.0.1:" + std::to_string(port)) != std::string::npos);
+        EXPECT(why.find("from init_method") != std::string::npos);
+        EXPECT(why.find("another process holds that port") != std::string::npos);
+      },
+      launch_options(60s));
+}
+
 TEST_CASE("workers whose master died fail their shutdown instead of exiting as a success") {
   expect_only_rank_lost(0, "", [&] {  // the master; the workers saw the typed error and stopped
     launch_processes(

@@ -40,8 +40,8 @@ struct FaultTolerantGroup::State final : ft_detail::Trainer {
     const auto& options = member->options();
     auto base = c10::make_intrusive<RpcStore>(options.coordinator_rank, options.collective_timeout);
     auto store = c10::make_intrusive<c10d::PrefixStore>("corpc/ft/epoch/" + std::to_string(q.epoch) + "/", base);
-    group = detail::gloo_group(store, q.member_index(), q.member_count(), options.collective_timeout,
-                               /*loopback=*/true);
+    group =
+        detail::gloo_group(store, q.member_index(), q.member_count(), options.collective_timeout, detail::rpc_host());
     sync = std::make_unique<GradientSync>(module, group, options.ddp);
   }
 

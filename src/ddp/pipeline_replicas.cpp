@@ -120,7 +120,7 @@ struct PipelineReplicas::State final : ft_detail::Trainer {
         auto store = c10::make_intrusive<c10d::PrefixStore>(
             "corpc/pp/epoch/" + std::to_string(at_epoch) + "/stage/" + std::to_string(stages[i].stage) + "/", base);
         averaging[i].group = detail::gloo_group(store, static_cast<int>(index), static_cast<int>(replicas.size()),
-                                                ft.collective_timeout, /*loopback=*/true);
+                                                ft.collective_timeout, detail::rpc_host());
         averaging[i].sync =
             std::make_unique<GradientSync>(*stages[i].layers, averaging[i].group, ft.ddp, GradientSync::Manual{});
       }

@@ -84,7 +84,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const ProcessGroupOpti
     base = make_store(addr, port >= 0 ? port : 29500, rank, world, options.timeout);
   }
   auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, base);
-  return detail::gloo_group(store, rank, world, options.timeout, addr == "127.0.0.1" || addr == "localhost");
+  return detail::gloo_group(store, rank, world, options.timeout,
+                            addr == "127.0.0.1" || addr == "localhost" ? std::string("127.0.0.1") : std::string());
 }
 
 namespace detail {
@@ -95,15 +96,17 @@ void ignore_sigpipe_unless_handled() {
 }
 
 c10::intrusive_ptr<c10d::ProcessGroup> gloo_group(c10::intrusive_ptr<c10d::Store> store, int rank, int world,
-                                                  std::chrono::milliseconds timeout, bool loopback) {
+                                                  std::chrono::milliseconds timeout, const std::string& host) {
   ignore_sigpipe_unless_handled();
   auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
-  gloo_options->devices = {loopback ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
-                                    : c10d::ProcessGroupGloo::createDefaultDevice()};
+  gloo_options->devices = {host.empty() ? c10d::ProcessGroupGloo::createDefaultDevice()
+                                        : c10d::ProcessGroupGloo::createDeviceForHostname(host)};
   gloo_options->threads = 2;
   auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, gloo_options);
   return corpc::detail::as_process_group<c10d::ProcessGroup>(std::move(gloo), store, rank, world);
 }
+
+std::string rpc_host() { return get_worker_info().host; }
 
 }  // namespace detail
 

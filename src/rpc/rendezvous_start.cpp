@@ -148,7 +148,17 @@ void Runtime::Impl::start_rendezvous(const MasterAddress& master, int listen_fd)
   }
   // Rank 0 listens where everyone finds it (a launcher may have bound the port for it: `listen_fd`); the others on a
   // port the system picks.
-  self.port = open_listener(*acceptor, listen_host, self.rank == 0 ? master.port : 0, self.rank == 0 ? listen_fd : -1);
+  try {
+    self.port =
+        open_listener(*acceptor, listen_host, self.rank == 0 ? master.port : 0, self.rank == 0 ? listen_fd : -1);
+  } catch (const ConnectionError& e) {
+    if (self.rank != 0 || master.port == 0) throw;
+    // Rank 0's port is the job's, chosen before this process started: say where it came from. torchrun's agent picks
+    // a free port, closes it and hands it on, so on a busy host another process can take it in between.
+    throw ConnectionError(std::string(e.what()) + " (rank 0's address, from " + master.source +
+                          "): another process holds that port; under torchrun, whose agent chose a free port and "
+                          "released it before this rank could bind it, run again or pass --master_port");
+  }
   // Rank 0 is where everyone found it. The others: the address they listen on if it is a specific one, else the
   // address rank 0 sees them at (filled in there).
   const bool specific = listen_host != "0.0.0.0" && listen_host != "::";

@@ -67,6 +67,12 @@ struct RpcOptions {
   /// silent peers (liveness_timeout) are detected and never waited for; the finite default bounds the rest (a peer
   /// that answers heartbeats but never finishes). A worker whose peers still train for longer must raise it.
   std::chrono::milliseconds shutdown_timeout{std::chrono::minutes(30)};
+  /// Whether a graceful shutdown throws ConnectionError when the job lost a rank that no replacement took (it died,
+  /// or left with shutdown_after_error): by default no rank of a failed job exits as a success. A job built to train
+  /// on without its lost ranks (fault-tolerant DDP or pipeline replicas under a launcher that starts no replacement,
+  /// such as srun or mpirun) sets it false: its shutdown then logs the lost ranks as a warning and returns. A lost
+  /// rank 0 still fails it (it hosts the job's rendezvous and coordinator).
+  bool lost_rank_fails_shutdown = true;
   /// Interface to listen on; empty: loopback when rank 0 is on loopback, otherwise all interfaces.
   std::string listen_address;
   /// Shared secret that every connection must prove knowledge of (HMAC challenge-response) before anything else is
