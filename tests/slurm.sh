@@ -237,10 +237,13 @@ EOF
 
   # A node that fails (every process in node2's network namespace killed: its slurmd, slurmstepd, tasks) while
   # fault-tolerant DDP without replacements runs there: 4 tasks, block distribution (tasks 0-2 on node1, 3 on
-  # node2), 1200 steps of 50 ms or more. slurmctld marks node2 down SlurmdTimeout (10 s here) or more after the kill.
+  # node2), 400 steps of 50 ms or more. slurmctld would mark node2 down once it stops answering (SlurmdTimeout, 10 s
+  # here, and its ping period: about 30 s in all); the test marks it down itself (scontrol, reason "failed") at once
+  # after the kill, which takes the path slurmctld's detection takes (the jobs on the node are killed, unless
+  # --no-kill), and saves that wait.
   node2_net=$(stat -L -c %i /run/netns/"$prefix-node2")
   fail_node2_during() {  # srun's extra flags: runs the job, kills node2 once every trainer ran a step, waits for srun
-    "${mark[@]}" "${in_ctl[@]}" timeout 300 srun --time=5 -N 2 -n 4 "$@" "$ft" --trainers 3 --steps 1200 \
+    "${mark[@]}" "${in_ctl[@]}" timeout 300 srun --time=5 -N 2 -n 4 "$@" "$ft" --trainers 3 --steps 400 \
       --pause-ms 50 --no-replacements >"$work/out" 2>&1 &
     local srun_pid=$! p
     for _ in $(seq 600); do [[ $(grep -c '^trainer [123]: step 0, epoch 1' "$work/out") == 3 ]] && break; sleep 0.1; done
@@ -251,6 +254,7 @@ EOF
     local alive=()
     for p in "${daemons[@]}"; do [[ $p == "${slurmd_pid[node2]}" ]] || alive+=("$p"); done
     daemons=("${alive[@]}")
+    "${in_ctl[@]}" timeout 10 scontrol update NodeName=node2 State=DOWN Reason=failed
     down_while_running=
     while kill -0 $srun_pid 2>/dev/null; do
       [[ $("${in_ctl[@]}" timeout 10 sinfo -h -N -n node2 -o '%t' 2>/dev/null) == down* ]] && down_while_running=1
@@ -264,19 +268,19 @@ EOF
   status=$?
   [[ $status != 0 ]] || { cat "$work/out"; fail "a node failure with srun's defaults gave status 0"; }
   grep -q 'CANCELLED AT .* DUE TO NODE FAILURE' "$work/out" || { cat "$work/out"; fail "the step was not cancelled for the node"; }
-  grep -q '^coordinator: 1200 steps committed' "$work/out" && { cat "$work/out"; fail "the job ran to its end"; }
+  grep -q '^coordinator: 400 steps committed' "$work/out" && { cat "$work/out"; fail "the job ran to its end"; }
   echo "$name: a failed node, srun's defaults: the step is cancelled ($SECONDS s)"
-  # --no-kill: the step keeps its survivors, which train on to step 1200 without the lost node's trainer.
+  # --no-kill: the step keeps its survivors, which train on to step 400 without the lost node's trainer.
   start_slurmd node2  # ReturnToService=2: the node is idle again once its slurmd registers
   nodes_idle || { logs; fail "node2 did not come back"; }
   fail_node2_during --no-kill
   status=$?
   [[ -n $down_while_running ]] || { cat "$work/out"; fail "the job ended before slurmctld marked node2 down (status $status)"; }
-  grep -q '^coordinator: 1200 steps committed' "$work/out" || { cat "$work/out"; fail "the survivors did not reach step 1200 (status $status)"; }
-  sums=$(sed -n 's/^trainer [123]: done, 1200 steps committed, .*parameter checksum //p' "$work/out" | sort -u)
-  survivors=$(grep -c '^trainer [123]: done, 1200 steps committed' "$work/out")
+  grep -q '^coordinator: 400 steps committed' "$work/out" || { cat "$work/out"; fail "the survivors did not reach step 400 (status $status)"; }
+  sums=$(sed -n 's/^trainer [123]: done, 400 steps committed, .*parameter checksum //p' "$work/out" | sort -u)
+  survivors=$(grep -c '^trainer [123]: done, 400 steps committed' "$work/out")
   [[ $survivors == 2 && $(wc -l <<<"$sums") == 1 ]] ||
-    { cat "$work/out"; fail "not two survivors with equal parameters at step 1200 (status $status)"; }
+    { cat "$work/out"; fail "not two survivors with equal parameters at step 400 (status $status)"; }
   echo "$name: a failed node, --no-kill: the survivors train on, srun's status $status ($SECONDS s)"
 
   # A missing node: three nodes asked of this two-node cluster; with --immediate srun gives up at once.
@@ -346,6 +350,15 @@ run_srun --immediate -N 2 -n 3 "$hello" >"$work/out" 2>&1 &&
 grep -q 'Unable to allocate resources' "$work/out" || { cat "$work/out"; fail "srun's refusal"; }
 
 echo "$name: a wrong task count, a missing node ($SECONDS s)"
+# A rank 0 that never comes up (task 0 sleeps instead of starting corpc): the other tasks give up within their init
+# timeout (CORPC_INIT_TIMEOUT_MS, 3 s here; srun passes the environment on), naming where rank 0's address came
+# from; -K1 ends the step at the first one (the other may not have said it yet), the sleeping task included.
+CORPC_INIT_TIMEOUT_MS=3000 run_srun -n 3 --kill-on-bad-exit=1 sh -c '[ "$SLURM_PROCID" = 0 ] && exec sleep 100; exec "$0"' \
+  "$hello" >"$work/out" 2>&1 && { cat "$work/out"; fail "a job whose rank 0 never came up gave status 0"; }
+grep -q "^rpc_hello: rank [12]: could not reach rank 0 at $host:[0-9]* (the first host of SLURM_STEP_NODELIST, a port derived from SLURM_JOB_ID) within the init timeout" "$work/out" ||
+  { cat "$work/out"; fail "no task says that rank 0 never came up, naming Slurm's variables"; }
+
+echo "$name: a rank 0 that never comes up ($SECONDS s)"
 # A task that fails, with srun's defaults: the other tasks run on to their own end (here 2 s), srun then fails with
 # the failed task's status. (A corpc rank lost after rendezvous fails its peers' calls to it with ConnectionError;
 # one lost before leaves them waiting up to init_timeout: docs/launching.md.)
