@@ -43,7 +43,9 @@
 /// **Finishing.** A replacement recovers from a live member: one that arrives after every member has left finds no
 /// donor (it is refused with RpcError), and rank 0's graceful shutdown reports the ranks still missing. So the loop
 /// above goes on past its last step until the quorum has every trainer again (examples/ddp_fault_tolerant.cpp
-/// slows those extra steps down); a trainer whose restarts ran out fails the launch anyway.
+/// slows those extra steps down); a trainer whose restarts ran out fails the launch anyway. Under a launcher that
+/// starts no replacement (srun, mpirun) end the loop at the last step instead, and set
+/// `RpcOptions::lost_rank_fails_shutdown = false` on every rank so that the survivors' shutdown() succeeds.
 ///
 /// **Liveness.** A member that does not ask for the quorum, or does not vote, within `QuorumOptions::join_timeout` of
 /// the first member that did is left out of that quorum (a joining rank waits for the members' next step instead: it
