@@ -66,6 +66,13 @@ cleanup() {
 trap cleanup EXIT
 logs() { for f in "$work"/*.log; do echo "== $f"; tail -20 "$f"; done; }
 
+# Whether exactly N lines of the last run's output match PREFIX (a sed pattern) followed by "parameter checksum X", all
+# with one X: the workers that should hold the same parameters do.
+same_checksums() {
+  local n=$1 prefix=$2 sums
+  sums=$(sed -n "s/^$prefix.*parameter checksum //p" "$work/out")
+  [[ $(wc -l <<<"$sums") == "$n" && $(sort -u <<<"$sums" | wc -l) == 1 ]]
+}
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 # slurmctld runs only where its host name is SlurmctldHost's. One node: the node is named after this host too, ranks
 # dial the first name in the node list, which must resolve to the node (as on a real cluster); NodeAddr is where
@@ -215,8 +222,7 @@ if [[ -n $two ]]; then
     { cat "$work/out"; fail "pipeline_replicas: the tasks are not where the test expects them"; }
   grep -q '^coordinator: 20 steps committed' "$work/out" || { cat "$work/out"; fail "pipeline_replicas' commits"; }
   for position in 0 1; do
-    sums=$(sed -n "s/^worker [1-4] (replica [01], position $position): done, 20 steps committed, .*parameter checksum //p" "$work/out")
-    [[ $(wc -l <<<"$sums") == 2 && $(sort -u <<<"$sums" | wc -l) == 1 ]] ||
+    same_checksums 2 "worker [1-4] (replica [01], position $position): done, 20 steps committed, " ||
       { cat "$work/out"; fail "pipeline_replicas: the replicas' stage $position differs"; }
   done
   echo "$name: srun pipeline_replicas ($SECONDS s)"
@@ -257,8 +263,10 @@ EOF
     "${in_ctl[@]}" timeout 10 scontrol update NodeName=node2 State=DOWN Reason=failed
     down_while_running=
     while kill -0 $srun_pid 2>/dev/null; do
-      [[ $("${in_ctl[@]}" timeout 10 sinfo -h -N -n node2 -o '%t' 2>/dev/null) == down* ]] && down_while_running=1
-      [[ -n $down_while_running ]] && break
+      if [[ $("${in_ctl[@]}" timeout 10 sinfo -h -N -n node2 -o '%t' 2>/dev/null) == down* ]]; then
+        down_while_running=1
+        break
+      fi
       sleep 0.5
     done
     wait $srun_pid
@@ -277,9 +285,7 @@ EOF
   status=$?
   [[ -n $down_while_running ]] || { cat "$work/out"; fail "the job ended before slurmctld marked node2 down (status $status)"; }
   grep -q '^coordinator: 400 steps committed' "$work/out" || { cat "$work/out"; fail "the survivors did not reach step 400 (status $status)"; }
-  sums=$(sed -n 's/^trainer [123]: done, 400 steps committed, .*parameter checksum //p' "$work/out" | sort -u)
-  survivors=$(grep -c '^trainer [123]: done, 400 steps committed' "$work/out")
-  [[ $survivors == 2 && $(wc -l <<<"$sums") == 1 ]] ||
+  same_checksums 2 "trainer [123]: done, 400 steps committed, " ||
     { cat "$work/out"; fail "not two survivors with equal parameters at step 400 (status $status)"; }
   echo "$name: a failed node, --no-kill: the survivors train on, srun's status $status ($SECONDS s)"
 
@@ -321,8 +327,7 @@ status=$?
 grep -q '^trainer 2: killing itself at the start of step 20$' "$work/out" || { cat "$work/out"; fail "trainer 2 was not killed"; }
 grep -q 'task 2: Killed' "$work/out" || { cat "$work/out"; fail "srun does not report the killed task"; }
 grep -q '^coordinator: 40 steps committed' "$work/out" || { cat "$work/out"; fail "the coordinator did not commit 40 steps"; }
-sums=$(sed -n 's/^trainer [13]: done, 40 steps committed, .*parameter checksum //p' "$work/out" | sort -u)
-[[ $(grep -c '^trainer [13]: done, 40 steps committed' "$work/out") == 2 && $(wc -l <<<"$sums") == 1 ]] ||
+same_checksums 2 "trainer [13]: done, 40 steps committed, " ||
   { cat "$work/out"; fail "the survivors did not both end at step 40 with equal parameters"; }
 grep -q '^trainer 2: done' "$work/out" && { cat "$work/out"; fail "the killed trainer came back"; }
 

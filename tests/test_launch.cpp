@@ -54,6 +54,23 @@ double train_a_little() {
   return w.grad().abs().sum().item<double>();
 }
 
+// Calls `rank` until its death fails the call: its threads can serve calls before its main thread dies.
+void call_until_lost(int rank) {
+  try {
+    for (;;) (void)rpc_sync<&add>(rank, 1, 1);
+  } catch (const ConnectionError&) {}
+}
+
+// A rank of a job that goes on without `lost` (lost_rank_fails_shutdown off): joins the job, then `lost` dies and
+// the others wait until they see it gone.
+void join_then_lose(int rank, int lost) {
+  auto options = quick_options();
+  options.lost_rank_fails_shutdown = false;
+  init_rpc(worker_name(rank), -1, -1, options);
+  if (rank == lost) ::raise(SIGKILL);
+  call_until_lost(lost);
+}
+
 // A failure's reason for `rank` (empty if that rank did not fail).
 std::string reason_of(const LaunchError& e, int rank) {
   for (auto& f : e.failures())
@@ -289,12 +306,9 @@ TEST_CASE("a job that lost a rank fails on every rank, and the rank that leaves 
           init_rpc(worker_name(rank), -1, -1, quick_options());
           if (rank == 1) ::raise(SIGKILL);
           if (rank == 0) {
-            try {
-              // Until rank 1 is gone: its threads can serve a call before its main thread reaches raise().
-              for (;;) (void)rpc_sync<&add>(1, 1, 1);
-            } catch (const ConnectionError&) {
-              std::exit(1);  // what a main that catches, reports and returns 1 does, without shutdown()
-            }
+            call_until_lost(1);
+            std::exit(
+                1);  // what a main that catches the ConnectionError, reports and returns 1 does, without shutdown()
           }
           shutdown();  // rank 2: the job lost rank 1, so this must not end as a success
         },
@@ -313,19 +327,16 @@ TEST_CASE("a job that lost a rank fails on every rank, and the rank that leaves 
 TEST_CASE(
     "with lost_rank_fails_shutdown off, the survivors of a lost rank shut down cleanly; rank 0's loss still fails") {
   // What a fault-tolerant job under srun or mpirun (no replacement) does: rank 1 dies, ranks 0 and 2 end as successes.
-  auto survivors = [](int rank) {
-    auto options = quick_options();
-    options.lost_rank_fails_shutdown = false;
-    init_rpc(worker_name(rank), -1, -1, options);
-    if (rank == 1) ::raise(SIGKILL);
-    try {
-      for (;;) (void)rpc_sync<&add>(1, 1, 1);  // until rank 1 is gone
-    } catch (const ConnectionError&) {}
-    if (rpc_sync<&add>(2 - rank, rank, 1) != rank + 1) throw std::runtime_error("wrong sum between the survivors");
-    shutdown();
-  };
   try {
-    launch_processes(3, survivors, spawned());
+    launch_processes(
+        3,
+        [](int rank) {
+          join_then_lose(rank, 1);
+          if (rpc_sync<&add>(2 - rank, rank, 1) != rank + 1)
+            throw std::runtime_error("wrong sum between the survivors");
+          shutdown();
+        },
+        spawned());
     FAIL("the launch was expected to report rank 1");
   } catch (const LaunchError& e) {
     INFO(e.what());
@@ -338,13 +349,7 @@ TEST_CASE(
     launch_processes(
         2,
         [](int rank) {
-          auto options = quick_options();
-          options.lost_rank_fails_shutdown = false;
-          init_rpc(worker_name(rank), -1, -1, options);
-          if (rank == 0) ::raise(SIGKILL);
-          try {
-            for (;;) (void)rpc_sync<&add>(0, 1, 1);  // until rank 0 is gone
-          } catch (const ConnectionError&) {}
+          join_then_lose(rank, 0);
           shutdown();
         },
         spawned());

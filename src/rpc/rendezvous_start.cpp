@@ -29,9 +29,10 @@ std::string loopback_address_of(asio::io_context& io, const std::string& host) {
 }
 
 // Opens `acceptor` on `host`:`port` (0: any), or takes `listen_fd`, a socket a launcher (corpc::launch_processes) bound
-// and listens on for us, so that no other process could take the port in between. Returns the port.
+// and listens on for us, so that no other process could take the port in between. Returns the port. `port_source`:
+// where a port chosen before this process started came from (rank 0's), for the error when another process holds it.
 std::uint16_t open_listener(asio::ip::tcp::acceptor& acceptor, const std::string& host, std::uint16_t port,
-                            int listen_fd) {
+                            int listen_fd, const std::string& port_source) {
   if (listen_fd >= 0) {
     acceptor.assign(asio::ip::tcp::v4(), listen_fd);
     return acceptor.local_endpoint().port();
@@ -43,8 +44,15 @@ std::uint16_t open_listener(asio::ip::tcp::acceptor& acceptor, const std::string
   try {
     acceptor.bind(endpoint);
   } catch (const std::system_error& e) {
-    throw ConnectionError("cannot listen on " + host + ":" + std::to_string(endpoint.endpoint().port()) + ": " +
-                          e.what());
+    std::string why = "cannot listen on " + host + ":" + std::to_string(endpoint.endpoint().port()) + ": " + e.what();
+    // torchrun's agent picks a free port, closes it and hands it on, so on a busy host another process can take it
+    // before rank 0 binds it.
+    if (!port_source.empty() && e.code() == asio::error::address_in_use) {
+      why += " (rank 0's address, from " + port_source +
+             "): another process holds that port; under torchrun, whose agent chose a free port and released it "
+             "before this rank could bind it, run again or pass --master_port";
+    }
+    throw ConnectionError(why);
   }
   acceptor.listen();
   return acceptor.local_endpoint().port();
@@ -148,17 +156,8 @@ void Runtime::Impl::start_rendezvous(const MasterAddress& master, int listen_fd)
   }
   // Rank 0 listens where everyone finds it (a launcher may have bound the port for it: `listen_fd`); the others on a
   // port the system picks.
-  try {
-    self.port =
-        open_listener(*acceptor, listen_host, self.rank == 0 ? master.port : 0, self.rank == 0 ? listen_fd : -1);
-  } catch (const ConnectionError& e) {
-    if (self.rank != 0 || master.port == 0) throw;
-    // Rank 0's port is the job's, chosen before this process started: say where it came from. torchrun's agent picks
-    // a free port, closes it and hands it on, so on a busy host another process can take it in between.
-    throw ConnectionError(std::string(e.what()) + " (rank 0's address, from " + master.source +
-                          "): another process holds that port; under torchrun, whose agent chose a free port and "
-                          "released it before this rank could bind it, run again or pass --master_port");
-  }
+  self.port = self.rank == 0 ? open_listener(*acceptor, listen_host, master.port, listen_fd, master.source)
+                             : open_listener(*acceptor, listen_host, 0, -1, "");
   // Rank 0 is where everyone found it. The others: the address they listen on if it is a specific one, else the
   // address rank 0 sees them at (filled in there).
   const bool specific = listen_host != "0.0.0.0" && listen_host != "::";

@@ -318,10 +318,12 @@ std::string close_runtime(bool graceful, const std::string& failure) {
       lost = "rank 0 died before the job ended (" + death + ")";
   }
   if (graceful && lost.empty() && !outcome.lost.empty()) {
-    if (impl.options.lost_rank_fails_shutdown) lost = "the job lost " + outcome.lost;
-    else
+    if (impl.options.lost_rank_fails_shutdown) {
+      lost = "the job lost " + outcome.lost;
+    } else {
       detail::log(detail::LogLevel::warn, impl.self.name, "shutdown",
                   "the job lost {} (RpcOptions::lost_rank_fails_shutdown is off)", outcome.lost);
+    }
   }
   impl.close_everything(true, failure);
   g_runtime_ptr.store(nullptr, std::memory_order_release);
