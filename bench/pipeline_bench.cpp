@@ -15,7 +15,9 @@
 //   pipeline_bench --results FILE           # also writes corpc's best run per split and its one process to FILE
 //   pipeline_bench --column FILE            # adds those of another build (its --results) as columns of the summary
 //   pipeline_bench --schedules gpipe,1f1b,interleaved,zbh1 --balance schedule|measured|time|tutorial|11,12 --workers 2
-//   pipeline_bench --repeats 5 --send-cost 0.0005   # runs per cell; seconds per message the balance's simulation adds
+//   pipeline_bench --repeats 5 --send-cost 0.0005   # runs per cell; seconds per message the balance's simulation
+//                                           # starts from (the rounds of real steps fit it)
+//   pipeline_bench --refine-rounds 0        # --balance schedule from the profile alone, no rounds of real steps
 //   pipeline_bench --trace pipeline_trace.json --gantt pipeline_gantt.png   # the last timed step of every run
 //   pipeline_bench --device cuda:0          # every stage on that device (workers "workerN/cuda:0"), the reference too
 //
@@ -32,9 +34,11 @@
 // splits, the one-process references the same way (C++, then Python, --repeats times). The summary compares medians.
 //
 // The balance: "schedule" (the default) profiles each layer's forward, input-gradient and weight-gradient time at the
-// micro-batch size of each split and cuts each (schedule, split) where the schedule's simulated step is shortest
-// (corpc/pipeline/schedule_balance.hpp); "time" and "measured" cut once per stage count as balance_by_time (and
-// refine_balance) do. Whatever the balance, the table shows the step the simulation predicts for the cut that ran.
+// micro-batch size of each split, cuts each (schedule, split) where the schedule's simulated step is shortest
+// (corpc/pipeline/schedule_balance.hpp), then refines that cut with up to three rounds of real steps
+// (refine_balance_for_pipeline: the profile calibrated stage by stage and kind by kind, the time per message fitted
+// to the step's span), keeping the cut whose step measured fastest; "time" and "measured" cut once per stage count as
+// balance_by_time (and refine_balance) do. The table shows the step the simulation predicted for the cut that ran.
 //
 // With --device cuda:N the workers share that GPU: activations and gradients go from stage to stage through device
 // maps (cuda:N -> cuda:N between every two workers; the master sends only CPU inputs and targets), the balance is
@@ -89,6 +93,7 @@ struct Config {
   long pipelining_timeout = 180;       // seconds for each (schedule, splits) run
   long repeats = 3;                    // runs of every (schedule, split) cell and of each one-process reference
   double send_seconds = 0;             // per message between workers, in the balance's simulation
+  long refine_rounds = 3;              // --balance schedule: rounds of real steps that refine the profile's cut
 };
 
 // What a process used: CPU time (user + system, getrusage) and the threads torch runs with, so that a gap between two
@@ -229,10 +234,48 @@ const std::vector<ActionCosts>& layer_costs(const Config& c, long splits) {
   return costs;
 }
 
-// --balance schedule: the cut of `schedule` at `splits` micro-batches with the shortest simulated step.
-ScheduleBalance schedule_cut(const Config& c, Schedule schedule, long splits) {
-  return balance_for_schedule(layer_costs(c, splits), schedule, static_cast<int>(c.workers), static_cast<int>(splits),
-                              0, c.send_seconds);
+// --balance schedule: the cut of `schedule` at `splits` micro-batches with the shortest simulated step, from the
+// profile, then refined by real steps (refine_balance_for_pipeline): up to c.refine_rounds rounds, each one warm-up
+// step and two timed ones with the cut, the profile calibrated with the faster step's stage costs and its span. Keeps
+// the cut whose faster step was fastest (a round can overshoot); its simulated_seconds is the step predicted for it
+// before it ran.
+ScheduleBalance schedule_cut(const Config& c, Schedule schedule, long splits,
+                             const std::vector<std::pair<at::Tensor, at::Tensor>>& data) {
+  std::vector<ActionCosts> costs = layer_costs(c, splits);  // a copy: each (schedule, split) calibrates its own
+  PipelineOptions o;
+  o.schedule = schedule;
+  o.micro_batches = static_cast<int>(splits);
+  for (long w = 1; w <= c.workers; ++w) o.workers.push_back(worker_spec(c, w));
+  ScheduleBalance chosen = balance_for_pipeline(o, costs, 0, c.send_seconds), best = chosen;
+  double best_pace = INFINITY;
+  std::vector<std::vector<int>> tried;
+  for (long round = 1; round <= c.refine_rounds; ++round) {
+    o.balance = chosen.balance;
+    tried.push_back(o.balance);
+    auto pipe = Pipeline::create<&resnet50, &mse, &make_sgd>(o, std::int64_t{c.width}, std::int64_t{c.classes});
+    sync_wait(pipe.train_step(data[0].first, data[0].second));
+    synchronize_workers(c);
+    double pace = INFINITY;
+    std::vector<WorkerReport> fastest;
+    for (int i = 0; i < 2; ++i) {
+      const auto t0 = Clock::now();
+      auto step = sync_wait(pipe.train_step(data[0].first, data[0].second));
+      synchronize_workers(c);
+      if (const double t = std::chrono::duration<double>(Clock::now() - t0).count(); t < pace)
+        pace = t, fastest = std::move(step.workers);
+    }
+    if (pace < best_pace) best_pace = pace, best = chosen;
+    auto next = refine_balance_for_pipeline(o, costs, fastest);
+    std::fprintf(stderr,
+                 "  [balance, %s@%ld] round %ld: %s simulated %.3f s, measured %.3f s (span %.3f) -> %s "
+                 "(simulated %.3f s, %.1f ms per message)\n",
+                 to_string(schedule), splits, round, to_string(o.balance).c_str(), chosen.simulated_seconds, pace,
+                 step_span_seconds(fastest), to_string(next.balance).c_str(), next.simulated_seconds,
+                 next.send_seconds * 1e3);
+    if (std::find(tried.begin(), tried.end(), next.balance) != tried.end()) break;
+    chosen = std::move(next);
+  }
+  return c.refine_rounds > 0 ? best : chosen;
 }
 
 // The schedule whose steps refine the balance for `stages` stages placed as `placement`: the stage times depend on
@@ -277,30 +320,10 @@ struct StepAccount {
 };
 StepAccount account_step(const Config& c, Schedule schedule, long splits, const std::vector<WorkerReport>& workers) {
   const int v = min_stages_per_worker(schedule), stages = static_cast<int>(c.workers) * v;
-  std::vector<std::array<double, 4>> sum(static_cast<std::size_t>(stages), {0, 0, 0, 0});
-  std::vector<std::array<int, 4>> count(static_cast<std::size_t>(stages), {0, 0, 0, 0});
-  std::int64_t first = INT64_MAX, last = INT64_MIN;
-  for (auto& w : workers)
-    for (auto& r : w.records) {
-      if (r.action.stage < 0 || r.action.stage >= stages) continue;
-      const auto k = static_cast<std::size_t>(r.action.kind), st = static_cast<std::size_t>(r.action.stage);
-      sum[st][k] += static_cast<double>(r.end_ns - r.start_ns) * 1e-9;
-      ++count[st][k];
-      first = std::min(first, r.start_ns), last = std::max(last, r.end_ns);
-    }
-  std::vector<ActionCosts> costs;
-  for (std::size_t st = 0; st < sum.size(); ++st) {
-    auto mean = [&](ActionKind k) {
-      const auto i = static_cast<std::size_t>(k);
-      return count[st][i] ? sum[st][i] / count[st][i] : 0.0;
-    };
-    const bool split = count[st][static_cast<std::size_t>(ActionKind::BackwardInput)] > 0;  // B = I + W then
-    costs.push_back({mean(ActionKind::Forward), split ? mean(ActionKind::BackwardInput) : mean(ActionKind::Backward),
-                     split ? mean(ActionKind::BackwardWeight) : 0.0});
-  }
   StepAccount a;
-  if (last > first) a.span = static_cast<double>(last - first) * 1e-9;
-  a.replay = simulate_step(make_schedule(schedule, static_cast<int>(c.workers), v, static_cast<int>(splits)), costs);
+  a.span = step_span_seconds(workers);
+  a.replay = simulate_step(make_schedule(schedule, static_cast<int>(c.workers), v, static_cast<int>(splits)),
+                           stage_action_costs(workers, stages));
   return a;
 }
 
@@ -569,6 +592,7 @@ int main(int argc, char** argv) {
         "schedule|measured|time|tutorial|N,N..]\n"
         "               [--repeats 3]   (runs of every cell and of each one-process reference, interleaved)\n"
         "               [--send-cost 0]   (seconds per message between workers in the schedule balance's simulation)\n"
+        "               [--refine-rounds 3]   (--balance schedule: rounds of real steps that calibrate the profile)\n"
         "               [--workers 2] [--batch-size 32] [--image-size 64] [--num-batches 3] [--threads 1] [--warmup "
         "1]\n"
         "               [--base-width 64] [--num-classes 1000] [--tutorial] [--compare-pytorch]\n"
@@ -596,6 +620,7 @@ int main(int argc, char** argv) {
   c.balance = flags.get("balance", "schedule");
   c.repeats = std::max<long>(1, flags.get_int("repeats", c.repeats));
   c.send_seconds = flags.get_double("send-cost", c.send_seconds);
+  c.refine_rounds = std::max<long>(0, flags.get_int("refine-rounds", c.refine_rounds));
   c.batch = flags.get_int("batch-size", tutorial ? 120 : 32);
   c.image = flags.get_int("image-size", tutorial ? 128 : 64);
   c.batches = flags.get_int("num-batches", 3);
@@ -688,7 +713,7 @@ int main(int argc, char** argv) {
                                                   : balance_key(stages, placement_of(schedule));
               if (!balances.count(key)) {
                 if (by_schedule) {
-                  const auto chosen = schedule_cut(c, schedule, s);
+                  const auto chosen = schedule_cut(c, schedule, s, data);
                   balances[key] = chosen.balance;
                   simulated[key] = {chosen.simulated_seconds, chosen.partition_seconds};
                 } else {
@@ -731,12 +756,15 @@ int main(int argc, char** argv) {
                   const StepAccount account = account_step(c, schedule, s, r.last);
                   out << "account " << static_cast<int>(schedule) << ' ' << s << ' ' << account.span << ' '
                       << account.replay << '\n';
-                  if (rep == 0)
+                  if (rep == 0) {  // the step predicted for the cut: by the calibrated profile that chose it
+                    const std::string key = std::string(to_string(schedule)) + "@" + std::to_string(s);
                     out << "cut " << static_cast<int>(schedule) << ' ' << s << ' ' << to_string(balance) << ' '
-                        << simulated_step_seconds(schedule, static_cast<int>(c.workers),
-                                                  min_stages_per_worker(schedule), static_cast<int>(s),
-                                                  layer_costs(c, s), balance, c.send_seconds)
+                        << (by_schedule ? simulated[key].first
+                                        : simulated_step_seconds(schedule, static_cast<int>(c.workers),
+                                                                 min_stages_per_worker(schedule), static_cast<int>(s),
+                                                                 layer_costs(c, s), balance, c.send_seconds))
                         << '\n';
+                  }
                   if (rep + 1 < c.repeats) continue;
                   const std::string label = std::string(to_string(schedule)) + " M=" + std::to_string(s);
                   std::int64_t origin = INT64_MAX;
@@ -909,8 +937,8 @@ int main(int argc, char** argv) {
 
   std::printf("# balance %s (%s):%s\n", c.balance.c_str(),
               c.balance == "schedule"
-                  ? "schedule@splits:layers per stage, the cut with the shortest simulated step (its simulated "
-                    "step/that of the cut minimizing the slowest stage, s)"
+                  ? "schedule@splits:layers per stage, the cut kept after the rounds of real steps (its simulated "
+                    "step/that of the cut minimizing the slowest stage, s, with the profile as calibrated)"
                   : "stages:layers per stage; V: cut for the V placement",
               balance_line.c_str());
   // A ratio or time that was not measured (no GPipe run at 1 split, PyTorch not compared) reads "-", not nan.
@@ -998,7 +1026,8 @@ int main(int argc, char** argv) {
                 compare ? "no run of PyTorch's RPC finished" : "PyTorch's RPC not compared: --compare-pytorch");
   std::printf(
       "Cut: layers per stage (--balance %s). Step simulated: the schedule's action lists run with each stage's F, I\n"
-      "and W times profiled layer by layer at the split's micro-batch size (corpc/pipeline/schedule_balance.hpp);\n"
+      "and W times profiled layer by layer at the split's micro-batch size (corpc/pipeline/schedule_balance.hpp),\n"
+      "for --balance schedule as the rounds of real steps calibrated them before this cut ran (its prediction);\n"
       "measured: the median time over the timed batches. Actions' span: the last timed step's first action's start\n"
       "to its last action's end; replayed: the simulation run with each stage's actions taking what they took in\n"
       "that step. Span - replayed: waits that compute does not explain (messages, wake-ups); measured - span: the\n"

@@ -60,6 +60,17 @@ std::pair<at::Tensor, std::vector<at::Tensor>> reference_step(const at::Tensor& 
   return {loss.detach(), net->parameters()};
 }
 
+// The batch most cases train on, and one SGD step of the unsplit model on it in this process.
+struct Reference {
+  at::Tensor x, y, loss;
+  std::vector<at::Tensor> params;
+};
+Reference reference_batch(at::Tensor (*loss_fn)(const at::Tensor&, const at::Tensor&) = &mse) {
+  Reference r{random_images(kBatch, kImage, 7), one_hot_labels(kBatch, kClasses, 8), {}, {}};
+  std::tie(r.loss, r.params) = reference_step(r.x, r.y, loss_fn);
+  return r;
+}
+
 // The pipeline's parameters after a step against the one-process reference's, one by one.
 void expect_same_parameters(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& ref_params) {
   EXPECT_EQ(params.size(), ref_params.size());
@@ -162,9 +173,7 @@ TEST_CASE(
       5,
       [](int rank) {
         if (rank != 0) return;
-        auto x = random_images(kBatch, kImage, 7);
-        auto y = one_hot_labels(kBatch, kClasses, 8);
-        auto [ref_loss, ref_params] = reference_step(x, y);
+        const auto [x, y, ref_loss, ref_params] = reference_batch();
         // Whatever the cut (a schedule balance picks any), the results are the unsplit model's: one stage of one
         // layer, one of most layers, the heavy stage first or last.
         const std::map<int, std::vector<std::vector<int>>> cuts{
@@ -196,9 +205,7 @@ TEST_CASE("a schedule read from CSV runs like the one it was written from, and f
       3,
       [](int rank) {
         if (rank != 0) return;
-        auto x = random_images(kBatch, kImage, 7);
-        auto y = one_hot_labels(kBatch, kClasses, 8);
-        auto [ref_loss, ref_params] = reference_step(x, y);
+        const auto [x, y, ref_loss, ref_params] = reference_batch();
         char path[] = "/tmp/corpc_schedule_XXXXXX";
         ::close(::mkstemp(path));
         write_schedule_csv(path, make_schedule(Schedule::ZBVZeroBubble, 2, 2, 4));
@@ -282,9 +289,7 @@ TEST_CASE("a sum-reduced loss, declared as such, gives the one-process loss and 
       3,
       [](int rank) {
         if (rank != 0) return;
-        auto x = random_images(kBatch, kImage, 7);
-        auto y = one_hot_labels(kBatch, kClasses, 8);
-        auto [ref_loss, ref_params] = reference_step(x, y, &summed_mse);
+        const auto [x, y, ref_loss, ref_params] = reference_batch(&summed_mse);
         for (auto schedule : {Schedule::GPipe, Schedule::OneFOneB, Schedule::ZeroBubbleH1}) {
           PipelineOptions o = layout(schedule, 2, 4);
           o.loss_reduction = LossReduction::sum;
@@ -445,6 +450,52 @@ TEST_CASE("refining a balance with measured stage times moves the cut toward the
   auto busy = stage_busy_seconds({w}, 2);
   CHECK(busy[0] == doctest::Approx(2.5));
   CHECK(busy[1] == doctest::Approx(1.0));
+}
+
+TEST_CASE("a cut refined from a real step's timeline: calibrated to its span, and the new cut equals one process") {
+  run_world(
+      3,
+      [](int rank) {
+        if (rank != 0) return;
+        const auto [x, y, ref_loss, ref_params] = reference_batch();
+        auto net = tiny_resnet(1);
+        net->eval();  // the mode the pipelines train in below
+        const auto profile = profile_layer_costs(net, random_images(kBatch / 4, kImage, 3), 1);
+        for (auto schedule : {Schedule::OneFOneB, Schedule::Interleaved1F1B, Schedule::ZBVZeroBubble}) {
+          INFO(to_string(schedule));
+          auto costs = profile;
+          auto o = layout(schedule, 2 * min_stages_per_worker(schedule), 4);
+          o.balance = balance_for_pipeline(o, costs).balance;
+          auto pipe = Pipeline::create<&tiny_resnet, &mse, &make_sgd>(o, std::uint64_t{1});
+          pipe.train(false);
+          sync_wait(pipe.train_step(x, y));
+          const auto step = sync_wait(pipe.train_step(x, y));
+          const auto next = refine_balance_for_pipeline(o, costs, step.workers);
+          EXPECT(costs != profile);  // calibrated
+          EXPECT(next.send_seconds >= 0);
+          // Calibrated with this step, the simulation of its cut lasts the step's span (or longer, with no time left
+          // to charge to messages).
+          const double span = step_span_seconds(step.workers);
+          const double replay = simulated_step_seconds(schedule, 2, min_stages_per_worker(schedule), 4, costs,
+                                                       o.balance, next.send_seconds);
+          if (next.send_seconds > 0) EXPECT(std::abs(replay - span) <= 1e-3 * span);
+          else EXPECT(replay >= span * (1 - 1e-9));
+          EXPECT(next.simulated_seconds <= replay + 1e-12);  // the chosen cut is never slower in the simulation
+          // Whatever cut it gives, the step is the unsplit model's.
+          o.balance = next.balance;
+          auto refined = Pipeline::create<&tiny_resnet, &mse, &make_sgd>(o, std::uint64_t{1});
+          refined.train(false);
+          EXPECT(close(sync_wait(refined.train_step(x, y)).loss, ref_loss));
+          expect_same_parameters(refined.parameters(), ref_params);
+          // A balance that is not a cut of the profile is refused, the profile left as it was.
+          auto wrong = o;
+          wrong.balance = {1, 1};
+          auto before = costs;
+          EXPECT_THROWS_AS(refine_balance_for_pipeline(wrong, costs, step.workers), UsageError);
+          EXPECT(costs == before);
+        }
+      },
+      quick_options(), std::chrono::seconds(180));
 }
 
 TEST_CASE("a stage's worker killed mid-step fails the step with PipelineError naming it, without a hang") {

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "corpc/ddp/pipeline_replicas.hpp"
+#include "corpc/ddp/replica_checkpoint.hpp"
 #include "corpc/rpc/call.hpp"
 #include "corpc/rpc/runtime.hpp"
 
@@ -70,6 +71,11 @@ std::pair<at::Tensor, at::Tensor> batch(int64_t step, int replica) {
   return {at::randn({kBatch, 8}, g), at::randn({kBatch, 1}, g)};
 }
 
+struct Step {
+  std::vector<int> replicas;
+  std::map<int, double> losses;  // by replica
+};
+
 struct Scenario {
   PipelineReplicaOptions options = [] {
     PipelineReplicaOptions o;
@@ -93,6 +99,11 @@ struct Scenario {
   // Steps take milliseconds and a replacement's start longer: without this the others could finish before it is back.
   std::vector<std::pair<int64_t, int>> gates;
   int max_incarnations = 3;
+  // Checkpoints: every worker saves under `save_root` once `save_at` steps are committed, and loads the step
+  // directory `load_from` before its first step; `history` holds the steps before that one, for the replay.
+  int64_t save_at = -1;
+  std::string save_root, load_from;
+  std::map<int64_t, Step> history;
 };
 
 void train(const Scenario& sc, const std::string& dir, int rank, int incarnation, int world) {
@@ -103,6 +114,7 @@ void train(const Scenario& sc, const std::string& dir, int rank, int incarnation
   if (sc.after_action)
     po.after_action = [&](int64_t step, const Action& a) { sc.after_action(rank, incarnation, step, a); };
   PipelineReplicas pp(make_model(), &mse, &make_sgd, po);
+  if (!sc.load_from.empty()) pp.load_checkpoint(sc.load_from);
   std::ofstream log(file_in(dir, "log", rank), std::ios::app);
   std::ofstream retries(file_in(dir, "retries", rank), std::ios::app);
   ReplicaStepReport report;
@@ -128,17 +140,14 @@ void train(const Scenario& sc, const std::string& dir, int rank, int incarnation
     log << (report.ft.recovered ? " recovered" : "") << (report.ft.retries > 0 ? " retried" : "") << '\n';
     log.flush();
     if (report.ft.retries > 0) retries << report.ft.quorum.step << ": " << report.ft.last_error << std::endl;
+    if (pp.committed_steps() == sc.save_at && !sc.save_root.empty()) pp.save_checkpoint(sc.save_root);
   }
+  pp.wait_checkpoint();
   for (auto& st : pp.stages())
     torch::save(sgd_state_of(st.layers->parameters(), *st.optimizer),
                 file_in(dir, "final" + std::to_string(st.stage) + "_", rank));
   shutdown(true);
 }
-
-struct Step {
-  std::vector<int> replicas;
-  std::map<int, double> losses;  // by replica
-};
 
 struct Outcome {
   std::map<int64_t, Step> steps;
@@ -208,15 +217,19 @@ Outcome run_scenario(const Scenario& sc) {
       for (auto [replica, loss] : s.losses) it->second.losses[replica] = loss;
     }
   }
-  REQUIRE(static_cast<int>(out.steps.size()) >= sc.steps);
-  CHECK(out.steps.rbegin()->first + 1 == static_cast<int64_t>(out.steps.size()));  // 0..n-1, each once
+  const auto first = static_cast<int64_t>(sc.history.size());  // the step a loaded checkpoint starts from
+  REQUIRE(static_cast<int64_t>(out.steps.size()) + first >= sc.steps);
+  CHECK(out.steps.begin()->first == first);
+  CHECK(out.steps.rbegin()->first + 1 == first + static_cast<int64_t>(out.steps.size()));  // each once
+  auto replayed = sc.history;
+  replayed.insert(out.steps.begin(), out.steps.end());
   // The replay and the comparisons run in a rank of their own: this process must not start threads (it forks ranks).
   launch_processes(
       1,
       [&](int) {
         auto model = make_model();
         torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(kLr).momentum(0.9));
-        for (const auto& [step, s] : out.steps) {
+        for (const auto& [step, s] : replayed) {
           opt.zero_grad();
           double total = 0;
           for (int r : s.replicas) {
@@ -295,6 +308,68 @@ TEST_CASE("pipeline replicas without faults equal the whole model on the whole b
     if (min_stages_per_worker(c.schedule) == 2)
       for (size_t r = 1; r < out.logs.size(); ++r) CHECK(out.logs[r].find("overlapped") != std::string::npos);
   }
+}
+
+TEST_CASE(
+    "a checkpoint taken mid-run loads into one process's whole model, and into a job of one ZBV replica that trains "
+    "on equal to one process") {
+  char tmpl[] = "/tmp/corpc-ppckpt-XXXXXX";
+  const std::string root = ::mkdtemp(tmpl);
+  CHECK(latest_replica_checkpoint(root) == "");
+  auto sc = with(Schedule::OneFOneB, {4, 4});
+  sc.steps = 4;
+  sc.save_at = 2;
+  sc.save_root = root;
+  const auto first = run_scenario(sc);
+  const std::string dir = latest_replica_checkpoint(root);
+  CHECK(dir == replica_checkpoint_dir(root, 2));
+  CHECK(std::filesystem::exists(dir + "/stage-0-of-2.pt"));
+  CHECK(std::filesystem::exists(dir + "/stage-1-of-2.pt"));
+  // The whole model from the stage files, against one process replaying steps 0 and 1 (in a rank of its own: this
+  // process forks ranks).
+  launch_processes(
+      1,
+      [&](int) {
+        auto model = make_model();
+        for (auto& p : model->parameters()) p.detach().zero_();
+        EXPECT_EQ(load_replica_checkpoint(model, dir), 2);
+        auto reference = make_model();
+        torch::optim::SGD opt(reference->parameters(), torch::optim::SGDOptions(kLr).momentum(0.9));
+        for (int64_t step = 0; step < 2; ++step) {
+          opt.zero_grad();
+          for (int r : first.steps.at(step).replicas) {
+            auto [x, y] = batch(step, r);
+            (mse(reference->forward(x), y) / static_cast<double>(first.steps.at(step).replicas.size())).backward();
+          }
+          opt.step();
+        }
+        const auto mine = model->parameters(), theirs = reference->parameters();
+        EXPECT_EQ(mine.size(), theirs.size());
+        for (size_t i = 0; i < mine.size(); ++i) EXPECT(torch::allclose(mine[i], theirs[i], 1e-4, 1e-6));
+        // A model of other shapes is refused, naming the layer, before anything is loaded.
+        torch::nn::Sequential other;  // make_model's layers, the first one wider
+        other->push_back(torch::nn::Linear(8, kWidth + 1));
+        for (int i = 1; i < kLayers - 1; ++i) {
+          if (i % 2 == 1) other->push_back(torch::nn::Tanh());
+          else other->push_back(torch::nn::Linear(kWidth, kWidth));
+        }
+        other->push_back(torch::nn::Linear(kWidth, 1));
+        const auto before = other->parameters()[2].clone();
+        EXPECT_THROWS_AS(load_replica_checkpoint(other, dir), UsageError);
+        EXPECT(torch::equal(other->parameters()[2], before));
+        EXPECT_THROWS_AS(load_replica_checkpoint(make_model(), root), UsageError);  // not a step directory
+      },
+      launch_options(60s));
+  // One replica, ZBV (both stages on one worker), from the checkpoint: steps 2 and 3, equal to one process replaying
+  // the first job's steps 0 and 1 and then these; the momentum too, so the optimizer state was loaded.
+  auto resumed = with(Schedule::ZBVZeroBubble, {4, 4});
+  resumed.options.replicas = 1;
+  resumed.steps = 4;
+  resumed.load_from = dir;
+  resumed.history = {{0, first.steps.at(0)}, {1, first.steps.at(1)}};
+  const auto out = run_scenario(resumed);
+  CHECK(out.steps.size() == 2);
+  std::filesystem::remove_all(root);
 }
 
 TEST_CASE("pipeline replicas without fault tolerance (fixed groups, no quorum) train the same") {

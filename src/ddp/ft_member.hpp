@@ -55,6 +55,11 @@ class Member {
 
   const FaultTolerantOptions& options() const { return options_; }
   std::int64_t committed() const { return committed_; }
+  // The trainer loaded the state of `step` from a checkpoint before its first step: it holds that step's state.
+  void restored(std::int64_t step) {
+    committed_ = step;
+    has_state_ = true;
+  }
 
   // One step: attempts until one is committed (the report says which, after how many retries, and why the last
   // failed one failed), or RpcError "NAME: step S failed N times; the last: ..." after options().max_retries

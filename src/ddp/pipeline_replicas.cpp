@@ -8,19 +8,23 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <algorithm>
+#include <future>
 #include <mutex>
 #include <string>
 
 #include "corpc/core/sync_wait.hpp"
 #include "corpc/core/trace.hpp"
+#include "corpc/ddp/replica_checkpoint.hpp"
 #include "corpc/ddp/rpc_store.hpp"
 #include "corpc/rpc/call.hpp"
 #include "corpc/rpc/errors.hpp"
 #include "corpc/rpc/runtime.hpp"
 
+#include "core/log.hpp"
 #include "ddp/ft_member.hpp"
 #include "ddp/ft_messages.hpp"
 #include "ddp/process_group.hpp"
+#include "ddp/replica_checkpoint_files.hpp"
 
 namespace corpc::ddp {
 
@@ -81,6 +85,23 @@ struct PipelineReplicas::State final : ft_detail::Trainer {
   // The step() call in progress, under fault tolerance: its batches, and the report its attempts fill.
   const ReplicaBatchFn* step_batch = nullptr;
   ReplicaStepReport* step_report = nullptr;
+
+  // Checkpoints: the replicas of the last committed step (its lowest writes), whether a step ran, the write in
+  // flight.
+  std::vector<int> last_replicas;
+  bool stepped = false;
+  std::future<void> writing;
+
+  // Stage `stage`'s layers in the whole model: [first, first + count).
+  ckpt_detail::StageMeta meta_of(int stage, std::int64_t step) const {
+    ckpt_detail::StageMeta m;
+    m.step = step;
+    m.stage = stage;
+    m.stages = static_cast<int>(options.balance.size());
+    for (int s = 0; s < stage; ++s) m.first_layer += options.balance[static_cast<size_t>(s)];
+    m.layers = options.balance[static_cast<size_t>(stage)];
+    return m;
+  }
 
   // Without fault tolerance: a lost replica mate or stage peer fails the attempt running (or the next one).
   std::mutex failure_mutex;
@@ -411,12 +432,76 @@ PipelineReplicas::PipelineReplicas(torch::nn::Sequential model, pipeline::LossFn
 }
 
 PipelineReplicas::~PipelineReplicas() {
+  try {
+    wait_checkpoint();
+  } catch (const std::exception& e) {
+    corpc::detail::log(corpc::detail::LogLevel::warn, "PipelineReplicas", "~PipelineReplicas",
+                       "a checkpoint was not written: {}", e.what());
+  }
   state_->averaging.clear();
   pipeline::detail::drop_stages(state_->host_id);
 }
 
 ReplicaStepReport PipelineReplicas::step(const ReplicaBatchFn& batch) {
-  return state_->member ? state_->fault_tolerant_step(batch) : state_->plain_step(batch);
+  state_->stepped = true;
+  auto report = state_->member ? state_->fault_tolerant_step(batch) : state_->plain_step(batch);
+  state_->last_replicas = report.replicas;
+  return report;
+}
+
+std::string PipelineReplicas::save_checkpoint(const std::string& root) {
+  auto& s = *state_;
+  wait_checkpoint();
+  const std::int64_t step = committed_steps();
+  const std::string dir = replica_checkpoint_dir(root, step);
+  if (s.last_replicas.empty() || s.last_replicas.front() != s.replica) return dir;
+  std::vector<std::pair<torch::serialize::OutputArchive, ckpt_detail::StageMeta>> files;
+  for (const auto& st : s.stages) {
+    const auto meta = s.meta_of(st.stage, step);
+    files.emplace_back(ckpt_detail::snapshot_stage(st.layers, *st.optimizer, meta), meta);
+  }
+  s.writing = std::async(std::launch::async, [files = std::move(files), dir]() mutable {
+    for (auto& [archive, meta] : files) ckpt_detail::write_stage(archive, dir, meta);
+  });
+  return dir;
+}
+
+void PipelineReplicas::wait_checkpoint() {
+  if (state_->writing.valid()) state_->writing.get();
+}
+
+std::int64_t PipelineReplicas::load_checkpoint(const std::string& step_dir) {
+  auto& s = *state_;
+  if (s.stepped) throw UsageError("PipelineReplicas::load_checkpoint: before the first step only");
+  const int stages = static_cast<int>(s.options.balance.size());
+  if (const int theirs = ckpt_detail::stage_count(step_dir); theirs != stages)
+    throw UsageError("PipelineReplicas::load_checkpoint: " + step_dir + " holds " + std::to_string(theirs) +
+                     " stages; this job cuts the model into " + std::to_string(stages));
+  // Every file read and checked before anything is loaded.
+  std::vector<ckpt_detail::StageFile> files;
+  for (const auto& st : s.stages) {
+    auto f = ckpt_detail::read_stage(step_dir, st.stage, stages);
+    const auto mine = s.meta_of(st.stage, f.meta.step);
+    if (f.meta.first_layer != mine.first_layer || f.meta.layers != mine.layers)
+      throw UsageError("PipelineReplicas::load_checkpoint: stage " + std::to_string(st.stage) + " of " + step_dir +
+                       " holds layers " + std::to_string(f.meta.first_layer) + ".." +
+                       std::to_string(f.meta.first_layer + f.meta.layers - 1) + ", this job's " +
+                       std::to_string(mine.first_layer) + ".." + std::to_string(mine.first_layer + mine.layers - 1) +
+                       ": a stage's optimizer state fits the same cut only (load_replica_checkpoint loads a whole "
+                       "model's parameters from any cut)");
+    if (!files.empty() && f.meta.step != files.front().meta.step)
+      throw UsageError("PipelineReplicas::load_checkpoint: " + step_dir + " mixes steps");
+    ckpt_detail::check_loadable(*st.layers, f.layers, "stage " + std::to_string(st.stage) + " of " + step_dir);
+    files.push_back(std::move(f));
+  }
+  const std::int64_t step = files.empty() ? 0 : files.front().meta.step;
+  for (size_t i = 0; i < files.size(); ++i) {
+    s.stages[i].layers->load(files[i].layers);
+    s.stages[i].optimizer->load(files[i].optimizer);
+  }
+  if (s.member) s.member->restored(step);
+  else s.plain_steps = step;
+  return step;
 }
 
 std::int64_t PipelineReplicas::committed_steps() const {

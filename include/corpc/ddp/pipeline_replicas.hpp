@@ -49,6 +49,10 @@
 /// rejoins at the next step. What is not recovered: anything else the dead process held (RRefs it owned, distributed
 /// autograd contexts, its RNG state, a data loader's position: seek it in FaultTolerantOptions::on_recovered).
 /// A restarted worker's replica comes back only while some live replica holds the state at each position.
+///
+/// **Checkpoints.** save_checkpoint writes the last committed step, one file per stage, while training goes on;
+/// load_checkpoint starts a job (any number of replicas, the same cut) from one, and load_replica_checkpoint loads
+/// one into a whole model in one process (corpc/ddp/replica_checkpoint.hpp).
 #pragma once
 
 #include <torch/nn/modules/container/sequential.h>
@@ -161,6 +165,21 @@ class PipelineReplicas {
   int replica() const;                       ///< this worker's replica
   int position() const;                      ///< this worker's place in its replica
   std::vector<ReplicaStage> stages() const;  ///< the stages this worker holds, in pipeline order
+
+  /// Saves the state of the last committed step under `root` (corpc/ddp/replica_checkpoint.hpp): on the workers of
+  /// the lowest replica that took part in it, each stage's file of root/step-N, its layers and optimizer state copied
+  /// now and written on a thread of its own while training goes on; the other workers write nothing. Call it on every
+  /// worker after a step (before any step nothing is written). Waits for this worker's previous write first, and
+  /// throws its error if it failed. Returns root/step-N.
+  std::string save_checkpoint(const std::string& root);
+  /// Waits for this worker's write in flight, if any; throws its error if it failed. (The destructor waits too.)
+  void wait_checkpoint();
+  /// Loads the stages this worker holds, optimizer state included, and the step counter from `step_dir` (a step
+  /// directory save_checkpoint wrote, e.g. latest_replica_checkpoint(root)); on every worker, before the first
+  /// step. The checkpoint's job may have had another number of replicas or another schedule, but the same cut (its
+  /// optimizer states are per stage). Returns the step. UsageError, with nothing loaded, after a step, for another
+  /// cut or other shapes, or a stage file that is missing.
+  std::int64_t load_checkpoint(const std::string& step_dir);
 
   /// @cond INTERNAL
   struct State;

@@ -118,6 +118,44 @@ inline ScheduleBalance balance_for_pipeline(const PipelineOptions& options, cons
   return balance_for_plan(costs, options.custom_actions, stages, send_seconds);
 }
 
+/// The next cut for `options` from a real step with options.balance: calibrates `costs` with each stage's measured
+/// F, I and W (calibrate_layer_costs), fits the time per message between workers to the step's span
+/// (fit_send_seconds), and cuts again where the simulated step is shortest (balance_for_pipeline). A profile taken
+/// one layer at a time can misjudge a running stage by a third or more, and by more in some stages than others;
+/// rounds of this converge on what the running stages pay. `step`: a train_step's StepResult::workers, not the
+/// first step of a Pipeline (that one pays for its allocations). Returns the same balance when the measured step
+/// confirms it; a round can also overshoot, so keep the cut whose measured step was fastest:
+///
+/// ```cpp
+///   auto costs = corpc::pipeline::profile_layer_costs(model, micro_batch);
+///   o.balance = corpc::pipeline::balance_for_pipeline(o, costs).balance;
+///   for (int round = 0; round < 3; ++round) {
+///     auto pipe = Pipeline::create<&make_model, &loss, &make_optimizer>(o);
+///     corpc::sync_wait(pipe.train_step(x, y));  // warm-up
+///     auto step = corpc::sync_wait(pipe.train_step(x, y));
+///     auto next = corpc::pipeline::refine_balance_for_pipeline(o, costs, step.workers);
+///     if (next.balance == o.balance) break;
+///     o.balance = next.balance;
+///   }
+/// ```
+///
+/// UsageError if options.balance is not a cut of `costs` into the stages of the step.
+inline ScheduleBalance refine_balance_for_pipeline(const PipelineOptions& options, std::vector<ActionCosts>& costs,
+                                                   const std::vector<WorkerReport>& step) {
+  const int workers = static_cast<int>(options.workers.size());
+  const int stages = static_cast<int>(options.balance.size());
+  if (workers < 1 || stages % workers != 0)
+    throw UsageError("refine_balance_for_pipeline: options.balance has " + std::to_string(stages) +
+                     " stages, not a multiple of its " + std::to_string(workers) + " workers");
+  const int per_worker = stages / workers;
+  calibrate_layer_costs(costs, options.balance, stage_action_costs(step, stages));
+  const auto plan = options.custom_actions.empty()
+                        ? make_schedule(options.schedule, workers, per_worker, options.micro_batches)
+                        : options.custom_actions;
+  const double send = fit_send_seconds(plan, stage_costs(costs, options.balance), step_span_seconds(step));
+  return balance_for_pipeline(options, costs, per_worker, send);
+}
+
 /// What Pipeline::train_step returns.
 struct StepResult {
   at::Tensor loss;                    ///< the whole batch's loss, as one process computes it

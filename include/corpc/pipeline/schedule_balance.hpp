@@ -25,7 +25,8 @@
 /// What the simulation leaves out: the loss (on the last stage), the optimizer step, and the time an activation takes
 /// from one worker to another unless `send_seconds` says (a fixed latency per message between two workers; messages
 /// between stages on one worker cost nothing). A profile taken one layer at a time also misses what a running stage
-/// pays (caches, threads): compare the simulated step with a measured one (StepResult's timelines) before trusting it.
+/// pays (caches, threads): calibrate_layer_costs corrects it with a real step's stage costs and fit_send_seconds
+/// finds the time per message that step waited (refine_balance_for_pipeline in pipeline.hpp does both and cuts again).
 #pragma once
 
 #include <algorithm>
@@ -45,9 +46,10 @@ namespace corpc::pipeline {
 /// backward_input + backward_weight; zero bubble runs them apart as I and W. A layer whose weight gradient cannot be
 /// computed apart from its input gradient counts all of it in backward_input.
 struct ActionCosts {
-  double forward = 0;          ///< F
-  double backward_input = 0;   ///< I: the gradient of the layer's (stage's) input
-  double backward_weight = 0;  ///< W: the gradients of its weights
+  double forward = 0;                                   ///< F
+  double backward_input = 0;                            ///< I: the gradient of the layer's (stage's) input
+  double backward_weight = 0;                           ///< W: the gradients of its weights
+  bool operator==(const ActionCosts&) const = default;  ///< field by field
   /// F + I + W: a micro-batch's whole time
   double total() const noexcept { return forward + backward_input + backward_weight; }
   /// field by field
@@ -179,7 +181,57 @@ struct ScheduleBalance {
   /// the simulated step with partition_by_cost's cut (the slowest stage's total minimized), for comparison
   double partition_seconds = 0;
   bool exhaustive = false;  ///< every cut was simulated (otherwise: the local search of this header's top)
+  double send_seconds = 0;  ///< the time per message between workers the simulation charged
 };
+
+/// Corrects a layer profile with what a real step measured, so that the next balance_for_schedule simulates this
+/// setting's costs: every layer of stage s (cut as `balance`) has its F scaled by measured[s].forward over the sum
+/// of its layers' F, and its I and W likewise. Where the step ran a whole backward (B) rather than I and W apart, and
+/// on the first stage (whose I the Pipeline runs as nothing, its W carrying the whole backward), I and W share one
+/// factor: the measured backward over the predicted one. A kind measured or predicted at 0 keeps its costs. Rounds
+/// compound, as refine_balance's do: the profile becomes what the running stages pay (activations gone from cache by
+/// the backward, the threads a running worker has), which a profile taken one layer at a time misses.
+/// `measured`: each stage's seconds per micro-batch, stage_action_costs (timeline.hpp) of one step. UsageError if
+/// the balance does not cover the layers one to one or `measured` has another number of stages.
+inline void calibrate_layer_costs(std::vector<ActionCosts>& layers, const std::vector<int>& balance,
+                                  const std::vector<ActionCosts>& measured) {
+  const auto predicted = stage_costs(layers, balance);
+  if (measured.size() != predicted.size())
+    throw UsageError("calibrate_layer_costs: " + std::to_string(measured.size()) +
+                     " measured stages for a balance of " + std::to_string(balance.size()));
+  auto factor = [](double m, double p) { return m > 0 && p > 0 ? m / p : 1.0; };
+  std::size_t first = 0;
+  for (std::size_t s = 0; s < predicted.size(); ++s) {
+    const ActionCosts &m = measured[s], &p = predicted[s];
+    const bool apart = s > 0 && m.backward_input > 0 && m.backward_weight > 0;
+    const double f = factor(m.forward, p.forward);
+    const double whole = factor(m.backward_input + m.backward_weight, p.backward_input + p.backward_weight);
+    const double i = apart ? factor(m.backward_input, p.backward_input) : whole;
+    const double w = apart ? factor(m.backward_weight, p.backward_weight) : whole;
+    for (std::size_t l = first; l < first + static_cast<std::size_t>(balance[s]); ++l) {
+      layers[l].forward *= f;
+      layers[l].backward_input *= i;
+      layers[l].backward_weight *= w;
+    }
+    first += static_cast<std::size_t>(balance[s]);
+  }
+}
+
+/// The time per message between two workers that makes the simulated step of `plan` with `stages` last
+/// `measured_seconds` (the span of a real step's actions, step_span_seconds in timeline.hpp): what the step waited
+/// beyond its actions' durations (a message's copy and wake-up, a worker's clock), charged to the messages that
+/// cross workers. 0 when the simulation without messages already lasts as long. Found by bisection: the simulated
+/// step does not shrink as messages get slower.
+inline double fit_send_seconds(const std::vector<std::vector<Action>>& plan, const std::vector<ActionCosts>& stages,
+                               double measured_seconds) {
+  if (!(simulate_step(plan, stages, 0) < measured_seconds)) return 0;
+  double lo = 0, hi = measured_seconds;  // no message can take longer than the whole step
+  for (int i = 0; i < 40 && hi - lo > 1e-7; ++i) {
+    const double mid = (lo + hi) / 2;
+    (simulate_step(plan, stages, mid) < measured_seconds ? lo : hi) = mid;
+  }
+  return lo;
+}
 
 /// Cuts beyond which balance_for_plan searches locally instead of simulating every one.
 inline constexpr long kExhaustiveCuts = 20000;
@@ -199,6 +251,7 @@ inline ScheduleBalance balance_for_plan(const std::vector<ActionCosts>& layers,
   std::vector<double> totals;
   for (auto& l : layers) totals.push_back(l.total());
   ScheduleBalance out;
+  out.send_seconds = send_seconds;
   out.balance = partition_by_cost(totals, S);
   out.simulated_seconds = out.partition_seconds = simulate(out.balance);
   auto consider = [&](const std::vector<int>& cut) {

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -15,6 +16,7 @@
 
 #include "corpc/core/trace.hpp"
 #include "corpc/pipeline/schedule.hpp"
+#include "corpc/pipeline/schedule_balance.hpp"
 #include "corpc/wire/codec.hpp"
 
 namespace corpc::pipeline {
@@ -66,6 +68,42 @@ inline std::vector<double> stage_busy_seconds(const std::vector<WorkerReport>& w
       if (r.action.stage >= 0 && r.action.stage < stages)
         busy[static_cast<std::size_t>(r.action.stage)] += static_cast<double>(r.end_ns - r.start_ns) * 1e-9;
   return busy;
+}
+
+/// Seconds from the first action's start to the last action's end, over the workers: the part of a step the
+/// schedule decides (the master's calls before and the optimizer step after are outside it); 0 for no records.
+inline double step_span_seconds(const std::vector<WorkerReport>& workers) {
+  std::int64_t first = INT64_MAX, last = INT64_MIN;
+  for (auto& w : workers)
+    for (auto& r : w.records) first = std::min(first, r.start_ns), last = std::max(last, r.end_ns);
+  return last > first ? static_cast<double>(last - first) * 1e-9 : 0;
+}
+
+/// Each stage's mean seconds per micro-batch in each kind of action in one step: F; I and W where the schedule ran
+/// them apart, else the whole backward (B) in backward_input. What calibrate_layer_costs (schedule_balance.hpp)
+/// corrects a profile with, and what simulate_step replays a step with. `stages` is the pipeline's number of stages;
+/// a kind a stage did not run is 0.
+inline std::vector<ActionCosts> stage_action_costs(const std::vector<WorkerReport>& workers, int stages) {
+  const auto n = static_cast<std::size_t>(std::max(stages, 0));
+  std::vector<std::array<double, 4>> sum(n, {0, 0, 0, 0});
+  std::vector<std::array<int, 4>> count(n, {0, 0, 0, 0});
+  for (auto& w : workers)
+    for (auto& r : w.records) {
+      if (r.action.stage < 0 || r.action.stage >= stages) continue;
+      const auto s = static_cast<std::size_t>(r.action.stage), k = static_cast<std::size_t>(r.action.kind);
+      sum[s][k] += static_cast<double>(r.end_ns - r.start_ns) * 1e-9;
+      ++count[s][k];
+    }
+  std::vector<ActionCosts> costs(n);
+  for (std::size_t s = 0; s < n; ++s) {
+    auto mean = [&](ActionKind kind) {
+      const auto k = static_cast<std::size_t>(kind);
+      return count[s][k] ? sum[s][k] / count[s][k] : 0.0;
+    };
+    costs[s] = {mean(ActionKind::Forward), mean(ActionKind::Backward) + mean(ActionKind::BackwardInput),
+                mean(ActionKind::BackwardWeight)};
+  }
+  return costs;
 }
 
 /// Appends one step's actions to a Chrome trace ("traceEvents" of complete events): pid = `process` (one per
