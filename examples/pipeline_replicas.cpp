@@ -9,17 +9,23 @@
 //   ./build/examples/pipeline_replicas --replicas 2 --stages 2 --steps 60 --kill-every 20   # 1 + R·W processes
 //   ./build/examples/pipeline_replicas --schedule zbv --stages 4 --micro-batches 8
 //   corpcrun -n 5 --max-rank-restarts 2 ./build/examples/pipeline_replicas --kill-every 20
+//   ./build/examples/pipeline_replicas --steps 40 --checkpoint /tmp/pp --checkpoint-every 20   # step-20, step-40
+//   ./build/examples/pipeline_replicas --replicas 1 --steps 60 --checkpoint /tmp/pp --resume  # from step-40 on
 //
 // Every worker prints a line when the replicas of its committed step change (a replica lost or back, a failed
 // attempt, a recovery), the last stage's workers their replica's loss every tenth of the run, and every worker one
 // line at the end with a checksum of its stages' parameters: workers at the same position print the same one. A
 // replacement that would arrive after the last step still needs a donor, so the workers go on past --steps (slowly)
-// until every replica is back. Batches depend only on (step, replica); the model only on --seed.
+// until every replica is back. Batches depend only on (step, replica); the model only on --seed. With --checkpoint
+// DIR the workers save the committed state every --checkpoint-every steps (DIR/step-N, written while they train on;
+// corpc/ddp/replica_checkpoint.hpp), and with --resume they start from the newest one there, with any --replicas and
+// --schedule over the same --stages.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <corpc/corpc.hpp>
 #include <corpc/ddp/fault_tolerant.hpp>
 #include <corpc/ddp/pipeline_replicas.hpp>
+#include <corpc/ddp/replica_checkpoint.hpp>
 #include <corpc/pipeline/schedule.hpp>
 
 #include <algorithm>
@@ -54,6 +60,9 @@ struct Config {
   int max_restarts = -1;        // -1: as many as there are kills
   std::uint64_t seed = 0;
   int timeout_s = 300;
+  std::string checkpoint;             // a directory: save under it (every checkpoint_every steps), resume from it
+  std::int64_t checkpoint_every = 0;  // 0: only at the end
+  bool resume = false;
 };
 
 // kLayers Linear layers with a Tanh after each but the last (the output, one value), seeded: every worker builds
@@ -133,6 +142,14 @@ void worker(const Config& c, int rank) {
     ::raise(SIGKILL);
   };
   corpc::ddp::PipelineReplicas pp(make_model(c.seed), &mse, &make_sgd, options);
+  // A replacement process does not resume: it recovers the running job's state from a live replica.
+  if (c.resume && corpc::rank_restart_count() == 0) {
+    const std::string dir = corpc::ddp::latest_replica_checkpoint(c.checkpoint);
+    if (dir.empty()) throw corpc::UsageError("--resume: no complete checkpoint under " + c.checkpoint);
+    const auto step = pp.load_checkpoint(dir);
+    std::printf("worker %d: resumed from %s (step %lld)\n", rank, dir.c_str(), static_cast<long long>(step));
+    std::fflush(stdout);
+  }
   const bool last_stage = pp.stages().back().stage == c.stages - 1;
 
   corpc::ddp::ReplicaStepReport report;
@@ -180,11 +197,18 @@ void worker(const Config& c, int rank) {
                   list_text(report.replicas).c_str(), why.c_str());
       std::fflush(stdout);
     }
+    if (!c.checkpoint.empty() && c.checkpoint_every > 0 && pp.committed_steps() % c.checkpoint_every == 0)
+      pp.save_checkpoint(c.checkpoint);
     if (last_stage && report.loss && step % every == 0) {
       std::printf("worker %d (replica %d): step %lld, loss %.4f\n", rank, pp.replica(), static_cast<long long>(step),
                   *report.loss);
       std::fflush(stdout);
     }
+  }
+  if (!c.checkpoint.empty()) {
+    const std::string dir = pp.save_checkpoint(c.checkpoint);  // the last step (again, if it was just saved)
+    pp.wait_checkpoint();
+    if (rank == 1) std::printf("worker %d: checkpoint %s\n", rank, dir.c_str());
   }
   double checksum = 0;
   for (const auto& stage : pp.stages())
@@ -226,15 +250,15 @@ int main(int argc, char** argv) {
   Config c;
   int world = 0;
   try {
-    corpc::bench::Flags flags(
-        argc, argv,
-        {"replicas", "stages", "schedule", "micro-batches", "steps", "kill-every", "max-restarts", "seed", "timeout"},
-        {"help"});
+    corpc::bench::Flags flags(argc, argv,
+                              {"replicas", "stages", "schedule", "micro-batches", "steps", "kill-every", "max-restarts",
+                               "seed", "timeout", "checkpoint", "checkpoint-every"},
+                              {"help", "resume"});
     if (flags.has("help")) {
       std::printf(
           "usage: pipeline_replicas [--replicas R] [--stages K] [--schedule 1f1b|gpipe|zbh1|interleaved|loopedbfs|"
           "interleavedzb|zbv|dualpipev] [--micro-batches M] [--steps S] [--kill-every K] [--max-restarts N] "
-          "[--seed N] [--timeout SECONDS]\n");
+          "[--seed N] [--timeout SECONDS] [--checkpoint DIR [--checkpoint-every N] [--resume]]\n");
       return 0;
     }
     flags.check();
@@ -247,6 +271,12 @@ int main(int argc, char** argv) {
     c.max_restarts = flags.get_int<int>("max-restarts", c.max_restarts);
     c.seed = flags.get_int<std::uint64_t>("seed", c.seed);
     c.timeout_s = flags.get_int<int>("timeout", c.timeout_s);
+    c.checkpoint = flags.get("checkpoint", "");
+    c.checkpoint_every = flags.get_int<std::int64_t>("checkpoint-every", 0);
+    c.resume = flags.has("resume");
+    if ((c.resume || c.checkpoint_every != 0) && c.checkpoint.empty())
+      throw corpc::bench::FlagError("--resume and --checkpoint-every need --checkpoint DIR");
+    if (c.checkpoint_every < 0) throw corpc::bench::FlagError("--checkpoint-every must be positive");
     if (c.replicas < 1 || c.stages < 1 || c.stages > kLayers || c.micro_batches < 1 || c.micro_batches > kRows ||
         c.steps < 0 || c.kill_every < 0 || c.timeout_s <= 0)
       throw corpc::bench::FlagError("--replicas, --steps, --kill-every and --timeout must be positive, --stages 1.." +

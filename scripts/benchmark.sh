@@ -20,6 +20,10 @@
 # Writes the timelines of the last timed step of each 2.14 run as a Chrome trace (pipeline_trace.json; open in
 # https://ui.perfetto.dev) and the 8-split ones as a Gantt chart (pipeline_gantt.png); the 1.13 run's own tables go to
 # build/pipeline-1.13.md.
+# Both sides keep freed memory instead of giving it back to the kernel: corpc by its host cache (on by default), the
+# Python side by glibc's tunables (GLIBC_TUNABLES below: large blocks from the heap, not mmap, and no trimming), as
+# PyTorch's CPU performance guide advises a caching allocator (jemalloc, TCMalloc). Where page faults are dear, the
+# allocator alone moves one process by a third (docs/benchmarks.md, the main job): that is not the pipeline's.
 # Extra arguments go to pipeline_bench, in both runs, before the defaults above, so they win (e.g. --tutorial,
 # --splits 1,2,4,8, --repeats 5, --num-batches 3, --schedules 1f1b,zbh1, --balance measured; see --help).
 set -euo pipefail
@@ -59,6 +63,7 @@ scripts/root.sh run forky \
 echo "benchmark: corpc on libtorch 1.13 (its tables: build/pipeline-1.13.md)" >&2
 build/bench/pipeline_bench --results build/pipeline-1.13.txt "$@" --repeats 1 "${defaults[@]}" >build/pipeline-1.13.md
 echo "benchmark: corpc on libtorch 2.14 beside PyTorch 2.14" >&2
-args=$(printf " %q" "$@" "${defaults[@]}")
+tunables=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296
+args=$(printf " %q" "$@" "${defaults[@]}" --pipelining-python "env GLIBC_TUNABLES=$tunables /usr/bin/python3")
 exec scripts/root.sh run forky "build-forky/bench/pipeline_bench --compare-pytorch --column build/pipeline-1.13.txt \
   --trace pipeline_trace.json --gantt pipeline_gantt.png$args"
