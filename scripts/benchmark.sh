@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Sets up, builds and runs the main job: ResNet50 in pipeline stages on two local worker processes (CPU), under every
 # schedule (GPipe, 1F1B, Interleaved 1F1B, ZB-H1, LoopedBFS, interleaved zero bubble, ZBV, DualPipeV) and 2/4/8
-# micro-batches, each stage cut for the schedule that runs (--balance schedule).
+# micro-batches, each stage cut for the schedule that runs and refined by real steps (--balance schedule).
 #
 # Figures a newcomer can trust: every (schedule, split) cell runs 3 times (--repeats), corpc's schedules and
 # pipelining's alternating per split (A B A B A B), and the two one-process references (C++, Python) alternate the
 # same way after the splits; every cell shows the median and the range, and the summary compares medians. Each
 # process's CPU time and threads are in the tables. To pay for the repeats, each run times 2 batches (after 1 warm-up)
 # instead of 3, the split of 1 micro-batch (no pipelining: every schedule's bubble is half the step) is left out, and
-# the libtorch 1.13 column runs once per cell. Estimated on a 2-vCPU VM from the earlier single-run job (23 min with
-# set-up, 3 batches per run, splits 1/2/4/8): about 30 min with set-up, most of it the 2.14 run's repeats.
+# the libtorch 1.13 column runs once per cell. On a 2-vCPU VM (2026-12-07): 19 min with the root made and the builds
+# up to date, most of it the 2.14 run's repeats; the first time about 15 min more (the root, the two builds).
 #
 # The comparison runs on the libtorch a user installs today: corpc built against Debian testing's libtorch 2.14, and
 # after each split PyTorch 2.14's RPC tutorial and every schedule of its torch.distributed.pipelining, all in the
