@@ -5,8 +5,6 @@
 #include <torch/serialize.h>
 
 #include <algorithm>
-#include <cstring>
-#include <sstream>
 
 #include "corpc/rpc/call.hpp"
 #include "corpc/rpc/errors.hpp"
@@ -14,6 +12,7 @@
 
 #include "ddp/fault_tolerant_calls.hpp"
 #include "ddp/ft_messages.hpp"
+#include "ddp/optimizer_bytes.hpp"
 
 namespace corpc::ddp {
 
@@ -85,15 +84,7 @@ std::vector<at::Tensor> Member::take_state() const {
   torch::NoGradGuard no_grad;
   std::vector<at::Tensor> out;
   for (const auto& t : tensors()) out.push_back(t.detach().clone());
-  for (const auto& part : parts_) {
-    torch::serialize::OutputArchive archive;
-    part.optimizer->save(archive);
-    std::ostringstream bytes;
-    archive.save_to(bytes);
-    const std::string b = bytes.str();
-    out.push_back(at::empty({static_cast<std::int64_t>(b.size())}, at::kByte));
-    std::memcpy(out.back().data_ptr(), b.data(), b.size());
-  }
+  for (const auto& part : parts_) out.push_back(detail::optimizer_bytes(*part.optimizer));
   out.push_back(at::tensor({committed_}, at::kLong));
   return out;
 }
@@ -107,10 +98,7 @@ void Member::load_state(const std::vector<at::Tensor>& in) {
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < mine.size(); ++i) mine[i].detach().copy_(in[i]);
   for (size_t k = 0; k < parts_.size(); ++k) {
-    const auto& bytes = in[mine.size() + k];
-    std::istringstream stream(std::string(static_cast<const char*>(bytes.data_ptr()), bytes.numel()));
-    torch::serialize::InputArchive archive;
-    archive.load_from(stream);
+    auto archive = detail::optimizer_archive(in[mine.size() + k]);
     parts_[k].optimizer->load(archive);
   }
   committed_ = in.back().item<std::int64_t>();

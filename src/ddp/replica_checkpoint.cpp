@@ -3,15 +3,16 @@
 
 #include <torch/serialize.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <map>
 #include <sstream>
 #include <vector>
 
 #include "corpc/rpc/errors.hpp"
 
+#include "ddp/optimizer_bytes.hpp"
 #include "ddp/replica_checkpoint_files.hpp"
 
 namespace corpc::ddp {
@@ -33,12 +34,6 @@ void copy_module(const torch::nn::Module& module, torch::serialize::OutputArchiv
     copy_module(*c.value(), child);
     out.write(c.key(), child);
   }
-}
-
-at::Tensor as_bytes(const std::string& s) {
-  at::Tensor t = at::empty({static_cast<std::int64_t>(s.size())}, at::kByte);
-  if (!s.empty()) std::memcpy(t.data_ptr(), s.data(), s.size());
-  return t;
 }
 
 std::int64_t read_int(torch::serialize::InputArchive& in, const char* key, const std::string& file) {
@@ -75,14 +70,10 @@ void check_loadable(const torch::nn::Module& module, torch::serialize::InputArch
 torch::serialize::OutputArchive snapshot_stage(const torch::nn::Sequential& layers, torch::optim::Optimizer& optimizer,
                                                const StageMeta& meta) {
   torch::NoGradGuard no_grad;
-  torch::serialize::OutputArchive archive, copy, optim;
+  torch::serialize::OutputArchive archive, copy;
   copy_module(*layers, copy);
   archive.write("layers", copy);
-  // The optimizer's archive holds its live state tensors: serialised now, they are a copy.
-  optimizer.save(optim);
-  std::ostringstream bytes;
-  optim.save_to(bytes);
-  archive.write("optimizer", as_bytes(bytes.str()));
+  archive.write("optimizer", detail::optimizer_bytes(optimizer));
   archive.write("step", at::tensor({meta.step}, at::kLong));
   archive.write("stage", at::tensor({static_cast<std::int64_t>(meta.stage)}, at::kLong));
   archive.write("stages", at::tensor({static_cast<std::int64_t>(meta.stages)}, at::kLong));
@@ -122,9 +113,7 @@ StageFile read_stage(const std::string& step_dir, int stage, int stages) {
   if (!in.try_read("layers", f.layers)) throw UsageError("replica checkpoint: " + path + " has no layers");
   at::Tensor bytes;
   if (!in.try_read("optimizer", bytes)) throw UsageError("replica checkpoint: " + path + " has no optimizer state");
-  std::istringstream stream(
-      std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel())));
-  f.optimizer.load_from(stream);
+  f.optimizer = detail::optimizer_archive(bytes);
   return f;
 }
 

@@ -43,18 +43,25 @@ struct WorkerReport {
   CORPC_FIELDS(rank, stages, records, peak_activation_bytes, peak_micro_batches_held, losses)
 };
 
-/// Idle share of the step on each worker, averaged: 1 - busy / span, the span running from the first action's start
-/// to the last action's end over all workers. The schedule tables' bubble fraction measures the same thing.
-inline double measured_bubble(const std::vector<WorkerReport>& workers) {
+/// Seconds from the first action's start to the last action's end, over the workers: the part of a step the
+/// schedule decides (the master's calls before and the optimizer step after are outside it); 0 for no records.
+inline double step_span_seconds(const std::vector<WorkerReport>& workers) {
   std::int64_t first = INT64_MAX, last = INT64_MIN;
   for (auto& w : workers)
     for (auto& r : w.records) first = std::min(first, r.start_ns), last = std::max(last, r.end_ns);
-  if (workers.empty() || last <= first) return 0;
+  return last > first ? static_cast<double>(last - first) * 1e-9 : 0;
+}
+
+/// Idle share of the step on each worker, averaged: 1 - busy / span, the span running from the first action's start
+/// to the last action's end over all workers. The schedule tables' bubble fraction measures the same thing.
+inline double measured_bubble(const std::vector<WorkerReport>& workers) {
+  const double span = step_span_seconds(workers);
+  if (workers.empty() || span <= 0) return 0;
   double idle = 0;
   for (auto& w : workers) {
     std::int64_t busy = 0;
     for (auto& r : w.records) busy += r.end_ns - r.start_ns;
-    idle += 1.0 - static_cast<double>(busy) / static_cast<double>(last - first);
+    idle += 1.0 - static_cast<double>(busy) * 1e-9 / span;
   }
   return idle / static_cast<double>(workers.size());
 }
@@ -68,15 +75,6 @@ inline std::vector<double> stage_busy_seconds(const std::vector<WorkerReport>& w
       if (r.action.stage >= 0 && r.action.stage < stages)
         busy[static_cast<std::size_t>(r.action.stage)] += static_cast<double>(r.end_ns - r.start_ns) * 1e-9;
   return busy;
-}
-
-/// Seconds from the first action's start to the last action's end, over the workers: the part of a step the
-/// schedule decides (the master's calls before and the optimizer step after are outside it); 0 for no records.
-inline double step_span_seconds(const std::vector<WorkerReport>& workers) {
-  std::int64_t first = INT64_MAX, last = INT64_MIN;
-  for (auto& w : workers)
-    for (auto& r : w.records) first = std::min(first, r.start_ns), last = std::max(last, r.end_ns);
-  return last > first ? static_cast<double>(last - first) * 1e-9 : 0;
 }
 
 /// Each stage's mean seconds per micro-batch in each kind of action in one step: F; I and W where the schedule ran
