@@ -358,6 +358,11 @@ TEST_CASE(
         EXPECT_THROWS_AS(load_replica_checkpoint(other, dir), UsageError);
         EXPECT(torch::equal(other->parameters()[2], before));
         EXPECT_THROWS_AS(load_replica_checkpoint(make_model(), root), UsageError);  // not a step directory
+        // A file that is no archive at all, under a stage file's name: UsageError naming it, not libtorch's error.
+        const std::string garbage = root + "/step-9";
+        std::filesystem::create_directories(garbage);
+        std::ofstream(garbage + "/stage-0-of-1.pt") << "not a checkpoint";
+        EXPECT_THROWS_AS(load_replica_checkpoint(make_model(), garbage), UsageError);
       },
       launch_options(60s));
   // One replica, ZBV (both stages on one worker), from the checkpoint: steps 2 and 3, equal to one process replaying

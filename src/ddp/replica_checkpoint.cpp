@@ -101,7 +101,11 @@ StageFile read_stage(const std::string& step_dir, int stage, int stages) {
   if (!fs::exists(path)) throw UsageError("replica checkpoint: " + path + " is missing");
   StageFile f;
   torch::serialize::InputArchive in;
-  in.load_from(path);
+  try {
+    in.load_from(path);
+  } catch (const c10::Error& e) {
+    throw UsageError("replica checkpoint: " + path + " is not a stage file: " + e.what_without_backtrace());
+  }
   f.meta.step = read_int(in, "step", path);
   f.meta.stage = static_cast<int>(read_int(in, "stage", path));
   f.meta.stages = static_cast<int>(read_int(in, "stages", path));
@@ -113,7 +117,11 @@ StageFile read_stage(const std::string& step_dir, int stage, int stages) {
   if (!in.try_read("layers", f.layers)) throw UsageError("replica checkpoint: " + path + " has no layers");
   at::Tensor bytes;
   if (!in.try_read("optimizer", bytes)) throw UsageError("replica checkpoint: " + path + " has no optimizer state");
-  f.optimizer = detail::optimizer_archive(bytes);
+  try {
+    f.optimizer = detail::optimizer_archive(bytes);
+  } catch (const c10::Error& e) {
+    throw UsageError("replica checkpoint: " + path + "'s optimizer state does not read: " + e.what_without_backtrace());
+  }
   return f;
 }
 
