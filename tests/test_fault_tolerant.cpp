@@ -36,9 +36,15 @@ constexpr int kTrainers = 3;
 
 int pid_of() { return static_cast<int>(::getpid()); }
 
-// On the coordinator's rank: the ranks waiting to join (see Scenario::gates).
+// On the coordinator's rank: the ranks waiting to join or taken in (see Scenario::gates).
 QuorumCoordinator* g_coordinator = nullptr;
-std::vector<int> waiting_ranks() { return g_coordinator ? g_coordinator->stats().waiting : std::vector<int>{}; }
+// A rank admitted already counts: a quorum formed at the members' last commit may have taken it in before they ask.
+std::vector<int> waiting_ranks() {
+  if (!g_coordinator) return {};
+  auto s = g_coordinator->stats();
+  s.waiting.insert(s.waiting.end(), s.members.begin(), s.members.end());
+  return s.waiting;
+}
 bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
 
 torch::nn::Sequential make_model(int64_t width) {
@@ -64,6 +70,8 @@ struct Scenario {
   RpcOptions rpc = quick_options();
   // In a trainer's step, after its forward and before its backward (incarnation 0, 1, ...).
   std::function<void(int rank, int incarnation, int64_t step)> in_step;
+  // After each step() that returned, with the steps committed by then: between a commit and the next forward.
+  std::function<void(int rank, int incarnation, int64_t committed)> after_step;
   // (step, rank): members hold that step (before backward) until `rank`, not a member, waits to join. Steps take
   // milliseconds and a replacement's start longer: without this the others could finish before it is back.
   std::vector<std::pair<int64_t, int>> gates;
@@ -100,6 +108,7 @@ void train(const Scenario& sc, const std::string& dir, int rank, int incarnation
     log << (report.recovered ? " recovered" : "") << (report.retries > 0 ? " retried" : "") << '\n';
     log.flush();
     if (report.retries > 0) retries << report.quorum.step << ": " << report.last_error << std::endl;
+    if (sc.after_step) sc.after_step(rank, incarnation, ft.committed_steps());
   }
   torch::save(sgd_state_of(model->parameters(), opt), file_in(dir, "final", rank));
   shutdown(true);
@@ -251,6 +260,24 @@ TEST_CASE("a trainer SIGKILLed mid-step: the survivors retry that step without i
   for (int r : {1, 3}) CHECK_EQ(survivor_reason_problem(out.retries[r], 4, "worker 'worker2' (rank 2)"), "");
   CHECK(out.logs[2].find("recovered") != std::string::npos);
   CHECK(out.steps.rbegin()->second == std::vector<int>{1, 2, 3});  // the replacement is back
+}
+
+TEST_CASE("a trainer SIGKILLed between its commit and the next step's forward: the survivors retry the next step") {
+  // The vote that committed step 3 answered step 4's quorum too: the survivors start step 4 in the same epoch and
+  // find the trainer gone in its allreduce.
+  auto sc = quick_scenario();
+  sc.steps = 12;
+  sc.after_step = [](int rank, int incarnation, int64_t committed) {
+    if (rank == 3 && incarnation == 0 && committed == 4) ::raise(SIGKILL);
+  };
+  sc.gates = {{8, 3}};
+  auto out = run_scenario(sc);
+  CHECK(out.steps.at(3) == std::vector<int>{1, 2, 3});
+  CHECK(out.logged(1, 4, "retried"));
+  CHECK(out.logged(2, 4, "retried"));
+  for (int r : {1, 2}) CHECK_EQ(survivor_reason_problem(out.retries[r], 4, "worker 'worker3' (rank 3)"), "");
+  CHECK(out.logs[3].find("recovered") != std::string::npos);
+  CHECK(out.steps.rbegin()->second == std::vector<int>{1, 2, 3});
 }
 
 TEST_CASE("two trainers lost in the same step: the last one goes on alone, both replacements recover") {

@@ -43,9 +43,15 @@ int pid_of() { return static_cast<int>(::getpid()); }
 // In a worker: the replicas of the last step it saw committed.
 std::vector<int> g_last_replicas;
 
-// On the coordinator's rank: the ranks waiting to join (see Scenario::gates).
+// On the coordinator's rank: the ranks waiting to join or taken in (see Scenario::gates).
 QuorumCoordinator* g_coordinator = nullptr;
-std::vector<int> waiting_ranks() { return g_coordinator ? g_coordinator->stats().waiting : std::vector<int>{}; }
+// A rank admitted already counts: a quorum formed at the members' last commit may have taken it in before they ask.
+std::vector<int> waiting_ranks() {
+  if (!g_coordinator) return {};
+  auto s = g_coordinator->stats();
+  s.waiting.insert(s.waiting.end(), s.members.begin(), s.members.end());
+  return s.waiting;
+}
 bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
 
 torch::nn::Sequential make_model() {
@@ -95,6 +101,8 @@ struct Scenario {
   RpcOptions rpc = quick_options();
   // After each action of a worker's attempt at `step`.
   std::function<void(int rank, int incarnation, int64_t step, const Action& a)> after_action;
+  // After each step() that returned, with the steps committed by then: between a commit and the next forward.
+  std::function<void(int rank, int incarnation, int64_t committed)> after_step;
   // (step, rank): before that step, the workers wait until `rank`, if its replica missed the last step, waits to join.
   // Steps take milliseconds and a replacement's start longer: without this the others could finish before it is back.
   std::vector<std::pair<int64_t, int>> gates;
@@ -141,6 +149,7 @@ void train(const Scenario& sc, const std::string& dir, int rank, int incarnation
     log.flush();
     if (report.ft.retries > 0) retries << report.ft.quorum.step << ": " << report.ft.last_error << std::endl;
     if (pp.committed_steps() == sc.save_at && !sc.save_root.empty()) pp.save_checkpoint(sc.save_root);
+    if (sc.after_step) sc.after_step(rank, incarnation, pp.committed_steps());
   }
   pp.wait_checkpoint();
   for (auto& st : pp.stages())
@@ -476,6 +485,23 @@ TEST_CASE("a worker of each replica lost in different steps: each replica recove
   CHECK(out.logged(1, 2, "retried"));
   CHECK(out.logs[4].find("recovered") != std::string::npos);  // from rank 3, replica 0's last stage
   CHECK(out.logs[1].find("recovered") != std::string::npos);  // from rank 2, replica 1's first stage
+  CHECK(all_replicas(out.steps.rbegin()->second));
+}
+
+TEST_CASE("interleaved replicas: a worker SIGKILLed between its commit and the next step's forward") {
+  // The vote that committed step 2 answered the quorum of step 3 too: the others start it in the same epoch and find
+  // the worker gone there.
+  auto sc = with(Schedule::Interleaved1F1B, {2, 2, 2, 2});
+  sc.steps = 8;
+  sc.after_step = [](int rank, int incarnation, int64_t committed) {
+    if (rank == 3 && incarnation == 0 && committed == 3) ::raise(SIGKILL);
+  };
+  sc.gates = {{6, 3}};
+  auto out = run_scenario(sc);
+  CHECK(all_replicas(out.steps.at(2)));
+  CHECK(out.logged(2, 3, "retried"));
+  CHECK(out.logged(4, 3, "retried"));
+  CHECK(out.logs[3].find("recovered") != std::string::npos);
   CHECK(all_replicas(out.steps.rbegin()->second));
 }
 

@@ -43,6 +43,12 @@ struct Coordinator {
     deliver(out);
     return outcome;
   }
+  Future<VoteAnswer> vote_and_ask(int rank, std::int64_t epoch, std::int64_t step, const std::string& error = "") {
+    Outbox out;
+    auto outcome = rounds.vote_and_ask(rank, epoch, step, error, now, out);
+    deliver(out);
+    return outcome;
+  }
   void lost(int rank, const std::string& why) {
     Outbox out;
     rounds.lost(rank, why, now, out);
@@ -74,6 +80,9 @@ const std::vector<int>& members_of(const QuorumAnswer& a) { return std::get<2>(a
 int donor_of(const QuorumAnswer& a) { return std::get<3>(a); }
 const std::vector<int>& serves(const QuorumAnswer& a) { return std::get<4>(a); }
 const std::string& failure_of(const QuorumAnswer& a) { return std::get<6>(a); }
+bool committed(const VoteAnswer& v) { return std::get<0>(v); }
+bool has_next(const VoteAnswer& v) { return std::get<2>(v); }
+const QuorumAnswer& next_of(const VoteAnswer& v) { return std::get<3>(v); }
 
 template <class T>
 std::string error_text(const Future<T>& f) {
@@ -268,6 +277,102 @@ TEST_CASE("the coordinator's stop fails the waiting requests and open votes") {
   out.complete_replies();
   CHECK(std::get<1>(v1.value()) == "step 0 was not committed: the quorum coordinator on worker of rank 0 has stopped");
   CHECK(error_text(b) == "the quorum coordinator has stopped");
+}
+
+TEST_CASE(
+    "votes that carry the next request: the commit answers each with the next step's quorum, one request a step") {
+  Coordinator c(three_trainers());
+  auto a1 = c.ask(1, 0), a2 = c.ask(2, 0), a3 = c.ask(3, 0);
+  REQUIRE(a1.done());
+  const auto e = epoch_of(a1.value());
+  for (std::int64_t step = 0; step < 3; ++step) {
+    auto v1 = c.vote_and_ask(1, e, step), v2 = c.vote_and_ask(2, e, step);
+    CHECK_FALSE(v1.done());
+    auto v3 = c.vote_and_ask(3, e, step);
+    for (const auto* v : {&v1, &v2, &v3}) {
+      REQUIRE(v->done());
+      const VoteAnswer answer = v->value();
+      CHECK(committed(answer));
+      REQUIRE(has_next(answer));
+      CHECK(epoch_of(next_of(answer)) == e);  // nothing changed: the same epoch, its groups kept
+      CHECK(step_of(next_of(answer)) == step + 1);
+      CHECK(members_of(next_of(answer)) == std::vector<int>{1, 2, 3});
+    }
+  }
+  CHECK(c.rounds.stats().commits == 3);
+  CHECK(c.rounds.stats().quorums == 4);
+  CHECK(c.rounds.stats().waiting.empty());
+  CHECK(c.rounds.stats().members == std::vector<int>{1, 2, 3});
+}
+
+TEST_CASE("a replica waiting to join is taken in at the members' commit, its donors told with their vote") {
+  Coordinator c(two_replicas_of_two());
+  auto a1 = c.ask(1, 0), a3 = c.ask(3, 0);
+  c.pass(60s);  // replica 1 is not there at the start
+  REQUIRE(a1.done());
+  const auto e = epoch_of(a1.value());
+  auto a2 = c.ask(2, 0, /*has_state=*/false), a4 = c.ask(4, 0, /*has_state=*/false);
+  CHECK(c.rounds.stats().waiting == std::vector<int>{2, 4});
+  auto v1 = c.vote_and_ask(1, e, 0), v3 = c.vote_and_ask(3, e, 0);
+  REQUIRE(v1.done());
+  REQUIRE(a2.done());
+  const VoteAnswer answer1 = v1.value(), answer3 = v3.value();
+  REQUIRE(has_next(answer1));
+  const QuorumAnswer& next1 = next_of(answer1);
+  CHECK(epoch_of(next1) == e + 1);
+  CHECK(step_of(next1) == 1);
+  CHECK(members_of(next1) == std::vector<int>{1, 2, 3, 4});
+  CHECK(serves(next1) == std::vector<int>{2});
+  CHECK(serves(next_of(answer3)) == std::vector<int>{4});
+  CHECK(donor_of(a2.value()) == 1);
+  CHECK(donor_of(a4.value()) == 3);
+  CHECK(c.rounds.stats().members == std::vector<int>{1, 2, 3, 4});
+}
+
+TEST_CASE("a commit whose next round cannot close at once answers without a quorum and leaves no request behind") {
+  auto o = three_trainers();
+  o.min_replicas = 3;
+  Coordinator c(o);
+  auto a1 = c.ask(1, 0), a2 = c.ask(2, 0), a3 = c.ask(3, 0);
+  REQUIRE(a1.done());
+  const auto e = epoch_of(a1.value());
+  // Rank 3 votes without asking: the others' requests alone make no round of three.
+  auto v1 = c.vote_and_ask(1, e, 0), v2 = c.vote_and_ask(2, e, 0);
+  auto v3 = c.vote(3, e, 0);
+  REQUIRE(v1.done());
+  CHECK(committed(v1.value()));
+  CHECK(std::get<0>(v3.value()));
+  CHECK_FALSE(has_next(v1.value()));
+  CHECK_FALSE(has_next(v2.value()));
+  CHECK(c.rounds.stats().waiting.empty());
+  // They ask at their next step, as without the vote's request.
+  auto b1 = c.ask(1, 1), b2 = c.ask(2, 1), b3 = c.ask(3, 1);
+  REQUIRE(b1.done());
+  CHECK(step_of(b1.value()) == 1);
+  CHECK(epoch_of(b1.value()) == e);
+}
+
+TEST_CASE("a vote that carries the next request and fails, or is decided after a loss, answers without a quorum") {
+  Coordinator c(three_trainers());
+  auto a1 = c.ask(1, 0), a2 = c.ask(2, 0), a3 = c.ask(3, 0);
+  const auto e = epoch_of(a1.value());
+  auto v1 = c.vote_and_ask(1, e, 0);
+  auto v2 = c.vote_and_ask(2, e, 0, "out of memory");
+  REQUIRE(v1.done());
+  CHECK_FALSE(committed(v1.value()));
+  CHECK_FALSE(has_next(v1.value()));
+  CHECK(std::get<1>(v1.value()) == "step 0 was not committed: worker of rank 2 failed it: out of memory");
+  CHECK_FALSE(committed(v2.value()));
+
+  auto b1 = c.ask(1, 0, true, true), b2 = c.ask(2, 0, true, true), b3 = c.ask(3, 0, true, true);
+  REQUIRE(b1.done());
+  const auto e2 = epoch_of(b1.value());
+  auto w1 = c.vote_and_ask(1, e2, 0);
+  c.lost(3, "connection reset");
+  REQUIRE(w1.done());
+  CHECK_FALSE(committed(w1.value()));
+  CHECK_FALSE(has_next(w1.value()));
+  CHECK(std::get<1>(w1.value()).find("worker of rank 3 was lost: connection reset") != std::string::npos);
 }
 
 TEST_CASE("replica groups of unequal sizes, or a rank in two, are refused") {

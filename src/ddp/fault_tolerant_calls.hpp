@@ -1,4 +1,4 @@
-// The requests of the fault-tolerant trainers (corpc/ddp/quorum.hpp): three to the quorum coordinator
+// The requests of the fault-tolerant trainers (corpc/ddp/quorum.hpp): four to the quorum coordinator
 // (quorum_coordinator.cpp), one to a donor and one from the coordinator to a member (both ft_member.cpp). Declared here
 // so that caller and callee name the same functions; each is registered to run on the I/O thread in the file that
 // defines it.
@@ -38,10 +38,19 @@ Future<bool> groups_check(int rank, std::vector<std::vector<int>> replica_groups
 // the worker it concerns).
 using CommitAnswer = std::tuple<bool, std::string>;
 
-// Every member's vote after its forward and backward of `step` in `epoch`, with its own failure (empty: it succeeded):
+// A vote without the next step's request, as trainers before 0.10.5 send it. Every member's vote after its forward and
+// backward of `step` in `epoch`, with its own failure (empty: it succeeded):
 // committed once all members voted without one; not if any failed, died, or did not vote within the join timeout
 // (the step is then taken by nobody).
 Future<CommitAnswer> commit_request(int rank, std::int64_t epoch, std::int64_t step, std::string error);
+
+// The vote of commit_request, and, if the step is committed, this rank's request for the next step's quorum (step + 1
+// steps committed, with state), made by the coordinator the moment it commits: one request a step instead of two.
+// (committed, why not, has_next, the next quorum): has_next is false when the vote failed, or when the round that
+// request joined did not close at the commit (a replica is incomplete, or no member can be given the state): the
+// trainer then asks with quorum_request at its next step, and learns why there.
+using VoteAnswer = std::tuple<bool, std::string, bool, QuorumAnswer>;
+Future<VoteAnswer> commit_and_ask(int rank, std::int64_t epoch, std::int64_t step, std::string error);
 
 // Asked of a donor by a member that recovers: the donor's state at the boundary of `epoch`'s first step (parameters,
 // buffers, the optimizer's archive as bytes, the step counter), once the donor has taken it.

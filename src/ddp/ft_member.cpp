@@ -135,17 +135,32 @@ Future<std::vector<at::Tensor>> Member::state_of(std::int64_t at_epoch) {
   return f;
 }
 
-Quorum Member::ask_quorum(std::vector<int>& serve_to) {
-  QuorumAnswer answer =
-      ask_coordinator<&quorum_request>(options_, rank_, committed_, has_state_, failed_last_, replica_groups_);
+namespace {
+Quorum quorum_of(QuorumAnswer& answer, std::vector<int>& serve_to) {
   auto& [e, step, members, from, serve, failure_epoch, failure] = answer;
   serve_to = std::move(serve);
-  if (failed_last_ && failure_epoch == failed_epoch_) failure_known_now_ = std::move(failure);
   Quorum q;
   q.epoch = e;
   q.step = step;
   q.members = std::move(members);
   q.recover_from = from;
+  return q;
+}
+}  // namespace
+
+Quorum Member::ask_quorum(std::vector<int>& serve_to) {
+  QuorumAnswer answer =
+      ask_coordinator<&quorum_request>(options_, rank_, committed_, has_state_, failed_last_, replica_groups_);
+  if (failed_last_ && std::get<5>(answer) == failed_epoch_) failure_known_now_ = std::move(std::get<6>(answer));
+  return quorum_of(answer, serve_to);
+}
+
+Quorum Member::next_quorum(std::vector<int>& serve_to) {
+  if (!next_) return ask_quorum(serve_to);  // a lost coordinator ends the training here, with its ConnectionError
+  Quorum q = std::move(*next_);
+  next_.reset();
+  serve_to = std::move(next_serve_to_);
+  next_serve_to_.clear();
   return q;
 }
 
@@ -159,14 +174,32 @@ bool Member::enter_epoch(const Quorum& q, const std::vector<int>& serve_to) {
 }
 
 bool Member::vote(const Quorum& q, const std::string& error, std::string& why_not) {
-  auto [commit, why] = rpc_sync<&commit_request>(options_.coordinator_rank, with_timeout(options_.quorum_timeout),
-                                                 rank_, q.epoch, q.step, error);
+  auto [commit, why, has_next, next] = rpc_sync<&commit_and_ask>(
+      options_.coordinator_rank, with_timeout(options_.quorum_timeout), rank_, q.epoch, q.step, error);
   why_not = std::move(why);
   failed_last_ = !commit;
   if (!commit) failed_epoch_ = q.epoch;
   failure_known_now_.clear();
   if (commit) committed_ = q.step + 1;
+  next_.reset();
+  next_serve_to_.clear();
+  if (commit && has_next) next_ = quorum_of(next, next_serve_to_);
   return commit;
+}
+
+void Member::enter_next_epoch(Trainer& trainer) {
+  // A member that committed holds the newest state: it never recovers, but a quorum that says so is left to step().
+  if (!next_ || next_->epoch == joined_epoch_ || next_->recover_from >= 0) return;
+  try {
+    trainer.leave_epoch();
+    joined_epoch_ = -1;
+    if (!next_serve_to_.empty()) serve_from(next_->epoch);
+    next_serve_to_.clear();
+    trainer.join_epoch(*next_);
+    joined_epoch_ = next_->epoch;
+  } catch (const std::exception&) {
+    // The next attempt joins the epoch again: its failure there is voted on like any other.
+  }
 }
 
 StepReport Member::step() {
@@ -176,7 +209,7 @@ StepReport Member::step() {
   std::string error;  // an attempt's own failure
   for (int attempt = 0;; ++attempt) {
     std::vector<int> serve_to;
-    Quorum q = ask_quorum(serve_to);  // a lost coordinator ends the training here, with its ConnectionError
+    Quorum q = next_quorum(serve_to);
     if (!failure_known_now_.empty()) report.last_error = attempt_failure(failure_known_now_, error);
     error.clear();
     try {
@@ -196,6 +229,7 @@ StepReport Member::step() {
       trainer->commit();
       report.quorum = std::move(q);
       report.retries = attempt;
+      enter_next_epoch(*trainer);
       return report;
     }
     // Taken by nobody: fresh groups next time, and the gradients of this attempt are dropped with them.

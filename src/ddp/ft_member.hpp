@@ -3,6 +3,11 @@
 // state it serves a recovering member at an epoch's boundary, and the recovery from a donor. Shared by
 // FaultTolerantDdp (one part: the module and its optimizer) and pipeline replicas (a part per stage a worker hosts);
 // what differs between them is a Trainer.
+//
+// A step costs one request to the coordinator when nothing changes: the vote carries the request for the next step's
+// quorum (ft_detail::commit_and_ask), answered with the commit. A quorum answered so that begins a new epoch (a
+// member recovers or joins) is entered at once, inside the step() that committed: this member serves its state and
+// builds the new groups while the recovering members load it, whatever the user's code does before the next step().
 #pragma once
 
 #include <torch/nn/module.h>
@@ -11,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -72,14 +78,20 @@ class Member {
   void abort_attempt(std::int64_t epoch, std::int64_t step, const std::string& why);
 
  private:
-  // The coordinator's quorum for the next attempt; `serve_to`: the members that recover from this one.
+  // The coordinator's quorum for the next attempt, answered with the last commit or asked now; `serve_to`: the members
+  // that recover from this one.
+  Quorum next_quorum(std::vector<int>& serve_to);
   Quorum ask_quorum(std::vector<int>& serve_to);
   // At a new epoch: the donor's side (a copy taken now, for the members in `serve_to`), then, if told to, this one's
   // recovery (true if it recovered).
   bool enter_epoch(const Quorum& q, const std::vector<int>& serve_to);
   // The vote on `q`'s step, with this member's own failure ("": none). True: committed everywhere, and the step
   // counts from now on; false: `why_not` says why, naming the step, the cause and the worker it concerns.
+  // Committed, the next step's quorum comes with the answer when the coordinator could form it at the commit.
   bool vote(const Quorum& q, const std::string& error, std::string& why_not);
+  // A new epoch answered with the commit: entered now (see the file's comment). A failure here is left to the next
+  // step's attempt, which enters the epoch again.
+  void enter_next_epoch(Trainer& trainer);
 
   std::vector<at::Tensor> tensors() const;
   std::vector<at::Tensor> take_state() const;
@@ -99,6 +111,8 @@ class Member {
   // that it had not seen yet when it answered the vote), or "" if it knows no more.
   std::string failure_known_now_;
   std::int64_t joined_epoch_ = -1;  // the epoch whose groups the trainer is in (-1: none)
+  std::optional<Quorum> next_;      // the next step's quorum, answered with the last commit
+  std::vector<int> next_serve_to_;  // and whom this member serves in it (cleared once served)
 
   // The donor's side: the state at the boundary of `snapshot_epoch_`, and requests that came before it was taken.
   std::mutex snapshot_mutex_;

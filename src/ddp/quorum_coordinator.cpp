@@ -26,6 +26,7 @@ namespace corpc::ddp {
 using ft_detail::CommitAnswer;
 using ft_detail::Outbox;
 using ft_detail::QuorumAnswer;
+using ft_detail::VoteAnswer;
 using Clock = ft_detail::QuorumClock;
 
 struct QuorumCoordinator::State {
@@ -48,32 +49,37 @@ struct QuorumCoordinator::State {
     }
   }
 
-  Future<QuorumAnswer> ask(int rank, std::int64_t committed, bool has_state, bool failed,
-                           const std::vector<std::vector<int>>& replica_groups) {
-    const std::string mismatch =
-        ft_detail::replica_groups_mismatch(self_rank, rounds.options().replica_groups, rank, replica_groups);
-    if (!mismatch.empty()) return make_exceptional_future<QuorumAnswer>(std::make_exception_ptr(UsageError(mismatch)));
+  // A request to the rounds under the mutex; then the timer wakes for any new deadline, and the outbox is sent.
+  template <class Request>
+  auto under_lock(Request request) {
     Outbox out;
-    Future<QuorumAnswer> answer;
+    decltype(request(Clock::now(), out)) answer;
     {
       std::lock_guard lock(mutex);
-      answer = rounds.ask(rank, committed, has_state, failed, Clock::now(), out);
+      answer = request(Clock::now(), out);
     }
     wake.notify_all();
     send(out);
     return answer;
   }
 
+  Future<QuorumAnswer> ask(int rank, std::int64_t committed, bool has_state, bool failed,
+                           const std::vector<std::vector<int>>& replica_groups) {
+    const std::string mismatch =
+        ft_detail::replica_groups_mismatch(self_rank, rounds.options().replica_groups, rank, replica_groups);
+    if (!mismatch.empty()) return make_exceptional_future<QuorumAnswer>(std::make_exception_ptr(UsageError(mismatch)));
+    return under_lock(
+        [&](Clock::time_point now, Outbox& out) { return rounds.ask(rank, committed, has_state, failed, now, out); });
+  }
+
   Future<CommitAnswer> vote(int rank, std::int64_t at_epoch, std::int64_t step, const std::string& error) {
-    Outbox out;
-    Future<CommitAnswer> outcome;
-    {
-      std::lock_guard lock(mutex);
-      outcome = rounds.vote(rank, at_epoch, step, error, Clock::now(), out);
-    }
-    wake.notify_all();
-    send(out);
-    return outcome;
+    return under_lock(
+        [&](Clock::time_point now, Outbox& out) { return rounds.vote(rank, at_epoch, step, error, now, out); });
+  }
+
+  Future<VoteAnswer> vote_and_ask(int rank, std::int64_t at_epoch, std::int64_t step, const std::string& error) {
+    return under_lock(
+        [&](Clock::time_point now, Outbox& out) { return rounds.vote_and_ask(rank, at_epoch, step, error, now, out); });
   }
 
   void lost(int rank, const std::string& why) {
@@ -203,9 +209,15 @@ Future<CommitAnswer> commit_request(int rank, std::int64_t epoch, std::int64_t s
   return with_coordinator<CommitAnswer>([=](QuorumCoordinator::State& s) { return s.vote(rank, epoch, step, error); });
 }
 
+Future<VoteAnswer> commit_and_ask(int rank, std::int64_t epoch, std::int64_t step, std::string error) {
+  return with_coordinator<VoteAnswer>(
+      [=](QuorumCoordinator::State& s) { return s.vote_and_ask(rank, epoch, step, error); });
+}
+
 }  // namespace ft_detail
 }  // namespace corpc::ddp
 
 CORPC_IO_THREAD_FUNCTION(&corpc::ddp::ft_detail::quorum_request);
 CORPC_IO_THREAD_FUNCTION(&corpc::ddp::ft_detail::commit_request);
+CORPC_IO_THREAD_FUNCTION(&corpc::ddp::ft_detail::commit_and_ask);
 CORPC_IO_THREAD_FUNCTION(&corpc::ddp::ft_detail::groups_check);

@@ -14,6 +14,17 @@ void Outbox::complete_replies() {
   for (auto& [p, a] : quorums) p.set_value(std::move(a));
   for (auto& [p, v] : votes) p.set_value(v);
   for (auto& [p, e] : refusals) p.set_exception(e);
+  for (auto& [p, v] : vote_answers) p.set_value(std::move(v));
+}
+
+void QuorumRounds::answer(Ask& a, QuorumAnswer q, Outbox& out) {
+  if (a.with_vote) out.vote_answers.emplace_back(std::move(*a.with_vote), VoteAnswer{true, "", true, std::move(q)});
+  else out.quorums.emplace_back(std::move(a.reply), std::move(q));
+}
+
+void QuorumRounds::refuse(Ask& a, std::exception_ptr e, Outbox& out) {
+  if (a.with_vote) out.vote_answers.emplace_back(std::move(*a.with_vote), VoteAnswer{true, "", false, {}});
+  else out.refusals.emplace_back(std::move(a.reply), std::move(e));
 }
 
 QuorumRounds::QuorumRounds(QuorumOptions options) : options_(std::move(options)) {
@@ -101,10 +112,10 @@ std::string QuorumRounds::missing_state(const Holdings& h, std::int64_t& refused
 void QuorumRounds::refuse_round(const std::vector<int>& members, std::int64_t step, const std::string& missing,
                                 Outbox& out) {
   for (int r : members) {
-    out.refusals.emplace_back(
-        std::move(round_.at(r).reply),
-        std::make_exception_ptr(RpcError("fault-tolerant training: " + worker_text(r) + " cannot run step " +
-                                         std::to_string(step) + ": " + missing)));
+    refuse(round_.at(r),
+           std::make_exception_ptr(RpcError("fault-tolerant training: " + worker_text(r) + " cannot run step " +
+                                            std::to_string(step) + ": " + missing)),
+           out);
     round_.erase(r);
   }
   round_deadline_.reset();
@@ -126,9 +137,10 @@ void QuorumRounds::open_epoch(const std::vector<int>& members, const Holdings& h
     if (auto d = h.donor.find(position); d != h.donor.end() && d->second == r)
       for (int b : h.behind)
         if (place_of(b).second == position) serve.push_back(b);
-    out.quorums.emplace_back(
-        std::move(round_.at(r).reply),
-        QuorumAnswer{epoch_, h.step, members_, recovers ? h.donor.at(position) : -1, serve, failure_epoch_, failure_});
+    answer(
+        round_.at(r),
+        QuorumAnswer{epoch_, h.step, members_, recovers ? h.donor.at(position) : -1, serve, failure_epoch_, failure_},
+        out);
     round_.erase(r);
   }
   round_deadline_.reset();
@@ -157,11 +169,10 @@ Future<QuorumAnswer> QuorumRounds::ask(int rank, std::int64_t committed, bool ha
   if (!round_deadline_ && (expected_.count(rank) != 0 || expected_.empty()))
     round_deadline_ = now + (started_ ? options_.join_timeout : options_.startup_timeout);
   if (auto old = round_.find(rank); old != round_.end()) {  // asked again (its first request's caller gave up)
-    out.refusals.emplace_back(std::move(old->second.reply),
-                              std::make_exception_ptr(UsageError("superseded by a newer quorum request")));
+    refuse(old->second, std::make_exception_ptr(UsageError("superseded by a newer quorum request")), out);
     round_.erase(old);
   }
-  Ask a{committed, has_state, failed, Promise<QuorumAnswer>()};
+  Ask a{committed, has_state, failed, Promise<QuorumAnswer>(), std::nullopt};
   auto answer = a.reply.get_future();
   round_.emplace(rank, std::move(a));
   close_round_if_ready(now, out);
@@ -175,7 +186,8 @@ void QuorumRounds::abort_members(const std::vector<int>& ranks, const std::strin
   for (int r : ranks) out.aborts.push_back({r, epoch_, current_step_, why});
 }
 
-void QuorumRounds::decide(const StepKey& key, bool outcome, const std::string& cause, Outbox& out) {
+void QuorumRounds::decide(const StepKey& key, bool outcome, const std::string& cause, Clock::time_point now,
+                          Outbox& out) {
   const CommitAnswer answer{outcome, outcome ? std::string() : not_committed(key.second, cause)};
   if (!outcome && !(key.first == failure_epoch_ && failure_is_loss_)) {
     failure_epoch_ = key.first;
@@ -189,8 +201,10 @@ void QuorumRounds::decide(const StepKey& key, bool outcome, const std::string& c
       if (it == votes_.end() || it->second.yes.count(m) == 0) not_yes.push_back(m);
     abort_members(not_yes, std::get<1>(answer), out);
   }
+  std::vector<std::pair<int, Promise<VoteAnswer>>> asking;
   if (it != votes_.end()) {
     for (auto& p : it->second.waiting) out.votes.emplace_back(std::move(p), answer);
+    asking = std::move(it->second.asking);
     votes_.erase(it);
   }
   if (decided_.emplace(key, answer).second) ++(outcome ? stats_.commits : stats_.aborted_steps);
@@ -198,24 +212,58 @@ void QuorumRounds::decide(const StepKey& key, bool outcome, const std::string& c
     global_step_ = key.second + 1;
     if (key.first == epoch_) holders_ = members_;
   }
+  if (outcome) {
+    ask_at_commit(std::move(asking), key.second + 1, now, out);
+  } else {
+    for (auto& [r, p] : asking)
+      out.vote_answers.emplace_back(std::move(p), VoteAnswer{false, std::get<1>(answer), false, {}});
+  }
 }
 
-Future<CommitAnswer> QuorumRounds::vote(int rank, std::int64_t at_epoch, std::int64_t step, const std::string& error,
-                                        Clock::time_point now, Outbox& out) {
+void QuorumRounds::ask_at_commit(std::vector<std::pair<int, Promise<VoteAnswer>>> voters, std::int64_t committed,
+                                 Clock::time_point now, Outbox& out) {
+  if (voters.empty()) return;
+  std::vector<int> ranks;
+  for (auto& [rank, p] : voters) {
+    if (!round_deadline_ && (expected_.count(rank) != 0 || expected_.empty()))
+      round_deadline_ = now + options_.join_timeout;
+    if (auto old = round_.find(rank); old != round_.end()) {
+      refuse(old->second, std::make_exception_ptr(UsageError("superseded by a newer quorum request")), out);
+      round_.erase(old);
+    }
+    round_.emplace(rank, Ask{committed, /*has_state=*/true, /*failed=*/false, Promise<QuorumAnswer>(), std::move(p)});
+    ranks.push_back(rank);
+  }
+  close_round_if_ready(now, out);
+  // Not answered at once (a replica is incomplete, or the round waits for a member that has not voted this way):
+  // withdrawn, so that no commit waits on a round; the trainer asks at its next step.
+  for (int rank : ranks) {
+    auto a = round_.find(rank);
+    if (a == round_.end() || !a->second.with_vote) continue;
+    out.vote_answers.emplace_back(std::move(*a->second.with_vote), VoteAnswer{true, "", false, {}});
+    round_.erase(a);
+  }
+  if (round_.empty()) round_deadline_.reset();
+}
+
+std::variant<CommitAnswer, QuorumRounds::Vote*> QuorumRounds::cast(int rank, std::int64_t at_epoch, std::int64_t step,
+                                                                   const std::string& error, Clock::time_point now,
+                                                                   Outbox& out) {
   const StepKey key{at_epoch, step};
-  if (auto d = decided_.find(key); d != decided_.end()) return make_ready_future(CommitAnswer(d->second));
+  if (auto d = decided_.find(key); d != decided_.end()) return d->second;
   const bool member = std::find(members_.begin(), members_.end(), rank) != members_.end();
   if (at_epoch != epoch_ || !member)  // a step of a quorum that has moved on
-    return make_ready_future(CommitAnswer{
-        false, not_committed(step, at_epoch == broken_epoch_
-                                       ? broken_cause_
-                                       : worker_text(rank) + " voted after its quorum (epoch " +
-                                             std::to_string(at_epoch) + ") was replaced (epoch " +
-                                             std::to_string(epoch_) + "): it was late past the join timeout")});
+    return CommitAnswer{false,
+                        not_committed(step, at_epoch == broken_epoch_
+                                                ? broken_cause_
+                                                : worker_text(rank) + " voted after its quorum (epoch " +
+                                                      std::to_string(at_epoch) + ") was replaced (epoch " +
+                                                      std::to_string(epoch_) + "): it was late past the join timeout")};
   if (!error.empty() || at_epoch == broken_epoch_) {
     // A lost member first: a survivor's own failure is then most likely its consequence.
-    decide(key, false, at_epoch == broken_epoch_ ? broken_cause_ : worker_text(rank) + " failed it: " + error, out);
-    return make_ready_future(CommitAnswer(decided_.at(key)));
+    decide(key, false, at_epoch == broken_epoch_ ? broken_cause_ : worker_text(rank) + " failed it: " + error, now,
+           out);
+    return decided_.at(key);
   }
   auto [it, fresh] = votes_.try_emplace(key);
   if (fresh) {
@@ -223,10 +271,42 @@ Future<CommitAnswer> QuorumRounds::vote(int rank, std::int64_t at_epoch, std::in
     it->second.voters = members_;
   }
   it->second.yes.insert(rank);
+  return &it->second;
+}
+
+void QuorumRounds::settle(const StepKey& key, Clock::time_point now, Outbox& out) {
+  if (auto it = votes_.find(key); it != votes_.end() && it->second.yes.size() == members_.size())
+    decide(key, true, "", now, out);
+}
+
+Future<CommitAnswer> QuorumRounds::vote(int rank, std::int64_t at_epoch, std::int64_t step, const std::string& error,
+                                        Clock::time_point now, Outbox& out) {
+  auto cast_vote = cast(rank, at_epoch, step, error, now, out);
+  if (auto* known = std::get_if<CommitAnswer>(&cast_vote)) return make_ready_future(CommitAnswer(*known));
   Promise<CommitAnswer> p;
   auto outcome = p.get_future();
-  it->second.waiting.push_back(std::move(p));
-  if (it->second.yes.size() == members_.size()) decide(key, true, "", out);
+  std::get<Vote*>(cast_vote)->waiting.push_back(std::move(p));
+  settle({at_epoch, step}, now, out);
+  return outcome;
+}
+
+Future<VoteAnswer> QuorumRounds::vote_and_ask(int rank, std::int64_t at_epoch, std::int64_t step,
+                                              const std::string& error, Clock::time_point now, Outbox& out) {
+  Promise<VoteAnswer> p;
+  auto outcome = p.get_future();
+  auto cast_vote = cast(rank, at_epoch, step, error, now, out);
+  if (auto* known = std::get_if<CommitAnswer>(&cast_vote)) {
+    if (std::get<0>(*known)) {  // a repeated vote on a committed step
+      std::vector<std::pair<int, Promise<VoteAnswer>>> voter;
+      voter.emplace_back(rank, std::move(p));
+      ask_at_commit(std::move(voter), step + 1, now, out);
+    } else {
+      out.vote_answers.emplace_back(std::move(p), VoteAnswer{false, std::get<1>(*known), false, {}});
+    }
+    return outcome;
+  }
+  std::get<Vote*>(cast_vote)->asking.emplace_back(rank, std::move(p));
+  settle({at_epoch, step}, now, out);
   return outcome;
 }
 
@@ -234,7 +314,7 @@ void QuorumRounds::lost(int rank, const std::string& why, Clock::time_point now,
   expected_.erase(rank);
   if (!round_.empty() && !round_deadline_) round_deadline_ = now + options_.join_timeout;
   if (auto a = round_.find(rank); a != round_.end()) {
-    out.refusals.emplace_back(std::move(a->second.reply), std::make_exception_ptr(ConnectionError(why)));
+    refuse(a->second, std::make_exception_ptr(ConnectionError(why)), out);
     round_.erase(a);
   }
   if (std::find(members_.begin(), members_.end(), rank) != members_.end()) {
@@ -252,7 +332,7 @@ void QuorumRounds::lost(int rank, const std::string& why, Clock::time_point now,
     std::vector<StepKey> open;
     for (const auto& [key, v] : votes_)
       if (key.first == epoch_) open.push_back(key);
-    for (const auto& key : open) decide(key, false, broken_cause_, out);
+    for (const auto& key : open) decide(key, false, broken_cause_, now, out);
   }
   close_round_if_ready(now, out);
 }
@@ -271,7 +351,7 @@ void QuorumRounds::expire(Clock::time_point now, Outbox& out) {
     decide(key, false,
            workers_text(silent) + " did not vote within the join timeout (" +
                std::to_string(options_.join_timeout.count()) + " ms)",
-           out);
+           now, out);
 }
 
 std::optional<QuorumRounds::Clock::time_point> QuorumRounds::next_deadline() const {
@@ -283,17 +363,20 @@ std::optional<QuorumRounds::Clock::time_point> QuorumRounds::next_deadline() con
 
 void QuorumRounds::stop(const std::string& why, Outbox& out) {
   for (auto& [r, a] : round_)
-    out.refusals.emplace_back(std::move(a.reply),
-                              std::make_exception_ptr(ShutdownError("the quorum coordinator has stopped")));
+    refuse(a, std::make_exception_ptr(ShutdownError("the quorum coordinator has stopped")), out);
   round_.clear();
-  for (auto& [key, v] : votes_)
+  for (auto& [key, v] : votes_) {
     for (auto& p : v.waiting) out.votes.emplace_back(std::move(p), CommitAnswer{false, not_committed(key.second, why)});
+    for (auto& [r, p] : v.asking)
+      out.vote_answers.emplace_back(std::move(p), VoteAnswer{false, not_committed(key.second, why), false, {}});
+  }
   votes_.clear();
 }
 
 QuorumStats QuorumRounds::stats() const {
   QuorumStats s = stats_;
   for (const auto& [r, a] : round_) s.waiting.push_back(r);
+  s.members = members_;
   return s;
 }
 

@@ -8,7 +8,9 @@
 // first quorum). Then only replicas with every rank present become members, if there are at least min_replicas of
 // them; the requests of an incomplete replica stay for a later round. The members that hold the newest committed
 // state are donors, one per position in the replicas, to the members behind. A vote commits a step once every member
-// voted yes; one member's failure, a member's loss, or a silent member past join_timeout vote it down.
+// voted yes; one member's failure, a member's loss, or a silent member past join_timeout vote it down. A vote may carry
+// the voter's request for the next step's quorum (vote_and_ask): made at the commit, it closes the next round at once
+// when every member asks that way, so that a step costs the trainers one request instead of two.
 #pragma once
 
 #include <chrono>
@@ -19,6 +21,7 @@
 #include <set>
 #include <string>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "corpc/core/future.hpp"
@@ -36,6 +39,7 @@ struct Outbox {
   std::vector<std::pair<Promise<QuorumAnswer>, QuorumAnswer>> quorums;
   std::vector<std::pair<Promise<CommitAnswer>, CommitAnswer>> votes;
   std::vector<std::pair<Promise<QuorumAnswer>, std::exception_ptr>> refusals;
+  std::vector<std::pair<Promise<VoteAnswer>, VoteAnswer>> vote_answers;  // vote_and_ask's
   // Replica groups: a member told at once that its attempt is taken by nobody (the request abort_attempt).
   struct Abort {
     int rank;
@@ -65,6 +69,11 @@ class QuorumRounds {
   // A member's vote on `step` of `epoch` with its own failure ("": none); answered once the vote is decided.
   Future<CommitAnswer> vote(int rank, std::int64_t epoch, std::int64_t step, const std::string& error,
                             Clock::time_point now, Outbox& out);
+  // As vote(), and once the step is committed, `rank`'s request for the next step's quorum, made in the round at the
+  // commit: its answer completes the vote's if that round closes then (has_next); else the request is withdrawn and
+  // the trainer asks at its next step, as without this.
+  Future<VoteAnswer> vote_and_ask(int rank, std::int64_t epoch, std::int64_t step, const std::string& error,
+                                  Clock::time_point now, Outbox& out);
   // `rank` died: no round waits for it, its request is refused with ConnectionError(why), a vote of its epoch fails.
   void lost(int rank, const std::string& why, Clock::time_point now, Outbox& out);
   // Closes what is due by `now`: a round past its deadline, votes past theirs (their silent members named).
@@ -75,7 +84,7 @@ class QuorumRounds {
   // a vote's answer gives).
   void stop(const std::string& why, Outbox& out);
 
-  QuorumStats stats() const;  // with the ranks that wait in the open round
+  QuorumStats stats() const;  // with the ranks that wait in the open round, and the current members
 
  private:
   struct Ask {
@@ -83,12 +92,14 @@ class QuorumRounds {
     bool has_state;
     bool failed;
     Promise<QuorumAnswer> reply;
+    std::optional<Promise<VoteAnswer>> with_vote;  // made at a commit (vote_and_ask): answered with the vote instead
   };
   using StepKey = std::pair<std::int64_t, std::int64_t>;  // (epoch, step)
   struct Vote {
     std::vector<int> voters;  // the members of the vote's epoch
     std::set<int> yes;
     std::vector<Promise<CommitAnswer>> waiting;
+    std::vector<std::pair<int, Promise<VoteAnswer>>> asking;  // vote_and_ask's voters
     Clock::time_point deadline;
   };
   // What the members of a closing round hold: the step they run, donors and who must recover.
@@ -113,9 +124,23 @@ class QuorumRounds {
   void refuse_round(const std::vector<int>& members, std::int64_t step, const std::string& missing, Outbox& out);
   void open_epoch(const std::vector<int>& members, const Holdings& h, Outbox& out);
 
+  // A request's answer or refusal, to its caller or with the vote it came with (a refused one is withdrawn: asked
+  // again at the trainer's next step, the refusal reaches it there).
+  static void answer(Ask& a, QuorumAnswer q, Outbox& out);
+  static void refuse(Ask& a, std::exception_ptr e, Outbox& out);
+  // The vote's part shared by vote() and vote_and_ask(): its answer if known now; else the open vote, with `rank`'s
+  // yes counted, to which the caller adds its promise before settle() decides it if every member is in.
+  std::variant<CommitAnswer, Vote*> cast(int rank, std::int64_t epoch, std::int64_t step, const std::string& error,
+                                         Clock::time_point now, Outbox& out);
+  void settle(const StepKey& key, Clock::time_point now, Outbox& out);
+  // The committed voters' requests for the quorum of the step after (`committed` steps), made now; those the round
+  // does not answer at once are withdrawn, their votes answered without a quorum.
+  void ask_at_commit(std::vector<std::pair<int, Promise<VoteAnswer>>> voters, std::int64_t committed,
+                     Clock::time_point now, Outbox& out);
+
   void abort_members(const std::vector<int>& ranks, const std::string& why, Outbox& out);
   // `cause`: why a step is not committed, naming the worker(s) it concerns (worker_text).
-  void decide(const StepKey& key, bool outcome, const std::string& cause, Outbox& out);
+  void decide(const StepKey& key, bool outcome, const std::string& cause, Clock::time_point now, Outbox& out);
 
   QuorumOptions options_;
   std::map<int, std::pair<int, int>> place_;  // rank -> (replica group, position in it)

@@ -32,7 +32,9 @@
 /// members take the optimizer step. A step that failed anywhere (a member died or went silent during the allreduce)
 /// is taken by nobody: the survivors ask for a new quorum and run the same step again, up to `max_retries` times,
 /// without restarting. So no member ever applies a step another did not, and the survivors lose at most the step in
-/// progress.
+/// progress. A step without changes costs one request to the coordinator: the vote carries the request for the next
+/// step's quorum, which the coordinator answers with the commit when every member asked so (a rank waiting to join
+/// is taken in then); a new epoch answered that way is entered before `step` returns.
 ///
 /// **Recovery.** A member that joins without the current state (a replacement the launcher restarted, or a rank that
 /// was left out while it was stopped and so missed committed steps) is told so in its quorum: before the step it

@@ -46,6 +46,7 @@ struct QuorumStats {
   std::int64_t aborted_steps = 0;  ///< steps voted down (a member failed or was late)
   std::int64_t recoveries = 0;     ///< members told to load a donor's state
   std::vector<int> waiting;        ///< ranks whose quorum request waits in the open round
+  std::vector<int> members;        ///< the current epoch's members
 };
 
 /// The quorum coordinator: on one rank (usually 0), after init_rpc. It answers the trainers' requests while it
