@@ -16,7 +16,8 @@
 //            (max_rank_restarts): its replica drops out until the new process has loaded the state of the worker at
 //            its position in the other replica, and the other replica runs the step in progress again alone. A kill
 //            waits while a replica is out (with its own replica out too, nobody would hold the state to recover
-//            from): it comes at the first step after both are in again, the kills after it later still, and none at
+//            from) and until the last kill's worker is back (its replacement committed a step with both replicas):
+//            it comes at the first step after both are in again, the kills after it later still, and none at
 //            or past --steps. So when a replacement takes longer to start than --kill-every steps, ft makes fewer
 //            kills than planned (the "kills" column). The workers go on past --steps until both replicas are back
 //            (those steps count for nothing here).
@@ -146,12 +147,18 @@ corpc::ddp::PipelineReplicaOptions replica_options(const Config& c, const std::s
 // directory), so that a restarted job, or a replacement that reaches the step again, does not repeat it.
 std::string kill_marker(const std::string& dir, std::size_t i) { return dir + "/marks/kill-" + std::to_string(i); }
 bool kill_pending(const std::string& dir, std::size_t i) { return ::access(kill_marker(dir, i).c_str(), F_OK) != 0; }
-bool claim_kill(const std::string& dir, std::size_t i) {
-  const int fd = ::open(kill_marker(dir, i).c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+bool touch_new(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) return false;
   ::close(fd);
   return true;
 }
+bool claim_kill(const std::string& dir, std::size_t i) { return touch_new(kill_marker(dir, i)); }
+// Kill `i`'s worker is back: its replacement committed a step with both replicas. A kill waits for the one before it
+// to be back, not only made: a worker whose last step had both replicas may not have seen the last kill yet, and a
+// second worker lost in another replica before the first recovers leaves no replica to recover from.
+std::string back_marker(const std::string& dir, std::size_t i) { return dir + "/marks/back-" + std::to_string(i); }
+bool is_back(const std::string& dir, std::size_t i) { return ::access(back_marker(dir, i).c_str(), F_OK) == 0; }
 
 // The kills a run makes: restart takes those the ft run of its round made ("kills", written by this process before
 // the launch), else the plan's; plain and ft0 none.
@@ -274,7 +281,7 @@ void run_rank(const Config& c, const std::string& mode, const std::string& dir, 
         // ft: at the planned step, or as soon after it as both replicas are in again (with one out, nobody would
         // hold the state to recover from), after the kills before it and before --steps.
         bool in_order = true;
-        for (std::size_t j = 0; j < i; ++j) in_order = in_order && !kill_pending(dir, j);
+        for (std::size_t j = 0; j < i; ++j) in_order = in_order && !kill_pending(dir, j) && is_back(dir, j);
         if (in_order && kills[i].step <= running && running < c.steps && report.replicas.size() == kReplicas)
           armed = static_cast<int>(i);
       }
@@ -296,6 +303,9 @@ void run_rank(const Config& c, const std::string& mode, const std::string& dir, 
     if (report.ft.recovered) log("recovered", step);
     for (int i = 0; i < report.ft.retries; ++i) log("retry", step);
     log("commit", step);
+    if (corpc::rank_restart_count() > 0 && report.replicas.size() == kReplicas)
+      for (std::size_t i = 0; i < kills.size(); ++i)
+        if (kills[i].worker == rank && !kill_pending(dir, i) && !is_back(dir, i)) touch_new(back_marker(dir, i));
     if (mode == "restart" && c.checkpoint_every > 0 && (step + 1) % c.checkpoint_every == 0 && step + 1 < c.steps) {
       save_checkpoint(dir, rank, step + 1, pp);
       log("checkpoint", step + 1);
