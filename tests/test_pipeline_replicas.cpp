@@ -72,6 +72,10 @@ std::unique_ptr<torch::optim::Optimizer> make_sgd(std::vector<at::Tensor> params
   return std::make_unique<torch::optim::SGD>(std::move(params), torch::optim::SGDOptions(kLr).momentum(0.9));
 }
 
+std::unique_ptr<torch::optim::Optimizer> make_adam(std::vector<at::Tensor> params) {
+  return std::make_unique<torch::optim::Adam>(std::move(params), torch::optim::AdamOptions(kLr));
+}
+
 std::pair<at::Tensor, at::Tensor> batch(int64_t step, int replica) {
   auto g = at::detail::createCPUGenerator(static_cast<uint64_t>(step * 1000 + replica));
   return {at::randn({kBatch, 8}, g), at::randn({kBatch, 1}, g)};
@@ -383,6 +387,27 @@ TEST_CASE(
   resumed.history = {{0, first.steps.at(0)}, {1, first.steps.at(1)}};
   const auto out = run_scenario(resumed);
   CHECK(out.steps.size() == 2);
+  // Into a job whose optimizer is another kind (Adam): UsageError naming the stage, and every stage as it was.
+  launch_processes(
+      2,
+      [&](int rank) {
+        init_rpc(worker_name(rank), rank, 2, quick_options());
+        if (rank == 1) {
+          auto o = resumed.options;
+          o.fault_tolerant = false;
+          PipelineReplicas pp(make_model(), &mse, &make_adam, o);
+          std::vector<at::Tensor> was;
+          for (const auto& st : pp.stages())
+            for (const auto& t : st.layers->parameters()) was.push_back(t.detach().clone());
+          EXPECT_THROWS_AS(pp.load_checkpoint(dir), UsageError);
+          size_t k = 0;
+          for (const auto& st : pp.stages())
+            for (const auto& t : st.layers->parameters()) EXPECT(torch::equal(t, was.at(k++)));
+          EXPECT_EQ(pp.committed_steps(), 0);
+        }
+        shutdown(true);
+      },
+      launch_options(60s));
   std::filesystem::remove_all(root);
 }
 

@@ -23,6 +23,7 @@
 #include "core/log.hpp"
 #include "ddp/ft_member.hpp"
 #include "ddp/ft_messages.hpp"
+#include "ddp/optimizer_bytes.hpp"
 #include "ddp/process_group.hpp"
 #include "ddp/replica_checkpoint_files.hpp"
 
@@ -101,6 +102,17 @@ struct PipelineReplicas::State final : ft_detail::Trainer {
     for (int s = 0; s < stage; ++s) m.first_layer += options.balance[static_cast<size_t>(s)];
     m.layers = options.balance[static_cast<size_t>(stage)];
     return m;
+  }
+
+  // Stage `i` as it was before a checkpoint's load: its parameters and buffers, and its optimizer's state as bytes.
+  void put_back(size_t i, const std::pair<std::vector<at::Tensor>, at::Tensor>& was) {
+    torch::NoGradGuard no_grad;
+    auto& layers = *stages[i].layers;
+    size_t k = 0;
+    for (auto& t : layers.parameters()) t.detach().copy_(was.first[k++]);
+    for (auto& t : layers.buffers()) t.detach().copy_(was.first[k++]);
+    auto archive = detail::optimizer_archive(was.second);
+    stages[i].optimizer->load(archive);
   }
 
   // Without fault tolerance: a lost replica mate or stage peer fails the attempt running (or the next one).
@@ -495,9 +507,27 @@ std::int64_t PipelineReplicas::load_checkpoint(const std::string& step_dir) {
     files.push_back(std::move(f));
   }
   const std::int64_t step = files.empty() ? 0 : files.front().meta.step;
+  // Whether a stage's optimizer state fits this job's optimizer (the same kind) shows only as it loads: a stage that
+  // does not puts back every stage loaded before it, so that a refused checkpoint leaves the job as it was.
+  std::vector<std::pair<std::vector<at::Tensor>, at::Tensor>> before;
+  for (const auto& st : s.stages) {
+    std::vector<at::Tensor> tensors;
+    for (const auto& t : st.layers->parameters()) tensors.push_back(t.detach().clone());
+    for (const auto& t : st.layers->buffers()) tensors.push_back(t.detach().clone());
+    before.emplace_back(std::move(tensors), detail::optimizer_bytes(*st.optimizer));
+  }
   for (size_t i = 0; i < files.size(); ++i) {
-    s.stages[i].layers->load(files[i].layers);
-    s.stages[i].optimizer->load(files[i].optimizer);
+    try {
+      s.stages[i].layers->load(files[i].layers);
+      s.stages[i].optimizer->load(files[i].optimizer);
+    } catch (const std::exception& e) {
+      for (size_t j = 0; j <= i; ++j) s.put_back(j, before[j]);
+      throw UsageError("PipelineReplicas::load_checkpoint: the optimizer state of stage " +
+                       std::to_string(s.stages[i].stage) + " of " + step_dir +
+                       " does not load into this job's optimizer (a checkpoint loads into the kind of optimizer that "
+                       "saved it): " +
+                       e.what());
+    }
   }
   if (s.member) s.member->restored(step);
   else s.plain_steps = step;
