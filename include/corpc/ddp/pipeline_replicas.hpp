@@ -178,7 +178,8 @@ class PipelineReplicas {
   /// directory save_checkpoint wrote, e.g. latest_replica_checkpoint(root)); on every worker, before the first
   /// step. The checkpoint's job may have had another number of replicas or another schedule, but the same cut (its
   /// optimizer states are per stage). Returns the step. UsageError, with nothing loaded, after a step, for another
-  /// cut or other shapes, or a stage file that is missing.
+  /// cut or other shapes, a stage file that is missing, or an optimizer state that this job's optimizer cannot load
+  /// (another kind of optimizer saved it).
   std::int64_t load_checkpoint(const std::string& step_dir);
 
   /// @cond INTERNAL
