@@ -345,11 +345,30 @@ TEST_CASE("a commit whose next round cannot close at once answers without a quor
   CHECK_FALSE(has_next(v1.value()));
   CHECK_FALSE(has_next(v2.value()));
   CHECK(c.rounds.stats().waiting.empty());
+  CHECK_FALSE(c.rounds.next_deadline());
   // They ask at their next step, as without the vote's request.
   auto b1 = c.ask(1, 1), b2 = c.ask(2, 1), b3 = c.ask(3, 1);
   REQUIRE(b1.done());
   CHECK(step_of(b1.value()) == 1);
   CHECK(epoch_of(b1.value()) == e);
+}
+
+TEST_CASE("withdrawn requests take their deadline with them: a held replica's request waits for the next step") {
+  Coordinator c(two_replicas_of_two());
+  auto a1 = c.ask(1, 0), a3 = c.ask(3, 0);
+  c.pass(60s);
+  REQUIRE(a1.done());
+  const auto e = epoch_of(a1.value());
+  auto a2 = c.ask(2, 0, /*has_state=*/false);  // held: rank 4 is not there
+  // Rank 3 votes without asking, so rank 1's request cannot close the round at the commit.
+  auto v1 = c.vote_and_ask(1, e, 0);
+  auto v3 = c.vote(3, e, 0);
+  REQUIRE(v1.done());
+  CHECK_FALSE(has_next(v1.value()));
+  CHECK(c.rounds.stats().waiting == std::vector<int>{2});
+  CHECK_FALSE(c.rounds.next_deadline());
+  c.pass(10s);  // the held request waits for the members' next step
+  CHECK_FALSE(a2.done());
 }
 
 TEST_CASE("a vote that carries the next request and fails, or is decided after a loss, answers without a quorum") {

@@ -223,6 +223,7 @@ void QuorumRounds::decide(const StepKey& key, bool outcome, const std::string& c
 void QuorumRounds::ask_at_commit(std::vector<std::pair<int, Promise<VoteAnswer>>> voters, std::int64_t committed,
                                  Clock::time_point now, Outbox& out) {
   if (voters.empty()) return;
+  const bool had_deadline = round_deadline_.has_value();
   std::vector<int> ranks;
   for (auto& [rank, p] : voters) {
     if (!round_deadline_ && (expected_.count(rank) != 0 || expected_.empty()))
@@ -237,13 +238,17 @@ void QuorumRounds::ask_at_commit(std::vector<std::pair<int, Promise<VoteAnswer>>
   close_round_if_ready(now, out);
   // Not answered at once (a replica is incomplete, or the round waits for a member that has not voted this way):
   // withdrawn, so that no commit waits on a round; the trainer asks at its next step.
+  bool withdrawn = false;
   for (int rank : ranks) {
     auto a = round_.find(rank);
     if (a == round_.end() || !a->second.with_vote) continue;
     out.vote_answers.emplace_back(std::move(*a->second.with_vote), VoteAnswer{true, "", false, {}});
     round_.erase(a);
+    withdrawn = true;
   }
-  if (round_.empty()) round_deadline_.reset();
+  // The deadline these requests started goes with them: the requests held in the round wait for the members' next
+  // step, as they did before.
+  if (round_.empty() || (withdrawn && !had_deadline)) round_deadline_.reset();
 }
 
 std::variant<CommitAnswer, QuorumRounds::Vote*> QuorumRounds::cast(int rank, std::int64_t at_epoch, std::int64_t step,
