@@ -155,7 +155,9 @@ Quorum Member::ask_quorum(std::vector<int>& serve_to) {
   return quorum_of(answer, serve_to);
 }
 
-Quorum Member::next_quorum(std::vector<int>& serve_to) {
+Quorum Member::next_quorum(std::vector<int>& serve_to, std::string& failed) {
+  failed = std::move(next_failed_);
+  next_failed_.clear();
   if (!next_) return ask_quorum(serve_to);  // a lost coordinator ends the training here, with its ConnectionError
   Quorum q = std::move(*next_);
   next_.reset();
@@ -183,6 +185,7 @@ bool Member::vote(const Quorum& q, const std::string& error, std::string& why_no
   if (commit) committed_ = q.step + 1;
   next_.reset();
   next_serve_to_.clear();
+  next_failed_.clear();
   if (commit && has_next) next_ = quorum_of(next, next_serve_to_);
   return commit;
 }
@@ -197,8 +200,24 @@ void Member::enter_next_epoch(Trainer& trainer) {
     next_serve_to_.clear();
     trainer.join_epoch(*next_);
     joined_epoch_ = next_->epoch;
-  } catch (const std::exception&) {
-    // The next attempt joins the epoch again: its failure there is voted on like any other.
+  } catch (const std::exception& e) {
+    next_failed_ = e.what();
+  }
+}
+
+void Member::run_attempt(Trainer& trainer, const Quorum& q, const std::vector<int>& serve_to, StepReport& report,
+                         std::string& error) {
+  try {
+    if (q.epoch != joined_epoch_) {
+      trainer.leave_epoch();
+      joined_epoch_ = -1;
+      if (enter_epoch(q, serve_to)) report.recovered = true;
+      trainer.join_epoch(q);
+      joined_epoch_ = q.epoch;
+    }
+    trainer.run_attempt(q);
+  } catch (const std::exception& e) {
+    error = e.what();
   }
 }
 
@@ -209,21 +228,11 @@ StepReport Member::step() {
   std::string error;  // an attempt's own failure
   for (int attempt = 0;; ++attempt) {
     std::vector<int> serve_to;
-    Quorum q = next_quorum(serve_to);
+    std::string entry_failed;  // the epoch of `q` could not be entered at the last commit
+    Quorum q = next_quorum(serve_to, entry_failed);
     if (!failure_known_now_.empty()) report.last_error = attempt_failure(failure_known_now_, error);
-    error.clear();
-    try {
-      if (q.epoch != joined_epoch_) {
-        trainer->leave_epoch();
-        joined_epoch_ = -1;
-        if (enter_epoch(q, serve_to)) report.recovered = true;
-        trainer->join_epoch(q);
-        joined_epoch_ = q.epoch;
-      }
-      trainer->run_attempt(q);
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
+    error = std::move(entry_failed);
+    if (error.empty()) run_attempt(*trainer, q, serve_to, report, error);
     std::string why_not;
     if (vote(q, error, why_not)) {
       trainer->commit();

@@ -80,17 +80,22 @@ class Member {
  private:
   // The coordinator's quorum for the next attempt, answered with the last commit or asked now; `serve_to`: the members
   // that recover from this one.
-  Quorum next_quorum(std::vector<int>& serve_to);
+  // `failed`: why entering its epoch failed at the last commit ("": it did not fail, or was not tried).
+  Quorum next_quorum(std::vector<int>& serve_to, std::string& failed);
   Quorum ask_quorum(std::vector<int>& serve_to);
   // At a new epoch: the donor's side (a copy taken now, for the members in `serve_to`), then, if told to, this one's
   // recovery (true if it recovered).
   bool enter_epoch(const Quorum& q, const std::vector<int>& serve_to);
+  // One attempt at `q`'s step: into its epoch if this member is not (serving, recovering, the groups), then the
+  // trainer's run. Its failure goes to `error`.
+  void run_attempt(Trainer& trainer, const Quorum& q, const std::vector<int>& serve_to, StepReport& report,
+                   std::string& error);
   // The vote on `q`'s step, with this member's own failure ("": none). True: committed everywhere, and the step
   // counts from now on; false: `why_not` says why, naming the step, the cause and the worker it concerns.
   // Committed, the next step's quorum comes with the answer when the coordinator could form it at the commit.
   bool vote(const Quorum& q, const std::string& error, std::string& why_not);
-  // A new epoch answered with the commit: entered now (see the file's comment). A failure here is left to the next
-  // step's attempt, which enters the epoch again.
+  // A new epoch answered with the commit: entered now (see the file's comment). A failure here (a member lost before
+  // its group formed) is the next attempt's: it votes that step down at once rather than wait for the group again.
   void enter_next_epoch(Trainer& trainer);
 
   std::vector<at::Tensor> tensors() const;
@@ -113,6 +118,7 @@ class Member {
   std::int64_t joined_epoch_ = -1;  // the epoch whose groups the trainer is in (-1: none)
   std::optional<Quorum> next_;      // the next step's quorum, answered with the last commit
   std::vector<int> next_serve_to_;  // and whom this member serves in it (cleared once served)
+  std::string next_failed_;         // why entering it failed, if it did ("": it did not)
 
   // The donor's side: the state at the boundary of `snapshot_epoch_`, and requests that came before it was taken.
   std::mutex snapshot_mutex_;
