@@ -68,11 +68,17 @@ grep -q "$size_var=2 ranks; start it with 3" "$work/out" || { cat "$work/out"; f
 no_leftovers "a wrong task count"
 
 # A rank that dies (rank 1 killed before it starts corpc): the launcher aborts the job at once (the other ranks are
-# killed), exits with the dead rank's status (Open MPI 137, Hydra 9: SIGKILL) and leaves no process.
+# killed), exits with the dead rank's status (Open MPI 137, Hydra 9: SIGKILL) and leaves no process. Debian 12's
+# Hydra sometimes loses that race itself: it fails its own check ("control_cb ... assert (!closed) failed") and exits
+# 255 without the report; a failed job all the same, so that is accepted too, by its words.
 run_mpirun 3 sh -c '[ "$'"$rank_var"'" = 1 ] && kill -KILL $$; exec "$0"' "$hello" >"$work/out" 2>&1
 status=$?
 if [[ -n $mpich ]]; then want_status=9 want_report='BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES'
 else want_status=137 want_report='the job has been aborted'; fi
+if [[ -n $mpich && $status == 255 ]] && grep -q 'control_cb .*assert (!closed) failed' "$work/out"; then
+  echo "$name: Hydra failed its own check on the killed rank (status 255); accepted" >&2
+  want_status=255 want_report='assert (!closed) failed'
+fi
 [[ $status == "$want_status" ]] || { cat "$work/out"; fail "a job with a killed rank: status $status, not $want_status"; }
 grep -q "$want_report" "$work/out" || { cat "$work/out"; fail "$launcher's report of the killed rank"; }
 no_leftovers "a killed rank"
