@@ -166,17 +166,21 @@ void QuorumRounds::close_round_if_ready(Clock::time_point now, Outbox& out) {
 
 Future<QuorumAnswer> QuorumRounds::ask(int rank, std::int64_t committed, bool has_state, bool failed,
                                        Clock::time_point now, Outbox& out) {
+  Ask a{committed, has_state, failed, Promise<QuorumAnswer>(), std::nullopt};
+  auto answer = a.reply.get_future();
+  enter_round(rank, std::move(a), now, out);
+  close_round_if_ready(now, out);
+  return answer;
+}
+
+void QuorumRounds::enter_round(int rank, Ask a, Clock::time_point now, Outbox& out) {
   if (!round_deadline_ && (expected_.count(rank) != 0 || expected_.empty()))
     round_deadline_ = now + (started_ ? options_.join_timeout : options_.startup_timeout);
   if (auto old = round_.find(rank); old != round_.end()) {  // asked again (its first request's caller gave up)
     refuse(old->second, std::make_exception_ptr(UsageError("superseded by a newer quorum request")), out);
     round_.erase(old);
   }
-  Ask a{committed, has_state, failed, Promise<QuorumAnswer>(), std::nullopt};
-  auto answer = a.reply.get_future();
   round_.emplace(rank, std::move(a));
-  close_round_if_ready(now, out);
-  return answer;
 }
 
 // ---- votes ----
@@ -226,13 +230,8 @@ void QuorumRounds::ask_at_commit(std::vector<std::pair<int, Promise<VoteAnswer>>
   const bool had_deadline = round_deadline_.has_value();
   std::vector<int> ranks;
   for (auto& [rank, p] : voters) {
-    if (!round_deadline_ && (expected_.count(rank) != 0 || expected_.empty()))
-      round_deadline_ = now + options_.join_timeout;
-    if (auto old = round_.find(rank); old != round_.end()) {
-      refuse(old->second, std::make_exception_ptr(UsageError("superseded by a newer quorum request")), out);
-      round_.erase(old);
-    }
-    round_.emplace(rank, Ask{committed, /*has_state=*/true, /*failed=*/false, Promise<QuorumAnswer>(), std::move(p)});
+    enter_round(rank, Ask{committed, /*has_state=*/true, /*failed=*/false, Promise<QuorumAnswer>(), std::move(p)}, now,
+                out);
     ranks.push_back(rank);
   }
   close_round_if_ready(now, out);

@@ -133,6 +133,9 @@ class QuorumRounds {
   std::variant<CommitAnswer, Vote*> cast(int rank, std::int64_t epoch, std::int64_t step, const std::string& error,
                                          Clock::time_point now, Outbox& out);
   void settle(const StepKey& key, Clock::time_point now, Outbox& out);
+  // `rank`'s request into the open round: it starts the round's deadline if it is expected, and replaces (refuses)
+  // an earlier one of the same rank.
+  void enter_round(int rank, Ask a, Clock::time_point now, Outbox& out);
   // The committed voters' requests for the quorum of the step after (`committed` steps), made now; those the round
   // does not answer at once are withdrawn, their votes answered without a quorum.
   void ask_at_commit(std::vector<std::pair<int, Promise<VoteAnswer>>> voters, std::int64_t committed,
